@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Benchmarks of ppo_clip.py and ppo_kl.py: 3 seeds each, two runs at a time (one per core).
+# Writes TensorBoard runs to benchmarks/runs/, then prints the README table.
+#   bash benchmarks/discrete.sh
+set -euo pipefail
+cd "$(dirname "$0")"
+for job in "ppo_clip.py --env-id CartPole-v1" "ppo_clip.py --env-id Acrobot-v1" "ppo_kl.py --env-id CartPole-v1"; do
+  for seed in 1 2 3; do
+    python ../$job --seed "$seed" > /dev/null &
+    while [ "$(jobs -rp | wc -l)" -ge 2 ]; do sleep 1; done
+  done
+done
+wait
+python summarize.py runs

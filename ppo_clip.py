@@ -1,0 +1,344 @@
+"""PPO with the clipped surrogate objective, for discrete actions and vector observations.
+
+Schulman et al. 2017, "Proximal Policy Optimization Algorithms" (arXiv:1707.06347):
+the clipped surrogate (eq. 7) combined with a value loss and an entropy bonus (eq. 9), advantages
+from GAE (eq. 11-12; Schulman et al. 2016). The implementation details follow CleanRL's ppo.py.
+
+    python ppo_clip.py                              # CartPole-v1, 500k steps
+    python ppo_clip.py --env-id Acrobot-v1 --seed 2
+    tensorboard --logdir runs
+"""
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn as nn
+import tyro
+from torch.distributions import Categorical
+from torch.utils.tensorboard import SummaryWriter
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment, part of the run name runs/<env>__<exp>__<seed>__<time>"""
+    seed: int = 1
+    """seed of python, numpy, torch and the environments"""
+    cuda: bool = True
+    """use CUDA when it is available (the CPU otherwise)"""
+    threads: int = 1
+    """torch CPU threads; one is fastest for these small networks (see README)"""
+    save_model: bool = False
+    """save the agent's weights to runs/<run name>/<exp name>.pt"""
+    eval_episodes: int = 10
+    """episodes of the deterministic (argmax) evaluation at the end; 0 skips it"""
+
+    env_id: str = "CartPole-v1"
+    """gymnasium id of an environment with discrete actions and vector observations"""
+    total_timesteps: int = 500_000
+    """total environment steps, summed over all parallel environments"""
+    learning_rate: float = 2.5e-4
+    """Adam learning rate"""
+    num_envs: int = 4
+    """number of parallel environments"""
+    num_steps: int = 128
+    """steps per environment in each rollout (batch = num_envs * num_steps)"""
+    anneal_lr: bool = True
+    """linearly anneal the learning rate to 0 over training"""
+    gamma: float = 0.99
+    """discount factor"""
+    gae_lambda: float = 0.95
+    """lambda of generalized advantage estimation"""
+    num_minibatches: int = 4
+    """minibatches per epoch; must divide the batch"""
+    update_epochs: int = 4
+    """epochs over the rollout in each update"""
+    norm_adv: bool = True
+    """normalize advantages within each minibatch"""
+    clip_coef: float = 0.2
+    """epsilon of the clipped surrogate (eq. 7)"""
+    clip_vloss: bool = True
+    """clip the value loss around the old values, as in the OpenAI baselines"""
+    ent_coef: float = 0.01
+    """coefficient of the entropy bonus (c2 in eq. 9)"""
+    vf_coef: float = 0.5
+    """coefficient of the value loss (c1 in eq. 9)"""
+    max_grad_norm: float = 0.5
+    """clip the global gradient norm to this"""
+    target_kl: float | None = None
+    """stop the update epochs early once the approximate KL exceeds this"""
+    bootstrap_truncation: bool = True
+    """on a time-limit truncation bootstrap from the value of the real final observation"""
+
+
+# ---------------------------------------------------------------------------------------------
+# The math: pure functions, checked against hand-computed values in tests/test_ppo_discrete.py
+# ---------------------------------------------------------------------------------------------
+def compute_gae(rewards, values, last_value, terminations, truncations, final_values, gamma, gae_lambda):
+    """Generalized advantage estimation over a rollout of shape [T, num_envs] (PPO eq. 11-12).
+
+        δ_t = r_t + γ (1 − term_t) V_next_t − V(s_t)
+        Â_t = δ_t + γλ (1 − done_t) Â_{t+1},            done_t = term_t or trunc_t
+        R_t = Â_t + V(s_t)                               (the value target)
+
+    V_next_t is the value of the state after step t: V(s_{t+1}) inside an episode, `last_value`
+    after the last step of the rollout, and `final_values[t]`, the value of the real final
+    observation, when the episode was truncated at step t. A time limit cuts the future off, it
+    does not make it worth zero; a termination does, hence the (1 − term_t). Passing zeros as
+    final_values treats truncations like terminations. Works on numpy arrays or torch tensors.
+    Returns (advantages, returns).
+    """
+    num_steps = len(rewards)
+    advantages = rewards * 0.0
+    lastgaelam = 0.0
+    for t in reversed(range(num_steps)):
+        next_values = last_value if t == num_steps - 1 else values[t + 1]
+        next_values = next_values * (1 - truncations[t]) + final_values[t] * truncations[t]
+        delta = rewards[t] + gamma * (1 - terminations[t]) * next_values - values[t]
+        not_done = (1 - terminations[t]) * (1 - truncations[t])
+        advantages[t] = lastgaelam = delta + gamma * gae_lambda * not_done * lastgaelam
+    return advantages, advantages + values
+
+
+def clipped_policy_loss(ratio, advantages, clip_coef):
+    """The clipped surrogate (PPO eq. 7), negated to be minimized:
+
+        L = mean( max( −Â_t r_t(θ),  −Â_t clip(r_t(θ), 1 − ε, 1 + ε) ) ),   r_t = π_θ(a|s) / π_old(a|s)
+    """
+    pg_loss1 = -advantages * ratio
+    pg_loss2 = -advantages * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)
+    return torch.max(pg_loss1, pg_loss2).mean()
+
+
+def value_loss(newvalues, oldvalues, returns, clip_coef, clip=True):
+    """Squared error to the returns, optionally clipped around the rollout's values:
+
+        L = ½ mean( max( (V − R)²,  (V_old + clip(V − V_old, −ε, ε) − R)² ) )    (clip)
+        L = ½ mean( (V − R)² )                                                 (no clip)
+    """
+    unclipped = (newvalues - returns) ** 2
+    if not clip:
+        return 0.5 * unclipped.mean()
+    clipped = (oldvalues + torch.clamp(newvalues - oldvalues, -clip_coef, clip_coef) - returns) ** 2
+    return 0.5 * torch.max(unclipped, clipped).mean()
+
+
+# ---------------------------------------------------------------------------------------------
+# Agent and environments
+# ---------------------------------------------------------------------------------------------
+def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
+    torch.nn.init.orthogonal_(layer.weight, std)
+    torch.nn.init.constant_(layer.bias, bias_const)
+    return layer
+
+
+class Agent(nn.Module):
+    def __init__(self, obs_dim, n_actions):
+        super().__init__()
+        self.critic = nn.Sequential(
+            layer_init(nn.Linear(obs_dim, 64)), nn.Tanh(),
+            layer_init(nn.Linear(64, 64)), nn.Tanh(),
+            layer_init(nn.Linear(64, 1), std=1.0),
+        )
+        self.actor = nn.Sequential(
+            layer_init(nn.Linear(obs_dim, 64)), nn.Tanh(),
+            layer_init(nn.Linear(64, 64)), nn.Tanh(),
+            layer_init(nn.Linear(64, n_actions), std=0.01),  # near-uniform initial policy
+        )
+
+    def get_value(self, x):
+        return self.critic(x).squeeze(-1)
+
+    def get_action_and_value(self, x, action=None):
+        logits = self.actor(x)
+        dist = Categorical(logits=logits, validate_args=False)
+        if action is None:
+            action = dist.sample()
+        return action, dist.log_prob(action), dist.entropy(), self.get_value(x)
+
+
+def make_envs(args):
+    """Vector envs that reset in the same step an episode ends (gymnasium >= 1.0's default would
+    instead emit one extra transition, belonging to no episode, after every episode end)."""
+    try:
+        return gym.vector.SyncVectorEnv(
+            [lambda: gym.make(args.env_id) for _ in range(args.num_envs)],
+            autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
+        )
+    except gym.error.Error as e:
+        sys.exit(f"error: cannot make env {args.env_id!r}: {e}")
+
+
+def check_spaces(envs, env_id):
+    if not isinstance(envs.single_action_space, gym.spaces.Discrete):
+        sys.exit(f"error: {env_id} has {envs.single_action_space} actions; this script needs Discrete ones "
+                 "(use ppo_continuous.py for Box actions)")
+    if not (isinstance(envs.single_observation_space, gym.spaces.Box) and len(envs.single_observation_space.shape) == 1):
+        sys.exit(f"error: {env_id} has {envs.single_observation_space} observations; this script needs a flat Box")
+
+
+def evaluate(agent, args, device):
+    """Mean return of `eval_episodes` greedy (argmax) episodes on a fresh environment."""
+    env = gym.make(args.env_id)
+    returns = []
+    for episode in range(args.eval_episodes):
+        obs, _ = env.reset(seed=args.seed + 10_000 + episode)
+        done, episodic_return = False, 0.0
+        while not done:
+            with torch.no_grad():
+                logits = agent.actor(torch.as_tensor(obs, dtype=torch.float32, device=device))
+            obs, reward, terminated, truncated, _ = env.step(int(logits.argmax()))
+            episodic_return += float(reward)
+            done = terminated or truncated
+        returns.append(episodic_return)
+    env.close()
+    return float(np.mean(returns))
+
+
+def main(args: Args):
+    batch_size = args.num_envs * args.num_steps
+    if batch_size % args.num_minibatches:
+        sys.exit(f"error: the batch (num_envs * num_steps = {batch_size}) does not divide into "
+                 f"{args.num_minibatches} minibatches; change --num-minibatches")
+    minibatch_size = batch_size // args.num_minibatches
+    num_iterations = args.total_timesteps // batch_size
+    envs = make_envs(args)
+    check_spaces(envs, args.env_id)
+    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+
+    writer = SummaryWriter(f"runs/{run_name}")
+    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+
+    obs_dim = envs.single_observation_space.shape[0]
+    agent = Agent(obs_dim, envs.single_action_space.n).to(device)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
+
+    # Rollout storage: numpy for the per-step bookkeeping (cheaper than torch for tiny arrays)
+    shape = (args.num_steps, args.num_envs)
+    obs = np.zeros(shape + (obs_dim,), dtype=np.float32)
+    actions = np.zeros(shape, dtype=np.int64)
+    logprobs = np.zeros(shape, dtype=np.float32)
+    rewards = np.zeros(shape, dtype=np.float32)
+    terminations = np.zeros(shape, dtype=np.float32)
+    truncations = np.zeros(shape, dtype=np.float32)
+    values = np.zeros(shape, dtype=np.float32)
+    final_values = np.zeros(shape, dtype=np.float32)
+
+    global_step = 0
+    start_time = time.time()
+    next_obs, _ = envs.reset(seed=args.seed)
+    episode_returns = np.zeros(args.num_envs)
+    episode_lengths = np.zeros(args.num_envs, dtype=np.int64)
+
+    for iteration in range(1, num_iterations + 1):
+        if args.anneal_lr:
+            optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
+
+        final_values[:] = 0.0
+        for step in range(args.num_steps):
+            global_step += args.num_envs
+            obs[step] = next_obs
+            with torch.no_grad():
+                action, logprob, _, value = agent.get_action_and_value(torch.from_numpy(obs[step]).to(device))
+            actions[step], logprobs[step], values[step] = action.cpu().numpy(), logprob.cpu().numpy(), value.cpu().numpy()
+
+            next_obs, reward, terminated, truncated, infos = envs.step(actions[step])
+            rewards[step], terminations[step], truncations[step] = reward, terminated, truncated
+            if args.bootstrap_truncation and truncated.any():
+                # with SAME_STEP autoreset next_obs is already the reset observation; the real last
+                # observation of the truncated episode is in final_obs
+                final_obs = np.stack(infos["final_obs"][truncated]).astype(np.float32)
+                with torch.no_grad():
+                    final_values[step, truncated] = agent.get_value(torch.from_numpy(final_obs).to(device)).cpu().numpy()
+
+            episode_returns += reward
+            episode_lengths += 1
+            for i in np.flatnonzero(terminated | truncated):
+                writer.add_scalar("charts/episodic_return", episode_returns[i], global_step)
+                writer.add_scalar("charts/episodic_length", episode_lengths[i], global_step)
+                episode_returns[i], episode_lengths[i] = 0.0, 0
+
+        with torch.no_grad():
+            last_value = agent.get_value(torch.from_numpy(next_obs.astype(np.float32)).to(device)).cpu().numpy()
+        advantages, returns = compute_gae(rewards, values, last_value, terminations, truncations, final_values,
+                                          args.gamma, args.gae_lambda)
+
+        # Flatten the batch and move it to the device once
+        b_obs = torch.from_numpy(obs.reshape(batch_size, obs_dim)).to(device)
+        b_actions, b_logprobs, b_advantages, b_returns, b_values = (
+            torch.from_numpy(x.reshape(batch_size)).to(device) for x in (actions, logprobs, advantages, returns, values)
+        )
+
+        clipfracs = []
+        for epoch in range(args.update_epochs):
+            b_inds = torch.randperm(batch_size, device=device)
+            for start in range(0, batch_size, minibatch_size):
+                mb_inds = b_inds[start : start + minibatch_size]
+                _, newlogprob, entropy, newvalue = agent.get_action_and_value(b_obs[mb_inds], b_actions[mb_inds])
+                logratio = newlogprob - b_logprobs[mb_inds]
+                ratio = logratio.exp()
+                with torch.no_grad():
+                    old_approx_kl = (-logratio).mean()
+                    approx_kl = ((ratio - 1) - logratio).mean()  # k3 estimator, unbiased and >= 0
+                    clipfracs.append(((ratio - 1.0).abs() > args.clip_coef).float().mean().item())
+
+                mb_advantages = b_advantages[mb_inds]
+                if args.norm_adv:
+                    mb_advantages = (mb_advantages - mb_advantages.mean()) / (mb_advantages.std() + 1e-8)
+
+                pg_loss = clipped_policy_loss(ratio, mb_advantages, args.clip_coef)
+                v_loss = value_loss(newvalue, b_values[mb_inds], b_returns[mb_inds], args.clip_coef, args.clip_vloss)
+                entropy_loss = entropy.mean()
+                loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef  # eq. 9, negated
+
+                optimizer.zero_grad()
+                loss.backward()
+                nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+                optimizer.step()
+
+            if args.target_kl is not None and approx_kl > args.target_kl:
+                break
+
+        y_pred, y_true = b_values.cpu().numpy(), b_returns.cpu().numpy()
+        var_y = np.var(y_true)
+        explained_var = np.nan if var_y == 0 else 1 - np.var(y_true - y_pred) / var_y
+
+        sps = int(global_step / (time.time() - start_time))
+        writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
+        writer.add_scalar("losses/value_loss", v_loss.item(), global_step)
+        writer.add_scalar("losses/policy_loss", pg_loss.item(), global_step)
+        writer.add_scalar("losses/entropy", entropy_loss.item(), global_step)
+        writer.add_scalar("losses/old_approx_kl", old_approx_kl.item(), global_step)
+        writer.add_scalar("losses/approx_kl", approx_kl.item(), global_step)
+        writer.add_scalar("losses/clipfrac", np.mean(clipfracs), global_step)
+        writer.add_scalar("losses/explained_variance", explained_var, global_step)
+        writer.add_scalar("charts/SPS", sps, global_step)
+        if iteration % 20 == 0 or iteration == num_iterations:
+            print(f"global_step={global_step} SPS={sps}")
+
+    if args.save_model:
+        model_path = f"runs/{run_name}/{args.exp_name}.pt"
+        torch.save(agent.state_dict(), model_path)
+        print(f"model saved to {model_path}")
+    if args.eval_episodes > 0:
+        eval_return = evaluate(agent, args, device)
+        writer.add_scalar("eval/episodic_return", eval_return, global_step)
+        print(f"eval/episodic_return={eval_return:.2f} over {args.eval_episodes} greedy episodes")
+
+    envs.close()
+    writer.close()
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,52 @@
+"""Test helpers: import the scripts from the repo root, run them as a user would, read their logs."""
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def run_script(script, *flags, cwd, check=True, timeout=600):
+    """`python <script> <flags>` in `cwd`, through the script's real entry point (tyro.cli -> main)."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *flags], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        pytest.fail(f"{script} {' '.join(flags)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def only_run_dir(cwd):
+    run_dirs = glob.glob(os.path.join(cwd, "runs", "*"))
+    assert len(run_dirs) == 1, run_dirs
+    return run_dirs[0]
+
+
+def read_scalars(run_dir):
+    """{tag: [(step, value), ...]} of every scalar in a TensorBoard run directory."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(run_dir, size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def read_texts(run_dir):
+    """{tag: [text, ...]} of every add_text in a TensorBoard run directory."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(run_dir, size_guidance={"tensors": 0})
+    acc.Reload()
+    return {tag: [e.tensor_proto.string_val[0].decode() for e in acc.Tensors(tag)] for tag in acc.Tags()["tensors"]}
+
+
+def assert_one_line_error(proc, *words):
+    """Bad input: non-zero exit, a single line on stderr that names the problem, no traceback."""
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
