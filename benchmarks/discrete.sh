@@ -4,7 +4,8 @@
 #   bash benchmarks/discrete.sh
 set -euo pipefail
 cd "$(dirname "$0")"
-for job in "ppo_clip.py --env-id CartPole-v1" "ppo_clip.py --env-id Acrobot-v1" "ppo_kl.py --env-id CartPole-v1"; do
+for job in "ppo_clip.py --env-id CartPole-v1" "ppo_clip.py --env-id Acrobot-v1" "ppo_kl.py --env-id CartPole-v1" \
+           "ppo_kl.py --env-id CartPole-v1 --kl-target 0.001 --exp-name ppo_kl_dtarg0.001"; do
   for seed in 1 2 3; do
     python ../$job --seed "$seed" > /dev/null &
     while [ "$(jobs -rp | wc -l)" -ge 2 ]; do sleep 1; done
@@ -12,3 +13,4 @@ for job in "ppo_clip.py --env-id CartPole-v1" "ppo_clip.py --env-id Acrobot-v1" 
 done
 wait
 python summarize.py runs
+python plot_beta.py runs ../docs/ppo_kl_beta.svg

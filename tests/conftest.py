@@ -50,3 +50,17 @@ def assert_one_line_error(proc, *words):
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     for word in words:
         assert word in lines[0], lines[0]
+
+
+TINY_LM = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2"]
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory):
+    """A tiny SFT model and a reward model trained from it, made by the scripts themselves: {name: path}."""
+    cwd = tmp_path_factory.mktemp("lm")
+    run_script("sft.py", *TINY_LM, "--max-steps", "30", "--eval-every", "15", "--num-train-examples", "2000",
+               "--eval-size", "32", "--output-dir", "models/sft", cwd=cwd)
+    run_script("reward_model.py", "--max-steps", "20", "--eval-every", "10", "--num-train-pairs", "1000",
+               "--eval-size", "32", cwd=cwd)
+    return {"cwd": cwd, "sft": cwd / "models" / "sft", "reward_model": cwd / "models" / "reward_model"}

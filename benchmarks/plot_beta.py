@@ -1,0 +1,54 @@
+"""Plot the adaptive β of ppo_kl.py runs (log scale) and the KL of each update, as an SVG.
+
+    python benchmarks/plot_beta.py benchmarks/runs docs/ppo_kl_beta.svg
+Plain SVG so that no plotting package is needed.
+"""
+import glob
+import math
+import os
+import sys
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+W, H, PAD = 720, 260, 50
+COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]
+
+
+def panel(series, y0, title, lo, hi):
+    """One log-scale panel: series = [(label, [(step, value), ...])]."""
+    max_step = max(s for _, pts in series for s, _ in pts)
+    x = lambda s: PAD + (W - 2 * PAD) * s / max_step  # noqa: E731
+    y = lambda v: y0 + H - PAD - (H - 2 * PAD) * (math.log10(max(v, 10**lo)) - lo) / (hi - lo)  # noqa: E731
+    out = [f'<text x="{PAD}" y="{y0 + 20}" font-size="14">{title}</text>',
+           f'<rect x="{PAD}" y="{y0 + PAD}" width="{W - 2 * PAD}" height="{H - 2 * PAD}" fill="none" stroke="#999"/>']
+    for e in range(lo, hi + 1):
+        out.append(f'<text x="{PAD - 5}" y="{y(10**e) + 4:.1f}" font-size="10" text-anchor="end">1e{e}</text>')
+    for i, (label, pts) in enumerate(series):
+        path = " ".join(f"{x(s):.1f},{y(v):.1f}" for s, v in pts)
+        out.append(f'<polyline points="{path}" fill="none" stroke="{COLORS[i % 6]}" stroke-width="1"/>')
+        out.append(f'<text x="{W - PAD + 5}" y="{y0 + PAD + 14 * i + 10}" font-size="10" fill="{COLORS[i % 6]}">{label}</text>')
+    out.append(f'<text x="{W / 2}" y="{y0 + H - 15}" font-size="10" text-anchor="middle">global step (0 to {max_step:,})</text>')
+    return out
+
+
+def main(root, out_path):
+    betas, kls = [], []
+    for run_dir in sorted(glob.glob(os.path.join(root, "CartPole-v1__ppo_kl*"))):
+        acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
+        acc.Reload()
+        _, exp_name, seed, _ = os.path.basename(run_dir).split("__")
+        label = f"{exp_name.replace('ppo_kl_', '') if exp_name != 'ppo_kl' else 'dtarg0.01'} s{seed}"
+        betas.append((label, [(e.step, e.value) for e in acc.Scalars("charts/kl_beta")]))
+        kls.append((label, [(e.step, e.value) for e in acc.Scalars("losses/kl")]))
+    svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W + 80}" height="{2 * H}" font-family="sans-serif">',
+           '<rect width="100%" height="100%" fill="white"/>']
+    svg += panel(betas, 0, "ppo_kl.py CartPole-v1: β (log scale)", -12, 1)
+    svg += panel(kls, H, "KL[π_old ‖ π_new] after each update (log scale)", -6, -1)
+    os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
+    with open(out_path, "w") as f:
+        f.write("\n".join(svg + ["</svg>"]))
+    print(f"wrote {out_path}")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

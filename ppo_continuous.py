@@ -1,0 +1,419 @@
+"""PPO with the clipped surrogate and a diagonal Gaussian policy, for continuous control (Box actions).
+
+Schulman et al. 2017, "Proximal Policy Optimization Algorithms" (arXiv:1707.06347): the clipped
+surrogate (eq. 7) with a value loss (eq. 9), GAE (eq. 11-12), and the MuJoCo details of its
+section 6.1 and of the OpenAI baselines: a state-independent learned log-std, running observation
+normalization, reward scaling by the running std of the discounted return.
+
+    python ppo_continuous.py                         # HalfCheetah-v5, 1M steps
+    python ppo_continuous.py --env-id Hopper-v5 --seed 2
+    python ppo_continuous.py --env-id Pendulum-v1 --total-timesteps 200000
+"""
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn as nn
+import tyro
+from torch.utils.tensorboard import SummaryWriter
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment, part of the run name runs/<env>__<exp>__<seed>__<time>"""
+    seed: int = 1
+    """seed of python, numpy, torch and the environments"""
+    cuda: bool = True
+    """use CUDA when it is available (the CPU otherwise)"""
+    threads: int = 1
+    """torch CPU threads; one is fastest for these small networks (see README)"""
+    save_model: bool = False
+    """save the agent and its observation-normalization statistics to runs/<run name>/<exp name>.pt"""
+    eval_episodes: int = 10
+    """episodes of the deterministic (mean action) evaluation at the end; 0 skips it"""
+
+    env_id: str = "HalfCheetah-v5"
+    """gymnasium id of an environment with Box actions and vector observations"""
+    total_timesteps: int = 1_000_000
+    """total environment steps, summed over all parallel environments"""
+    learning_rate: float = 3e-4
+    """Adam learning rate"""
+    num_envs: int = 1
+    """number of parallel environments"""
+    num_steps: int = 2048
+    """steps per environment in each rollout (batch = num_envs * num_steps)"""
+    anneal_lr: bool = True
+    """linearly anneal the learning rate to 0 over training"""
+    gamma: float = 0.99
+    """discount factor"""
+    gae_lambda: float = 0.95
+    """lambda of generalized advantage estimation"""
+    num_minibatches: int = 32
+    """minibatches per epoch; must divide the batch"""
+    update_epochs: int = 10
+    """epochs over the rollout in each update"""
+    norm_adv: bool = True
+    """normalize advantages within each minibatch"""
+    clip_coef: float = 0.2
+    """epsilon of the clipped surrogate (eq. 7)"""
+    clip_vloss: bool = True
+    """clip the value loss around the old values, as in the OpenAI baselines"""
+    ent_coef: float = 0.0
+    """coefficient of the entropy bonus (c2 in eq. 9)"""
+    vf_coef: float = 0.5
+    """coefficient of the value loss (c1 in eq. 9)"""
+    max_grad_norm: float = 0.5
+    """clip the global gradient norm to this"""
+    target_kl: float | None = None
+    """stop the update epochs early once the approximate KL exceeds this"""
+    bootstrap_truncation: bool = True
+    """on a time-limit truncation bootstrap from the value of the real final observation"""
+    hidden_size: int = 64
+    """width of the two hidden layers of the actor and of the critic"""
+    log_std_init: float = 0.0
+    """initial log standard deviation of the policy (0: std 1)"""
+    norm_obs: bool = True
+    """normalize observations by their running mean and std"""
+    norm_reward: bool = True
+    """scale rewards by the running std of the discounted return"""
+    clip_obs: float = 10.0
+    """clip normalized observations to [-clip_obs, clip_obs]"""
+    clip_reward: float = 10.0
+    """clip scaled rewards to [-clip_reward, clip_reward]"""
+
+
+# ---------------------------------------------------------------------------------------------
+# The math: pure functions, checked against hand-computed values in tests/test_ppo_continuous.py
+# ---------------------------------------------------------------------------------------------
+def gaussian_log_prob(mean, log_std, action):
+    """Log-density of a diagonal Gaussian, summed over the action dimensions:
+
+        log π(a|s) = Σ_i [ −(a_i − μ_i)² / (2σ_i²) − log σ_i − ½ log 2π ]
+    """
+    return (-((action - mean) ** 2) / (2 * torch.exp(2 * log_std)) - log_std - 0.5 * math.log(2 * math.pi)).sum(-1)
+
+
+def gaussian_entropy(log_std):
+    """Entropy of a diagonal Gaussian, summed over the action dimensions: H = Σ_i [ ½ log(2πe) + log σ_i ]"""
+    return (0.5 * math.log(2 * math.pi * math.e) + log_std).sum(-1)
+
+
+def update_mean_var(mean, var, count, batch_mean, batch_var, batch_count):
+    """Merge the mean/variance of `count` samples with those of a new batch (Chan et al. 1979):
+
+        δ = μ_B − μ,   n' = n + n_B,   μ' = μ + δ n_B / n'
+        σ'² = (σ² n + σ_B² n_B + δ² n n_B / n') / n'
+    Returns (mean', var', count').
+    """
+    delta = batch_mean - mean
+    total = count + batch_count
+    new_mean = mean + delta * batch_count / total
+    new_var = (var * count + batch_var * batch_count + delta**2 * count * batch_count / total) / total
+    return new_mean, new_var, total
+
+
+def normalize(x, mean, var, clip, eps=1e-8):
+    """clip((x − μ) / √(σ² + ε), −clip, clip): observation normalization."""
+    return np.clip((x - mean) / np.sqrt(var + eps), -clip, clip)
+
+
+def scale_reward(reward, return_var, clip, eps=1e-8):
+    """clip(r_t / √(Var[G] + ε), −clip, clip), where G_t = γ G_{t−1} + r_t is the running discounted
+    return of each env (reset at episode ends). Dividing by the spread of returns, not of rewards,
+    keeps the value targets near unit scale whatever the env's reward scale; the mean is not removed
+    so that the sign of rewards (alive bonuses) is kept."""
+    return np.clip(reward / np.sqrt(return_var + eps), -clip, clip)
+
+
+def compute_gae(rewards, values, last_value, terminations, truncations, final_values, gamma, gae_lambda):
+    """Generalized advantage estimation over a rollout of shape [T, num_envs] (PPO eq. 11-12).
+
+        δ_t = r_t + γ (1 − term_t) V_next_t − V(s_t)
+        Â_t = δ_t + γλ (1 − done_t) Â_{t+1},            done_t = term_t or trunc_t
+        R_t = Â_t + V(s_t)                               (the value target)
+
+    V_next_t is the value of the state after step t: V(s_{t+1}) inside an episode, `last_value`
+    after the last step of the rollout, and `final_values[t]`, the value of the real final
+    observation, when the episode was truncated at step t (HalfCheetah never terminates: every
+    episode ends by its 1000-step time limit, which cuts the future off without making it worth 0).
+    Passing zeros as final_values treats truncations like terminations. Returns (advantages, returns).
+    """
+    num_steps = len(rewards)
+    advantages = rewards * 0.0
+    lastgaelam = 0.0
+    for t in reversed(range(num_steps)):
+        next_values = last_value if t == num_steps - 1 else values[t + 1]
+        next_values = next_values * (1 - truncations[t]) + final_values[t] * truncations[t]
+        delta = rewards[t] + gamma * (1 - terminations[t]) * next_values - values[t]
+        not_done = (1 - terminations[t]) * (1 - truncations[t])
+        advantages[t] = lastgaelam = delta + gamma * gae_lambda * not_done * lastgaelam
+    return advantages, advantages + values
+
+
+def clipped_policy_loss(ratio, advantages, clip_coef):
+    """The clipped surrogate (PPO eq. 7), negated: mean( max( −Â_t r_t(θ), −Â_t clip(r_t(θ), 1 − ε, 1 + ε) ) )"""
+    return torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)).mean()
+
+
+def value_loss(newvalues, oldvalues, returns, clip_coef, clip=True):
+    """½ mean( max( (V − R)², (V_old + clip(V − V_old, −ε, ε) − R)² ) ), or ½ mean((V − R)²) without clip."""
+    unclipped = (newvalues - returns) ** 2
+    if not clip:
+        return 0.5 * unclipped.mean()
+    clipped = (oldvalues + torch.clamp(newvalues - oldvalues, -clip_coef, clip_coef) - returns) ** 2
+    return 0.5 * torch.max(unclipped, clipped).mean()
+
+
+class RunningMeanStd:
+    """Running mean and variance of a stream of batches (the state for `update_mean_var`)."""
+
+    def __init__(self, shape=()):
+        self.mean, self.var, self.count = np.zeros(shape), np.ones(shape), 1e-4
+
+    def update(self, x):
+        self.mean, self.var, self.count = update_mean_var(self.mean, self.var, self.count,
+                                                          x.mean(0), x.var(0), x.shape[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Agent and environments
+# ---------------------------------------------------------------------------------------------
+def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
+    torch.nn.init.orthogonal_(layer.weight, std)
+    torch.nn.init.constant_(layer.bias, bias_const)
+    return layer
+
+
+class Agent(nn.Module):
+    def __init__(self, obs_dim, act_dim, hidden_size=64, log_std_init=0.0):
+        super().__init__()
+        self.critic = nn.Sequential(
+            layer_init(nn.Linear(obs_dim, hidden_size)), nn.Tanh(),
+            layer_init(nn.Linear(hidden_size, hidden_size)), nn.Tanh(),
+            layer_init(nn.Linear(hidden_size, 1), std=1.0),
+        )
+        self.actor_mean = nn.Sequential(
+            layer_init(nn.Linear(obs_dim, hidden_size)), nn.Tanh(),
+            layer_init(nn.Linear(hidden_size, hidden_size)), nn.Tanh(),
+            layer_init(nn.Linear(hidden_size, act_dim), std=0.01),  # initial actions near 0
+        )
+        self.actor_logstd = nn.Parameter(torch.full((1, act_dim), log_std_init))  # state-independent
+
+    def get_value(self, x):
+        return self.critic(x).squeeze(-1)
+
+    def get_action_and_value(self, x, action=None):
+        mean = self.actor_mean(x)
+        log_std = self.actor_logstd.expand_as(mean)
+        if action is None:
+            action = mean + torch.exp(log_std) * torch.randn_like(mean)
+        return action, gaussian_log_prob(mean, log_std, action), gaussian_entropy(log_std), self.get_value(x)
+
+
+def make_envs(args):
+    """Vector envs that reset in the same step an episode ends (see ppo_clip.py)."""
+    try:
+        return gym.vector.SyncVectorEnv(
+            [lambda: gym.make(args.env_id) for _ in range(args.num_envs)],
+            autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
+        )
+    except gym.error.Error as e:
+        sys.exit(f"error: cannot make env {args.env_id!r}: {e}")
+
+
+def check_spaces(envs, env_id):
+    if not isinstance(envs.single_action_space, gym.spaces.Box):
+        sys.exit(f"error: {env_id} has {envs.single_action_space} actions; this script needs Box (continuous) "
+                 "ones (use ppo_clip.py for Discrete actions)")
+    if not (isinstance(envs.single_observation_space, gym.spaces.Box) and len(envs.single_observation_space.shape) == 1):
+        sys.exit(f"error: {env_id} has {envs.single_observation_space} observations; this script needs a flat Box")
+
+
+def evaluate(agent, obs_rms, args, device):
+    """Mean return of `eval_episodes` episodes taking the mean action, observations normalized
+    with the statistics frozen at the end of training."""
+    env = gym.make(args.env_id)
+    low, high = env.action_space.low, env.action_space.high
+    returns = []
+    for episode in range(args.eval_episodes):
+        obs, _ = env.reset(seed=args.seed + 10_000 + episode)
+        done, episodic_return = False, 0.0
+        while not done:
+            if args.norm_obs:
+                obs = normalize(obs, obs_rms.mean, obs_rms.var, args.clip_obs)
+            with torch.no_grad():
+                action = agent.actor_mean(torch.as_tensor(obs, dtype=torch.float32, device=device)).cpu().numpy()
+            obs, reward, terminated, truncated, _ = env.step(np.clip(action, low, high))
+            episodic_return += float(reward)
+            done = terminated or truncated
+        returns.append(episodic_return)
+    env.close()
+    return float(np.mean(returns))
+
+
+def main(args: Args):
+    batch_size = args.num_envs * args.num_steps
+    if batch_size % args.num_minibatches:
+        sys.exit(f"error: the batch (num_envs * num_steps = {batch_size}) does not divide into "
+                 f"{args.num_minibatches} minibatches; change --num-minibatches")
+    minibatch_size = batch_size // args.num_minibatches
+    num_iterations = args.total_timesteps // batch_size
+    envs = make_envs(args)
+    check_spaces(envs, args.env_id)
+    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+
+    writer = SummaryWriter(f"runs/{run_name}")
+    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+
+    obs_dim, act_dim = envs.single_observation_space.shape[0], envs.single_action_space.shape[0]
+    low, high = envs.single_action_space.low, envs.single_action_space.high
+    agent = Agent(obs_dim, act_dim, args.hidden_size, args.log_std_init).to(device)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
+    obs_rms, return_rms = RunningMeanStd(obs_dim), RunningMeanStd()
+
+    def process_obs(raw_obs, update=True):
+        """Normalize observations, first folding them into the running statistics."""
+        if not args.norm_obs:
+            return raw_obs.astype(np.float32)
+        if update:
+            obs_rms.update(raw_obs)
+        return normalize(raw_obs, obs_rms.mean, obs_rms.var, args.clip_obs).astype(np.float32)
+
+    shape = (args.num_steps, args.num_envs)
+    obs = np.zeros(shape + (obs_dim,), dtype=np.float32)
+    actions = np.zeros(shape + (act_dim,), dtype=np.float32)
+    logprobs, rewards, terminations, truncations, values, final_values = (
+        np.zeros(shape, dtype=np.float32) for _ in range(6))
+
+    global_step = 0
+    start_time = time.time()
+    raw_obs, _ = envs.reset(seed=args.seed)
+    next_obs = process_obs(raw_obs)
+    episode_returns = np.zeros(args.num_envs)  # raw rewards, for logging
+    episode_lengths = np.zeros(args.num_envs, dtype=np.int64)
+    discounted_returns = np.zeros(args.num_envs)  # G_t of the reward scaling
+
+    for iteration in range(1, num_iterations + 1):
+        if args.anneal_lr:
+            optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
+
+        final_values[:] = 0.0
+        for step in range(args.num_steps):
+            global_step += args.num_envs
+            obs[step] = next_obs
+            with torch.no_grad():
+                action, logprob, _, value = agent.get_action_and_value(torch.from_numpy(next_obs).to(device))
+            actions[step], logprobs[step], values[step] = action.cpu().numpy(), logprob.cpu().numpy(), value.cpu().numpy()
+
+            # the env gets the action clipped to its bounds; the policy is trained on the unclipped sample
+            raw_obs, reward, terminated, truncated, infos = envs.step(np.clip(actions[step], low, high))
+            next_obs = process_obs(raw_obs)
+            terminations[step], truncations[step] = terminated, truncated
+            done = terminated | truncated
+
+            if args.norm_reward:
+                discounted_returns = discounted_returns * args.gamma + reward
+                return_rms.update(discounted_returns)
+                rewards[step] = scale_reward(reward, return_rms.var, args.clip_reward)
+                discounted_returns[done] = 0.0
+            else:
+                rewards[step] = reward
+
+            if args.bootstrap_truncation and truncated.any():
+                final_obs = process_obs(np.stack(infos["final_obs"][truncated]), update=False)
+                with torch.no_grad():
+                    final_values[step, truncated] = agent.get_value(torch.from_numpy(final_obs).to(device)).cpu().numpy()
+
+            episode_returns += reward
+            episode_lengths += 1
+            for i in np.flatnonzero(done):
+                writer.add_scalar("charts/episodic_return", episode_returns[i], global_step)
+                writer.add_scalar("charts/episodic_length", episode_lengths[i], global_step)
+                episode_returns[i], episode_lengths[i] = 0.0, 0
+
+        with torch.no_grad():
+            last_value = agent.get_value(torch.from_numpy(next_obs).to(device)).cpu().numpy()
+        advantages, returns = compute_gae(rewards, values, last_value, terminations, truncations, final_values,
+                                          args.gamma, args.gae_lambda)
+
+        b_obs = torch.from_numpy(obs.reshape(batch_size, obs_dim)).to(device)
+        b_actions = torch.from_numpy(actions.reshape(batch_size, act_dim)).to(device)
+        b_logprobs, b_advantages, b_returns, b_values = (
+            torch.from_numpy(x.reshape(batch_size)).to(device) for x in (logprobs, advantages, returns, values))
+
+        clipfracs = []
+        for epoch in range(args.update_epochs):
+            b_inds = torch.randperm(batch_size, device=device)
+            for start in range(0, batch_size, minibatch_size):
+                mb_inds = b_inds[start : start + minibatch_size]
+                _, newlogprob, entropy, newvalue = agent.get_action_and_value(b_obs[mb_inds], b_actions[mb_inds])
+                logratio = newlogprob - b_logprobs[mb_inds]
+                ratio = logratio.exp()
+                with torch.no_grad():
+                    old_approx_kl = (-logratio).mean()
+                    approx_kl = ((ratio - 1) - logratio).mean()  # k3 estimator, unbiased and >= 0
+                    clipfracs.append(((ratio - 1.0).abs() > args.clip_coef).float().mean().item())
+
+                mb_advantages = b_advantages[mb_inds]
+                if args.norm_adv:
+                    mb_advantages = (mb_advantages - mb_advantages.mean()) / (mb_advantages.std() + 1e-8)
+
+                pg_loss = clipped_policy_loss(ratio, mb_advantages, args.clip_coef)
+                v_loss = value_loss(newvalue, b_values[mb_inds], b_returns[mb_inds], args.clip_coef, args.clip_vloss)
+                entropy_loss = entropy.mean()
+                loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef  # eq. 9, negated
+
+                optimizer.zero_grad()
+                loss.backward()
+                nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+                optimizer.step()
+
+            if args.target_kl is not None and approx_kl > args.target_kl:
+                break
+
+        y_pred, y_true = b_values.cpu().numpy(), b_returns.cpu().numpy()
+        var_y = np.var(y_true)
+        explained_var = np.nan if var_y == 0 else 1 - np.var(y_true - y_pred) / var_y
+
+        sps = int(global_step / (time.time() - start_time))
+        writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
+        writer.add_scalar("charts/action_std", agent.actor_logstd.exp().mean().item(), global_step)
+        writer.add_scalar("losses/value_loss", v_loss.item(), global_step)
+        writer.add_scalar("losses/policy_loss", pg_loss.item(), global_step)
+        writer.add_scalar("losses/entropy", entropy_loss.item(), global_step)
+        writer.add_scalar("losses/old_approx_kl", old_approx_kl.item(), global_step)
+        writer.add_scalar("losses/approx_kl", approx_kl.item(), global_step)
+        writer.add_scalar("losses/clipfrac", np.mean(clipfracs), global_step)
+        writer.add_scalar("losses/explained_variance", explained_var, global_step)
+        writer.add_scalar("charts/SPS", sps, global_step)
+        if iteration % 10 == 0 or iteration == num_iterations:
+            print(f"global_step={global_step} SPS={sps}")
+
+    if args.save_model:
+        model_path = f"runs/{run_name}/{args.exp_name}.pt"
+        torch.save({"agent": agent.state_dict(), "obs_rms": vars(obs_rms), "args": vars(args)}, model_path)
+        print(f"model saved to {model_path}")
+    if args.eval_episodes > 0:
+        eval_return = evaluate(agent, obs_rms, args, device)
+        writer.add_scalar("eval/episodic_return", eval_return, global_step)
+        print(f"eval/episodic_return={eval_return:.2f} over {args.eval_episodes} deterministic episodes")
+
+    envs.close()
+    writer.close()
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
