@@ -1,0 +1,510 @@
+"""RLHF stage 2: PPO on a language model with the four models of RLHF.
+
+Ouyang et al. 2022 (InstructGPT) and Ziegler et al. 2019, with the details of Huang et al. 2024,
+"The N+ implementation details of RLHF with PPO":
+- actor      π_θ     trained, starts as the SFT model (models/sft)
+- reference  π_ref   frozen copy of the SFT model: the KL penalty keeps π_θ near it
+- reward     r_φ     frozen reward model (models/reward_model), scores a whole response at its EOS
+- critic     V_ψ     trained, starts as the reward model; its scalar head gives one value per token
+Each token is an action; the per-token reward is −β·(log π_θ − log π_ref), plus r_φ at the last
+response token. GAE over the response, then several epochs of clipped PPO updates per rollout.
+
+    python sft.py && python reward_model.py && python rlhf_ppo.py    # built-in task, CPU
+    python rlhf_ppo.py --kl-coef 0                                   # what the KL penalty is for
+"""
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import transformers
+import tyro
+from torch.utils.tensorboard import SummaryWriter
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment, part of the run name runs/<exp>__<seed>__<time>"""
+    seed: int = 1
+    """seed of python, torch and the built-in task's prompts"""
+    cuda: bool = True
+    """use CUDA when it is available (the CPU otherwise)"""
+    sft_model_path: str = "models/sft"
+    """the SFT model: the actor's start and the frozen reference (made by sft.py)"""
+    reward_model_path: str = "models/reward_model"
+    """the frozen reward model, also the critic's start (made by reward_model.py)"""
+    dataset_name: str | None = None
+    """prompts: hub id, local dataset directory, or .json/.jsonl/.parquet file with a `prompt` column; None: built-in task"""
+    dataset_split: str = "train"
+    """split of --dataset-name to draw prompts from"""
+    output_dir: str = "models/rlhf_ppo"
+    """where the trained policy is saved as a Hugging Face checkpoint (atomically)"""
+
+    num_iterations: int = 100
+    """rollout-then-update iterations"""
+    batch_size: int = 128
+    """prompts (and sampled responses) per rollout"""
+    mini_batch_size: int = 32
+    """responses per gradient step"""
+    ppo_epochs: int = 4
+    """passes over each rollout"""
+    lr: float = 3e-4
+    """AdamW learning rate of the actor and the critic (constant)"""
+    response_length: int = 12
+    """new tokens sampled per response"""
+    temperature: float = 1.0
+    """sampling temperature; the log-probs of training divide the logits by it too"""
+    kl_coef: float = 0.05
+    """β of the per-token KL penalty (the start value when --kl-target is set)"""
+    kl_target: float | None = None
+    """adapt β toward this KL per sequence with the proportional controller of Ziegler et al. 2019"""
+    kl_horizon: int = 10_000
+    """horizon of the adaptive controller, in sampled responses"""
+    missing_eos_penalty: float = -3.0
+    """the score of a response with no EOS in its --response-length tokens (replaces the reward model's)"""
+    gamma: float = 1.0
+    """discount over response tokens"""
+    lam: float = 0.95
+    """lambda of GAE"""
+    cliprange: float = 0.2
+    """epsilon of the clipped policy loss"""
+    cliprange_value: float = 0.2
+    """epsilon of the clipped value loss"""
+    vf_coef: float = 0.1
+    """weight of the value loss"""
+    max_grad_norm: float = 1.0
+    """clip the global gradient norm (actor and critic together) to this"""
+    eval_every: int = 20
+    """evaluate every this many iterations (and before the first and after the last)"""
+    eval_size: int = 512
+    """eval prompts (the built-in task's come from their own random stream)"""
+
+
+# ---------------------------------------------------------------------------------------------
+# The built-in task: sort the digits. Gold reward known exactly. (Each LM script has its own copy;
+# tests/test_lm_task.py checks the copies agree.)
+# ---------------------------------------------------------------------------------------------
+def levenshtein(a, b):
+    """Edit distance: insertions, deletions and substitutions, each of cost 1."""
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i]
+        for j, cb in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
+        prev = cur
+    return prev[-1]
+
+
+def gold_score(completion, target):
+    """1 − min(1, levenshtein(completion, target) / len(target)): 1 for the exact answer."""
+    return 1.0 - min(1.0, levenshtein(completion, target) / len(target))
+
+
+def make_prompt(rng):
+    """`sort <n digits>:` with n uniform in [4, 8]; returns (prompt, target)."""
+    digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(4, 8)))
+    return f"sort {digits}:", "".join(sorted(digits))
+
+
+def corrupt(rng, s, kinds=("swap", "drop", "insert", "replace")):
+    """One random corruption of s; a swap exchanges two adjacent, unequal digits."""
+    while True:
+        kind, i = rng.choice(kinds), rng.randrange(len(s))
+        if kind == "swap":
+            pairs = [j for j in range(len(s) - 1) if s[j] != s[j + 1]]
+            if pairs:
+                j = rng.choice(pairs)
+                return s[:j] + s[j + 1] + s[j] + s[j + 2 :]
+            if kinds == ("swap",):
+                return s  # all digits equal: nothing to swap
+        elif kind == "drop":
+            return s[:i] + s[i + 1 :]
+        elif kind == "insert":
+            return s[:i] + rng.choice("0123456789") + s[i:]
+        elif kind == "replace":
+            return s[:i] + rng.choice([d for d in "0123456789" if d != s[i]]) + s[i + 1 :]
+
+
+def demonstration(rng, target):
+    """The sloppy demonstrator: the target, or with probability 0.5 the target with one adjacent swap."""
+    return target if rng.random() < 0.5 else corrupt(rng, target, ("swap",))
+
+
+def candidate(rng, target):
+    """A candidate for preference pairs: the target, or with probability 0.5 one or two corruptions."""
+    if rng.random() < 0.5:
+        return target
+    for _ in range(rng.randint(1, 2)):
+        target = corrupt(rng, target)
+    return target
+
+
+def preference_pair(rng):
+    """Two candidates for one prompt with different gold scores: (prompt, chosen, rejected, target)."""
+    prompt, target = make_prompt(rng)
+    while True:
+        a, b = candidate(rng, target), candidate(rng, target)
+        if gold_score(a, target) != gold_score(b, target):
+            return (prompt, a, b, target) if gold_score(a, target) > gold_score(b, target) else (prompt, b, a, target)
+
+
+def task_rng(seed, split):
+    """Train and eval data come from different random streams of the same seed."""
+    return random.Random(f"sort-task/{seed}/{split}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The math: pure functions over [batch, response_length] tensors, `mask` 1 on response tokens up to
+# and including the first EOS. Checked against hand-computed values in tests/test_rlhf_ppo_dpo.py.
+# ---------------------------------------------------------------------------------------------
+def masked_mean(x, mask):
+    return (x * mask).sum() / mask.sum()
+
+
+def masked_whiten(x, mask, eps=1e-8):
+    """(x − mean) / std over the valid tokens only; padding stays 0."""
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    return (x - mean) * torch.rsqrt(var + eps) * mask
+
+
+def kl_estimators(logprobs, ref_logprobs, mask):
+    """Per-token estimators of KL[π_θ ‖ π_ref] on tokens sampled from π_θ (Schulman 2020, "Approximating
+    KL divergence"), with log r = log π_ref − log π_θ:
+        k1 = −log r = log π_θ − log π_ref          (unbiased, can be negative per token)
+        k3 = (r − 1) − log r                        (unbiased, never negative)
+    Returns (k1, k3), zero on padding."""
+    log_r = ref_logprobs - logprobs
+    return -log_r * mask, (log_r.exp() - 1 - log_r) * mask
+
+
+def shaped_rewards(logprobs, ref_logprobs, scores, mask, kl_coef):
+    """The per-token reward of RLHF (Ziegler et al. 2019, eq. 2; Ouyang et al. 2022):
+
+        r_t = −β (log π_θ(a_t|s_t) − log π_ref(a_t|s_t))   + score · [t = last response token]
+
+    The score is the reward model's on the whole response, given at its last token (the EOS); the
+    tokens after it are padding and get 0. Returns (rewards, non_score_rewards)."""
+    non_score = -kl_coef * (logprobs - ref_logprobs) * mask
+    last = mask.sum(1).long() - 1
+    rewards = non_score.clone()
+    rewards[torch.arange(len(rewards)), last] += scores
+    return rewards, non_score
+
+
+def masked_gae(rewards, values, mask, gamma, lam):
+    """GAE backwards over response tokens (PPO eq. 11-12), the episode ending at the last valid token:
+
+        δ_t = r_t + γ V(s_{t+1}) − V(s_t),   with V = 0 after the last valid token
+        Â_t = δ_t + γλ Â_{t+1}
+    Padding has reward and value 0, so it contributes nothing. Returns (advantages, returns = Â + V)."""
+    rewards, values = rewards * mask, values * mask
+    advantages = torch.zeros_like(rewards)
+    lastgaelam = torch.zeros(len(rewards), device=rewards.device)
+    for t in reversed(range(rewards.shape[1])):
+        next_values = values[:, t + 1] if t + 1 < rewards.shape[1] else 0.0
+        delta = rewards[:, t] + gamma * next_values - values[:, t]
+        lastgaelam = delta + gamma * lam * lastgaelam
+        advantages[:, t] = lastgaelam
+    advantages = advantages * mask
+    return advantages, advantages + values
+
+
+def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange):
+    """Clipped surrogate (PPO eq. 7), negated, averaged over valid tokens:
+        L = mean_t max( −Â_t ρ_t, −Â_t clip(ρ_t, 1 − ε, 1 + ε) ),   ρ_t = π_θ(a_t|s_t) / π_old(a_t|s_t)
+    Returns (loss, ratio)."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    losses = torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange))
+    return masked_mean(losses, mask), ratio
+
+
+def value_loss(values, old_values, returns, mask, cliprange_value):
+    """Clipped value loss, averaged over valid tokens:
+        L = ½ mean_t max( (V − R)², (V_old + clip(V − V_old, −ε, ε) − R)² )"""
+    clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
+    return 0.5 * masked_mean(torch.max((values - returns) ** 2, (clipped - returns) ** 2), mask)
+
+
+def adaptive_kl_coef(kl_coef, current_kl, kl_target, horizon, n_steps):
+    """The proportional controller of Ziegler et al. 2019 (section 2.2):
+        e = clip(KL / KL_target − 1, −0.2, 0.2),   β ← β (1 + e · n_steps / horizon)"""
+    error = min(max(current_kl / kl_target - 1, -0.2), 0.2)
+    return kl_coef * (1 + error * n_steps / horizon)
+
+
+# ---------------------------------------------------------------------------------------------
+# Models and the forward passes
+# ---------------------------------------------------------------------------------------------
+def load_models(args, device):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    for path, script in ((args.sft_model_path, "sft.py"), (args.reward_model_path, "reward_model.py")):
+        if not os.path.isdir(path) and (path.startswith((".", "/", "~", "models/")) or path.count("/") > 1):
+            sys.exit(f"error: model directory {path!r} does not exist; run `python {script}` first or pass a path")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path)
+        actor = AutoModelForCausalLM.from_pretrained(args.sft_model_path)
+        ref = AutoModelForCausalLM.from_pretrained(args.sft_model_path)
+        reward = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, num_labels=1)
+        critic = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, num_labels=1)
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: cannot load the models: {str(e).splitlines()[0]}")
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        sys.exit(f"error: the tokenizer of {args.sft_model_path!r} needs a pad token distinct from EOS (sft.py adds one)")
+    for model in (actor, ref, reward, critic):
+        model.config.pad_token_id = tokenizer.pad_token_id
+        model.to(device)
+        for module in model.modules():  # dropout off in all four: log-probs must be deterministic
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+    ref.eval().requires_grad_(False)
+    reward.eval().requires_grad_(False)
+    return tokenizer, actor, ref, reward, critic
+
+
+def position_ids_of(attention_mask):
+    """Positions count real tokens only, so left padding does not shift them."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def response_logprobs(model, sequences, attention_mask, context_length, temperature):
+    """log π(a_t | s_t) of each response token and the entropy of π(·|s_t), from one forward pass over
+    prompt + response. Logits are divided by the sampling temperature, as when sampling."""
+    logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_of(attention_mask)).logits
+    logits = logits[:, context_length - 1 : -1] / temperature  # position t predicts token t + 1
+    logprobs_all = F.log_softmax(logits.float(), dim=-1)
+    logprobs = torch.gather(logprobs_all, 2, sequences[:, context_length:].unsqueeze(-1)).squeeze(-1)
+    entropy = -(logprobs_all.exp() * logprobs_all).sum(-1)
+    return logprobs, entropy
+
+
+def token_scores(model, sequences, attention_mask):
+    """The scalar head on every position: a value per token (critic) or the score at a chosen token (reward)."""
+    hidden = model.base_model(input_ids=sequences, attention_mask=attention_mask,
+                              position_ids=position_ids_of(attention_mask)).last_hidden_state
+    return model.score(hidden).squeeze(-1)
+
+
+@torch.no_grad()
+def sample(actor, tokenizer, prompts, args, device):
+    """Left-padded prompts → (sequences, attention_mask, context_length, response_mask), each response
+    cut after its first EOS (the tokens after it become padding, masked out)."""
+    tokenizer.padding_side = "left"
+    batch = tokenizer(prompts, add_special_tokens=False, padding=True, return_tensors="pt").to(device)
+    out = actor.generate(**batch, do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,
+                         max_new_tokens=args.response_length, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    context_length = batch["input_ids"].shape[1]
+    responses = out[:, context_length:]
+    responses = F.pad(responses, (0, args.response_length - responses.shape[1]), value=tokenizer.pad_token_id)
+    is_eos = responses == tokenizer.eos_token_id
+    # 1 up to and including the first EOS: a token is valid while no EOS came strictly before it
+    response_mask = ((is_eos.cumsum(1) - is_eos.long()) == 0).long()
+    responses = responses.masked_fill(response_mask == 0, tokenizer.pad_token_id)
+    sequences = torch.cat([batch["input_ids"], responses], 1)
+    attention_mask = torch.cat([batch["attention_mask"], response_mask], 1)
+    return sequences, attention_mask, context_length, response_mask
+
+
+@torch.no_grad()
+def score_responses(reward, sequences, attention_mask, response_mask, eos_token_id, missing_eos_penalty):
+    """The reward model's score at each response's EOS; `missing_eos_penalty` for a response without one."""
+    last = attention_mask.shape[1] - 1 - attention_mask.flip(1).argmax(1)  # last non-pad position
+    scores = token_scores(reward, sequences, attention_mask)[torch.arange(len(sequences)), last]
+    has_eos = (sequences[:, -response_mask.shape[1] :] == eos_token_id).any(1)
+    return torch.where(has_eos, scores, torch.full_like(scores, missing_eos_penalty)), has_eos
+
+
+def decode(tokenizer, sequences, context_length, eos_token_id):
+    texts = []
+    for row in sequences[:, context_length:].tolist():
+        row = row[: row.index(eos_token_id)] if eos_token_id in row else row
+        texts.append(tokenizer.decode(row, skip_special_tokens=True))
+    return texts
+
+
+def load_prompts(args):
+    """(train prompts, eval prompts, eval targets or None)."""
+    if args.dataset_name is None:
+        rng = task_rng(args.seed, "train")
+        train = [make_prompt(rng)[0] for _ in range(50_000)]
+        rng = task_rng(args.seed, "eval")
+        evals = [make_prompt(rng) for _ in range(args.eval_size)]
+        return train, [p for p, _ in evals], [t for _, t in evals]
+    import datasets
+
+    datasets.disable_progress_bars()
+    name = args.dataset_name
+    try:
+        if name.endswith((".json", ".jsonl", ".parquet")):
+            if not os.path.isfile(name):
+                sys.exit(f"error: dataset file {name!r} does not exist")
+            data = datasets.load_dataset("parquet" if name.endswith(".parquet") else "json", data_files=name)
+        elif os.path.isdir(name) and os.path.exists(os.path.join(name, "dataset_dict.json")):
+            data = datasets.load_from_disk(name)
+        else:
+            data = datasets.load_dataset(name)
+    except Exception as e:  # noqa: BLE001  any loading failure becomes one line
+        sys.exit(f"error: cannot load dataset {name!r}: {str(e).splitlines()[0]}")
+    columns = data[args.dataset_split].column_names
+    if "prompt" not in columns:
+        sys.exit(f"error: dataset {name!r} has columns {columns}; rlhf_ppo.py needs a `prompt` column")
+    prompts = list(data[args.dataset_split]["prompt"])
+    evals = list(data["test"]["prompt"]) if "test" in data else prompts[: min(args.eval_size, len(prompts) // 10)]
+    return prompts, evals[: args.eval_size], None
+
+
+def save_atomically(model, tokenizer, args, output_dir):
+    """Write to a temporary directory, then rename: a crash never leaves a half-written model."""
+    tmp_dir = f"{output_dir.rstrip('/')}.tmp-{os.getpid()}"
+    model.save_pretrained(tmp_dir)
+    tokenizer.save_pretrained(tmp_dir)
+    with open(os.path.join(tmp_dir, "training_args.json"), "w") as f:
+        json.dump(vars(args), f, indent=2)
+    if os.path.exists(output_dir):
+        shutil.rmtree(output_dir)
+    os.replace(tmp_dir, output_dir)
+
+
+def main(args: Args):
+    if args.batch_size % args.mini_batch_size:
+        sys.exit(f"error: --batch-size {args.batch_size} does not split into minibatches of {args.mini_batch_size}")
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+
+    train_prompts, eval_prompts, eval_targets = load_prompts(args)
+    tokenizer, actor, ref, reward, critic = load_models(args, device)
+    eos = tokenizer.eos_token_id
+    optimizer = torch.optim.AdamW(list(actor.parameters()) + list(critic.parameters()), lr=args.lr)
+    kl_coef = args.kl_coef
+
+    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    writer = SummaryWriter(f"runs/{run_name}")
+    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+
+    def forward_in_chunks(fn, *tensors):
+        """Rollout forward passes in chunks of the minibatch size, so they compute exactly what the
+        update's forward passes will (the PPO ratio starts at exactly 1)."""
+        outs = [fn(*(t[i : i + args.mini_batch_size] for t in tensors)) for i in range(0, len(tensors[0]), args.mini_batch_size)]
+        return tuple(torch.cat(parts) for parts in zip(*outs)) if isinstance(outs[0], tuple) else torch.cat(outs)
+
+    def evaluate(iteration):
+        actor.eval()
+        sequences, attention_mask, context_length, response_mask = sample(actor, tokenizer, eval_prompts, args, device)
+        with torch.no_grad():
+            logprobs, _ = response_logprobs(actor, sequences, attention_mask, context_length, args.temperature)
+            ref_logprobs, _ = response_logprobs(ref, sequences, attention_mask, context_length, args.temperature)
+        scores, has_eos = score_responses(reward, sequences, attention_mask, response_mask, eos, args.missing_eos_penalty)
+        kl = ((logprobs - ref_logprobs) * response_mask).sum(1).mean().item()
+        completions = decode(tokenizer, sequences, context_length, eos)
+        writer.add_scalar("eval/score", scores.mean().item(), iteration)
+        writer.add_scalar("eval/kl", kl, iteration)
+        line = f"iteration {iteration}: eval/score {scores.mean().item():.3f}, eval/kl {kl:.3f}"
+        if eval_targets is not None:
+            accuracy = sum(c == t for c, t in zip(completions, eval_targets)) / len(eval_targets)
+            gold = sum(gold_score(c, t) for c, t in zip(completions, eval_targets)) / len(eval_targets)
+            writer.add_scalar("eval/gold_accuracy", accuracy, iteration)
+            writer.add_scalar("eval/gold_score", gold, iteration)
+            line += f", eval/gold_accuracy {accuracy:.3f}, eval/gold_score {gold:.3f}"
+        writer.add_text("eval/samples", "\n".join(f"    {p} {c!r}" for p, c in zip(eval_prompts[:8], completions)), iteration)
+        print(line)
+        actor.train()
+
+    evaluate(0)  # the SFT model, before any update
+    start_time = time.time()
+    rng = random.Random(args.seed)
+    for iteration in range(1, args.num_iterations + 1):
+        # ---- rollout: sample, then score every token with the four models --------------------------
+        actor.eval(), critic.eval()
+        prompts = rng.sample(train_prompts, args.batch_size)
+        sequences, attention_mask, context_length, mask = sample(actor, tokenizer, prompts, args, device)
+        mask = mask.float()
+        with torch.no_grad():
+            logprobs, entropy = forward_in_chunks(
+                lambda s, a: response_logprobs(actor, s, a, context_length, args.temperature), sequences, attention_mask)
+            ref_logprobs, _ = forward_in_chunks(
+                lambda s, a: response_logprobs(ref, s, a, context_length, args.temperature), sequences, attention_mask)
+            # V(s_t): the critic's value at the position that predicts response token t
+            values = forward_in_chunks(lambda s, a: token_scores(critic, s, a)[:, context_length - 1 : -1],
+                                       sequences, attention_mask)
+            scores, has_eos = score_responses(reward, sequences, attention_mask, mask, eos, args.missing_eos_penalty)
+
+            rewards, non_score = shaped_rewards(logprobs, ref_logprobs, scores, mask, kl_coef)
+            advantages, returns = masked_gae(rewards, values, mask, args.gamma, args.lam)
+            advantages = masked_whiten(advantages, mask)
+            k1, k3 = kl_estimators(logprobs, ref_logprobs, mask)
+
+        # ---- update: several epochs of shuffled minibatches ----------------------------------------
+        actor.train(), critic.train()
+        stats = {k: [] for k in ("pg_loss", "vf_loss", "approx_kl", "clipfrac", "ratio", "entropy")}
+        for epoch in range(args.ppo_epochs):
+            # the rollout's prompts are already in random order: epoch 0 takes them as they come, so its
+            # first minibatch is exactly the rollout's first chunk; later epochs reshuffle
+            order = torch.randperm(args.batch_size, device=device) if epoch > 0 else torch.arange(args.batch_size, device=device)
+            for start in range(0, args.batch_size, args.mini_batch_size):
+                mb = order[start : start + args.mini_batch_size]
+                new_logprobs, new_entropy = response_logprobs(actor, sequences[mb], attention_mask[mb], context_length,
+                                                              args.temperature)
+                new_values = token_scores(critic, sequences[mb], attention_mask[mb])[:, context_length - 1 : -1]
+                pg_loss, ratio = policy_loss(new_logprobs, logprobs[mb], advantages[mb], mask[mb], args.cliprange)
+                vf_loss = value_loss(new_values, values[mb], returns[mb], mask[mb], args.cliprange_value)
+                loss = pg_loss + args.vf_coef * vf_loss
+                optimizer.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(list(actor.parameters()) + list(critic.parameters()), args.max_grad_norm)
+                optimizer.step()
+                with torch.no_grad():
+                    m = mask[mb]
+                    stats["pg_loss"].append(pg_loss.item())
+                    stats["vf_loss"].append(vf_loss.item())
+                    stats["approx_kl"].append(masked_mean(0.5 * (new_logprobs - logprobs[mb]) ** 2, m).item())
+                    stats["clipfrac"].append(masked_mean(((ratio - 1).abs() > args.cliprange).float(), m).item())
+                    stats["ratio"].append(masked_mean(ratio, m).item())
+                    stats["entropy"].append(masked_mean(new_entropy, m).item())
+                    if epoch == 0 and start == 0:  # before any step, the ratio must be exactly 1
+                        writer.add_scalar("policy/first_ratio_max_error", (ratio - 1).abs().max().item(), iteration)
+
+        # ---- logs and the KL controller --------------------------------------------------------------
+        mean_kl = k1.sum(1).mean().item()
+        var_returns = returns[mask.bool()].var()
+        explained_variance = 1 - (returns - values)[mask.bool()].var() / var_returns
+        logs = {
+            "objective/score": scores.mean(), "objective/kl": mean_kl, "objective/kl_k3": k3.sum(1).mean(),
+            "objective/entropy": (entropy * mask).sum(1).mean(), "objective/non_score_reward": non_score.sum(1).mean(),
+            "objective/rlhf_reward": scores.mean() + non_score.sum(1).mean(),
+            "policy/approx_kl": sum(stats["approx_kl"]) / len(stats["approx_kl"]),
+            "policy/clipfrac": sum(stats["clipfrac"]) / len(stats["clipfrac"]),
+            "policy/ratio_mean": sum(stats["ratio"]) / len(stats["ratio"]),
+            "policy/entropy": sum(stats["entropy"]) / len(stats["entropy"]),
+            "losses/policy_loss": sum(stats["pg_loss"]) / len(stats["pg_loss"]),
+            "losses/value_loss": sum(stats["vf_loss"]) / len(stats["vf_loss"]),
+            "val/explained_variance": explained_variance, "val/num_eos": has_eos.sum(),
+            "charts/kl_coef": kl_coef, "charts/episodes_per_second": iteration * args.batch_size / (time.time() - start_time),
+        }
+        for tag, value in logs.items():
+            writer.add_scalar(tag, float(value), iteration)
+        if args.kl_target is not None:
+            kl_coef = adaptive_kl_coef(kl_coef, mean_kl, args.kl_target, args.kl_horizon, args.batch_size)
+        if iteration % 10 == 0:
+            print(f"iteration {iteration}: score {scores.mean().item():.3f}, kl {mean_kl:.3f}, "
+                  f"eos {has_eos.float().mean().item():.2f}, {time.time() - start_time:.0f} s")
+        if iteration % args.eval_every == 0 or iteration == args.num_iterations:
+            evaluate(iteration)
+
+    save_atomically(actor, tokenizer, args, args.output_dir)
+    print(f"saved to {args.output_dir} after {time.time() - start_time:.0f} s")
+    writer.close()
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

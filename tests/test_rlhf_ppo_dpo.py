@@ -1,0 +1,167 @@
+"""rlhf_ppo.py and dpo.py: the math against hand-computed values, then the scripts end to end."""
+import math
+import os
+
+import pytest
+import torch
+from conftest import assert_one_line_error, read_scalars, run_script
+
+import dpo
+import rlhf_ppo
+
+T = torch.tensor
+
+
+def test_shaped_rewards_score_at_the_last_token_and_padding_after_it():
+    # β = 0.1; row 1 is a full response (no padding), row 2 ends with EOS at t = 1, padding at t = 2.
+    #   log π − log π_ref:  row 1 (0.5, 0, 0.5);  row 2 (−0.5, 0, [2 on padding])
+    #   −β·diff:            row 1 (−0.05, 0, −0.05);  row 2 (0.05, 0, 0)
+    #   + score at the last valid token: row 1 t = 2: −0.05 + 2 = 1.95;  row 2 t = 1: 0 − 1 = −1
+    logprobs, ref_logprobs = T([[-1.0, -2.0, -0.5], [-1.0, -1.0, -1.0]]), T([[-1.5, -2.0, -1.0], [-0.5, -1.0, -3.0]])
+    mask = T([[1.0, 1, 1], [1, 1, 0]])
+    rewards, non_score = rlhf_ppo.shaped_rewards(logprobs, ref_logprobs, T([2.0, -1.0]), mask, 0.1)
+    torch.testing.assert_close(rewards, T([[-0.05, 0.0, 1.95], [0.05, -1.0, 0.0]]))
+    torch.testing.assert_close(non_score, T([[-0.05, 0.0, -0.05], [0.05, 0.0, 0.0]]))
+
+
+def test_masked_gae_over_a_padded_response():
+    # γ = 1, λ = 0.5.  Row 2 ends at t = 1; its padding has value 9 and must not count.
+    #   row 1, r = (0, 0, 1), V = (.5, .5, .5):
+    #     t=2: δ = 1 + 0 − .5 = .5              Â = .5
+    #     t=1: δ = 0 + .5 − .5 = 0              Â = 0 + .5·.5 = .25
+    #     t=0: δ = 0                            Â = .5·.25 = .125      returns Â + V = .625, .75, 1
+    #   row 2, r = (0, 1, pad), V = (.2, .4, pad):
+    #     t=1: δ = 1 + 0 − .4 = .6 (V after the end is 0)   Â = .6
+    #     t=0: δ = 0 + .4 − .2 = .2             Â = .2 + .5·.6 = .5     returns .7, 1, 0
+    rewards, values = T([[0.0, 0, 1], [0, 1, 0]]), T([[0.5, 0.5, 0.5], [0.2, 0.4, 9.0]])
+    mask = T([[1.0, 1, 1], [1, 1, 0]])
+    advantages, returns = rlhf_ppo.masked_gae(rewards, values, mask, gamma=1.0, lam=0.5)
+    torch.testing.assert_close(advantages, T([[0.125, 0.25, 0.5], [0.5, 0.6, 0.0]]))
+    torch.testing.assert_close(returns, T([[0.625, 0.75, 1.0], [0.7, 1.0, 0.0]]))
+
+
+def test_masked_whiten():
+    # valid values {1, 2, 3, 5}: mean 2.75, var (1.75² + .75² + .25² + 2.25²)/4 = 8.75/4 = 2.1875, std 1.479020
+    #   (1 − 2.75)/1.47902 = −1.183216, (2 − 2.75)/… = −0.507093, (3 − 2.75)/… = 0.169031, (5 − 2.75)/… = 1.521278
+    x, mask = T([[1.0, 2, 3], [5, 100, 100]]), T([[1.0, 1, 1], [1, 0, 0]])
+    torch.testing.assert_close(rlhf_ppo.masked_whiten(x, mask),
+                               T([[-1.183216, -0.507093, 0.169031], [1.521278, 0, 0]]), atol=1e-5, rtol=0)
+
+
+def test_kl_estimators_k1_and_k3():
+    # log r = log π_ref − log π = (−0.5, 1) and a padded token
+    #   k1 = −log r = (0.5, −1);  k3 = e^{log r} − 1 − log r = (e^−.5 − .5 = 0.106531, e − 2 = 0.718282)
+    k1, k3 = rlhf_ppo.kl_estimators(T([[-1.0, -2.0, -1.0]]), T([[-1.5, -1.0, -9.0]]), T([[1.0, 1, 0]]))
+    torch.testing.assert_close(k1, T([[0.5, -1.0, 0.0]]))
+    torch.testing.assert_close(k3, T([[0.106531, 0.718282, 0.0]]), atol=1e-6, rtol=0)
+
+
+def test_policy_and_value_losses_average_over_valid_tokens():
+    # ratios (1.5, 0.5, 1) with Â = (1, 1, 100), the third token padding; ε = 0.2:
+    #   max(−1.5, −1.2) = −1.2;  max(−0.5, −0.8) = −0.5;  mean over the 2 valid tokens = −0.85
+    mask = T([[1.0, 1, 0]])
+    loss, ratio = rlhf_ppo.policy_loss(T([[math.log(1.5), math.log(0.5), 0.0]]), T([[0.0, 0.0, 0.0]]),
+                                       T([[1.0, 1.0, 100.0]]), mask, 0.2)
+    assert loss.item() == pytest.approx(-0.85)
+    torch.testing.assert_close(ratio, T([[1.5, 0.5, 1.0]]))
+    # V = (2, .5), V_old = (1, 1), R = (3, 0), ε = .2: max((2−3)², (1.2−3)²) = 3.24, max(.25, .64) = .64
+    #   ½·(3.24 + .64)/2 = 0.97; the padded token (V = 7, R = 0) does not count
+    assert rlhf_ppo.value_loss(T([[2.0, 0.5, 7.0]]), T([[1.0, 1.0, 0.0]]), T([[3.0, 0.0, 0.0]]), mask,
+                               0.2).item() == pytest.approx(0.97)
+
+
+def test_adaptive_kl_controller_step():
+    # β = 0.1, target 4, horizon 10000, 128 responses:
+    #   KL 6:   e = clip(6/4 − 1, ±.2) = .2     β = .1 · (1 + .2 · 128/10000) = 0.100256
+    #   KL 3.8: e = 3.8/4 − 1 = −.05            β = .1 · (1 − .05 · 128/10000) = 0.099936
+    assert rlhf_ppo.adaptive_kl_coef(0.1, 6.0, 4.0, 10_000, 128) == pytest.approx(0.100256)
+    assert rlhf_ppo.adaptive_kl_coef(0.1, 3.8, 4.0, 10_000, 128) == pytest.approx(0.099936)
+
+
+def test_dpo_loss_variants():
+    # log π(y_w) = −3, log π(y_l) = −5, log π_ref = −4 for both: logratios 1 and −1, h = 2
+    args = (T([-3.0]), T([-5.0]), T([-4.0]), T([-4.0]))
+    # sigmoid, β = .5: −log σ(1) = log(1 + e^−1) = 0.313262
+    loss, r_c, r_r = dpo.dpo_loss(*args, beta=0.5)
+    assert loss.item() == pytest.approx(0.313262, abs=1e-6)
+    assert (r_c.item(), r_r.item()) == (pytest.approx(0.5), pytest.approx(-0.5))  # β · logratio
+    # label smoothing ε = .1: .9 · 0.313262 + .1 · (−log σ(−1) = 1.313262) = 0.413262
+    assert dpo.dpo_loss(*args, beta=0.5, label_smoothing=0.1)[0].item() == pytest.approx(0.413262, abs=1e-6)
+    # ipo, β = .5: (h − 1/(2β))² = (2 − 1)² = 1;  β = .25: (2 − 2)² = 0
+    assert dpo.dpo_loss(*args, beta=0.5, loss_type="ipo")[0].item() == pytest.approx(1.0)
+    assert dpo.dpo_loss(*args, beta=0.25, loss_type="ipo")[0].item() == pytest.approx(0.0)
+    # hinge: max(0, 1 − β h): β = .25 → .5;  β = .5 → 0
+    assert dpo.dpo_loss(*args, beta=0.25, loss_type="hinge")[0].item() == pytest.approx(0.5)
+    assert dpo.dpo_loss(*args, beta=0.5, loss_type="hinge")[0].item() == pytest.approx(0.0)
+
+
+def test_dpo_sequence_logps_sum_the_completion_only():
+    # A model whose logits are uniform over 4 tokens: every token costs log 4, so a completion of
+    # 3 labeled tokens (prompt of 2 masked, 1 padding) sums to −3 log 4 = −4.158883
+    class Uniform(torch.nn.Module):
+        def forward(self, input_ids, attention_mask, position_ids):
+            return type("Out", (), {"logits": torch.zeros(*input_ids.shape, 4)})()
+
+    labels = T([[-100, -100, 1, 2, 3, -100]]).long()
+    logps = dpo.sequence_logps(Uniform(), torch.zeros(1, 6).long(), torch.ones(1, 6).long(), labels)
+    assert logps.item() == pytest.approx(-3 * math.log(4))
+
+
+# ------------------------------------------------------------------------------------ end to end
+PPO_TINY = ["--num-iterations", "2", "--batch-size", "16", "--mini-batch-size", "8", "--ppo-epochs", "2",
+            "--eval-size", "16", "--eval-every", "1"]
+
+
+def test_rlhf_ppo_smoke_and_first_ratio_is_exactly_one(tiny_checkpoints):
+    cwd = tiny_checkpoints["cwd"]
+    run_script("rlhf_ppo.py", *PPO_TINY, cwd=cwd)
+    run_dir = sorted((cwd / "runs").glob("rlhf_ppo__*"))[-1]
+    scalars = read_scalars(str(run_dir))
+    for tag in ["objective/score", "objective/kl", "objective/kl_k3", "objective/entropy", "objective/non_score_reward",
+                "objective/rlhf_reward", "policy/approx_kl", "policy/clipfrac", "policy/ratio_mean", "policy/entropy",
+                "losses/policy_loss", "losses/value_loss", "val/explained_variance", "val/num_eos", "charts/kl_coef",
+                "eval/gold_accuracy", "eval/gold_score", "eval/score", "eval/kl"]:
+        assert tag in scalars, tag
+    # the rollout's log-probs and the first minibatch's are computed identically: ratio exactly 1
+    assert [v for _, v in scalars["policy/first_ratio_max_error"]] == [0.0, 0.0]
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(cwd / "models" / "rlhf_ppo")
+
+
+def test_rlhf_ppo_adaptive_kl_moves_the_coefficient(tiny_checkpoints):
+    cwd = tiny_checkpoints["cwd"]
+    run_script("rlhf_ppo.py", *PPO_TINY, "--kl-target", "0.001", "--kl-horizon", "100", "--output-dir", "models/ppo_kl",
+               cwd=cwd)
+    scalars = read_scalars(str(sorted((cwd / "runs").glob("rlhf_ppo__*"))[-1]))
+    kl_coefs = [v for _, v in scalars["charts/kl_coef"]]
+    kls = [v for _, v in scalars["objective/kl"]]
+    assert kl_coefs[0] == pytest.approx(0.05)
+    assert kl_coefs[1] == pytest.approx(rlhf_ppo.adaptive_kl_coef(0.05, kls[0], 0.001, 100, 16), rel=1e-5)
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_dpo_smoke(tiny_checkpoints, loss_type):
+    cwd = tiny_checkpoints["cwd"]
+    run_script("dpo.py", "--loss-type", loss_type, "--max-steps", "10", "--batch-size", "8", "--num-train-pairs", "200",
+               "--eval-size", "16", "--eval-every", "5", "--warmup-steps", "2", "--output-dir", f"models/dpo_{loss_type}",
+               cwd=cwd)
+    scalars = read_scalars(str(sorted((cwd / "runs").glob("dpo__*"))[-1]))
+    for tag in ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                "logps/rejected", "losses/loss", "eval/gold_accuracy", "eval/gold_score", "eval/score", "eval/kl"]:
+        assert tag in scalars, tag
+    assert scalars["eval/kl"][0][1] == pytest.approx(0.0, abs=1e-4)  # before training: the reference itself
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(cwd / "models" / f"dpo_{loss_type}")
+
+
+def test_bad_input_says_which_script_to_run_first(tiny_checkpoints, tmp_path):
+    assert_one_line_error(run_script("rlhf_ppo.py", cwd=tmp_path, check=False), "models/sft", "python sft.py")
+    proc = run_script("rlhf_ppo.py", "--sft-model-path", str(tiny_checkpoints["sft"]), cwd=tmp_path, check=False)
+    assert_one_line_error(proc, "models/reward_model", "python reward_model.py")
+    assert_one_line_error(run_script("dpo.py", cwd=tmp_path, check=False), "models/sft", "python sft.py")
+    proc = run_script("dpo.py", "--model-name-or-path", str(tiny_checkpoints["sft"]), "--loss-type", "nope",
+                      cwd=tmp_path, check=False)
+    assert_one_line_error(proc, "sigmoid")
+    assert not os.path.exists(tmp_path / "runs") and not os.path.exists(tmp_path / "models")
