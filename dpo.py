@@ -47,7 +47,7 @@ class Args:
 
     loss_type: str = "sigmoid"
     """sigmoid (DPO), ipo (Azar et al. 2023) or hinge (SLiC, Zhao et al. 2023)"""
-    beta: float = 0.1
+    beta: float = 0.5
     """β: the strength of the implicit KL constraint to the reference"""
     label_smoothing: float = 0.0
     """conservative DPO: the probability that a preference label is flipped (sigmoid loss only)"""
@@ -55,7 +55,7 @@ class Args:
     """optimizer steps (the data is cycled, reshuffled each pass)"""
     batch_size: int = 64
     """preference pairs per optimizer step"""
-    lr: float = 5e-4
+    lr: float = 1e-4
     """peak learning rate of AdamW"""
     warmup_steps: int = 30
     """linear warmup steps, then linear decay to 0"""
@@ -407,9 +407,9 @@ def main(args: Args):
         scheduler.step()
 
         if step % 10 == 0:
-            logs = {"losses/loss": loss, "rewards/chosen": r_c.mean(), "rewards/rejected": r_r.mean(),
+            logs = {"losses/loss": loss.item(), "rewards/chosen": r_c.mean(), "rewards/rejected": r_r.mean(),
                     "rewards/accuracies": (r_c > r_r).float().mean(), "rewards/margins": (r_c - r_r).mean(),
-                    "logps/chosen": chosen.mean(), "logps/rejected": rejected.mean(),
+                    "logps/chosen": chosen.detach().mean(), "logps/rejected": rejected.detach().mean(),
                     "charts/learning_rate": scheduler.get_last_lr()[0],
                     "charts/samples_per_second": step * args.batch_size / (time.time() - start_time)}
             for tag, value in logs.items():

@@ -54,14 +54,14 @@ class Args:
     """responses per gradient step"""
     ppo_epochs: int = 4
     """passes over each rollout"""
-    lr: float = 3e-4
+    lr: float = 1e-4
     """AdamW learning rate of the actor and the critic (constant)"""
     response_length: int = 12
     """new tokens sampled per response"""
     temperature: float = 1.0
     """sampling temperature; the log-probs of training divide the logits by it too"""
-    kl_coef: float = 0.05
-    """β of the per-token KL penalty (the start value when --kl-target is set)"""
+    kl_coef: float = 1.0
+    """β of the per-token KL penalty (the start value when --kl-target is set); see the README for why 1.0 here"""
     kl_target: float | None = None
     """adapt β toward this KL per sequence with the proportional controller of Ziegler et al. 2019"""
     kl_horizon: int = 10_000

@@ -14,8 +14,8 @@ W, H, PAD = 720, 260, 50
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]
 
 
-def panel(series, y0, title, lo, hi):
-    """One log-scale panel: series = [(label, [(step, value), ...])]."""
+def panel(series, y0, title, lo, hi, hlines=()):
+    """One log-scale panel: series = [(label, [(step, value), ...])], dashed lines at hlines = [(value, label)]."""
     max_step = max(s for _, pts in series for s, _ in pts)
     x = lambda s: PAD + (W - 2 * PAD) * s / max_step  # noqa: E731
     y = lambda v: y0 + H - PAD - (H - 2 * PAD) * (math.log10(max(v, 10**lo)) - lo) / (hi - lo)  # noqa: E731
@@ -23,6 +23,9 @@ def panel(series, y0, title, lo, hi):
            f'<rect x="{PAD}" y="{y0 + PAD}" width="{W - 2 * PAD}" height="{H - 2 * PAD}" fill="none" stroke="#999"/>']
     for e in range(lo, hi + 1):
         out.append(f'<text x="{PAD - 5}" y="{y(10**e) + 4:.1f}" font-size="10" text-anchor="end">1e{e}</text>')
+    for value, label in hlines:
+        out.append(f'<line x1="{PAD}" x2="{W - PAD}" y1="{y(value):.1f}" y2="{y(value):.1f}" stroke="black" stroke-dasharray="4 3"/>')
+        out.append(f'<text x="{W - PAD - 4}" y="{y(value) - 3:.1f}" font-size="10" text-anchor="end">{label}</text>')
     for i, (label, pts) in enumerate(series):
         path = " ".join(f"{x(s):.1f},{y(v):.1f}" for s, v in pts)
         out.append(f'<polyline points="{path}" fill="none" stroke="{COLORS[i % 6]}" stroke-width="1"/>')
@@ -43,7 +46,8 @@ def main(root, out_path):
     svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W + 80}" height="{2 * H}" font-family="sans-serif">',
            '<rect width="100%" height="100%" fill="white"/>']
     svg += panel(betas, 0, "ppo_kl.py CartPole-v1: β (log scale)", -12, 1)
-    svg += panel(kls, H, "KL[π_old ‖ π_new] after each update (log scale)", -6, -1)
+    svg += panel(kls, H, "KL[π_old ‖ π_new] after each update (log scale)", -6, -1,
+                 [(0.01 / 1.5, "0.01/1.5: below it β halves (d_targ 0.01)"), (0.001 / 1.5, "0.001/1.5")])
     os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
     with open(out_path, "w") as f:
         f.write("\n".join(svg + ["</svg>"]))

@@ -131,8 +131,8 @@ def test_rlhf_ppo_smoke_and_first_ratio_is_exactly_one(tiny_checkpoints):
 
 def test_rlhf_ppo_adaptive_kl_moves_the_coefficient(tiny_checkpoints):
     cwd = tiny_checkpoints["cwd"]
-    run_script("rlhf_ppo.py", *PPO_TINY, "--kl-target", "0.001", "--kl-horizon", "100", "--output-dir", "models/ppo_kl",
-               cwd=cwd)
+    run_script("rlhf_ppo.py", *PPO_TINY, "--kl-coef", "0.05", "--kl-target", "0.001", "--kl-horizon", "100",
+               "--output-dir", "models/ppo_kl", cwd=cwd)
     scalars = read_scalars(str(sorted((cwd / "runs").glob("rlhf_ppo__*"))[-1]))
     kl_coefs = [v for _, v in scalars["charts/kl_coef"]]
     kls = [v for _, v in scalars["objective/kl"]]
