@@ -46,7 +46,7 @@ class Args:
     output_dir: str = "models/rlhf_ppo"
     """where the trained policy is saved as a Hugging Face checkpoint (atomically)"""
 
-    num_iterations: int = 100
+    num_iterations: int = 80
     """rollout-then-update iterations"""
     batch_size: int = 128
     """prompts (and sampled responses) per rollout"""
@@ -54,8 +54,10 @@ class Args:
     """responses per gradient step"""
     ppo_epochs: int = 4
     """passes over each rollout"""
-    lr: float = 1e-4
-    """AdamW learning rate of the actor and the critic (constant)"""
+    lr: float = 1.5e-4
+    """AdamW learning rate of the actor and the critic"""
+    anneal_lr: bool = True
+    """linearly anneal the learning rate to 0 over the iterations (the late updates then settle)"""
     response_length: int = 12
     """new tokens sampled per response"""
     temperature: float = 1.0
@@ -383,6 +385,8 @@ def main(args: Args):
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
 
     train_prompts, eval_prompts, eval_targets = load_prompts(args)
+    if len(train_prompts) < args.batch_size:
+        sys.exit(f"error: {len(train_prompts)} training prompts, fewer than --batch-size {args.batch_size}; lower it")
     tokenizer, actor, ref, reward, critic = load_models(args, device)
     eos = tokenizer.eos_token_id
     optimizer = torch.optim.AdamW(list(actor.parameters()) + list(critic.parameters()), lr=args.lr)
@@ -424,6 +428,8 @@ def main(args: Args):
     start_time = time.time()
     rng = random.Random(args.seed)
     for iteration in range(1, args.num_iterations + 1):
+        if args.anneal_lr:
+            optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / args.num_iterations) * args.lr
         # ---- rollout: sample, then score every token with the four models --------------------------
         actor.eval(), critic.eval()
         prompts = rng.sample(train_prompts, args.batch_size)
@@ -489,7 +495,8 @@ def main(args: Args):
             "losses/policy_loss": sum(stats["pg_loss"]) / len(stats["pg_loss"]),
             "losses/value_loss": sum(stats["vf_loss"]) / len(stats["vf_loss"]),
             "val/explained_variance": explained_variance, "val/num_eos": has_eos.sum(),
-            "charts/kl_coef": kl_coef, "charts/episodes_per_second": iteration * args.batch_size / (time.time() - start_time),
+            "charts/kl_coef": kl_coef, "charts/learning_rate": optimizer.param_groups[0]["lr"],
+            "charts/episodes_per_second": iteration * args.batch_size / (time.time() - start_time),
         }
         for tag, value in logs.items():
             writer.add_scalar(tag, float(value), iteration)
