@@ -218,13 +218,16 @@ def load_models(args, device):
 
 
 def load_pairs(args):
-    """(train pairs, eval pairs, eval targets or None); a pair is a dict with prompt, chosen, rejected."""
+    """(train pairs, eval pairs, eval prompts, eval targets or None); a pair is a dict with prompt,
+    chosen, rejected. On the built-in task the eval pairs are reward_model.py's and the eval prompts
+    are those of sft.py and rlhf_ppo.py, so the sampled evaluations of all three compare directly."""
     if args.dataset_name is None:
         def pairs(split, n):
             rng = task_rng(args.seed, split)
             return [dict(zip(("prompt", "chosen", "rejected", "target"), preference_pair(rng))) for _ in range(n)]
-        evals = pairs("eval", args.eval_size)
-        return pairs("train", args.num_train_pairs), evals, [p["target"] for p in evals]
+        rng = task_rng(args.seed, "eval")
+        prompts = [make_prompt(rng) for _ in range(args.eval_size)]
+        return pairs("train", args.num_train_pairs), pairs("eval", args.eval_size), [p for p, _ in prompts], [t for _, t in prompts]
     import datasets
 
     datasets.disable_progress_bars()
@@ -246,9 +249,9 @@ def load_pairs(args):
     rows = [dict(row, prompt=row.get("prompt") or "") for row in data[args.dataset_split]]
     if "test" in data:
         evals = [dict(row, prompt=row.get("prompt") or "") for row in data["test"]][: args.eval_size]
-        return rows, evals, None
+        return rows, evals, [p["prompt"] for p in evals], None
     n_eval = min(args.eval_size, len(rows) // 10)
-    return rows[n_eval:], rows[:n_eval], None
+    return rows[n_eval:], rows[:n_eval], [p["prompt"] for p in rows[:n_eval]], None
 
 
 def tokenize(tokenizer, prompt, completion, max_length):
@@ -329,7 +332,7 @@ def main(args: Args):
     transformers.utils.logging.disable_progress_bar()
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
 
-    train_pairs, eval_pairs, eval_targets = load_pairs(args)
+    train_pairs, eval_pairs, eval_prompts, eval_targets = load_pairs(args)
     tokenizer, policy, ref, reward = load_models(args, device)
     tokenizer.padding_side = "right"
     encode = lambda pairs: [(tokenize(tokenizer, p["prompt"], p["chosen"], args.max_length),  # noqa: E731
@@ -363,8 +366,7 @@ def main(args: Args):
         writer.add_scalar("eval/loss", loss.item(), step)
         writer.add_scalar("eval/rewards_accuracy", (r_c > r_r).float().mean().item(), step)
         # the same sampled evaluation as rlhf_ppo.py: completions at temperature 1 on the eval prompts
-        prompts = [p["prompt"] for p in eval_pairs]
-        sequences, attention_mask, context_length, _ = sample(policy, tokenizer, prompts, args, device)
+        sequences, attention_mask, context_length, _ = sample(policy, tokenizer, eval_prompts, args, device)
         kl = (response_logps(policy, sequences, attention_mask, context_length, args.temperature)
               - response_logps(ref, sequences, attention_mask, context_length, args.temperature)).mean().item()
         writer.add_scalar("eval/kl", kl, step)
@@ -383,7 +385,7 @@ def main(args: Args):
             writer.add_scalar("eval/gold_accuracy", accuracy, step)
             writer.add_scalar("eval/gold_score", gold, step)
             line += f", eval/gold_accuracy {accuracy:.3f}, eval/gold_score {gold:.3f}"
-        writer.add_text("eval/samples", "\n".join(f"    {p} {c!r}" for p, c in zip(prompts[:8], completions)), step)
+        writer.add_text("eval/samples", "\n".join(f"    {p} {c!r}" for p, c in zip(eval_prompts[:8], completions)), step)
         print(line)
         policy.train()
 

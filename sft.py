@@ -245,7 +245,7 @@ def tokenize(example, tokenizer, max_length):
             sys.exit("error: the dataset has `messages` but the tokenizer has no chat template")
         def render(turns, **kwargs):
             ids = tokenizer.apply_chat_template(turns, tokenize=True, **kwargs)
-            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in transformers 5
 
         messages, ids, labels = example["messages"], [], []
         for i, message in enumerate(messages):

@@ -29,6 +29,21 @@ def test_sft_loss_masks_prompt_and_padding():
     assert halves.item() == pytest.approx(0.789041, abs=1e-6)
 
 
+def test_messages_format_takes_loss_on_assistant_turns_only():
+    from transformers import ByT5Tokenizer
+
+    tokenizer = ByT5Tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}<assistant>{% endif %}")
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                {"role": "user", "content": "ok"}, {"role": "assistant", "content": "42"}]
+    ids, labels = sft.tokenize({"messages": messages}, tokenizer, 200)
+    assert tokenizer.decode(ids) == "<user>hi\n<assistant>yo\n<user>ok\n<assistant>42\n"
+    # the assistant headers are prompt; the loss is on each assistant reply and its newline
+    assert tokenizer.decode([i for i, label in zip(ids, labels) if label != -100]) == "yo\n42\n"
+    assert all(label in (i, -100) for i, label in zip(ids, labels))
+
+
 def test_bradley_terry_loss_with_margin_and_centering():
     # r_c = (2, 0), r_r = (0, 1), margin (1, 0): logits r_c − r_r − m = (1, −1)
     #   −log σ(1) = log(1 + e^−1) = 0.313262;  −log σ(−1) = log(1 + e) = 1.313262;  mean 0.813262
