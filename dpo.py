@@ -246,12 +246,20 @@ def load_pairs(args):
     columns = data[args.dataset_split].column_names
     if not {"chosen", "rejected"} <= set(columns):
         sys.exit(f"error: dataset {name!r} has columns {columns}; dpo.py needs chosen and rejected (and optionally prompt)")
-    rows = [dict(row, prompt=row.get("prompt") or "") for row in data[args.dataset_split]]
-    if "test" in data:
-        evals = [dict(row, prompt=row.get("prompt") or "") for row in data["test"]][: args.eval_size]
-        return rows, evals, [p["prompt"] for p in evals], None
-    n_eval = min(args.eval_size, len(rows) // 10)
-    return rows[n_eval:], rows[:n_eval], [p["prompt"] for p in rows[:n_eval]], None
+    def with_prompt(row):
+        """Implicit-prompt pairs: the common prefix of chosen and rejected is the prompt (as TRL does)."""
+        if row.get("prompt"):
+            return row
+        prompt = os.path.commonprefix([row["chosen"], row["rejected"]])
+        return dict(row, prompt=prompt, chosen=row["chosen"][len(prompt) :], rejected=row["rejected"][len(prompt) :])
+
+    rows = [with_prompt(row) for row in data[args.dataset_split]]
+    evals = [with_prompt(row) for row in data["test"]] if "test" in data else rows[: min(args.eval_size, len(rows) // 10)]
+    if "test" not in data:
+        rows = rows[len(evals) :]
+    evals = evals[: args.eval_size]
+    prompts = [p["prompt"] for p in evals if p["prompt"]]  # sampling needs a non-empty prompt
+    return rows, evals, prompts, None
 
 
 def tokenize(tokenizer, prompt, completion, max_length):
@@ -365,6 +373,10 @@ def main(args: Args):
             loss, r_c, r_r = dpo_loss(chosen, rejected, ref_c, ref_r, args.beta, args.loss_type, args.label_smoothing)
         writer.add_scalar("eval/loss", loss.item(), step)
         writer.add_scalar("eval/rewards_accuracy", (r_c > r_r).float().mean().item(), step)
+        if not eval_prompts:
+            print(f"step {step}: eval/loss {loss.item():.4f} (no prompts to sample from)")
+            policy.train()
+            return
         # the same sampled evaluation as rlhf_ppo.py: completions at temperature 1 on the eval prompts
         sequences, attention_mask, context_length, _ = sample(policy, tokenizer, eval_prompts, args, device)
         kl = (response_logps(policy, sequences, attention_mask, context_length, args.temperature)
@@ -425,4 +437,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(tyro.cli(Args, description=__doc__))

@@ -514,4 +514,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(tyro.cli(Args, description=__doc__))
