@@ -6,7 +6,7 @@ completion of each pair scores above the rejected one (Ouyang et al. 2022, eq. 1
 
     loss = −log σ(r(x, y_chosen) − r(x, y_rejected) − margin)
 
-    python sft.py && python reward_model.py                          # built-in task, ~2 min on 2 CPU cores
+    python sft.py && python reward_model.py                          # built-in task: ~100 s, then ~80 s on 2 CPU cores
     python reward_model.py --model-name-or-path my-sft --dataset-name trl-lib/ultrafeedback_binarized
 
 Datasets in TRL's preference format: `prompt`/`chosen`/`rejected`, or `chosen`/`rejected` with the
