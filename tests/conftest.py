@@ -34,15 +34,6 @@ def read_scalars(run_dir):
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def read_texts(run_dir):
-    """{tag: [text, ...]} of every add_text in a TensorBoard run directory."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(run_dir, size_guidance={"tensors": 0})
-    acc.Reload()
-    return {tag: [e.tensor_proto.string_val[0].decode() for e in acc.Tensors(tag)] for tag in acc.Tags()["tensors"]}
-
-
 def assert_one_line_error(proc, *words):
     """Bad input: non-zero exit, a single line on stderr that names the problem, no traceback."""
     assert proc.returncode != 0
