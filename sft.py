@@ -4,7 +4,7 @@ By default, offline: a tiny GPT-2 built from a config learns the built-in `sort 
 a sloppy demonstrator (half its answers have one adjacent swap), so every later stage can be measured
 against an exact gold reward. The same program fine-tunes a real model on a real dataset:
 
-    python sft.py                                                    # built-in task, ~2 min on 2 CPU cores
+    python sft.py                                                    # built-in task, ~100 s on 2 CPU cores
     python sft.py --model-name-or-path Qwen/Qwen2.5-0.5B --dataset-name trl-lib/Capybara --lr 2e-5
     python sft.py --dataset-name data.jsonl --model-name-or-path models/sft
 
