@@ -9,9 +9,13 @@ policy is fit to preference pairs directly (eq. 7):
 
     python sft.py && python dpo.py                                   # built-in task, CPU
     python dpo.py --loss-type ipo --beta 0.5
-    python dpo.py --model-name-or-path my-sft --dataset-name trl-lib/ultrafeedback_binarized
+    python dpo.py --model-name-or-path my-sft --dataset-name trl-lib/ultrafeedback_binarized --lr 5e-7 --beta 0.1 --bf16
+
+Datasets in TRL's preference formats, text or conversational: `prompt`/`chosen`/`rejected`, or
+`chosen`/`rejected` with the prompt inside each.
 """
 import json
+import math
 import os
 import random
 import shutil
@@ -37,7 +41,7 @@ class Args:
     model_name_or_path: str = "models/sft"
     """the policy's start and the frozen reference (sft.py's output by default)"""
     reward_model_path: str | None = "models/reward_model"
-    """a reward model used only to report eval/score (skipped when None or missing)"""
+    """a reward model used only to report eval/score (skipped when None or missing; must share the SFT tokenizer)"""
     dataset_name: str | None = None
     """hub id, local dataset directory, or .json/.jsonl/.parquet file in TRL's preference format; None: built-in task"""
     dataset_split: str = "train"
@@ -46,7 +50,8 @@ class Args:
     """where the trained policy is saved as a Hugging Face checkpoint (atomically)"""
 
     loss_type: str = "sigmoid"
-    """sigmoid (DPO), ipo (Azar et al. 2023) or hinge (SLiC, Zhao et al. 2023)"""
+    """sigmoid (DPO), ipo (Azar et al. 2023; on summed log-probs as in the paper, where TRL averages them per
+    token, so TRL's IPO β values do not transfer) or hinge (SLiC, Zhao et al. 2023)"""
     beta: float = 0.5
     """β: the strength of the implicit KL constraint to the reference"""
     label_smoothing: float = 0.0
@@ -56,13 +61,16 @@ class Args:
     batch_size: int = 64
     """preference pairs per optimizer step"""
     lr: float = 1e-4
-    """peak learning rate of AdamW"""
+    """peak learning rate of AdamW (a pretrained model wants ~5e-7 to 1e-6)"""
     warmup_steps: int = 30
-    """linear warmup steps, then linear decay to 0"""
+    """linear warmup steps (0: none), then linear decay to 0"""
     max_grad_norm: float = 1.0
     """clip the global gradient norm to this"""
     max_length: int = 64
-    """prompt + completion are truncated to this many tokens (the EOS is kept)"""
+    """longest prompt + completion in tokens: pairs with a longer side are dropped (and counted)"""
+    bf16: bool = False
+    """mixed precision: forward and backward autocast to bfloat16 (CUDA or CPU); the policy's weights and AdamW
+    state stay float32, the frozen reference and reward model are held in bfloat16"""
     num_train_pairs: int = 20_000
     """size of the built-in task's training set"""
     eval_every: int = 100
@@ -73,6 +81,8 @@ class Args:
     """new tokens sampled per completion in evaluation"""
     temperature: float = 1.0
     """sampling temperature in evaluation (1: the trained policy itself)"""
+    missing_eos_penalty: float = -3.0
+    """eval/score of a sampled completion with no stop token, as in rlhf_ppo.py (reporting only)"""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,7 +167,8 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_r
     the completion tokens:
 
         sigmoid   −(1 − ε) log σ(β h) − ε log σ(−β h)      (DPO eq. 7; ε > 0: conservative DPO)
-        ipo       (h − 1/(2β))²                           (IPO, Azar et al. 2023, eq. 17)
+        ipo       (h − 1/(2β))²                           (IPO, Azar et al. 2023, eq. 17; h from summed
+                                                          log-probs as in the paper, TRL averages per token)
         hinge     max(0, 1 − β h)                         (SLiC, Zhao et al. 2023)
 
     Returns (loss, chosen_rewards, rejected_rewards): the implicit rewards β (log π − log π_ref) (eq. 5)."""
@@ -186,52 +197,114 @@ def sequence_logps(model, input_ids, attention_mask, labels):
 
 
 # ---------------------------------------------------------------------------------------------
-# Models, data, and the evaluation shared in spirit (and tags) with rlhf_ppo.py
+# Tokenization as the model expects it. The same text in sft.py, reward_model.py, rlhf_ppo.py and
+# dpo.py (tests check the copies), so that the reward model scores exactly the token sequences SFT
+# trained on and PPO/DPO produce. Data rows are in TRL's formats: text, or conversations (lists of
+# {"role", "content"} messages) rendered by the tokenizer's chat template.
 # ---------------------------------------------------------------------------------------------
-def load_models(args, device):
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-
-    path = args.model_name_or_path
-    if not os.path.isdir(path) and (path.startswith((".", "/", "~", "models/")) or path.count("/") > 1):
-        hint = "run `python sft.py` first" if path == "models/sft" else "pass an existing directory or a hub id"
-        sys.exit(f"error: model directory {path!r} does not exist; {hint}")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        policy = AutoModelForCausalLM.from_pretrained(path).to(device)
-        ref = AutoModelForCausalLM.from_pretrained(path).to(device).eval().requires_grad_(False)
-        reward = None
-        if args.reward_model_path and os.path.isdir(args.reward_model_path):
-            reward = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, num_labels=1)
-            reward = reward.to(device).eval().requires_grad_(False)
-    except (OSError, ValueError) as e:
-        sys.exit(f"error: cannot load the models: {str(e).splitlines()[0]}")
-    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
-        tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
-        policy.resize_token_embeddings(len(tokenizer))
-        ref.resize_token_embeddings(len(tokenizer))
-    for model in (policy, ref):
-        model.config.pad_token_id = tokenizer.pad_token_id
-        for module in model.modules():  # dropout off: the log-prob ratios must be deterministic
-            if isinstance(module, torch.nn.Dropout):
-                module.p = 0.0
-    return tokenizer, policy, ref, reward
+def render_chat(tokenizer, messages, add_generation_prompt=False):
+    """Token ids of a conversation rendered by the tokenizer's chat template."""
+    if tokenizer.chat_template is None:
+        sys.exit("error: the data is conversational (lists of role/content messages) but the tokenizer has no "
+                 "chat template; use a chat model's tokenizer, or text data")
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in transformers 5
 
 
-def load_pairs(args):
-    """(train pairs, eval pairs, eval prompts, eval targets or None); a pair is a dict with prompt,
-    chosen, rejected. On the built-in task the eval pairs are reward_model.py's and the eval prompts
-    are those of sft.py and rlhf_ppo.py, so the sampled evaluations of all three compare directly."""
-    if args.dataset_name is None:
-        def pairs(split, n):
-            rng = task_rng(args.seed, split)
-            return [dict(zip(("prompt", "chosen", "rejected", "target"), preference_pair(rng))) for _ in range(n)]
-        rng = task_rng(args.seed, "eval")
-        prompts = [make_prompt(rng) for _ in range(args.eval_size)]
-        return pairs("train", args.num_train_pairs), pairs("eval", args.eval_size), [p for p, _ in prompts], [t for _, t in prompts]
+def encode_prompt(tokenizer, prompt):
+    """A prompt's token ids: a conversation through the chat template, ending with the assistant's header;
+    a text with BOS first where the tokenizer prepends one (Llama, Mistral, Gemma), and never the EOS that
+    T5-style tokenizers append as their special token."""
+    if isinstance(prompt, list):
+        return render_chat(tokenizer, prompt, add_generation_prompt=True)
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token_id
+    if bos is not None and tokenizer("")["input_ids"][:1] == [bos] and ids[:1] != [bos]:
+        ids = [bos] + ids
+    return ids
+
+
+def stop_token_ids(tokenizer):
+    """The tokens that end a completion: EOS, and the chat template's end-of-turn token when it is another
+    one (ChatML's <|im_end|>, Llama 3's <|eot_id|>). One set for the SFT labels, sampling, the response
+    mask, the reward model's scoring position and the missing-EOS penalty."""
+    stops = [tokenizer.eos_token_id]
+    if tokenizer.chat_template is not None:
+        turn = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
+        try:
+            full = render_chat(tokenizer, turn)
+            header = render_chat(tokenizer, turn[:1], add_generation_prompt=True)
+        except Exception:  # noqa: BLE001  a template that cannot render this probe: EOS alone
+            return stops
+        special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+        end_of_turn = next((t for t in full[len(header) :] if t in special), None)
+        if end_of_turn is not None and end_of_turn not in stops:
+            stops.append(end_of_turn)
+    return stops
+
+
+def tokenize_pair(tokenizer, prompt, completion, stop_ids):
+    """(prompt_ids, completion_ids), the completion ending with a stop token. A text completion is
+    tokenized on its own, EOS appended. A conversational one (assistant messages after a conversational
+    prompt) is what the chat template adds to the prompt's rendering, up to and including its first stop
+    token: what a template writes after it (a newline) is never sampled, so it is not trained on either."""
+    prompt_ids = encode_prompt(tokenizer, prompt)
+    if not isinstance(completion, list):
+        return prompt_ids, tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    full = render_chat(tokenizer, prompt + completion)
+    if full[: len(prompt_ids)] != prompt_ids:
+        sys.exit("error: the chat template renders a conversation's start differently once a reply follows, so "
+                 "prompt and completion tokens cannot be told apart; use text prompt/completion data")
+    completion_ids = full[len(prompt_ids) :]
+    ends = [i for i, t in enumerate(completion_ids) if t in stop_ids]
+    return prompt_ids, completion_ids[: ends[0] + 1] if ends else completion_ids + [tokenizer.eos_token_id]
+
+
+def add_pad_token(tokenizer, stop_ids, *models):
+    """Make sure the tokenizer has a pad token that is no stop token, so that masking padding never masks
+    an EOS the model must learn. Reuse an unused special token where the tokenizer has one (Llama 3's
+    <|finetune_right_pad_id|>, reserved or unused tokens), else add <|pad|>; grow the embeddings only if
+    the new id does not fit (to a multiple of 64), and never shrink a vocabulary padded for speed."""
+    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id not in stop_ids:
+        return
+    taken = set(stop_ids) | {tokenizer.bos_token_id, tokenizer.unk_token_id}
+    unused = [t.content for i, t in sorted(tokenizer.added_tokens_decoder.items())
+              if t.special and i not in taken and t.content not in (tokenizer.chat_template or "")]
+    preferred = [c for c in unused if "pad" in c.lower()] + [c for c in unused if "reserved" in c or "unused" in c]
+    tokenizer.add_special_tokens({"pad_token": preferred[0] if preferred else "<|pad|>"})
+    for model in models:
+        if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+            model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
+
+
+def tokenize_preference(tokenizer, row, stop_ids):
+    """(prompt_ids, chosen_ids, rejected_ids) of a preference row in any of TRL's formats: explicit
+    (`prompt`, `chosen`, `rejected`) or implicit (`chosen` and `rejected` each include the prompt), text or
+    conversational. An implicit prompt is what the two share at the start, as in TRL: whole messages of
+    a conversation, whole tokens of a text (so a word is never split and keeps its leading space)."""
+    prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
+    if not prompt and isinstance(chosen, list):
+        n = 0
+        while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+            n += 1
+        prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+    elif not prompt:
+        c, r = encode_prompt(tokenizer, chosen), encode_prompt(tokenizer, rejected)
+        n = len(os.path.commonprefix([c, r]))
+        return c[:n], c[n:] + [tokenizer.eos_token_id], r[n:] + [tokenizer.eos_token_id]
+    prompt_ids, chosen_ids = tokenize_pair(tokenizer, prompt, chosen, stop_ids)
+    return prompt_ids, chosen_ids, tokenize_pair(tokenizer, prompt, rejected, stop_ids)[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading and training helpers, the same text in every LM script (tests check the copies)
+# ---------------------------------------------------------------------------------------------
+def load_rows(name, split, eval_size):
+    """(train rows, eval rows) of a dataset: a hub id, a `save_to_disk` directory or a .json/.jsonl/.parquet
+    file. The eval rows are its `test` split, or else the first rows of `split` (at most a tenth), held out."""
     import datasets
 
     datasets.disable_progress_bars()
-    name = args.dataset_name
     try:
         if name.endswith((".json", ".jsonl", ".parquet")):
             if not os.path.isfile(name):
@@ -243,80 +316,31 @@ def load_pairs(args):
             data = datasets.load_dataset(name)
     except Exception as e:  # noqa: BLE001  any loading failure becomes one line
         sys.exit(f"error: cannot load dataset {name!r}: {str(e).splitlines()[0]}")
-    columns = data[args.dataset_split].column_names
-    if not {"chosen", "rejected"} <= set(columns):
-        sys.exit(f"error: dataset {name!r} has columns {columns}; dpo.py needs chosen and rejected (and optionally prompt)")
-    def with_prompt(row):
-        """Implicit-prompt pairs: the common prefix of chosen and rejected is the prompt (as TRL does)."""
-        if row.get("prompt"):
-            return row
-        prompt = os.path.commonprefix([row["chosen"], row["rejected"]])
-        return dict(row, prompt=prompt, chosen=row["chosen"][len(prompt) :], rejected=row["rejected"][len(prompt) :])
-
-    rows = [with_prompt(row) for row in data[args.dataset_split]]
-    evals = [with_prompt(row) for row in data["test"]] if "test" in data else rows[: min(args.eval_size, len(rows) // 10)]
-    if "test" not in data:
-        rows = rows[len(evals) :]
-    evals = evals[: args.eval_size]
-    prompts = [p["prompt"] for p in evals if p["prompt"]]  # sampling needs a non-empty prompt
-    return rows, evals, prompts, None
+    if split not in data:
+        sys.exit(f"error: dataset {name!r} has the splits {list(data)}; pass one of them as --dataset-split")
+    rows = list(data[split])
+    if "test" in data and split != "test":
+        return rows, list(data["test"])[:eval_size]
+    n_eval = min(eval_size, len(rows) // 10)
+    return rows[n_eval:], rows[:n_eval]
 
 
-def tokenize(tokenizer, prompt, completion, max_length):
-    """(input_ids, labels): prompt + completion + EOS, labels −100 on the prompt; the EOS is kept."""
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
-    ids = (prompt_ids + completion_ids)[: max_length - 1] + [tokenizer.eos_token_id]
-    labels = ([-100] * len(prompt_ids) + completion_ids)[: max_length - 1] + [tokenizer.eos_token_id]
-    return ids, labels
+def get_lr(step, lr, warmup_steps, max_steps, decay):
+    """Learning rate of optimizer step `step` = 0, 1, ...: linear warmup to `lr` over `warmup_steps` steps,
+    then decay to 0 at `max_steps`, "linear" (1 − p) or "cosine" (½(1 + cos πp)), p the fraction of decay done."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return lr * (1 - progress) if decay == "linear" else lr * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def collate(sequences, pad_token_id, device):
-    """Right-pad a list of (input_ids, labels)."""
-    width = max(len(ids) for ids, _ in sequences)
-    input_ids = torch.tensor([ids + [pad_token_id] * (width - len(ids)) for ids, _ in sequences], device=device)
-    labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in sequences], device=device)
-    attention_mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in sequences], device=device)
-    return input_ids, attention_mask, labels
-
-
-@torch.no_grad()
-def sample(policy, tokenizer, prompts, args, device):
-    """Left-padded prompts → (sequences, attention_mask, context_length, response_mask), each response
-    cut after its first EOS."""
-    tokenizer.padding_side = "left"
-    batch = tokenizer(prompts, add_special_tokens=False, padding=True, return_tensors="pt").to(device)
-    out = policy.generate(**batch, do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,
-                          max_new_tokens=args.response_length, pad_token_id=tokenizer.pad_token_id,
-                          eos_token_id=tokenizer.eos_token_id)
-    tokenizer.padding_side = "right"
-    context_length = batch["input_ids"].shape[1]
-    responses = F.pad(out[:, context_length:], (0, args.response_length - out.shape[1] + context_length),
-                      value=tokenizer.pad_token_id)
-    is_eos = responses == tokenizer.eos_token_id
-    response_mask = ((is_eos.cumsum(1) - is_eos.long()) == 0).long()
-    responses = responses.masked_fill(response_mask == 0, tokenizer.pad_token_id)
-    return (torch.cat([batch["input_ids"], responses], 1), torch.cat([batch["attention_mask"], response_mask], 1),
-            context_length, response_mask)
-
-
-@torch.no_grad()
-def response_logps(model, sequences, attention_mask, context_length, temperature):
-    """Σ_t log π(a_t | s_t) over each sampled response's valid tokens."""
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids).logits
-    logits = logits[:, context_length - 1 : -1] / temperature
-    logps = torch.gather(F.log_softmax(logits.float(), -1), 2, sequences[:, context_length:].unsqueeze(-1)).squeeze(-1)
-    return (logps * attention_mask[:, context_length:]).sum(1)
-
-
-@torch.no_grad()
-def reward_scores(reward, sequences, attention_mask):
-    """The reward model's score at each sequence's last non-pad token."""
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    hidden = reward.base_model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
-    last = attention_mask.shape[1] - 1 - attention_mask.flip(1).argmax(1)
-    return reward.score(hidden).squeeze(-1)[torch.arange(len(sequences)), last]
+def check_finite(step, **values):
+    """Stop the run with one line, before anything is saved, when a loss or gradient norm is NaN or inf."""
+    for name, value in values.items():
+        value = float(torch.as_tensor(value).detach())
+        if not math.isfinite(value):
+            sys.exit(f"error: {name} is {value} at step {step}; stopped, nothing saved "
+                     "(lower --lr; with a half-precision model, train without --bf16 to check)")
 
 
 def save_atomically(model, tokenizer, args, output_dir):
@@ -331,6 +355,152 @@ def save_atomically(model, tokenizer, args, output_dir):
     os.replace(tmp_dir, output_dir)
 
 
+def dropout_off(config):
+    """Every dropout probability of a transformers config set to 0, before the model is built: Llama's and
+    Qwen2's attention dropout is no nn.Dropout module but a number each layer reads from the config."""
+    for key, value in list(vars(config).items()):
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            setattr(config, key, 0.0)
+    return config
+
+
+def position_ids_of(attention_mask):
+    """Positions count real tokens only, so left padding does not shift them."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def last_token_index(attention_mask):
+    """Index of the last non-pad token of each row, under left or right padding: the largest position
+    whose mask is 1 (for right padding, the number of tokens − 1)."""
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return (positions * attention_mask).argmax(-1)
+
+
+def token_scores(model, sequences, attention_mask):
+    """The scalar head of a sequence-classification model on every position: [batch, length]."""
+    hidden = model.base_model(input_ids=sequences, attention_mask=attention_mask,
+                              position_ids=position_ids_of(attention_mask)).last_hidden_state
+    return model.score(hidden).squeeze(-1).float()
+
+
+@torch.no_grad()
+def score_responses(reward, sequences, attention_mask, response_mask, stop_ids, missing_eos_penalty):
+    """The reward model's score at each response's last token, its stop token; `missing_eos_penalty`
+    instead for a response with no stop token in the length sampled (an unfinished answer is not scored).
+    Returns (scores, has_stop)."""
+    scores = token_scores(reward, sequences, attention_mask)[torch.arange(len(sequences)), last_token_index(attention_mask)]
+    responses = sequences[:, -response_mask.shape[1] :]
+    has_stop = (torch.isin(responses, torch.tensor(stop_ids, device=responses.device)) & response_mask.bool()).any(1)
+    return torch.where(has_stop, scores, torch.full_like(scores, missing_eos_penalty)), has_stop
+
+
+@torch.no_grad()
+def sample(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature=1.0, greedy=False):
+    """Complete each prompt (lists of token ids, left-padded here) and cut each response after its first
+    stop token. Returns (sequences, attention_mask, context_length, response_mask), response_mask 1 on
+    response tokens up to and including the first stop token. Every sampling setting is explicit: the
+    checkpoint's generation_config.json (repetition_penalty, min_new_tokens, top_k, ...) would otherwise
+    fill the unset ones and sample from another distribution than the one whose log-probs are trained."""
+    from transformers import GenerationConfig
+
+    width = max(len(p) for p in prompt_ids)
+    input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompt_ids], device=model.device)
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=model.device)
+    model.generation_config = GenerationConfig(eos_token_id=stop_ids, pad_token_id=pad_token_id)
+    config = GenerationConfig(do_sample=not greedy, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+                              eos_token_id=stop_ids, pad_token_id=pad_token_id)
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+    responses = F.pad(out[:, width:], (0, max_new_tokens - (out.shape[1] - width)), value=pad_token_id)
+    is_stop = torch.isin(responses, torch.tensor(stop_ids, device=responses.device))
+    # 1 up to and including the first stop token: a token is valid while no stop token came strictly before it
+    response_mask = ((is_stop.cumsum(1) - is_stop.long()) == 0).long()
+    responses = responses.masked_fill(response_mask == 0, pad_token_id)
+    return (torch.cat([input_ids, responses], 1), torch.cat([attention_mask, response_mask], 1), width, response_mask)
+
+
+def decode(tokenizer, sequences, context_length, response_mask):
+    """The responses as text, up to their stop token, special tokens dropped."""
+    return [tokenizer.decode([t for t, m in zip(row, mask) if m], skip_special_tokens=True)
+            for row, mask in zip(sequences[:, context_length:].tolist(), response_mask.tolist())]
+
+
+def collate(batch, pad_token_id):
+    """Right-pad a list of (input_ids, labels): (input_ids, attention_mask, labels) tensors, labels −100 on padding."""
+    width = max(len(ids) for ids, _ in batch)
+    input_ids = torch.tensor([ids + [pad_token_id] * (width - len(ids)) for ids, _ in batch])
+    attention_mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in batch])
+    labels = torch.tensor([labels + [-100] * (width - len(labels)) for _, labels in batch])
+    return input_ids, attention_mask, labels
+
+
+@torch.no_grad()
+def response_logps(model, sequences, attention_mask, context_length, temperature):
+    """Σ_t log π(a_t | s_t) over each sampled response's valid tokens."""
+    logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_of(attention_mask)).logits
+    logits = logits[:, context_length - 1 : -1] / temperature
+    logps = torch.gather(F.log_softmax(logits.float(), -1), 2, sequences[:, context_length:].unsqueeze(-1)).squeeze(-1)
+    return (logps * attention_mask[:, context_length:]).sum(1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Models and data; the evaluation is rlhf_ppo.py's (same tags, same definitions)
+# ---------------------------------------------------------------------------------------------
+def load_models(args, device):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    path = args.model_name_or_path
+    if not os.path.isdir(path) and (path.startswith((".", "/", "~", "models/")) or path.count("/") > 1):
+        hint = "run `python sft.py` first" if path == "models/sft" else "pass an existing directory or a hub id"
+        sys.exit(f"error: model directory {path!r} does not exist; {hint}")
+    # The policy in float32 (master weights) whatever the checkpoint's dtype, the frozen models in the dtype
+    # they compute in; dropout off, also where it is a number read from the config (Llama's attention dropout)
+    frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        config = dropout_off(AutoConfig.from_pretrained(path))
+        policy = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32)
+        ref = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=frozen_dtype).eval().requires_grad_(False)
+        reward, reward_tokenizer = None, None
+        if args.reward_model_path and os.path.isdir(args.reward_model_path):
+            reward_tokenizer = AutoTokenizer.from_pretrained(args.reward_model_path)
+            rm_config = dropout_off(AutoConfig.from_pretrained(args.reward_model_path, num_labels=1))
+            reward = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, config=rm_config,
+                                                                        dtype=frozen_dtype).eval().requires_grad_(False)
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: cannot load the models: {str(e).splitlines()[0]}")
+    stop_ids = stop_token_ids(tokenizer)
+    add_pad_token(tokenizer, stop_ids, *[m for m in (policy, ref, reward) if m is not None])
+    if reward is not None:
+        add_pad_token(reward_tokenizer, stop_ids)
+        if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
+            sys.exit(f"error: the reward model {args.reward_model_path!r} has another tokenizer than {path!r}; pass "
+                     "--reward-model-path of one trained from this model, or None")
+    for model in (policy, ref, reward):
+        if model is not None:
+            model.config.pad_token_id = tokenizer.pad_token_id
+            model.to(device)
+    return tokenizer, stop_ids, policy, ref, reward
+
+
+def load_pairs(args):
+    """(train rows, eval rows, eval prompts or None, eval targets or None). On the built-in task the eval
+    pairs are reward_model.py's and the eval prompts are those of sft.py and rlhf_ppo.py, so the sampled
+    evaluations of all three compare directly; with a dataset, the prompts of the eval pairs are sampled."""
+    if args.dataset_name is None:
+        def pairs(split, n):
+            rng = task_rng(args.seed, split)
+            return [dict(zip(("prompt", "chosen", "rejected", "target"), preference_pair(rng))) for _ in range(n)]
+        rng = task_rng(args.seed, "eval")
+        prompts = [make_prompt(rng) for _ in range(args.eval_size)]
+        return pairs("train", args.num_train_pairs), pairs("eval", args.eval_size), [p for p, _ in prompts], [t for _, t in prompts]
+    train, evals = load_rows(args.dataset_name, args.dataset_split, args.eval_size)
+    columns = sorted(train[0]) if train else []
+    if not {"chosen", "rejected"} <= set(columns):
+        sys.exit(f"error: dataset {args.dataset_name!r} has columns {columns}; dpo.py needs chosen and rejected "
+                 "(and optionally prompt)")
+    return train, evals, None, None
+
+
 def main(args: Args):
     if args.loss_type not in ("sigmoid", "ipo", "hinge"):
         sys.exit(f"error: --loss-type {args.loss_type!r}: choose sigmoid, ipo or hinge")
@@ -339,18 +509,51 @@ def main(args: Args):
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
 
-    train_pairs, eval_pairs, eval_prompts, eval_targets = load_pairs(args)
-    tokenizer, policy, ref, reward = load_models(args, device)
-    tokenizer.padding_side = "right"
-    encode = lambda pairs: [(tokenize(tokenizer, p["prompt"], p["chosen"], args.max_length),  # noqa: E731
-                             tokenize(tokenizer, p["prompt"], p["rejected"], args.max_length)) for p in pairs]
-    train, evals = encode(train_pairs), encode(eval_pairs)
+    train_rows, eval_rows, eval_prompts, eval_targets = load_pairs(args)
+    tokenizer, stop_ids, policy, ref, reward = load_models(args, device)
+
+    def encode_pairs(rows, split):
+        """[((chosen ids, labels), (rejected ids, labels))] and the prompts' ids: a pair whose sides do not fit
+        --max-length, or are the same tokens, is dropped (and counted) rather than cut, so no fake EOS and no
+        zero-gradient pair is trained on."""
+        pairs, prompts, too_long, same = [], [], 0, 0
+        for row in rows:
+            prompt_ids, chosen_ids, rejected_ids = tokenize_preference(tokenizer, row, stop_ids)
+            if len(prompt_ids) + max(len(chosen_ids), len(rejected_ids)) > args.max_length:
+                too_long += 1
+            elif chosen_ids == rejected_ids:
+                same += 1
+            else:
+                masked = [-100] * len(prompt_ids)  # labels: the completion and its stop token only
+                pairs.append(((prompt_ids + chosen_ids, masked + chosen_ids), (prompt_ids + rejected_ids, masked + rejected_ids)))
+                prompts.append(prompt_ids)
+        if too_long or same:
+            print(f"{split}: dropped {too_long:,} of {len(rows):,} pairs longer than --max-length {args.max_length}, "
+                  f"{same:,} whose chosen and rejected are the same tokens")
+        if not pairs and rows:
+            sys.exit(f"error: no {split} pair is left to train on (see above); raise --max-length or check the data")
+        return pairs, prompts
+
+    (train, _), (evals, eval_pair_prompts) = encode_pairs(train_rows, "train"), encode_pairs(eval_rows, "eval")
+    if eval_prompts is not None:
+        eval_ids = [encode_prompt(tokenizer, p) for p in eval_prompts]
+    else:  # each distinct, non-empty prompt of the eval pairs
+        eval_ids = [list(p) for p in dict.fromkeys(tuple(p) for p in eval_pair_prompts if p)]
+        eval_prompts = [tokenizer.decode(p, skip_special_tokens=True) for p in eval_ids]
+    positions = getattr(policy.config, "max_position_embeddings", None) or getattr(policy.config, "n_positions", None)
+    longest = max([args.max_length] + [len(p) + args.response_length for p in eval_ids])
+    if positions is not None and longest > positions:
+        sys.exit(f"error: sequences of {longest} tokens (--max-length, or an eval prompt + --response-length) exceed the "
+                 f"model's {positions} positions; lower them")
 
     def logps_of(model, batch):
         """Summed log-probs of the chosen and the rejected completions, in one forward pass."""
-        input_ids, attention_mask, labels = collate([c for c, _ in batch] + [r for _, r in batch], tokenizer.pad_token_id, device)
-        logps = sequence_logps(model, input_ids, attention_mask, labels)
+        input_ids, attention_mask, labels = (t.to(device) for t in collate([c for c, _ in batch] + [r for _, r in batch],
+                                                                          tokenizer.pad_token_id))
+        with amp():
+            logps = sequence_logps(model, input_ids, attention_mask, labels)
         return logps[: len(batch)], logps[len(batch) :]
 
     # The reference never changes: its log-probs are computed once, before training
@@ -362,42 +565,39 @@ def main(args: Args):
     writer = SummaryWriter(f"runs/{run_name}")
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(
-        (step + 1) / args.warmup_steps, max(0.0, (args.max_steps - step) / (args.max_steps - args.warmup_steps))))
 
     def evaluate(step):
         policy.eval()
-        with torch.no_grad():  # the preference metrics on held-out pairs
-            chosen, rejected = logps_of(policy, evals)
-            ref_c, ref_r = logps_of(ref, evals)
-            loss, r_c, r_r = dpo_loss(chosen, rejected, ref_c, ref_r, args.beta, args.loss_type, args.label_smoothing)
-        writer.add_scalar("eval/loss", loss.item(), step)
-        writer.add_scalar("eval/rewards_accuracy", (r_c > r_r).float().mean().item(), step)
-        if not eval_prompts:
-            print(f"step {step}: eval/loss {loss.item():.4f} (no prompts to sample from)")
-            policy.train()
-            return
-        # the same sampled evaluation as rlhf_ppo.py: completions at temperature 1 on the eval prompts
-        sequences, attention_mask, context_length, _ = sample(policy, tokenizer, eval_prompts, args, device)
-        kl = (response_logps(policy, sequences, attention_mask, context_length, args.temperature)
-              - response_logps(ref, sequences, attention_mask, context_length, args.temperature)).mean().item()
-        writer.add_scalar("eval/kl", kl, step)
-        line = f"step {step}: eval/loss {loss.item():.4f}, eval/kl {kl:.3f}"
-        if reward is not None:
-            score = reward_scores(reward, sequences, attention_mask).mean().item()
-            writer.add_scalar("eval/score", score, step)
-            line += f", eval/score {score:.3f}"
-        completions = []
-        for row in sequences[:, context_length:].tolist():
-            row = row[: row.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in row else row
-            completions.append(tokenizer.decode(row, skip_special_tokens=True))
-        if eval_targets is not None:
-            accuracy = sum(c == t for c, t in zip(completions, eval_targets)) / len(eval_targets)
-            gold = sum(gold_score(c, t) for c, t in zip(completions, eval_targets)) / len(eval_targets)
-            writer.add_scalar("eval/gold_accuracy", accuracy, step)
-            writer.add_scalar("eval/gold_score", gold, step)
-            line += f", eval/gold_accuracy {accuracy:.3f}, eval/gold_score {gold:.3f}"
-        writer.add_text("eval/samples", "\n".join(f"    {p} {c!r}" for p, c in zip(eval_prompts[:8], completions)), step)
+        line = f"step {step}:"
+        if evals:
+            with torch.no_grad():  # the preference metrics on held-out pairs
+                chosen, rejected = logps_of(policy, evals)
+                ref_c, ref_r = logps_of(ref, evals)
+                loss, r_c, r_r = dpo_loss(chosen, rejected, ref_c, ref_r, args.beta, args.loss_type, args.label_smoothing)
+            writer.add_scalar("eval/loss", loss.item(), step)
+            writer.add_scalar("eval/rewards_accuracy", (r_c > r_r).float().mean().item(), step)
+            line += f" eval/loss {loss.item():.4f}"
+        if eval_ids:  # the sampled evaluation of rlhf_ppo.py: completions at temperature 1 on the eval prompts
+            with torch.no_grad(), amp():
+                sequences, attention_mask, context_length, response_mask = sample(
+                    policy, eval_ids, tokenizer.pad_token_id, stop_ids, args.response_length, args.temperature)
+                kl = (response_logps(policy, sequences, attention_mask, context_length, args.temperature)
+                      - response_logps(ref, sequences, attention_mask, context_length, args.temperature)).mean().item()
+                if reward is not None:
+                    scores, _ = score_responses(reward, sequences, attention_mask, response_mask, stop_ids,
+                                                args.missing_eos_penalty)
+                    writer.add_scalar("eval/score", scores.mean().item(), step)
+                    line += f", eval/score {scores.mean().item():.3f}"
+            writer.add_scalar("eval/kl", kl, step)
+            line += f", eval/kl {kl:.3f}"
+            completions = decode(tokenizer, sequences, context_length, response_mask)
+            if eval_targets is not None:
+                accuracy = sum(c == t for c, t in zip(completions, eval_targets)) / len(eval_targets)
+                gold = sum(gold_score(c, t) for c, t in zip(completions, eval_targets)) / len(eval_targets)
+                writer.add_scalar("eval/gold_accuracy", accuracy, step)
+                writer.add_scalar("eval/gold_score", gold, step)
+                line += f", eval/gold_accuracy {accuracy:.3f}, eval/gold_score {gold:.3f}"
+            writer.add_text("eval/samples", "\n".join(f"    {p} {c!r}" for p, c in zip(eval_prompts[:8], completions)), step)
         print(line)
         policy.train()
 
@@ -411,20 +611,23 @@ def main(args: Args):
             position = 0
         idx = order[position : position + args.batch_size]
         position += args.batch_size
+        lr = get_lr(step - 1, args.lr, args.warmup_steps, args.max_steps, "linear")
+        for group in optimizer.param_groups:
+            group["lr"] = lr
         chosen, rejected = logps_of(policy, [train[i] for i in idx])
         loss, r_c, r_r = dpo_loss(chosen, rejected, ref_chosen[idx], ref_rejected[idx], args.beta, args.loss_type,
                                   args.label_smoothing)
         optimizer.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+        check_finite(step, loss=loss, grad_norm=grad_norm)
         optimizer.step()
-        scheduler.step()
 
         if step % 10 == 0:
             logs = {"losses/loss": loss.item(), "rewards/chosen": r_c.mean(), "rewards/rejected": r_r.mean(),
                     "rewards/accuracies": (r_c > r_r).float().mean(), "rewards/margins": (r_c - r_r).mean(),
                     "logps/chosen": chosen.detach().mean(), "logps/rejected": rejected.detach().mean(),
-                    "charts/learning_rate": scheduler.get_last_lr()[0],
+                    "charts/learning_rate": lr,
                     "charts/samples_per_second": step * args.batch_size / (time.time() - start_time)}
             for tag, value in logs.items():
                 writer.add_scalar(tag, float(value), step)

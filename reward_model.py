@@ -1,18 +1,20 @@
 """Reward model (RLHF stage 1b): a Bradley-Terry pairwise model of human preferences.
 
 The SFT model with a scalar head (`AutoModelForSequenceClassification`, num_labels=1) scores a whole
-sequence at its last token (the EOS appended to every sequence). It is trained so that the chosen
-completion of each pair scores above the rejected one (Ouyang et al. 2022, eq. 1; Bradley & Terry 1952):
+sequence at its last token (the stop token that ends every completion). It is trained so that the
+chosen completion of each pair scores above the rejected one (Ouyang et al. 2022, eq. 1; Bradley &
+Terry 1952):
 
     loss = −log σ(r(x, y_chosen) − r(x, y_rejected) − margin)
 
     python sft.py && python reward_model.py                          # built-in task: ~100 s, then ~80 s on 2 CPU cores
-    python reward_model.py --model-name-or-path my-sft --dataset-name trl-lib/ultrafeedback_binarized
+    python reward_model.py --model-name-or-path my-sft --dataset-name trl-lib/ultrafeedback_binarized --lr 1e-5 --bf16
 
-Datasets in TRL's preference format: `prompt`/`chosen`/`rejected`, or `chosen`/`rejected` with the
-prompt inside each; an optional `margin` column.
+Datasets in TRL's preference formats, text or conversational: `prompt`/`chosen`/`rejected`, or
+`chosen`/`rejected` with the prompt inside each; an optional `margin` column. Dropout is off, as in TRL.
 """
 import json
+import math
 import os
 import random
 import shutil
@@ -49,15 +51,17 @@ class Args:
     batch_size: int = 64
     """preference pairs per optimizer step"""
     lr: float = 1e-3
-    """peak learning rate of AdamW"""
+    """peak learning rate of AdamW (a pretrained model wants ~1e-5)"""
     warmup_steps: int = 50
-    """linear warmup steps, then linear decay to 0"""
+    """linear warmup steps (0: none), then linear decay to 0"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """clip the global gradient norm to this"""
     max_length: int = 64
-    """sequences are truncated to this many tokens (the EOS is kept)"""
+    """longest prompt + completion in tokens: pairs with a longer side are dropped (and counted)"""
+    bf16: bool = False
+    """mixed precision: forward and backward autocast to bfloat16 (CUDA or CPU); weights and AdamW state stay float32"""
     center_rewards_coefficient: float | None = None
     """add this × mean((r_chosen + r_rejected)²) to keep rewards centered on 0 (Eisenstein et al. 2023)"""
     eval_every: int = 200
@@ -142,7 +146,7 @@ def task_rng(seed, split):
 
 
 # ---------------------------------------------------------------------------------------------
-# The math: pure functions, checked against hand-computed values in tests/test_sft_reward_model.py
+# The math: a pure function, checked against hand-computed values in tests/test_sft_reward_model.py
 # ---------------------------------------------------------------------------------------------
 def bradley_terry_loss(rewards_chosen, rewards_rejected, margin=None, center_rewards_coefficient=None):
     """Pairwise loss of the Bradley-Terry model P(y_c ≻ y_r) = σ(r_c − r_r):
@@ -161,55 +165,115 @@ def bradley_terry_loss(rewards_chosen, rewards_rejected, margin=None, center_rew
     return loss
 
 
-def last_token_index(attention_mask):
-    """Index of the last non-pad token of each row, under left or right padding:
-    the largest position whose mask is 1 (for right padding: number of tokens − 1)."""
-    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
-    return (positions * attention_mask).argmax(-1)
+# ---------------------------------------------------------------------------------------------
+# Tokenization as the model expects it. The same text in sft.py, reward_model.py, rlhf_ppo.py and
+# dpo.py (tests check the copies), so that the reward model scores exactly the token sequences SFT
+# trained on and PPO/DPO produce. Data rows are in TRL's formats: text, or conversations (lists of
+# {"role", "content"} messages) rendered by the tokenizer's chat template.
+# ---------------------------------------------------------------------------------------------
+def render_chat(tokenizer, messages, add_generation_prompt=False):
+    """Token ids of a conversation rendered by the tokenizer's chat template."""
+    if tokenizer.chat_template is None:
+        sys.exit("error: the data is conversational (lists of role/content messages) but the tokenizer has no "
+                 "chat template; use a chat model's tokenizer, or text data")
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in transformers 5
 
 
-def get_rewards(model, input_ids, attention_mask):
-    """The scalar head applied to the hidden state of each sequence's last non-pad token (its EOS).
-    Position ids count real tokens only, so scores do not depend on padding."""
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
-    scores = model.score(hidden).squeeze(-1)  # one score per token
-    return scores[torch.arange(len(scores), device=scores.device), last_token_index(attention_mask)]
+def encode_prompt(tokenizer, prompt):
+    """A prompt's token ids: a conversation through the chat template, ending with the assistant's header;
+    a text with BOS first where the tokenizer prepends one (Llama, Mistral, Gemma), and never the EOS that
+    T5-style tokenizers append as their special token."""
+    if isinstance(prompt, list):
+        return render_chat(tokenizer, prompt, add_generation_prompt=True)
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token_id
+    if bos is not None and tokenizer("")["input_ids"][:1] == [bos] and ids[:1] != [bos]:
+        ids = [bos] + ids
+    return ids
+
+
+def stop_token_ids(tokenizer):
+    """The tokens that end a completion: EOS, and the chat template's end-of-turn token when it is another
+    one (ChatML's <|im_end|>, Llama 3's <|eot_id|>). One set for the SFT labels, sampling, the response
+    mask, the reward model's scoring position and the missing-EOS penalty."""
+    stops = [tokenizer.eos_token_id]
+    if tokenizer.chat_template is not None:
+        turn = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
+        try:
+            full = render_chat(tokenizer, turn)
+            header = render_chat(tokenizer, turn[:1], add_generation_prompt=True)
+        except Exception:  # noqa: BLE001  a template that cannot render this probe: EOS alone
+            return stops
+        special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+        end_of_turn = next((t for t in full[len(header) :] if t in special), None)
+        if end_of_turn is not None and end_of_turn not in stops:
+            stops.append(end_of_turn)
+    return stops
+
+
+def tokenize_pair(tokenizer, prompt, completion, stop_ids):
+    """(prompt_ids, completion_ids), the completion ending with a stop token. A text completion is
+    tokenized on its own, EOS appended. A conversational one (assistant messages after a conversational
+    prompt) is what the chat template adds to the prompt's rendering, up to and including its first stop
+    token: what a template writes after it (a newline) is never sampled, so it is not trained on either."""
+    prompt_ids = encode_prompt(tokenizer, prompt)
+    if not isinstance(completion, list):
+        return prompt_ids, tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    full = render_chat(tokenizer, prompt + completion)
+    if full[: len(prompt_ids)] != prompt_ids:
+        sys.exit("error: the chat template renders a conversation's start differently once a reply follows, so "
+                 "prompt and completion tokens cannot be told apart; use text prompt/completion data")
+    completion_ids = full[len(prompt_ids) :]
+    ends = [i for i, t in enumerate(completion_ids) if t in stop_ids]
+    return prompt_ids, completion_ids[: ends[0] + 1] if ends else completion_ids + [tokenizer.eos_token_id]
+
+
+def add_pad_token(tokenizer, stop_ids, *models):
+    """Make sure the tokenizer has a pad token that is no stop token, so that masking padding never masks
+    an EOS the model must learn. Reuse an unused special token where the tokenizer has one (Llama 3's
+    <|finetune_right_pad_id|>, reserved or unused tokens), else add <|pad|>; grow the embeddings only if
+    the new id does not fit (to a multiple of 64), and never shrink a vocabulary padded for speed."""
+    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id not in stop_ids:
+        return
+    taken = set(stop_ids) | {tokenizer.bos_token_id, tokenizer.unk_token_id}
+    unused = [t.content for i, t in sorted(tokenizer.added_tokens_decoder.items())
+              if t.special and i not in taken and t.content not in (tokenizer.chat_template or "")]
+    preferred = [c for c in unused if "pad" in c.lower()] + [c for c in unused if "reserved" in c or "unused" in c]
+    tokenizer.add_special_tokens({"pad_token": preferred[0] if preferred else "<|pad|>"})
+    for model in models:
+        if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+            model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
+
+
+def tokenize_preference(tokenizer, row, stop_ids):
+    """(prompt_ids, chosen_ids, rejected_ids) of a preference row in any of TRL's formats: explicit
+    (`prompt`, `chosen`, `rejected`) or implicit (`chosen` and `rejected` each include the prompt), text or
+    conversational. An implicit prompt is what the two share at the start, as in TRL: whole messages of
+    a conversation, whole tokens of a text (so a word is never split and keeps its leading space)."""
+    prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
+    if not prompt and isinstance(chosen, list):
+        n = 0
+        while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+            n += 1
+        prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+    elif not prompt:
+        c, r = encode_prompt(tokenizer, chosen), encode_prompt(tokenizer, rejected)
+        n = len(os.path.commonprefix([c, r]))
+        return c[:n], c[n:] + [tokenizer.eos_token_id], r[n:] + [tokenizer.eos_token_id]
+    prompt_ids, chosen_ids = tokenize_pair(tokenizer, prompt, chosen, stop_ids)
+    return prompt_ids, chosen_ids, tokenize_pair(tokenizer, prompt, rejected, stop_ids)[1]
 
 
 # ---------------------------------------------------------------------------------------------
-# Model and data
+# Loading and training helpers, the same text in every LM script (tests check the copies)
 # ---------------------------------------------------------------------------------------------
-def load_model_and_tokenizer(args, device):
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    path = args.model_name_or_path
-    if not os.path.isdir(path) and (path.startswith((".", "/", "~", "models/")) or path.count("/") > 1):
-        hint = "run `python sft.py` first" if path == "models/sft" else "pass an existing directory or a hub id"
-        sys.exit(f"error: model directory {path!r} does not exist; {hint}")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
-    except (OSError, ValueError) as e:
-        sys.exit(f"error: cannot load a model from {path!r}: {str(e).splitlines()[0]}")
-    if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
-        tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
-        model.resize_token_embeddings(len(tokenizer))
-    model.config.pad_token_id = tokenizer.pad_token_id
-    return model.to(device), tokenizer
-
-
-def load_pairs(args):
-    """(train, eval) lists of dicts with prompt (may be ''), chosen, rejected, and optionally margin / target."""
-    if args.dataset_name is None:
-        def pairs(split, n):
-            rng = task_rng(args.seed, split)
-            return [dict(zip(("prompt", "chosen", "rejected", "target"), preference_pair(rng))) for _ in range(n)]
-        return pairs("train", args.num_train_pairs), pairs("eval", args.eval_size)
+def load_rows(name, split, eval_size):
+    """(train rows, eval rows) of a dataset: a hub id, a `save_to_disk` directory or a .json/.jsonl/.parquet
+    file. The eval rows are its `test` split, or else the first rows of `split` (at most a tenth), held out."""
     import datasets
 
     datasets.disable_progress_bars()
-    name = args.dataset_name
     try:
         if name.endswith((".json", ".jsonl", ".parquet")):
             if not os.path.isfile(name):
@@ -221,28 +285,31 @@ def load_pairs(args):
             data = datasets.load_dataset(name)
     except Exception as e:  # noqa: BLE001  any loading failure becomes one line
         sys.exit(f"error: cannot load dataset {name!r}: {str(e).splitlines()[0]}")
-    columns = data[args.dataset_split].column_names
-    if not {"chosen", "rejected"} <= set(columns):
-        sys.exit(f"error: dataset {name!r} has columns {columns}; reward_model.py needs chosen and rejected "
-                 "(and optionally prompt and margin)")
-    rows = [dict(row, prompt=row.get("prompt") or "") for row in data[args.dataset_split]]
-    if "test" in data:
-        return rows, [dict(row, prompt=row.get("prompt") or "") for row in data["test"]][: args.eval_size]
-    n_eval = min(args.eval_size, len(rows) // 10)
+    if split not in data:
+        sys.exit(f"error: dataset {name!r} has the splits {list(data)}; pass one of them as --dataset-split")
+    rows = list(data[split])
+    if "test" in data and split != "test":
+        return rows, list(data["test"])[:eval_size]
+    n_eval = min(eval_size, len(rows) // 10)
     return rows[n_eval:], rows[:n_eval]
 
 
-def encode(tokenizer, prompt, completion, max_length):
-    """prompt + completion + EOS, truncated to max_length with the EOS kept (the score is read there)."""
-    ids = tokenizer(prompt + completion, add_special_tokens=False)["input_ids"][: max_length - 1]
-    return ids + [tokenizer.eos_token_id]
+def get_lr(step, lr, warmup_steps, max_steps, decay):
+    """Learning rate of optimizer step `step` = 0, 1, ...: linear warmup to `lr` over `warmup_steps` steps,
+    then decay to 0 at `max_steps`, "linear" (1 − p) or "cosine" (½(1 + cos πp)), p the fraction of decay done."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return lr * (1 - progress) if decay == "linear" else lr * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def batch_tensors(sequences, pad_token_id, device):
-    width = max(len(s) for s in sequences)
-    input_ids = torch.tensor([s + [pad_token_id] * (width - len(s)) for s in sequences], device=device)
-    attention_mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences], device=device)
-    return input_ids, attention_mask
+def check_finite(step, **values):
+    """Stop the run with one line, before anything is saved, when a loss or gradient norm is NaN or inf."""
+    for name, value in values.items():
+        value = float(torch.as_tensor(value).detach())
+        if not math.isfinite(value):
+            sys.exit(f"error: {name} is {value} at step {step}; stopped, nothing saved "
+                     "(lower --lr; with a half-precision model, train without --bf16 to check)")
 
 
 def save_atomically(model, tokenizer, args, output_dir):
@@ -257,40 +324,150 @@ def save_atomically(model, tokenizer, args, output_dir):
     os.replace(tmp_dir, output_dir)
 
 
+def dropout_off(config):
+    """Every dropout probability of a transformers config set to 0, before the model is built: Llama's and
+    Qwen2's attention dropout is no nn.Dropout module but a number each layer reads from the config."""
+    for key, value in list(vars(config).items()):
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            setattr(config, key, 0.0)
+    return config
+
+
+def position_ids_of(attention_mask):
+    """Positions count real tokens only, so left padding does not shift them."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def last_token_index(attention_mask):
+    """Index of the last non-pad token of each row, under left or right padding: the largest position
+    whose mask is 1 (for right padding, the number of tokens − 1)."""
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return (positions * attention_mask).argmax(-1)
+
+
+def token_scores(model, sequences, attention_mask):
+    """The scalar head of a sequence-classification model on every position: [batch, length]."""
+    hidden = model.base_model(input_ids=sequences, attention_mask=attention_mask,
+                              position_ids=position_ids_of(attention_mask)).last_hidden_state
+    return model.score(hidden).squeeze(-1).float()
+
+
+def get_rewards(model, input_ids, attention_mask):
+    """One reward per sequence: the scalar head at its last non-pad token (the stop token)."""
+    scores = token_scores(model, input_ids, attention_mask)
+    return scores[torch.arange(len(scores), device=scores.device), last_token_index(attention_mask)]
+
+
+def batch_tensors(sequences, pad_token_id, device):
+    """Right-pad token lists: (input_ids, attention_mask)."""
+    width = max(len(s) for s in sequences)
+    input_ids = torch.tensor([s + [pad_token_id] * (width - len(s)) for s in sequences], device=device)
+    attention_mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences], device=device)
+    return input_ids, attention_mask
+
+
+# ---------------------------------------------------------------------------------------------
+# Model and data
+# ---------------------------------------------------------------------------------------------
+def load_tokenizer(args):
+    from transformers import AutoTokenizer
+
+    path = args.model_name_or_path
+    if not os.path.isdir(path) and (path.startswith((".", "/", "~", "models/")) or path.count("/") > 1):
+        hint = "run `python sft.py` first" if path == "models/sft" else "pass an existing directory or a hub id"
+        sys.exit(f"error: model directory {path!r} does not exist; {hint}")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: cannot load a tokenizer from {path!r}: {str(e).splitlines()[0]}")
+
+
+def load_model(args, tokenizer, stop_ids, device):
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    try:
+        config = dropout_off(AutoConfig.from_pretrained(args.model_name_or_path, num_labels=1))
+        # float32 master weights whatever the checkpoint's dtype (--bf16 is the mixed-precision choice)
+        model = AutoModelForSequenceClassification.from_pretrained(args.model_name_or_path, config=config,
+                                                                   dtype=torch.float32)
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: cannot load a model from {args.model_name_or_path!r}: {str(e).splitlines()[0]}")
+    add_pad_token(tokenizer, stop_ids, model)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return model.to(device)
+
+
+def load_pairs(args):
+    """(train, eval) lists of preference rows: dicts with chosen, rejected, optionally prompt, margin, target."""
+    if args.dataset_name is None:
+        def pairs(split, n):
+            rng = task_rng(args.seed, split)
+            return [dict(zip(("prompt", "chosen", "rejected", "target"), preference_pair(rng))) for _ in range(n)]
+        return pairs("train", args.num_train_pairs), pairs("eval", args.eval_size)
+    train, evals = load_rows(args.dataset_name, args.dataset_split, args.eval_size)
+    columns = sorted(train[0]) if train else []
+    if not {"chosen", "rejected"} <= set(columns):
+        sys.exit(f"error: dataset {args.dataset_name!r} has columns {columns}; reward_model.py needs chosen and "
+                 "rejected (and optionally prompt and margin)")
+    return train, evals
+
+
 def main(args: Args):
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
 
-    train_pairs, eval_pairs = load_pairs(args)
-    model, tokenizer = load_model_and_tokenizer(args, device)
+    # The tokenizer (fast, and it checks the model path) and the data come before the model
+    tokenizer = load_tokenizer(args)
+    stop_ids = stop_token_ids(tokenizer)
+    train_rows, eval_rows = load_pairs(args)
+    has_margin = any(row.get("margin") is not None for row in train_rows + eval_rows)
 
-    def encode_pairs(pairs):
-        return [(encode(tokenizer, p["prompt"], p["chosen"], args.max_length),
-                 encode(tokenizer, p["prompt"], p["rejected"], args.max_length), p.get("margin")) for p in pairs]
+    def encode_pairs(rows, split):
+        """[(chosen ids, rejected ids, margin)] and the rows kept: a pair whose sides do not fit --max-length, or
+        are the same tokens, is dropped (and counted) rather than cut, so no fake EOS and no zero-gradient pair."""
+        pairs, kept, too_long, same = [], [], 0, 0
+        for row in rows:
+            prompt_ids, chosen_ids, rejected_ids = tokenize_preference(tokenizer, row, stop_ids)
+            chosen, rejected = prompt_ids + chosen_ids, prompt_ids + rejected_ids
+            if max(len(chosen), len(rejected)) > args.max_length:
+                too_long += 1
+            elif chosen == rejected:
+                same += 1
+            else:
+                pairs.append((chosen, rejected, float(row.get("margin") or 0.0)))  # no margin given: 0
+                kept.append(row)
+        if too_long or same:
+            print(f"{split}: dropped {too_long:,} of {len(rows):,} pairs longer than --max-length {args.max_length}, "
+                  f"{same:,} whose chosen and rejected are the same tokens")
+        if not pairs and rows:
+            sys.exit(f"error: no {split} pair is left to train on (see above); raise --max-length or check the data")
+        return pairs, kept
 
-    train, evals = encode_pairs(train_pairs), encode_pairs(eval_pairs)
+    (train, _), (evals, eval_rows) = encode_pairs(train_rows, "train"), encode_pairs(eval_rows, "eval")
+    model = load_model(args, tokenizer, stop_ids, device)
 
     def rewards_of(batch):
         """Chosen and rejected sequences in one forward pass: (r_chosen, r_rejected, margin or None)."""
         input_ids, attention_mask = batch_tensors([c for c, _, _ in batch] + [r for _, r, _ in batch],
                                                   tokenizer.pad_token_id, device)
-        rewards = get_rewards(model, input_ids, attention_mask)
-        margin = None if batch[0][2] is None else torch.tensor([m for _, _, m in batch], dtype=rewards.dtype, device=device)
+        with amp():
+            rewards = get_rewards(model, input_ids, attention_mask)
+        margin = torch.tensor([m for _, _, m in batch], device=device) if has_margin else None
         return rewards[: len(batch)], rewards[len(batch) :], margin
 
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     writer = SummaryWriter(f"runs/{run_name}")
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
     print(f"{sum(p.numel() for p in model.parameters()):,} parameters, {len(train):,} training pairs")
-
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(
-        (step + 1) / args.warmup_steps, max(0.0, (args.max_steps - step) / (args.max_steps - args.warmup_steps))))
 
     def evaluate(step):
+        if not evals:
+            return
         model.eval()
         chosen, rejected, losses = [], [], []
         with torch.no_grad():
@@ -305,7 +482,7 @@ def main(args: Args):
         line = f"step {step}: eval/loss {sum(losses) / len(evals):.4f}, eval/accuracy {accuracy:.3f}"
         if args.dataset_name is None:
             # how well the learned reward tracks the gold one, over every held-out candidate
-            gold = torch.tensor([gold_score(p[k], p["target"]) for k in ("chosen", "rejected") for p in eval_pairs])
+            gold = torch.tensor([gold_score(p[k], p["target"]) for k in ("chosen", "rejected") for p in eval_rows])
             scores = torch.cat([chosen, rejected]).cpu()
             correlation = torch.corrcoef(torch.stack([scores, gold]))[0, 1].item()
             writer.add_scalar("eval/gold_correlation", correlation, step)
@@ -322,14 +499,17 @@ def main(args: Args):
             position = 0
         batch = [train[i] for i in order[position : position + args.batch_size]]
         position += args.batch_size
+        lr = get_lr(step - 1, args.lr, args.warmup_steps, args.max_steps, "linear")
+        for group in optimizer.param_groups:
+            group["lr"] = lr
 
         tick = time.time()
         r_c, r_r, margin = rewards_of(batch)
         loss = bradley_terry_loss(r_c, r_r, margin, args.center_rewards_coefficient)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        check_finite(step, loss=loss, grad_norm=grad_norm)
         optimizer.step()
-        scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         model_time += time.time() - tick
         tokens_seen += sum(len(c) + len(r) for c, r, _ in batch)
@@ -341,7 +521,7 @@ def main(args: Args):
             writer.add_scalar("train/reward_chosen", r_c.mean().item(), step)
             writer.add_scalar("train/reward_rejected", r_r.mean().item(), step)
             writer.add_scalar("train/margin", (r_c - r_r).mean().item(), step)
-            writer.add_scalar("charts/learning_rate", scheduler.get_last_lr()[0], step)
+            writer.add_scalar("charts/learning_rate", lr, step)
             writer.add_scalar("charts/samples_per_second", step * args.batch_size / elapsed, step)
             writer.add_scalar("charts/tokens_per_second", tokens_seen / elapsed, step)
             writer.add_scalar("charts/model_time_fraction", model_time / elapsed, step)

@@ -11,8 +11,10 @@ response token. GAE over the response, then several epochs of clipped PPO update
 
     python sft.py && python reward_model.py && python rlhf_ppo.py    # built-in task, CPU
     python rlhf_ppo.py --kl-coef 0                                   # what the KL penalty is for
+    python rlhf_ppo.py --sft-model-path my-sft --reward-model-path my-rm --dataset-name prompts.jsonl --lr 1e-6 --bf16
 """
 import json
+import math
 import os
 import random
 import shutil
@@ -40,7 +42,8 @@ class Args:
     reward_model_path: str = "models/reward_model"
     """the frozen reward model, also the critic's start (made by reward_model.py)"""
     dataset_name: str | None = None
-    """prompts: hub id, local dataset directory, or .json/.jsonl/.parquet file with a `prompt` column; None: built-in task"""
+    """prompts: hub id, local dataset directory, or .json/.jsonl/.parquet file with a `prompt` column (text or
+    conversational); None: built-in task"""
     dataset_split: str = "train"
     """split of --dataset-name to draw prompts from"""
     output_dir: str = "models/rlhf_ppo"
@@ -60,6 +63,11 @@ class Args:
     """linearly anneal the learning rate to 0 over the iterations (the late updates then settle)"""
     response_length: int = 12
     """new tokens sampled per response"""
+    max_prompt_length: int = 64
+    """prompts longer than this many tokens are dropped (and counted)"""
+    bf16: bool = False
+    """mixed precision: forward and backward autocast to bfloat16 (CUDA or CPU); the trained weights and AdamW
+    state stay float32, the frozen reference and reward model are held in bfloat16"""
     temperature: float = 1.0
     """sampling temperature; the log-probs of training divide the logits by it too"""
     kl_coef: float = 1.0
@@ -69,7 +77,7 @@ class Args:
     kl_horizon: int = 10_000
     """horizon of the adaptive controller, in sampled responses"""
     missing_eos_penalty: float = -3.0
-    """the score of a response with no EOS in its --response-length tokens (replaces the reward model's)"""
+    """the score of a response with no stop token (EOS or end of turn) in its --response-length tokens"""
     gamma: float = 1.0
     """discount over response tokens"""
     lam: float = 0.95
@@ -85,7 +93,8 @@ class Args:
     eval_every: int = 20
     """evaluate every this many iterations (and before the first and after the last)"""
     eval_size: int = 512
-    """eval prompts (the built-in task's come from their own random stream)"""
+    """eval prompts: the built-in task's come from their own random stream; a dataset's are its `test` split,
+    or else prompts held out from the training ones"""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,108 +251,95 @@ def adaptive_kl_coef(kl_coef, current_kl, kl_target, horizon, n_steps):
 
 
 # ---------------------------------------------------------------------------------------------
-# Models and the forward passes
+# Tokenization as the model expects it. The same text in sft.py, reward_model.py, rlhf_ppo.py and
+# dpo.py (tests check the copies), so that the reward model scores exactly the token sequences SFT
+# trained on and PPO/DPO produce. Data rows are in TRL's formats: text, or conversations (lists of
+# {"role", "content"} messages) rendered by the tokenizer's chat template.
 # ---------------------------------------------------------------------------------------------
-def load_models(args, device):
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-
-    for path, script in ((args.sft_model_path, "sft.py"), (args.reward_model_path, "reward_model.py")):
-        if not os.path.isdir(path) and (path.startswith((".", "/", "~", "models/")) or path.count("/") > 1):
-            sys.exit(f"error: model directory {path!r} does not exist; run `python {script}` first or pass a path")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path)
-        actor = AutoModelForCausalLM.from_pretrained(args.sft_model_path)
-        ref = AutoModelForCausalLM.from_pretrained(args.sft_model_path)
-        reward = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, num_labels=1)
-        critic = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, num_labels=1)
-    except (OSError, ValueError) as e:
-        sys.exit(f"error: cannot load the models: {str(e).splitlines()[0]}")
-    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
-        sys.exit(f"error: the tokenizer of {args.sft_model_path!r} needs a pad token distinct from EOS (sft.py adds one)")
-    for model in (actor, ref, reward, critic):
-        model.config.pad_token_id = tokenizer.pad_token_id
-        model.to(device)
-        for module in model.modules():  # dropout off in all four: log-probs must be deterministic
-            if isinstance(module, torch.nn.Dropout):
-                module.p = 0.0
-    ref.eval().requires_grad_(False)
-    reward.eval().requires_grad_(False)
-    return tokenizer, actor, ref, reward, critic
+def render_chat(tokenizer, messages, add_generation_prompt=False):
+    """Token ids of a conversation rendered by the tokenizer's chat template."""
+    if tokenizer.chat_template is None:
+        sys.exit("error: the data is conversational (lists of role/content messages) but the tokenizer has no "
+                 "chat template; use a chat model's tokenizer, or text data")
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in transformers 5
 
 
-def position_ids_of(attention_mask):
-    """Positions count real tokens only, so left padding does not shift them."""
-    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+def encode_prompt(tokenizer, prompt):
+    """A prompt's token ids: a conversation through the chat template, ending with the assistant's header;
+    a text with BOS first where the tokenizer prepends one (Llama, Mistral, Gemma), and never the EOS that
+    T5-style tokenizers append as their special token."""
+    if isinstance(prompt, list):
+        return render_chat(tokenizer, prompt, add_generation_prompt=True)
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token_id
+    if bos is not None and tokenizer("")["input_ids"][:1] == [bos] and ids[:1] != [bos]:
+        ids = [bos] + ids
+    return ids
 
 
-def response_logprobs(model, sequences, attention_mask, context_length, temperature):
-    """log π(a_t | s_t) of each response token and the entropy of π(·|s_t), from one forward pass over
-    prompt + response. Logits are divided by the sampling temperature, as when sampling."""
-    logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_of(attention_mask)).logits
-    logits = logits[:, context_length - 1 : -1] / temperature  # position t predicts token t + 1
-    logprobs_all = F.log_softmax(logits.float(), dim=-1)
-    logprobs = torch.gather(logprobs_all, 2, sequences[:, context_length:].unsqueeze(-1)).squeeze(-1)
-    entropy = -(logprobs_all.exp() * logprobs_all).sum(-1)
-    return logprobs, entropy
+def stop_token_ids(tokenizer):
+    """The tokens that end a completion: EOS, and the chat template's end-of-turn token when it is another
+    one (ChatML's <|im_end|>, Llama 3's <|eot_id|>). One set for the SFT labels, sampling, the response
+    mask, the reward model's scoring position and the missing-EOS penalty."""
+    stops = [tokenizer.eos_token_id]
+    if tokenizer.chat_template is not None:
+        turn = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
+        try:
+            full = render_chat(tokenizer, turn)
+            header = render_chat(tokenizer, turn[:1], add_generation_prompt=True)
+        except Exception:  # noqa: BLE001  a template that cannot render this probe: EOS alone
+            return stops
+        special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+        end_of_turn = next((t for t in full[len(header) :] if t in special), None)
+        if end_of_turn is not None and end_of_turn not in stops:
+            stops.append(end_of_turn)
+    return stops
 
 
-def token_scores(model, sequences, attention_mask):
-    """The scalar head on every position: a value per token (critic) or the score at a chosen token (reward)."""
-    hidden = model.base_model(input_ids=sequences, attention_mask=attention_mask,
-                              position_ids=position_ids_of(attention_mask)).last_hidden_state
-    return model.score(hidden).squeeze(-1)
+def tokenize_pair(tokenizer, prompt, completion, stop_ids):
+    """(prompt_ids, completion_ids), the completion ending with a stop token. A text completion is
+    tokenized on its own, EOS appended. A conversational one (assistant messages after a conversational
+    prompt) is what the chat template adds to the prompt's rendering, up to and including its first stop
+    token: what a template writes after it (a newline) is never sampled, so it is not trained on either."""
+    prompt_ids = encode_prompt(tokenizer, prompt)
+    if not isinstance(completion, list):
+        return prompt_ids, tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    full = render_chat(tokenizer, prompt + completion)
+    if full[: len(prompt_ids)] != prompt_ids:
+        sys.exit("error: the chat template renders a conversation's start differently once a reply follows, so "
+                 "prompt and completion tokens cannot be told apart; use text prompt/completion data")
+    completion_ids = full[len(prompt_ids) :]
+    ends = [i for i, t in enumerate(completion_ids) if t in stop_ids]
+    return prompt_ids, completion_ids[: ends[0] + 1] if ends else completion_ids + [tokenizer.eos_token_id]
 
 
-@torch.no_grad()
-def sample(actor, tokenizer, prompts, args, device):
-    """Left-padded prompts → (sequences, attention_mask, context_length, response_mask), each response
-    cut after its first EOS (the tokens after it become padding, masked out)."""
-    tokenizer.padding_side = "left"
-    batch = tokenizer(prompts, add_special_tokens=False, padding=True, return_tensors="pt").to(device)
-    out = actor.generate(**batch, do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,
-                         max_new_tokens=args.response_length, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id)
-    context_length = batch["input_ids"].shape[1]
-    responses = out[:, context_length:]
-    responses = F.pad(responses, (0, args.response_length - responses.shape[1]), value=tokenizer.pad_token_id)
-    is_eos = responses == tokenizer.eos_token_id
-    # 1 up to and including the first EOS: a token is valid while no EOS came strictly before it
-    response_mask = ((is_eos.cumsum(1) - is_eos.long()) == 0).long()
-    responses = responses.masked_fill(response_mask == 0, tokenizer.pad_token_id)
-    sequences = torch.cat([batch["input_ids"], responses], 1)
-    attention_mask = torch.cat([batch["attention_mask"], response_mask], 1)
-    return sequences, attention_mask, context_length, response_mask
+def add_pad_token(tokenizer, stop_ids, *models):
+    """Make sure the tokenizer has a pad token that is no stop token, so that masking padding never masks
+    an EOS the model must learn. Reuse an unused special token where the tokenizer has one (Llama 3's
+    <|finetune_right_pad_id|>, reserved or unused tokens), else add <|pad|>; grow the embeddings only if
+    the new id does not fit (to a multiple of 64), and never shrink a vocabulary padded for speed."""
+    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id not in stop_ids:
+        return
+    taken = set(stop_ids) | {tokenizer.bos_token_id, tokenizer.unk_token_id}
+    unused = [t.content for i, t in sorted(tokenizer.added_tokens_decoder.items())
+              if t.special and i not in taken and t.content not in (tokenizer.chat_template or "")]
+    preferred = [c for c in unused if "pad" in c.lower()] + [c for c in unused if "reserved" in c or "unused" in c]
+    tokenizer.add_special_tokens({"pad_token": preferred[0] if preferred else "<|pad|>"})
+    for model in models:
+        if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+            model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
 
 
-@torch.no_grad()
-def score_responses(reward, sequences, attention_mask, response_mask, eos_token_id, missing_eos_penalty):
-    """The reward model's score at each response's EOS; `missing_eos_penalty` for a response without one."""
-    last = attention_mask.shape[1] - 1 - attention_mask.flip(1).argmax(1)  # last non-pad position
-    scores = token_scores(reward, sequences, attention_mask)[torch.arange(len(sequences)), last]
-    has_eos = (sequences[:, -response_mask.shape[1] :] == eos_token_id).any(1)
-    return torch.where(has_eos, scores, torch.full_like(scores, missing_eos_penalty)), has_eos
-
-
-def decode(tokenizer, sequences, context_length, eos_token_id):
-    texts = []
-    for row in sequences[:, context_length:].tolist():
-        row = row[: row.index(eos_token_id)] if eos_token_id in row else row
-        texts.append(tokenizer.decode(row, skip_special_tokens=True))
-    return texts
-
-
-def load_prompts(args):
-    """(train prompts, eval prompts, eval targets or None)."""
-    if args.dataset_name is None:
-        rng = task_rng(args.seed, "train")
-        train = [make_prompt(rng)[0] for _ in range(50_000)]
-        rng = task_rng(args.seed, "eval")
-        evals = [make_prompt(rng) for _ in range(args.eval_size)]
-        return train, [p for p, _ in evals], [t for _, t in evals]
+# ---------------------------------------------------------------------------------------------
+# Loading and training helpers, the same text in every LM script (tests check the copies)
+# ---------------------------------------------------------------------------------------------
+def load_rows(name, split, eval_size):
+    """(train rows, eval rows) of a dataset: a hub id, a `save_to_disk` directory or a .json/.jsonl/.parquet
+    file. The eval rows are its `test` split, or else the first rows of `split` (at most a tenth), held out."""
     import datasets
 
     datasets.disable_progress_bars()
-    name = args.dataset_name
     try:
         if name.endswith((".json", ".jsonl", ".parquet")):
             if not os.path.isfile(name):
@@ -355,12 +351,31 @@ def load_prompts(args):
             data = datasets.load_dataset(name)
     except Exception as e:  # noqa: BLE001  any loading failure becomes one line
         sys.exit(f"error: cannot load dataset {name!r}: {str(e).splitlines()[0]}")
-    columns = data[args.dataset_split].column_names
-    if "prompt" not in columns:
-        sys.exit(f"error: dataset {name!r} has columns {columns}; rlhf_ppo.py needs a `prompt` column")
-    prompts = list(data[args.dataset_split]["prompt"])
-    evals = list(data["test"]["prompt"]) if "test" in data else prompts[: min(args.eval_size, len(prompts) // 10)]
-    return prompts, evals[: args.eval_size], None
+    if split not in data:
+        sys.exit(f"error: dataset {name!r} has the splits {list(data)}; pass one of them as --dataset-split")
+    rows = list(data[split])
+    if "test" in data and split != "test":
+        return rows, list(data["test"])[:eval_size]
+    n_eval = min(eval_size, len(rows) // 10)
+    return rows[n_eval:], rows[:n_eval]
+
+
+def get_lr(step, lr, warmup_steps, max_steps, decay):
+    """Learning rate of optimizer step `step` = 0, 1, ...: linear warmup to `lr` over `warmup_steps` steps,
+    then decay to 0 at `max_steps`, "linear" (1 − p) or "cosine" (½(1 + cos πp)), p the fraction of decay done."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return lr * (1 - progress) if decay == "linear" else lr * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def check_finite(step, **values):
+    """Stop the run with one line, before anything is saved, when a loss or gradient norm is NaN or inf."""
+    for name, value in values.items():
+        value = float(torch.as_tensor(value).detach())
+        if not math.isfinite(value):
+            sys.exit(f"error: {name} is {value} at step {step}; stopped, nothing saved "
+                     "(lower --lr; with a half-precision model, train without --bf16 to check)")
 
 
 def save_atomically(model, tokenizer, args, output_dir):
@@ -375,6 +390,141 @@ def save_atomically(model, tokenizer, args, output_dir):
     os.replace(tmp_dir, output_dir)
 
 
+def dropout_off(config):
+    """Every dropout probability of a transformers config set to 0, before the model is built: Llama's and
+    Qwen2's attention dropout is no nn.Dropout module but a number each layer reads from the config."""
+    for key, value in list(vars(config).items()):
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            setattr(config, key, 0.0)
+    return config
+
+
+def position_ids_of(attention_mask):
+    """Positions count real tokens only, so left padding does not shift them."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def last_token_index(attention_mask):
+    """Index of the last non-pad token of each row, under left or right padding: the largest position
+    whose mask is 1 (for right padding, the number of tokens − 1)."""
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return (positions * attention_mask).argmax(-1)
+
+
+def token_scores(model, sequences, attention_mask):
+    """The scalar head of a sequence-classification model on every position: [batch, length]."""
+    hidden = model.base_model(input_ids=sequences, attention_mask=attention_mask,
+                              position_ids=position_ids_of(attention_mask)).last_hidden_state
+    return model.score(hidden).squeeze(-1).float()
+
+
+@torch.no_grad()
+def score_responses(reward, sequences, attention_mask, response_mask, stop_ids, missing_eos_penalty):
+    """The reward model's score at each response's last token, its stop token; `missing_eos_penalty`
+    instead for a response with no stop token in the length sampled (an unfinished answer is not scored).
+    Returns (scores, has_stop)."""
+    scores = token_scores(reward, sequences, attention_mask)[torch.arange(len(sequences)), last_token_index(attention_mask)]
+    responses = sequences[:, -response_mask.shape[1] :]
+    has_stop = (torch.isin(responses, torch.tensor(stop_ids, device=responses.device)) & response_mask.bool()).any(1)
+    return torch.where(has_stop, scores, torch.full_like(scores, missing_eos_penalty)), has_stop
+
+
+@torch.no_grad()
+def sample(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature=1.0, greedy=False):
+    """Complete each prompt (lists of token ids, left-padded here) and cut each response after its first
+    stop token. Returns (sequences, attention_mask, context_length, response_mask), response_mask 1 on
+    response tokens up to and including the first stop token. Every sampling setting is explicit: the
+    checkpoint's generation_config.json (repetition_penalty, min_new_tokens, top_k, ...) would otherwise
+    fill the unset ones and sample from another distribution than the one whose log-probs are trained."""
+    from transformers import GenerationConfig
+
+    width = max(len(p) for p in prompt_ids)
+    input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompt_ids], device=model.device)
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=model.device)
+    model.generation_config = GenerationConfig(eos_token_id=stop_ids, pad_token_id=pad_token_id)
+    config = GenerationConfig(do_sample=not greedy, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+                              eos_token_id=stop_ids, pad_token_id=pad_token_id)
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+    responses = F.pad(out[:, width:], (0, max_new_tokens - (out.shape[1] - width)), value=pad_token_id)
+    is_stop = torch.isin(responses, torch.tensor(stop_ids, device=responses.device))
+    # 1 up to and including the first stop token: a token is valid while no stop token came strictly before it
+    response_mask = ((is_stop.cumsum(1) - is_stop.long()) == 0).long()
+    responses = responses.masked_fill(response_mask == 0, pad_token_id)
+    return (torch.cat([input_ids, responses], 1), torch.cat([attention_mask, response_mask], 1), width, response_mask)
+
+
+def decode(tokenizer, sequences, context_length, response_mask):
+    """The responses as text, up to their stop token, special tokens dropped."""
+    return [tokenizer.decode([t for t, m in zip(row, mask) if m], skip_special_tokens=True)
+            for row, mask in zip(sequences[:, context_length:].tolist(), response_mask.tolist())]
+
+
+# ---------------------------------------------------------------------------------------------
+# Models, prompts and the forward passes
+# ---------------------------------------------------------------------------------------------
+def load_models(args, device):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    for path, script in ((args.sft_model_path, "sft.py"), (args.reward_model_path, "reward_model.py")):
+        if not os.path.isdir(path) and (path.startswith((".", "/", "~", "models/")) or path.count("/") > 1):
+            sys.exit(f"error: model directory {path!r} does not exist; run `python {script}` first or pass a path")
+    # Trained models in float32 (master weights) whatever the checkpoints' dtype; the frozen ones in the dtype
+    # they compute in. Dropout off in all four, also where it is no module but a number read from the config
+    # (Llama's attention dropout): log-probs, values and scores must not be random.
+    frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path)
+        reward_tokenizer = AutoTokenizer.from_pretrained(args.reward_model_path)
+        lm_config = dropout_off(AutoConfig.from_pretrained(args.sft_model_path))
+        rm_config = dropout_off(AutoConfig.from_pretrained(args.reward_model_path, num_labels=1))
+        actor = AutoModelForCausalLM.from_pretrained(args.sft_model_path, config=lm_config, dtype=torch.float32)
+        ref = AutoModelForCausalLM.from_pretrained(args.sft_model_path, config=lm_config, dtype=frozen_dtype)
+        reward = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, config=rm_config,
+                                                                    dtype=frozen_dtype)
+        critic = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, config=rm_config,
+                                                                    dtype=torch.float32)
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: cannot load the models: {str(e).splitlines()[0]}")
+    stop_ids = stop_token_ids(tokenizer)
+    add_pad_token(reward_tokenizer, stop_ids)
+    add_pad_token(tokenizer, stop_ids, actor, ref, reward, critic)
+    if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
+        sys.exit(f"error: the reward model {args.reward_model_path!r} has another tokenizer than the SFT model "
+                 f"{args.sft_model_path!r}; train it from the SFT model with reward_model.py")
+    for model in (actor, ref, reward, critic):
+        model.config.pad_token_id = tokenizer.pad_token_id
+        model.to(device)
+    ref.eval().requires_grad_(False)
+    reward.eval().requires_grad_(False)
+    return tokenizer, stop_ids, actor, ref, reward, critic
+
+
+def response_logprobs(model, sequences, attention_mask, context_length, temperature):
+    """log π(a_t | s_t) of each response token and the entropy of π(·|s_t), from one forward pass over
+    prompt + response. Logits are divided by the sampling temperature, as when sampling."""
+    logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_of(attention_mask)).logits
+    logits = logits[:, context_length - 1 : -1] / temperature  # position t predicts token t + 1
+    logprobs_all = F.log_softmax(logits.float(), dim=-1)
+    logprobs = torch.gather(logprobs_all, 2, sequences[:, context_length:].unsqueeze(-1)).squeeze(-1)
+    entropy = -(logprobs_all.exp() * logprobs_all).sum(-1)
+    return logprobs, entropy
+
+
+def load_prompts(args):
+    """(train prompts, eval prompts, eval targets or None); a prompt is a text or a conversation."""
+    if args.dataset_name is None:
+        rng = task_rng(args.seed, "train")
+        train = [make_prompt(rng)[0] for _ in range(50_000)]
+        rng = task_rng(args.seed, "eval")
+        evals = [make_prompt(rng) for _ in range(args.eval_size)]
+        return train, [p for p, _ in evals], [t for _, t in evals]
+    train, evals = load_rows(args.dataset_name, args.dataset_split, args.eval_size)
+    columns = sorted(train[0]) if train else []
+    if "prompt" not in columns:
+        sys.exit(f"error: dataset {args.dataset_name!r} has columns {columns}; rlhf_ppo.py needs a `prompt` column")
+    return [row["prompt"] for row in train], [row["prompt"] for row in evals], None
+
+
 def main(args: Args):
     if args.batch_size % args.mini_batch_size:
         sys.exit(f"error: --batch-size {args.batch_size} does not split into minibatches of {args.mini_batch_size}")
@@ -383,12 +533,34 @@ def main(args: Args):
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
 
     train_prompts, eval_prompts, eval_targets = load_prompts(args)
     if len(train_prompts) < args.batch_size:
         sys.exit(f"error: {len(train_prompts)} training prompts, fewer than --batch-size {args.batch_size}; lower it")
-    tokenizer, actor, ref, reward, critic = load_models(args, device)
-    eos = tokenizer.eos_token_id
+    tokenizer, stop_ids, actor, ref, reward, critic = load_models(args, device)
+
+    def encode_prompts(prompts, split):
+        """Token ids of the prompts that fit --max-prompt-length; the others are dropped and counted."""
+        encoded = [encode_prompt(tokenizer, p) for p in prompts]
+        kept = [i for i, ids in enumerate(encoded) if 0 < len(ids) <= args.max_prompt_length]
+        if len(kept) < len(encoded):
+            print(f"{split}: dropped {len(encoded) - len(kept):,} of {len(encoded):,} prompts longer than "
+                  f"--max-prompt-length {args.max_prompt_length} (or empty)")
+        return kept, [encoded[i] for i in kept]
+
+    kept, train_ids = encode_prompts(train_prompts, "train")
+    if len(train_ids) < args.batch_size:
+        sys.exit(f"error: {len(train_ids)} training prompts fit --max-prompt-length, fewer than --batch-size {args.batch_size}")
+    kept, eval_ids = encode_prompts(eval_prompts, "eval")
+    eval_prompts = [eval_prompts[i] for i in kept]
+    eval_targets = [eval_targets[i] for i in kept] if eval_targets is not None else None
+    positions = getattr(actor.config, "max_position_embeddings", None) or getattr(actor.config, "n_positions", None)
+    longest = max(len(ids) for ids in train_ids + eval_ids)
+    if positions is not None and longest + args.response_length > positions:
+        sys.exit(f"error: the longest prompt ({longest} tokens) + --response-length {args.response_length} exceeds the "
+                 f"model's {positions} positions; lower --max-prompt-length or --response-length")
+
     optimizer = torch.optim.AdamW(list(actor.parameters()) + list(critic.parameters()), lr=args.lr)
     kl_coef = args.kl_coef
 
@@ -403,14 +575,18 @@ def main(args: Args):
         return tuple(torch.cat(parts) for parts in zip(*outs)) if isinstance(outs[0], tuple) else torch.cat(outs)
 
     def evaluate(iteration):
+        if not eval_ids:
+            return
         actor.eval()
-        sequences, attention_mask, context_length, response_mask = sample(actor, tokenizer, eval_prompts, args, device)
-        with torch.no_grad():
+        with torch.no_grad(), amp():
+            sequences, attention_mask, context_length, response_mask = sample(
+                actor, eval_ids, tokenizer.pad_token_id, stop_ids, args.response_length, args.temperature)
             logprobs, _ = response_logprobs(actor, sequences, attention_mask, context_length, args.temperature)
             ref_logprobs, _ = response_logprobs(ref, sequences, attention_mask, context_length, args.temperature)
-        scores, has_eos = score_responses(reward, sequences, attention_mask, response_mask, eos, args.missing_eos_penalty)
+            scores, has_stop = score_responses(reward, sequences, attention_mask, response_mask, stop_ids,
+                                               args.missing_eos_penalty)
         kl = ((logprobs - ref_logprobs) * response_mask).sum(1).mean().item()
-        completions = decode(tokenizer, sequences, context_length, eos)
+        completions = decode(tokenizer, sequences, context_length, response_mask)
         writer.add_scalar("eval/score", scores.mean().item(), iteration)
         writer.add_scalar("eval/kl", kl, iteration)
         line = f"iteration {iteration}: eval/score {scores.mean().item():.3f}, eval/kl {kl:.3f}"
@@ -428,14 +604,15 @@ def main(args: Args):
     start_time = time.time()
     rng = random.Random(args.seed)
     for iteration in range(1, args.num_iterations + 1):
-        if args.anneal_lr:
-            optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / args.num_iterations) * args.lr
+        lr = get_lr(iteration - 1, args.lr, 0, args.num_iterations, "linear") if args.anneal_lr else args.lr
+        optimizer.param_groups[0]["lr"] = lr
         # ---- rollout: sample, then score every token with the four models --------------------------
         actor.eval(), critic.eval()
-        prompts = rng.sample(train_prompts, args.batch_size)
-        sequences, attention_mask, context_length, mask = sample(actor, tokenizer, prompts, args, device)
-        mask = mask.float()
-        with torch.no_grad():
+        prompt_ids = rng.sample(train_ids, args.batch_size)
+        with torch.no_grad(), amp():
+            sequences, attention_mask, context_length, mask = sample(actor, prompt_ids, tokenizer.pad_token_id, stop_ids,
+                                                                     args.response_length, args.temperature)
+            mask = mask.float()
             logprobs, entropy = forward_in_chunks(
                 lambda s, a: response_logprobs(actor, s, a, context_length, args.temperature), sequences, attention_mask)
             ref_logprobs, _ = forward_in_chunks(
@@ -443,7 +620,7 @@ def main(args: Args):
             # V(s_t): the critic's value at the position that predicts response token t
             values = forward_in_chunks(lambda s, a: token_scores(critic, s, a)[:, context_length - 1 : -1],
                                        sequences, attention_mask)
-            scores, has_eos = score_responses(reward, sequences, attention_mask, mask, eos, args.missing_eos_penalty)
+            scores, has_eos = score_responses(reward, sequences, attention_mask, mask, stop_ids, args.missing_eos_penalty)
 
             rewards, non_score = shaped_rewards(logprobs, ref_logprobs, scores, mask, kl_coef)
             advantages, returns = masked_gae(rewards, values, mask, args.gamma, args.lam)
@@ -459,15 +636,18 @@ def main(args: Args):
             order = torch.randperm(args.batch_size, device=device) if epoch > 0 else torch.arange(args.batch_size, device=device)
             for start in range(0, args.batch_size, args.mini_batch_size):
                 mb = order[start : start + args.mini_batch_size]
-                new_logprobs, new_entropy = response_logprobs(actor, sequences[mb], attention_mask[mb], context_length,
-                                                              args.temperature)
-                new_values = token_scores(critic, sequences[mb], attention_mask[mb])[:, context_length - 1 : -1]
+                with amp():
+                    new_logprobs, new_entropy = response_logprobs(actor, sequences[mb], attention_mask[mb], context_length,
+                                                                  args.temperature)
+                    new_values = token_scores(critic, sequences[mb], attention_mask[mb])[:, context_length - 1 : -1]
                 pg_loss, ratio = policy_loss(new_logprobs, logprobs[mb], advantages[mb], mask[mb], args.cliprange)
                 vf_loss = value_loss(new_values, values[mb], returns[mb], mask[mb], args.cliprange_value)
                 loss = pg_loss + args.vf_coef * vf_loss
                 optimizer.zero_grad()
                 loss.backward()
-                torch.nn.utils.clip_grad_norm_(list(actor.parameters()) + list(critic.parameters()), args.max_grad_norm)
+                grad_norm = torch.nn.utils.clip_grad_norm_(list(actor.parameters()) + list(critic.parameters()),
+                                                           args.max_grad_norm)
+                check_finite(iteration, loss=loss, grad_norm=grad_norm)
                 optimizer.step()
                 with torch.no_grad():
                     m = mask[mb]
@@ -495,7 +675,7 @@ def main(args: Args):
             "losses/policy_loss": sum(stats["pg_loss"]) / len(stats["pg_loss"]),
             "losses/value_loss": sum(stats["vf_loss"]) / len(stats["vf_loss"]),
             "val/explained_variance": explained_variance, "val/num_eos": has_eos.sum(),
-            "charts/kl_coef": kl_coef, "charts/learning_rate": optimizer.param_groups[0]["lr"],
+            "charts/kl_coef": kl_coef, "charts/learning_rate": lr,
             "charts/episodes_per_second": iteration * args.batch_size / (time.time() - start_time),
         }
         for tag, value in logs.items():

@@ -5,11 +5,13 @@ a sloppy demonstrator (half its answers have one adjacent swap), so every later 
 against an exact gold reward. The same program fine-tunes a real model on a real dataset:
 
     python sft.py                                                    # built-in task, ~100 s on 2 CPU cores
-    python sft.py --model-name-or-path Qwen/Qwen2.5-0.5B --dataset-name trl-lib/Capybara --lr 2e-5
+    python sft.py --model-name-or-path Qwen/Qwen2.5-0.5B --dataset-name trl-lib/Capybara --lr 2e-5 --bf16
     python sft.py --dataset-name data.jsonl --model-name-or-path models/sft
 
-Datasets in TRL's formats: `prompt`/`completion` (loss on the completion), `text` (loss on every
-token) or `messages` (chat template; loss on the assistant turns).
+Datasets in TRL's formats: `prompt`/`completion` as text or conversations (loss on the completion and
+its stop token), `text` (loss on every token) or `messages` (chat template; loss on the assistant
+turns). A checkpoint saved in bf16 or fp16 is trained in float32 (master weights); `--bf16` adds mixed
+precision.
 """
 import json
 import math
@@ -51,15 +53,18 @@ class Args:
     gradient_accumulation_steps: int = 1
     """split each batch into this many micro-batches (same result, less memory)"""
     lr: float = 3e-3
-    """peak learning rate of AdamW"""
+    """peak learning rate of AdamW (a pretrained model wants ~1e-5 to 2e-5)"""
     warmup_steps: int = 100
-    """linear warmup steps, then cosine decay to 0"""
+    """linear warmup steps (0: none), then cosine decay to 0"""
     weight_decay: float = 0.01
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """clip the global gradient norm to this"""
     max_length: int = 64
-    """sequences are truncated to this many tokens"""
+    """longest sequence in tokens: longer prompt/completion and messages examples are dropped (and counted);
+    `text` examples are cut to it"""
+    bf16: bool = False
+    """mixed precision: forward and backward autocast to bfloat16 (CUDA or CPU); weights and AdamW state stay float32"""
     eval_every: int = 500
     """evaluate every this many steps (and at the end)"""
     eval_size: int = 512
@@ -154,8 +159,8 @@ def task_rng(seed, split):
 # The loss: a pure function, checked against hand-computed values in tests/test_sft_reward_model.py
 # ---------------------------------------------------------------------------------------------
 def sft_loss(logits, labels, num_items=None):
-    """Cross-entropy of the next-token predictions on the labeled tokens (completion and EOS; the
-    prompt and the padding carry the label −100):
+    """Cross-entropy of the next-token predictions on the labeled tokens (completion and its stop token;
+    the prompt and the padding carry the label −100):
 
         L = −(1/N) Σ_{t: y_t ≠ −100} log p_θ(y_t | x_<t)
 
@@ -169,33 +174,254 @@ def sft_loss(logits, labels, num_items=None):
 
 
 # ---------------------------------------------------------------------------------------------
+# Tokenization as the model expects it. The same text in sft.py, reward_model.py, rlhf_ppo.py and
+# dpo.py (tests check the copies), so that the reward model scores exactly the token sequences SFT
+# trained on and PPO/DPO produce. Data rows are in TRL's formats: text, or conversations (lists of
+# {"role", "content"} messages) rendered by the tokenizer's chat template.
+# ---------------------------------------------------------------------------------------------
+def render_chat(tokenizer, messages, add_generation_prompt=False):
+    """Token ids of a conversation rendered by the tokenizer's chat template."""
+    if tokenizer.chat_template is None:
+        sys.exit("error: the data is conversational (lists of role/content messages) but the tokenizer has no "
+                 "chat template; use a chat model's tokenizer, or text data")
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in transformers 5
+
+
+def encode_prompt(tokenizer, prompt):
+    """A prompt's token ids: a conversation through the chat template, ending with the assistant's header;
+    a text with BOS first where the tokenizer prepends one (Llama, Mistral, Gemma), and never the EOS that
+    T5-style tokenizers append as their special token."""
+    if isinstance(prompt, list):
+        return render_chat(tokenizer, prompt, add_generation_prompt=True)
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token_id
+    if bos is not None and tokenizer("")["input_ids"][:1] == [bos] and ids[:1] != [bos]:
+        ids = [bos] + ids
+    return ids
+
+
+def stop_token_ids(tokenizer):
+    """The tokens that end a completion: EOS, and the chat template's end-of-turn token when it is another
+    one (ChatML's <|im_end|>, Llama 3's <|eot_id|>). One set for the SFT labels, sampling, the response
+    mask, the reward model's scoring position and the missing-EOS penalty."""
+    stops = [tokenizer.eos_token_id]
+    if tokenizer.chat_template is not None:
+        turn = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
+        try:
+            full = render_chat(tokenizer, turn)
+            header = render_chat(tokenizer, turn[:1], add_generation_prompt=True)
+        except Exception:  # noqa: BLE001  a template that cannot render this probe: EOS alone
+            return stops
+        special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+        end_of_turn = next((t for t in full[len(header) :] if t in special), None)
+        if end_of_turn is not None and end_of_turn not in stops:
+            stops.append(end_of_turn)
+    return stops
+
+
+def tokenize_pair(tokenizer, prompt, completion, stop_ids):
+    """(prompt_ids, completion_ids), the completion ending with a stop token. A text completion is
+    tokenized on its own, EOS appended. A conversational one (assistant messages after a conversational
+    prompt) is what the chat template adds to the prompt's rendering, up to and including its first stop
+    token: what a template writes after it (a newline) is never sampled, so it is not trained on either."""
+    prompt_ids = encode_prompt(tokenizer, prompt)
+    if not isinstance(completion, list):
+        return prompt_ids, tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    full = render_chat(tokenizer, prompt + completion)
+    if full[: len(prompt_ids)] != prompt_ids:
+        sys.exit("error: the chat template renders a conversation's start differently once a reply follows, so "
+                 "prompt and completion tokens cannot be told apart; use text prompt/completion data")
+    completion_ids = full[len(prompt_ids) :]
+    ends = [i for i, t in enumerate(completion_ids) if t in stop_ids]
+    return prompt_ids, completion_ids[: ends[0] + 1] if ends else completion_ids + [tokenizer.eos_token_id]
+
+
+def add_pad_token(tokenizer, stop_ids, *models):
+    """Make sure the tokenizer has a pad token that is no stop token, so that masking padding never masks
+    an EOS the model must learn. Reuse an unused special token where the tokenizer has one (Llama 3's
+    <|finetune_right_pad_id|>, reserved or unused tokens), else add <|pad|>; grow the embeddings only if
+    the new id does not fit (to a multiple of 64), and never shrink a vocabulary padded for speed."""
+    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id not in stop_ids:
+        return
+    taken = set(stop_ids) | {tokenizer.bos_token_id, tokenizer.unk_token_id}
+    unused = [t.content for i, t in sorted(tokenizer.added_tokens_decoder.items())
+              if t.special and i not in taken and t.content not in (tokenizer.chat_template or "")]
+    preferred = [c for c in unused if "pad" in c.lower()] + [c for c in unused if "reserved" in c or "unused" in c]
+    tokenizer.add_special_tokens({"pad_token": preferred[0] if preferred else "<|pad|>"})
+    for model in models:
+        if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+            model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
+
+
+def tokenize(example, tokenizer, stop_ids):
+    """(input_ids, labels) of one example, labels −100 where no loss is taken:
+    prompt/completion (text or conversational): the loss on the completion and its stop token;
+    text: on every token, EOS appended; messages: on each assistant turn up to its stop token."""
+    if example.get("messages") is not None:
+        messages, ids, labels, stopped = example["messages"], [], [], True
+        for i, message in enumerate(messages):
+            renders = [render_chat(tokenizer, messages[: i + 1])]
+            if message["role"] == "assistant":  # the assistant header is prompt, not completion
+                renders.insert(0, render_chat(tokenizer, messages[:i], add_generation_prompt=True))
+            for full in renders:
+                # Each render must extend the previous one. Templates that re-render earlier turns once later
+                # ones exist (e.g. dropping past reasoning) break this, and the labels would be misplaced.
+                if full[: len(ids)] != ids:
+                    sys.exit("error: the chat template renders earlier turns differently once later turns exist (e.g. "
+                             "it drops past reasoning), so assistant turns cannot be labeled; split each conversation "
+                             "into prompt/completion rows, one per assistant turn")
+                new, ids = full[len(ids) :], full
+                if full is renders[-1] and message["role"] == "assistant":
+                    ends = [j for j, t in enumerate(new) if t in stop_ids]
+                    n, stopped = (ends[0] + 1, True) if ends else (len(new), False)
+                    labels += new[:n] + [-100] * (len(new) - n)
+                else:
+                    labels += [-100] * len(new)
+        if not stopped:  # a template with no end-of-turn token: the last reply ends with EOS
+            ids, labels = ids + [tokenizer.eos_token_id], labels + [tokenizer.eos_token_id]
+        return ids, labels
+    if example.get("prompt") is not None and example.get("completion") is not None:
+        prompt_ids, completion_ids = tokenize_pair(tokenizer, example["prompt"], example["completion"], stop_ids)
+        return prompt_ids + completion_ids, [-100] * len(prompt_ids) + completion_ids
+    ids = encode_prompt(tokenizer, example["text"]) + [tokenizer.eos_token_id]
+    return ids, list(ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading and training helpers, the same text in every LM script (tests check the copies)
+# ---------------------------------------------------------------------------------------------
+def load_rows(name, split, eval_size):
+    """(train rows, eval rows) of a dataset: a hub id, a `save_to_disk` directory or a .json/.jsonl/.parquet
+    file. The eval rows are its `test` split, or else the first rows of `split` (at most a tenth), held out."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        if name.endswith((".json", ".jsonl", ".parquet")):
+            if not os.path.isfile(name):
+                sys.exit(f"error: dataset file {name!r} does not exist")
+            data = datasets.load_dataset("parquet" if name.endswith(".parquet") else "json", data_files=name)
+        elif os.path.isdir(name) and os.path.exists(os.path.join(name, "dataset_dict.json")):
+            data = datasets.load_from_disk(name)
+        else:
+            data = datasets.load_dataset(name)
+    except Exception as e:  # noqa: BLE001  any loading failure becomes one line
+        sys.exit(f"error: cannot load dataset {name!r}: {str(e).splitlines()[0]}")
+    if split not in data:
+        sys.exit(f"error: dataset {name!r} has the splits {list(data)}; pass one of them as --dataset-split")
+    rows = list(data[split])
+    if "test" in data and split != "test":
+        return rows, list(data["test"])[:eval_size]
+    n_eval = min(eval_size, len(rows) // 10)
+    return rows[n_eval:], rows[:n_eval]
+
+
+def get_lr(step, lr, warmup_steps, max_steps, decay):
+    """Learning rate of optimizer step `step` = 0, 1, ...: linear warmup to `lr` over `warmup_steps` steps,
+    then decay to 0 at `max_steps`, "linear" (1 − p) or "cosine" (½(1 + cos πp)), p the fraction of decay done."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return lr * (1 - progress) if decay == "linear" else lr * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def check_finite(step, **values):
+    """Stop the run with one line, before anything is saved, when a loss or gradient norm is NaN or inf."""
+    for name, value in values.items():
+        value = float(torch.as_tensor(value).detach())
+        if not math.isfinite(value):
+            sys.exit(f"error: {name} is {value} at step {step}; stopped, nothing saved "
+                     "(lower --lr; with a half-precision model, train without --bf16 to check)")
+
+
+def save_atomically(model, tokenizer, args, output_dir):
+    """Write to a temporary directory, then rename: a crash never leaves a half-written model."""
+    tmp_dir = f"{output_dir.rstrip('/')}.tmp-{os.getpid()}"
+    model.save_pretrained(tmp_dir)
+    tokenizer.save_pretrained(tmp_dir)
+    with open(os.path.join(tmp_dir, "training_args.json"), "w") as f:
+        json.dump(vars(args), f, indent=2)
+    if os.path.exists(output_dir):
+        shutil.rmtree(output_dir)
+    os.replace(tmp_dir, output_dir)
+
+
+def collate(batch, pad_token_id):
+    """Right-pad a list of (input_ids, labels): (input_ids, attention_mask, labels) tensors, labels −100 on padding."""
+    width = max(len(ids) for ids, _ in batch)
+    input_ids = torch.tensor([ids + [pad_token_id] * (width - len(ids)) for ids, _ in batch])
+    attention_mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in batch])
+    labels = torch.tensor([labels + [-100] * (width - len(labels)) for _, labels in batch])
+    return input_ids, attention_mask, labels
+
+
+@torch.no_grad()
+def sample(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature=1.0, greedy=False):
+    """Complete each prompt (lists of token ids, left-padded here) and cut each response after its first
+    stop token. Returns (sequences, attention_mask, context_length, response_mask), response_mask 1 on
+    response tokens up to and including the first stop token. Every sampling setting is explicit: the
+    checkpoint's generation_config.json (repetition_penalty, min_new_tokens, top_k, ...) would otherwise
+    fill the unset ones and sample from another distribution than the one whose log-probs are trained."""
+    from transformers import GenerationConfig
+
+    width = max(len(p) for p in prompt_ids)
+    input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompt_ids], device=model.device)
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=model.device)
+    model.generation_config = GenerationConfig(eos_token_id=stop_ids, pad_token_id=pad_token_id)
+    config = GenerationConfig(do_sample=not greedy, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+                              eos_token_id=stop_ids, pad_token_id=pad_token_id)
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+    responses = F.pad(out[:, width:], (0, max_new_tokens - (out.shape[1] - width)), value=pad_token_id)
+    is_stop = torch.isin(responses, torch.tensor(stop_ids, device=responses.device))
+    # 1 up to and including the first stop token: a token is valid while no stop token came strictly before it
+    response_mask = ((is_stop.cumsum(1) - is_stop.long()) == 0).long()
+    responses = responses.masked_fill(response_mask == 0, pad_token_id)
+    return (torch.cat([input_ids, responses], 1), torch.cat([attention_mask, response_mask], 1), width, response_mask)
+
+
+def decode(tokenizer, sequences, context_length, response_mask):
+    """The responses as text, up to their stop token, special tokens dropped."""
+    return [tokenizer.decode([t for t, m in zip(row, mask) if m], skip_special_tokens=True)
+            for row, mask in zip(sequences[:, context_length:].tolist(), response_mask.tolist())]
+
+
+# ---------------------------------------------------------------------------------------------
 # Model, tokenizer, data
 # ---------------------------------------------------------------------------------------------
-def load_model_and_tokenizer(args, device):
-    from transformers import AutoModelForCausalLM, AutoTokenizer, ByT5Tokenizer, GPT2Config, GPT2LMHeadModel
+def load_tokenizer(args):
+    from transformers import AutoTokenizer, ByT5Tokenizer
 
     if args.model_name_or_path is None:
-        # A byte-level tokenizer needs no files; pad (0) differs from EOS (1)
-        tokenizer = ByT5Tokenizer()
-        config = GPT2Config(vocab_size=len(tokenizer), n_positions=args.max_length, n_embd=args.n_embd,
-                            n_layer=args.n_layer, n_head=args.n_head, resid_pdrop=0.0, embd_pdrop=0.0,
-                            attn_pdrop=0.0, bos_token_id=tokenizer.eos_token_id,
-                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        return GPT2LMHeadModel(config).to(device), tokenizer
+        return ByT5Tokenizer()  # a byte-level tokenizer needs no files; pad (0) differs from EOS (1)
     path = args.model_name_or_path
     if not os.path.isdir(path) and (path.startswith((".", "/", "~", "models/")) or path.count("/") > 1):
         sys.exit(f"error: model directory {path!r} does not exist; pass an existing directory or a hub id")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
-        sys.exit(f"error: cannot load a causal LM from {path!r}: {str(e).splitlines()[0]}")
-    if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
-        # a pad distinct from EOS, so that masking padding never masks the EOS the model must learn
-        tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
-        model.resize_token_embeddings(len(tokenizer))
+        sys.exit(f"error: cannot load a tokenizer from {path!r}: {str(e).splitlines()[0]}")
+
+
+def load_model(args, tokenizer, stop_ids, device):
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    if args.model_name_or_path is None:
+        # 256 positions: room for longer prompts and responses in the later stages than --max-length here
+        config = GPT2Config(vocab_size=len(tokenizer), n_positions=max(256, args.max_length), n_embd=args.n_embd,
+                            n_layer=args.n_layer, n_head=args.n_head, resid_pdrop=0.0, embd_pdrop=0.0,
+                            attn_pdrop=0.0, bos_token_id=tokenizer.eos_token_id,
+                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        return GPT2LMHeadModel(config).to(device)
+    try:
+        # float32 master weights, whatever the checkpoint's dtype: in fp16 AdamW's eps underflows to 0, in
+        # bf16 most small updates round away. --bf16 is the mixed-precision choice on top of this.
+        model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: cannot load a causal LM from {args.model_name_or_path!r}: {str(e).splitlines()[0]}")
+    add_pad_token(tokenizer, stop_ids, model)
     model.config.pad_token_id = tokenizer.pad_token_id
-    return model.to(device), tokenizer
+    return model.to(device)
 
 
 def load_examples(args):
@@ -212,99 +438,12 @@ def load_examples(args):
             prompt, target = make_prompt(rng)
             evals.append({"prompt": prompt, "completion": demonstration(rng, target), "target": target})
         return train, evals
-    import datasets
-
-    datasets.disable_progress_bars()
-    name = args.dataset_name
-    try:
-        if name.endswith((".json", ".jsonl", ".parquet")):
-            if not os.path.isfile(name):
-                sys.exit(f"error: dataset file {name!r} does not exist")
-            data = datasets.load_dataset("parquet" if name.endswith(".parquet") else "json", data_files=name)
-        elif os.path.isdir(name) and os.path.exists(os.path.join(name, "dataset_dict.json")):
-            data = datasets.load_from_disk(name)
-        else:
-            data = datasets.load_dataset(name)
-    except Exception as e:  # noqa: BLE001  any loading failure becomes one line
-        sys.exit(f"error: cannot load dataset {name!r}: {str(e).splitlines()[0]}")
-    columns = data[args.dataset_split].column_names
+    train, evals = load_rows(args.dataset_name, args.dataset_split, args.eval_size)
+    columns = sorted(train[0]) if train else []
     if not ({"prompt", "completion"} <= set(columns) or "text" in columns or "messages" in columns):
-        sys.exit(f"error: dataset {name!r} has columns {columns}; sft.py accepts prompt+completion, text, or messages")
-    train = list(data[args.dataset_split])
-    if "test" in data:
-        return train, list(data["test"])[: args.eval_size]
-    n_eval = min(args.eval_size, len(train) // 10)
-    return train[n_eval:], train[:n_eval]
-
-
-def tokenize(example, tokenizer, max_length):
-    """(input_ids, labels) with labels −100 where no loss is taken; EOS ends the sequence."""
-    eos = [tokenizer.eos_token_id]
-    if "messages" in example and example["messages"] is not None:
-        if tokenizer.chat_template is None:
-            sys.exit("error: the dataset has `messages` but the tokenizer has no chat template")
-        def render(turns, **kwargs):
-            ids = tokenizer.apply_chat_template(turns, tokenize=True, **kwargs)
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in transformers 5
-
-        messages, ids, labels = example["messages"], [], []
-        for i, message in enumerate(messages):
-            if message["role"] == "assistant":  # the assistant header is prompt, not completion
-                ids = render(messages[:i], add_generation_prompt=True)
-                labels += [-100] * (len(ids) - len(labels))
-            # the tokens this turn adds to the rendered conversation; loss only on assistant turns
-            full = render(messages[: i + 1])
-            new = full[len(ids) :]
-            labels += new if message["role"] == "assistant" else [-100] * len(new)
-            ids = full
-    elif "prompt" in example and example.get("completion") is not None:
-        prompt = tokenizer(example["prompt"], add_special_tokens=False)["input_ids"]
-        completion = tokenizer(example["completion"], add_special_tokens=False)["input_ids"] + eos
-        ids, labels = prompt + completion, [-100] * len(prompt) + completion
-    else:
-        ids = tokenizer(example["text"], add_special_tokens=False)["input_ids"] + eos
-        labels = list(ids)
-    return ids[:max_length], labels[:max_length]
-
-
-def collate(batch, pad_token_id):
-    """Right-pad a list of (input_ids, labels) into tensors."""
-    width = max(len(ids) for ids, _ in batch)
-    input_ids = torch.tensor([ids + [pad_token_id] * (width - len(ids)) for ids, _ in batch])
-    labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in batch])
-    attention_mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in batch])
-    return input_ids, labels, attention_mask
-
-
-@torch.no_grad()
-def generate(model, tokenizer, prompts, max_new_tokens, temperature=1.0, greedy=False, batch_size=256):
-    """Complete each prompt (left-padded; generate derives position ids from the attention mask)
-    and return the completions as text, cut at the first EOS."""
-    tokenizer.padding_side = "left"
-    completions = []
-    for i in range(0, len(prompts), batch_size):
-        batch = tokenizer(prompts[i : i + batch_size], add_special_tokens=False, padding=True, return_tensors="pt")
-        batch = {k: v.to(model.device) for k, v in batch.items()}
-        sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
-        out = model.generate(**batch, **sampling, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                             eos_token_id=tokenizer.eos_token_id)
-        for row in out[:, batch["input_ids"].shape[1] :].tolist():
-            row = row[: row.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in row else row
-            completions.append(tokenizer.decode(row, skip_special_tokens=True))
-    tokenizer.padding_side = "right"
-    return completions
-
-
-def save_atomically(model, tokenizer, args, output_dir):
-    """Write to a temporary directory, then rename: a crash never leaves a half-written model."""
-    tmp_dir = f"{output_dir.rstrip('/')}.tmp-{os.getpid()}"
-    model.save_pretrained(tmp_dir)
-    tokenizer.save_pretrained(tmp_dir)
-    with open(os.path.join(tmp_dir, "training_args.json"), "w") as f:
-        json.dump(vars(args), f, indent=2)
-    if os.path.exists(output_dir):
-        shutil.rmtree(output_dir)
-    os.replace(tmp_dir, output_dir)
+        sys.exit(f"error: dataset {args.dataset_name!r} has columns {columns}; sft.py accepts prompt+completion, "
+                 "text, or messages")
+    return train, evals
 
 
 def main(args: Args):
@@ -315,12 +454,34 @@ def main(args: Args):
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
 
+    # Data first, tokenized and checked before the model is loaded
     train_examples, eval_examples = load_examples(args)
-    model, tokenizer = load_model_and_tokenizer(args, device)
-    train = [tokenize(ex, tokenizer, args.max_length) for ex in train_examples]
-    evals = [tokenize(ex, tokenizer, args.max_length) for ex in eval_examples]
+    tokenizer = load_tokenizer(args)
+    stop_ids = stop_token_ids(tokenizer)
+
+    def tokenize_all(examples, split):
+        """Examples that fit --max-length (a `text` example is cut to it); the others are dropped and counted."""
+        kept, dropped = [], 0
+        for ex in examples:
+            ids, labels = tokenize(ex, tokenizer, stop_ids)
+            if ex.get("text") is not None and ex.get("messages") is None and ex.get("completion") is None:
+                ids, labels = ids[: args.max_length], labels[: args.max_length]
+            if len(ids) > args.max_length or all(label == -100 for label in labels[1:]):
+                dropped += 1
+            else:
+                kept.append((ids, labels))
+        if dropped:
+            print(f"{split}: dropped {dropped:,} of {len(examples):,} examples longer than --max-length {args.max_length} "
+                  "or with nothing to learn")
+        if not kept and examples:
+            sys.exit(f"error: no {split} example fits --max-length {args.max_length}; raise it")
+        return kept
+
+    train, evals = tokenize_all(train_examples, "train"), tokenize_all(eval_examples, "eval")
     builtin = args.dataset_name is None
+    model = load_model(args, tokenizer, stop_ids, device)
 
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     writer = SummaryWriter(f"runs/{run_name}")
@@ -328,32 +489,39 @@ def main(args: Args):
     print(f"{sum(p.numel() for p in model.parameters()):,} parameters, {len(train):,} training examples")
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    schedule = lambda step: min(1.0, (step + 1) / args.warmup_steps) * 0.5 * (  # noqa: E731
-        1 + math.cos(math.pi * min(1.0, step / args.max_steps)))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     micro_size = args.batch_size // args.gradient_accumulation_steps
 
     def evaluate(step):
         model.eval()
-        with torch.no_grad():
+        line = f"step {step}:"
+        if evals:
             total, count = 0.0, 0
-            for i in range(0, len(evals), 128):
-                input_ids, labels, attention_mask = (t.to(device) for t in collate(evals[i : i + 128], tokenizer.pad_token_id))
-                n = (labels[:, 1:] != -100).sum()
-                total += sft_loss(model(input_ids=input_ids, attention_mask=attention_mask).logits, labels, n).item() * n.item()
-                count += n.item()
-        writer.add_scalar("eval/loss", total / count, step)
-        line = f"step {step}: eval/loss {total / count:.4f}"
+            with torch.no_grad(), amp():
+                for i in range(0, len(evals), 128):
+                    input_ids, attention_mask, labels = (t.to(device) for t in collate(evals[i : i + 128], tokenizer.pad_token_id))
+                    n = (labels[:, 1:] != -100).sum()
+                    total += sft_loss(model(input_ids=input_ids, attention_mask=attention_mask).logits, labels, n).item() * n.item()
+                    count += n.item()
+            writer.add_scalar("eval/loss", total / count, step)
+            line += f" eval/loss {total / count:.4f}"
         if builtin:
             prompts, targets = [ex["prompt"] for ex in eval_examples], [ex["target"] for ex in eval_examples]
-            for name, completions in (("", generate(model, tokenizer, prompts, args.max_new_tokens)),
-                                      ("_greedy", generate(model, tokenizer, prompts, args.max_new_tokens, greedy=True))):
+            prompt_ids = [encode_prompt(tokenizer, p) for p in prompts]
+            for name, greedy in (("", False), ("_greedy", True)):
+                completions = []
+                for i in range(0, len(prompt_ids), 256):
+                    with amp():
+                        sequences, _, width, response_mask = sample(model, prompt_ids[i : i + 256], tokenizer.pad_token_id,
+                                                                    stop_ids, args.max_new_tokens, greedy=greedy)
+                    completions += decode(tokenizer, sequences, width, response_mask)
+                if not greedy:
+                    sampled = completions
                 accuracy = sum(c == t for c, t in zip(completions, targets)) / len(targets)
                 score = sum(gold_score(c, t) for c, t in zip(completions, targets)) / len(targets)
                 writer.add_scalar(f"eval/gold_accuracy{name}", accuracy, step)
                 writer.add_scalar(f"eval/gold_score{name}", score, step)
                 line += f", gold_accuracy{name} {accuracy:.3f}, gold_score{name} {score:.3f}"
-            samples = "\n".join(f"    {p} {c!r} (target {t})" for p, c, t in zip(prompts[:8], completions, targets))
+            samples = "\n".join(f"    {p} {c!r} (target {t})" for p, c, t in zip(prompts[:8], sampled, targets))
             writer.add_text("eval/samples", samples, step)
         print(line)
         model.train()
@@ -368,17 +536,22 @@ def main(args: Args):
         batch = [train[i] for i in order[position : position + args.batch_size]]
         position += args.batch_size
         num_items = sum(sum(label != -100 for label in labels[1:]) for _, labels in batch)
+        lr = get_lr(step - 1, args.lr, args.warmup_steps, args.max_steps, "cosine")
+        for group in optimizer.param_groups:
+            group["lr"] = lr
 
         tick, batch_loss = time.time(), 0.0
         for m in range(0, args.batch_size, micro_size):
-            input_ids, labels, attention_mask = (t.to(device) for t in collate(batch[m : m + micro_size], tokenizer.pad_token_id))
-            loss = sft_loss(model(input_ids=input_ids, attention_mask=attention_mask).logits, labels, num_items)
+            input_ids, attention_mask, labels = (t.to(device) for t in collate(batch[m : m + micro_size], tokenizer.pad_token_id))
+            with amp():
+                logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+            loss = sft_loss(logits, labels, num_items)
             loss.backward()
             batch_loss += loss.item()
             tokens_seen += int(attention_mask.sum())
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        check_finite(step, loss=batch_loss, grad_norm=grad_norm)
         optimizer.step()
-        scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         model_time += time.time() - tick
 
@@ -386,7 +559,7 @@ def main(args: Args):
             elapsed = time.time() - start_time
             writer.add_scalar("train/loss", batch_loss, step)
             writer.add_scalar("train/grad_norm", grad_norm.item(), step)
-            writer.add_scalar("charts/learning_rate", scheduler.get_last_lr()[0], step)
+            writer.add_scalar("charts/learning_rate", lr, step)
             writer.add_scalar("charts/samples_per_second", step * args.batch_size / elapsed, step)
             writer.add_scalar("charts/tokens_per_second", tokens_seen / elapsed, step)
             writer.add_scalar("charts/model_time_fraction", model_time / elapsed, step)

@@ -37,10 +37,11 @@ def test_messages_format_takes_loss_on_assistant_turns_only():
                                "{% if add_generation_prompt %}<assistant>{% endif %}")
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
                 {"role": "user", "content": "ok"}, {"role": "assistant", "content": "42"}]
-    ids, labels = sft.tokenize({"messages": messages}, tokenizer, 200)
-    assert tokenizer.decode(ids) == "<user>hi\n<assistant>yo\n<user>ok\n<assistant>42\n"
-    # the assistant headers are prompt; the loss is on each assistant reply and its newline
-    assert tokenizer.decode([i for i, label in zip(ids, labels) if label != -100]) == "yo\n42\n"
+    ids, labels = sft.tokenize({"messages": messages}, tokenizer, sft.stop_token_ids(tokenizer))
+    # a template with no end-of-turn token: the conversation ends with EOS, as a text completion does
+    assert tokenizer.decode(ids) == "<user>hi\n<assistant>yo\n<user>ok\n<assistant>42\n</s>"
+    # the assistant headers are prompt; the loss is on each assistant reply, its newline, and the final EOS
+    assert tokenizer.decode([i for i, label in zip(ids, labels) if label != -100]) == "yo\n42\n</s>"
     assert all(label in (i, -100) for i, label in zip(ids, labels))
 
 
