@@ -443,8 +443,8 @@ def main(args: Args):
         if too_long or same:
             print(f"{split}: dropped {too_long:,} of {len(rows):,} pairs longer than --max-length {args.max_length}, "
                   f"{same:,} whose chosen and rejected are the same tokens")
-        if not pairs and rows:
-            sys.exit(f"error: no {split} pair is left to train on (see above); raise --max-length or check the data")
+        if not pairs and split == "train":
+            sys.exit("error: no training pair is left (see above); raise --max-length or check the data")
         return pairs, kept
 
     (train, _), (evals, eval_rows) = encode_pairs(train_rows, "train"), encode_pairs(eval_rows, "eval")

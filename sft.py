@@ -475,8 +475,8 @@ def main(args: Args):
         if dropped:
             print(f"{split}: dropped {dropped:,} of {len(examples):,} examples longer than --max-length {args.max_length} "
                   "or with nothing to learn")
-        if not kept and examples:
-            sys.exit(f"error: no {split} example fits --max-length {args.max_length}; raise it")
+        if not kept and split == "train":
+            sys.exit(f"error: no training example fits --max-length {args.max_length} (see above); raise it")
         return kept
 
     train, evals = tokenize_all(train_examples, "train"), tokenize_all(eval_examples, "eval")

@@ -179,3 +179,351 @@ def dpo_eval_loss(root, data):
         logps[name] = dpo.sequence_logps(model, *dpo.collate(batch, tokenizer.pad_token_id))
     n = len(triples)
     return dpo.dpo_loss(logps["dpo"][:n], logps["dpo"][n:], logps["sft"][:n], logps["sft"][n:], beta=0.5)[0].item()
+
+
+# ------------------------------------------------------------------------------------------------
+# One test per bug of the real-model path; each docstring names the bug it guards (issue: "The LM
+# scripts on real checkpoints and real data"), and each failed on the scripts before the fix.
+# ------------------------------------------------------------------------------------------------
+import dpo  # noqa: E402
+import reward_model  # noqa: E402
+import rlhf_ppo  # noqa: E402
+import sft  # noqa: E402
+from conftest import assert_one_line_error, make_model, make_tokenizer, run_script  # noqa: E402
+
+LM_SCRIPTS = [sft, reward_model, rlhf_ppo, dpo]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_checkpoints_are_trained_in_float32(tmp_path, dtype):
+    """Bug 1: a bf16/fp16 checkpoint was trained in its own dtype. fp16: AdamW's eps rounds to 0 and one step
+    turned embedding rows into NaN, saved with exit 0; bf16: at lr 2e-5 about 3/4 of the weights did not move."""
+    base = save_checkpoint(str(tmp_path / "base"), "llama", "bos", dtype)
+    data = write_data(tmp_path / "d.jsonl", "prompt_completion")
+    run_in_process("sft.py", "--model-name-or-path", base, "--dataset-name", data, "--lr", "2e-5", "--max-steps", "2",
+                   "--warmup-steps", "1", "--batch-size", "8", "--eval-every", "2", "--output-dir", "out", cwd=tmp_path)
+    model, trained = state(tmp_path / "out")
+    assert model.dtype == torch.float32
+    assert all(torch.isfinite(v).all() for v in trained.values())
+    assert changed_fraction(state(base)[1], trained) > 0.99  # measured: 1.0 after the fix
+
+
+def test_bf16_mixed_precision_trains_with_float32_master_weights(tmp_path):
+    """Bug 1, the explicit choice: --bf16 autocasts on the CPU too, and PPO's first ratio stays exactly 1."""
+    base = save_checkpoint(str(tmp_path / "base"), "qwen2", "pad_is_eos", "bfloat16")
+    sft_data, pref_data = write_data(tmp_path / "s.jsonl", "messages"), write_data(tmp_path / "p.jsonl", "conversational_implicit")
+    prompts = write_data(tmp_path / "q.jsonl", "conversational_prompts")
+    common = ["--warmup-steps", "0", "--eval-every", "2", "--max-steps", "2", "--batch-size", "8", "--bf16"]
+    run_in_process("sft.py", "--model-name-or-path", base, "--dataset-name", sft_data, "--output-dir", "sft", *common,
+                   cwd=tmp_path)
+    run_in_process("reward_model.py", "--dataset-name", pref_data, "--model-name-or-path", "sft", "--output-dir", "rm",
+                   *common, cwd=tmp_path)
+    run_in_process("rlhf_ppo.py", "--sft-model-path", "sft", "--reward-model-path", "rm", "--dataset-name", prompts,
+                   "--num-iterations", "1", "--batch-size", "8", "--mini-batch-size", "4", "--response-length", "6",
+                   "--bf16", "--output-dir", "ppo", cwd=tmp_path)
+    scalars = read_scalars(str(next((tmp_path / "runs").glob("rlhf_ppo__*"))))
+    assert scalars["policy/first_ratio_max_error"][0][1] == 0.0
+    assert state(tmp_path / "ppo")[0].dtype == torch.float32
+
+
+def test_a_nan_loss_stops_the_run_with_one_line_and_saves_nothing(tmp_path):
+    """Bug 1: a loss or gradient norm that became NaN/inf was trained on and saved; now one line names the step."""
+    base = save_checkpoint(str(tmp_path / "base"), "gpt2", "eos_no_pad", "float32")
+    model, _ = state(base)
+    with torch.no_grad():
+        model.transformer.h[0].mlp.c_fc.weight[0, 0] = float("inf")
+    model.save_pretrained(base)
+    data = write_data(tmp_path / "d.jsonl", "prompt_completion")
+    proc = run_script("sft.py", "--model-name-or-path", base, "--dataset-name", data, "--max-steps", "3",
+                      "--batch-size", "8", "--output-dir", "out", cwd=tmp_path, check=False)
+    assert_one_line_error(proc, "at step 1", "nothing saved")
+    assert not (tmp_path / "out").exists()
+    # a NaN margin in the data: the reward model's loss is NaN at its first step
+    rows = [{"prompt": "sort 2 1:", "chosen": " 1 2", "rejected": " 2 1", "margin": float("nan")}] * 20
+    (tmp_path / "nan.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    proc = run_script("reward_model.py", "--model-name-or-path", base, "--dataset-name", "nan.jsonl", "--max-steps", "3",
+                      "--batch-size", "4", "--output-dir", "rm", cwd=tmp_path, check=False)
+    assert_one_line_error(proc, "loss is nan at step 1")
+    assert not (tmp_path / "rm").exists()
+
+
+@pytest.mark.parametrize("script", [rlhf_ppo, dpo, sft])
+def test_sampling_ignores_the_checkpoints_generation_config(tmp_path, script):
+    """Bug 2: generation_config.json (repetition_penalty, no_repeat_ngram_size, min_new_tokens, top_k) leaked into
+    sampling, so the tokens sampled did not come from the distribution whose log-probs PPO trains."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    generation = dict(do_sample=True, repetition_penalty=3.0, no_repeat_ngram_size=1, min_new_tokens=6, top_k=3,
+                      temperature=0.3)
+    path = save_checkpoint(str(tmp_path / "m"), "llama", "chat_eot", "float32", generation=generation)
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+    stop_ids = script.stop_token_ids(tokenizer)
+    script.add_pad_token(tokenizer, stop_ids, model)
+    generate, captured = model.generate, {}
+
+    def recording_generate(**kwargs):  # the processed scores generate sampled from
+        out = generate(**kwargs, output_scores=True, return_dict_in_generate=True)
+        captured["scores"] = torch.stack(out.scores, 1)
+        return out.sequences
+
+    model.generate = recording_generate
+    prompts = [script.encode_prompt(tokenizer, chat(q)) for q, _, _ in sort_rows(16)]
+    torch.manual_seed(0)
+    sequences, attention_mask, width, response_mask = script.sample(model, prompts, tokenizer.pad_token_id, stop_ids, 8)
+    logits = model(input_ids=sequences, attention_mask=attention_mask,
+                   position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0)).logits[:, width - 1 : -1]
+    responses = sequences[:, width:, None]
+    recomputed = logits.log_softmax(-1).gather(2, responses).squeeze(-1)
+    n = captured["scores"].shape[1]
+    sampled = captured["scores"].log_softmax(-1).gather(2, responses[:, :n]).squeeze(-1)
+    valid = response_mask[:, :n].bool()
+    torch.testing.assert_close(sampled[valid], recomputed[:, :n][valid], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_script_tokenizes_an_example_the_same_way(kind):
+    """Bug 3: prompts were tokenized without BOS (Llama/Mistral/Gemma-style models never saw it), with the
+    EOS of T5-style tokenizers possible; now the prompt has BOS where the tokenizer prepends one, and SFT,
+    the reward model, PPO and DPO see the same token sequence for the same example."""
+    from transformers import ByT5Tokenizer
+
+    tokenizer = make_tokenizer(kind)
+    stop_ids = sft.stop_token_ids(tokenizer)
+    prompt, chosen, rejected = "sort 3 1 2:", " 1 2 3", " 3 2 1"
+    ids, labels = sft.tokenize({"prompt": prompt, "completion": chosen}, tokenizer, stop_ids)
+    prompt_ids = rlhf_ppo.encode_prompt(tokenizer, prompt)
+    for script in (reward_model, dpo):
+        p, c, r = script.tokenize_preference(tokenizer, {"prompt": prompt, "chosen": chosen, "rejected": rejected}, stop_ids)
+        assert (p, p + c) == (prompt_ids, ids) and r != c
+    assert ids[: len(prompt_ids)] == prompt_ids and labels == [-100] * len(prompt_ids) + ids[len(prompt_ids) :]
+    assert ids[-1] == tokenizer.eos_token_id and tokenizer.eos_token_id not in prompt_ids
+    bos = tokenizer.bos_token_id
+    assert (prompt_ids[0] == bos) == TOKENIZER_KINDS[kind].get("prepend_bos", False)
+    assert prompt_ids.count(bos) <= 1
+    # a T5-style tokenizer appends EOS as its special token: never to a prompt
+    byt5 = ByT5Tokenizer()
+    assert sft.encode_prompt(byt5, "sort 1:") == [byte + 3 for byte in b"sort 1:"]  # ByT5: id = byte + 3, no EOS
+
+
+def test_conversational_prompts_end_with_the_assistant_header_and_completions_with_end_of_turn():
+    """Bugs 4 and 5: conversational rows crashed reward_model/dpo/rlhf_ppo; and a chat model stopped on the
+    wrong token. The completion of a conversation ends with the template's end-of-turn token, which is in the
+    stop set (and EOS is not appended after it)."""
+    tokenizer = make_tokenizer("chat_eot")
+    eot, eos = tokenizer.convert_tokens_to_ids("<|eot_id|>"), tokenizer.eos_token_id
+    stop_ids = dpo.stop_token_ids(tokenizer)
+    assert stop_ids == [eos, eot]
+    row = {"prompt": chat("sort 2 1:"), "chosen": [{"role": "assistant", "content": "1 2"}],
+           "rejected": [{"role": "assistant", "content": "2 1"}]}
+    p, c, r = reward_model.tokenize_preference(tokenizer, row, stop_ids)
+    assert tokenizer.decode(p).endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+    assert tokenizer.decode(p).startswith("<|begin_of_text|>") and p.count(tokenizer.bos_token_id) == 1
+    assert c[-1] == eot and r[-1] == eot and tokenizer.decode(c[:-1]) == "1 2"
+    # implicit conversational: the shared messages are the prompt
+    implicit = {"chosen": row["prompt"] + row["chosen"], "rejected": row["prompt"] + row["rejected"]}
+    assert dpo.tokenize_preference(tokenizer, implicit, stop_ids) == (p, c, r)
+    # SFT's messages: the loss ends at the end-of-turn token, not on what the template writes after it
+    chatml = make_tokenizer("pad_is_eos")
+    im_end = chatml.convert_tokens_to_ids("<|im_end|>")
+    ids, labels = sft.tokenize({"messages": chat("sort 2 1:", "1 2")}, chatml, sft.stop_token_ids(chatml))
+    labeled = [t for t in labels if t != -100]
+    assert labeled[-1] == im_end and chatml.decode(labeled[:-1]) == "1 2" and ids[-1] != im_end  # a "\n" follows
+    # rlhf_ppo: a conversational prompt is the template with the generation prompt
+    assert rlhf_ppo.encode_prompt(tokenizer, row["prompt"]) == p
+
+
+def test_sampling_and_scoring_stop_at_the_end_of_turn_token():
+    """Bug 5: rollouts, the response mask, the reward model's scoring position and the missing-EOS penalty
+    used only tokenizer.eos_token; a chat model ends its turn with another token."""
+    from transformers import AutoModelForSequenceClassification, GPT2Config
+
+    eot, eos, pad = 7, 2, 0
+    stop_ids = [eos, eot]
+
+    class FixedModel(torch.nn.Module):  # generate returns the prompt + fixed responses
+        device = torch.device("cpu")
+
+        def generate(self, input_ids, attention_mask, generation_config):
+            assert generation_config.eos_token_id == stop_ids and generation_config.top_k == 0
+            return torch.cat([input_ids, torch.tensor([[5, eot, 9, 9], [5, 6, 6, 6]])], 1)
+
+    for script in (rlhf_ppo, dpo):
+        sequences, attention_mask, width, mask = script.sample(FixedModel(), [[3, 4], [4]], pad, stop_ids, 4)
+        assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]  # cut after the end-of-turn token
+        assert sequences[:, width:].tolist() == [[5, eot, pad, pad], [5, 6, 6, 6]]
+        reward = AutoModelForSequenceClassification.from_config(GPT2Config(vocab_size=10, n_embd=8, n_layer=1, n_head=2,
+                                                                           num_labels=1, pad_token_id=pad)).eval()
+        scores, has_stop = script.score_responses(reward, sequences, attention_mask, mask, stop_ids, -7.0)
+        assert has_stop.tolist() == [True, False] and scores[1].item() == -7.0
+        expected = script.token_scores(reward, sequences[:1, :4], attention_mask[:1, :4])[0, -1]  # at the eot
+        assert scores[0].item() == pytest.approx(expected.item(), abs=1e-6)
+
+
+def test_implicit_text_prompts_end_on_a_whole_token():
+    """Bug 4: the shared prompt of implicit pairs is taken on whole tokens: no word split, and its leading space
+    stays with the word (character-level common prefixes cut "The ca|t" or leave "Answer: " with its space)."""
+    tokenizer = make_tokenizer("eos_no_pad")
+    stop_ids = dpo.stop_token_ids(tokenizer)
+    for chosen, rejected, prompt in [("The cat sat", "The cap sat", "The"),
+                                     ("Question: sort 8 1 9 Answer: 1 8 9", "Question: sort 8 1 9 Answer: 9 8 1",
+                                      "Question: sort 8 1 9 Answer:")]:
+        p, c, r = dpo.tokenize_preference(tokenizer, {"chosen": chosen, "rejected": rejected}, stop_ids)
+        assert tokenizer.decode(p) == prompt
+        assert tokenizer.decode(c[:-1]) == chosen[len(prompt) :] and tokenizer.decode(r[:-1]) == rejected[len(prompt) :]
+        assert c[-1] == r[-1] == tokenizer.eos_token_id
+        assert reward_model.tokenize_preference(tokenizer, {"chosen": chosen, "rejected": rejected}, stop_ids) == (p, c, r)
+
+
+def test_pairs_that_do_not_fit_or_become_equal_are_dropped_and_counted(tmp_path, capsys):
+    """Bug 6: reward_model.py and dpo.py cut prompt+completion to --max-length − 1 and appended EOS: long prompts
+    made chosen == rejected (zero gradient, still counted) and a cut completion got a fake EOS."""
+    base = save_checkpoint(str(tmp_path / "base"), "gpt_neox", "eos_no_pad", "float32")
+    long_prompt = "sort " + " ".join("1234567890" * 4) + ":"
+    rows = [{"prompt": f"sort {i} 1:", "chosen": f" 1 {i}", "rejected": f" {i} 1"} for i in range(2, 10)] * 3
+    rows += [{"prompt": long_prompt, "chosen": " 1", "rejected": " 2"}] * 10
+    rows += [{"prompt": f"sort {i} 1:", "chosen": " 1", "rejected": " 1"} for i in range(5)]  # the same tokens
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    for script, extra in (("reward_model.py", []), ("dpo.py", ["--reward-model-path", "None", "--response-length", "4"])):
+        run_in_process(script, "--model-name-or-path", base, "--dataset-name", "p.jsonl", "--max-length", "32",
+                       "--max-steps", "2", "--batch-size", "4", "--warmup-steps", "1", "--output-dir", script, *extra,
+                       cwd=tmp_path)
+        out = capsys.readouterr().out
+        # 39 rows, the first 3 held out for eval; of the 36 training rows, 10 are too long and 5 have chosen == rejected
+        assert "train: dropped 10 of 36 pairs longer than --max-length 32, 5 whose chosen and rejected are the same" in out
+        assert "eval: dropped" not in out
+
+
+def test_sft_reports_dropped_examples_and_stops_when_none_fits(tmp_path):
+    """Bug 6: sft.py logged `train/loss nan` and crashed in eval when all labels of a batch were cut away."""
+    base = save_checkpoint(str(tmp_path / "base"), "gpt2", "eos_no_pad", "float32")
+    data = write_data(tmp_path / "d.jsonl", "prompt_completion")
+    proc = run_script("sft.py", "--model-name-or-path", base, "--dataset-name", data, "--max-length", "4",
+                      cwd=tmp_path, check=False)
+    assert_one_line_error(proc, "no training example fits --max-length 4")
+    proc = run_script("sft.py", "--model-name-or-path", base, "--dataset-name", data, "--max-length", "12",
+                      "--max-steps", "2", "--batch-size", "4", "--eval-every", "2", "--output-dir", "out", cwd=tmp_path)
+    assert "train: dropped" in proc.stdout and "nan" not in proc.stdout
+
+
+def test_a_template_that_rerenders_earlier_turns_is_refused():
+    """Bug 7: with a template that renders earlier turns differently once later turns exist (as templates that
+    strip past reasoning do), the messages format put the labels on the wrong tokens without a word."""
+    tokenizer = make_tokenizer("pad_is_eos")
+    tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' and "
+                               "not loop.last %}(earlier reply){% else %}{{ m['content'] }}{% endif %}<|im_end|>\n"
+                               "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    messages = chat("sort 2 1:", "1 2") + chat("and 3 1?", "1 3")
+    with pytest.raises(SystemExit, match="renders earlier turns differently"):
+        sft.tokenize({"messages": messages}, tokenizer, sft.stop_token_ids(tokenizer))
+    sft.tokenize({"messages": messages[:2]}, tokenizer, sft.stop_token_ids(tokenizer))  # one turn is fine
+
+
+def test_eval_score_is_the_same_quantity_in_rlhf_ppo_and_dpo(tiny_checkpoints, tmp_path):
+    """Bug 8: rlhf_ppo.py's eval/score applied the missing-EOS penalty and dpo.py's did not, yet the two were
+    compared side by side. With one-token responses nothing ends, so both must log exactly the penalty."""
+    models = tiny_checkpoints["cwd"] / "models"
+    common = ["--response-length", "1", "--missing-eos-penalty", "-7", "--eval-size", "16", "--output-dir", "out"]
+    run_in_process("rlhf_ppo.py", "--sft-model-path", str(models / "sft"), "--reward-model-path",
+                   str(models / "reward_model"), "--num-iterations", "1", "--batch-size", "8", "--mini-batch-size", "8",
+                   *common, cwd=tmp_path)
+    run_in_process("dpo.py", "--model-name-or-path", str(models / "sft"), "--reward-model-path",
+                   str(models / "reward_model"), "--max-steps", "1", "--batch-size", "4", "--num-train-pairs", "8",
+                   *common, cwd=tmp_path)
+    for name in ("rlhf_ppo", "dpo"):
+        scalars = read_scalars(str(next((tmp_path / "runs").glob(f"{name}__*"))))
+        assert [v for _, v in scalars["eval/score"]] == [-7.0, -7.0], name
+
+
+def test_dropout_is_off_also_where_it_is_a_config_number(tmp_path):
+    """Bug 9: dropout was off only for nn.Dropout modules; Llama/Qwen2 attention dropout is a number each layer
+    reads from the config, so the policy's and reward model's outputs were random in train mode."""
+    from transformers import AutoModelForSequenceClassification
+
+    for arch in ("llama", "qwen2"):
+        base = save_checkpoint(str(tmp_path / arch), arch, "bos", "float32", attention_dropout=0.5)
+        rm_path = str(tmp_path / f"{arch}_rm")
+        AutoModelForSequenceClassification.from_pretrained(base, num_labels=1).save_pretrained(rm_path)
+        make_tokenizer("bos").save_pretrained(rm_path)
+        tokenizer, _, policy, ref, reward = dpo.load_models(dpo.Args(model_name_or_path=base, reward_model_path=rm_path), "cpu")
+        _, _, actor, _, _, critic = rlhf_ppo.load_models(rlhf_ppo.Args(sft_model_path=base, reward_model_path=rm_path), "cpu")
+        tok = reward_model.load_tokenizer(reward_model.Args(model_name_or_path=rm_path))
+        trained_rm = reward_model.load_model(reward_model.Args(model_name_or_path=rm_path), tok, [tok.eos_token_id], "cpu")
+        ids = torch.tensor([tokenizer("sort 3 1 2: 1 2 3")["input_ids"] * 4])
+        for model in (policy, actor, critic, trained_rm):
+            model.train()
+            outputs = [model(input_ids=ids).logits for _ in range(2)]
+            assert torch.equal(*outputs), (arch, type(model).__name__)
+
+
+def test_get_lr_by_hand():
+    """Bug 9: --warmup-steps 0 and warmup == max steps divided by zero."""
+    for script in LM_SCRIPTS:
+        # warmup 2 of 10 steps, peak 1: steps 0, 1 → 1/2, 2/2; then linear (10 − s)/8: step 2 → 1, 6 → 0.5, 10 → 0
+        assert [script.get_lr(s, 1.0, 2, 10, "linear") for s in (0, 1, 2, 6, 10)] == [0.5, 1.0, 1.0, 0.5, 0.0]
+        # cosine: halfway through the decay (step 6): ½(1 + cos π/2) = 0.5; a quarter (step 4): ½(1 + cos π/4) = 0.853553
+        assert script.get_lr(4, 1.0, 2, 10, "cosine") == pytest.approx(0.853553, abs=1e-6)
+        assert script.get_lr(6, 1.0, 2, 10, "cosine") == pytest.approx(0.5)
+        assert script.get_lr(0, 3.0, 0, 4, "linear") == 3.0  # no warmup: the peak at once, then (4 − 1)/4 · 3
+        assert script.get_lr(1, 3.0, 0, 4, "linear") == pytest.approx(2.25)
+        assert script.get_lr(4, 1.0, 5, 5, "linear") == 1.0  # warmup == max steps: warms up to the end
+
+
+def test_long_responses_fit_the_built_in_model_and_too_long_ones_say_so(tiny_checkpoints, tmp_path):
+    """Bug 9: the built-in GPT-2's position table was --max-length (64), so rlhf_ppo.py --response-length 60 died
+    with an IndexError; it now has 256 positions, and a request beyond the model's positions is one line."""
+    models = tiny_checkpoints["cwd"] / "models"
+    flags = ["--sft-model-path", str(models / "sft"), "--reward-model-path", str(models / "reward_model"),
+             "--num-iterations", "1", "--batch-size", "8", "--mini-batch-size", "8", "--eval-size", "8"]
+    run_in_process("rlhf_ppo.py", *flags, "--response-length", "60", cwd=tmp_path)
+    proc = run_script("rlhf_ppo.py", *flags, "--response-length", "300", cwd=tmp_path, check=False)
+    assert_one_line_error(proc, "exceeds the model's 256 positions")
+
+
+def test_mixed_margins_and_held_out_prompts(tiny_checkpoints, tmp_path):
+    """Bug 9: mixed None/number margins crashed reward_model.py; rlhf_ppo.py with no test split evaluated on
+    its training prompts."""
+    rows = [{"prompt": f"sort {i}{i + 1}:", "chosen": f"{i}{i + 1}", "rejected": f"{i + 1}{i}",
+             "margin": 0.5 if i % 2 else None} for i in range(1, 9)] * 3
+    (tmp_path / "prefs.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    run_in_process("reward_model.py", "--model-name-or-path", str(tiny_checkpoints["sft"]), "--dataset-name",
+                   "prefs.jsonl", "--max-steps", "2", "--batch-size", "4", "--output-dir", "rm", cwd=tmp_path)
+    (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": f"sort {i}:"}) for i in range(100)))
+    train, evals, targets = rlhf_ppo.load_prompts(rlhf_ppo.Args(dataset_name=str(tmp_path / "prompts.jsonl")))
+    assert len(evals) == 10 and not set(train) & set(evals) and len(train) == 90 and targets is None
+
+
+def test_pad_token_reuses_an_unused_special_token_and_never_shrinks_the_vocabulary():
+    """Bug 9: adding a pad token resized the embeddings to len(tokenizer), shrinking a vocabulary padded to a
+    multiple of 64 (Qwen) or growing it to an unaligned size, where the tokenizer had an unused token to reuse."""
+    for script in (sft, reward_model, dpo, rlhf_ppo):
+        llama3 = make_tokenizer("chat_eot")  # has <|finetune_right_pad_id|>
+        n = len(llama3)
+        script.add_pad_token(llama3, script.stop_token_ids(llama3))
+        assert llama3.pad_token == "<|finetune_right_pad_id|>" and len(llama3) == n
+        qwen = make_tokenizer("pad_is_eos")  # pad == EOS: needs a new one, nothing unused to reuse
+        padded = make_model("qwen2", 384)  # 341 tokens in 384 rows, as Qwen pads its vocabulary
+        script.add_pad_token(qwen, script.stop_token_ids(qwen), padded)
+        assert qwen.pad_token == "<|pad|>" and qwen.pad_token_id not in script.stop_token_ids(qwen)
+        assert padded.get_input_embeddings().num_embeddings == 384
+        llama2 = make_tokenizer("bos")
+        exact = make_model("llama", len(llama2))
+        script.add_pad_token(llama2, script.stop_token_ids(llama2), exact)
+        assert exact.get_input_embeddings().num_embeddings == 384  # 341 → a multiple of 64, not 341
+
+
+# ------------------------------------------------------------------------------------------------
+# The helpers several LM scripts share are one text, pasted verbatim: copies must not drift.
+# ------------------------------------------------------------------------------------------------
+SHARED = ["render_chat", "encode_prompt", "stop_token_ids", "tokenize_pair", "add_pad_token", "tokenize_preference",
+          "load_rows", "dropout_off", "get_lr", "check_finite", "save_atomically", "collate", "sample", "decode",
+          "position_ids_of", "last_token_index", "token_scores", "score_responses"]
+
+
+@pytest.mark.parametrize("name", SHARED)
+def test_shared_helpers_are_identical_copies(name):
+    import inspect
+
+    copies = {script.__name__: inspect.getsource(getattr(script, name)) for script in LM_SCRIPTS if hasattr(script, name)}
+    assert len(copies) >= 2, copies.keys()
+    first = next(iter(copies.values()))
+    assert all(text == first for text in copies.values()), [k for k, v in copies.items() if v != first]
