@@ -228,6 +228,8 @@ def stop_token_ids(tokenizer):
     """The tokens that end a completion: EOS, and the chat template's end-of-turn token when it is another
     one (ChatML's <|im_end|>, Llama 3's <|eot_id|>). One set for the SFT labels, sampling, the response
     mask, the reward model's scoring position and the missing-EOS penalty."""
+    if tokenizer.eos_token_id is None:
+        sys.exit("error: the tokenizer has no EOS token, so completions cannot end; set tokenizer.eos_token and save it")
     stops = [tokenizer.eos_token_id]
     if tokenizer.chat_template is not None:
         turn = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]

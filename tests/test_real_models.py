@@ -328,6 +328,10 @@ def test_conversational_prompts_end_with_the_assistant_header_and_completions_wi
     ids, labels = sft.tokenize({"messages": chat("sort 2 1:", "1 2")}, chatml, sft.stop_token_ids(chatml))
     labeled = [t for t in labels if t != -100]
     assert labeled[-1] == im_end and chatml.decode(labeled[:-1]) == "1 2" and ids[-1] != im_end  # a "\n" follows
+    # and a conversational completion stops there too: the template's newline after <|im_end|> is never sampled
+    _, completion = sft.tokenize_pair(chatml, chat("sort 2 1:"), [{"role": "assistant", "content": "1 2"}],
+                                      sft.stop_token_ids(chatml))
+    assert completion[-1] == im_end and chatml.decode(completion[:-1]) == "1 2"
     # rlhf_ppo: a conversational prompt is the template with the generation prompt
     assert rlhf_ppo.encode_prompt(tokenizer, row["prompt"]) == p
 
