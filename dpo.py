@@ -60,6 +60,12 @@ class Args:
     """optimizer steps (the data is cycled, reshuffled each pass)"""
     batch_size: int = 64
     """preference pairs per optimizer step"""
+    gradient_accumulation_steps: int = 1
+    """split each batch into this many micro-batches (the same update, less memory)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass (less memory, ~30% more time)"""
+    eval_batch_size: int = 128
+    """pairs or prompts per forward pass (and per generate call) in evaluation and in the reference's precompute"""
     lr: float = 1e-4
     """peak learning rate of AdamW (a pretrained model wants ~5e-7 to 1e-6)"""
     warmup_steps: int = 30
@@ -191,9 +197,7 @@ def sequence_logps(model, input_ids, attention_mask, labels):
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[:, :-1]
     labels = labels[:, 1:]
-    mask = labels != -100
-    logps = torch.gather(F.log_softmax(logits.float(), -1), 2, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return (logps * mask).sum(-1)
+    return (token_logprobs(logits, labels.clamp(min=0)) * (labels != -100)).sum(-1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,6 +370,21 @@ def dropout_off(config):
     return config
 
 
+def token_logprobs(logits, tokens, with_entropy=False):
+    """log π(token) = logit(token) − logsumexp(logits) at each position, and optionally the entropy
+    H = logsumexp − Σ softmax · logits, one sequence at a time: no float32 copy of the whole
+    [batch, length, vocabulary] logits is made (at a 128k vocabulary that copy is the largest tensor)."""
+    logprobs, entropies = [], []
+    for row, row_tokens in zip(logits, tokens):
+        row = row.float()
+        logsumexp = torch.logsumexp(row, -1)
+        logprobs.append(row.gather(-1, row_tokens.unsqueeze(-1)).squeeze(-1) - logsumexp)
+        if with_entropy:
+            with torch.no_grad():
+                entropies.append(logsumexp - (torch.softmax(row, -1) * row).sum(-1))
+    return (torch.stack(logprobs), torch.stack(entropies)) if with_entropy else torch.stack(logprobs)
+
+
 def position_ids_of(attention_mask):
     """Positions count real tokens only, so left padding does not shift them."""
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -440,8 +459,7 @@ def response_logps(model, sequences, attention_mask, context_length, temperature
     """Σ_t log π(a_t | s_t) over each sampled response's valid tokens."""
     logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_of(attention_mask)).logits
     logits = logits[:, context_length - 1 : -1] / temperature
-    logps = torch.gather(F.log_softmax(logits.float(), -1), 2, sequences[:, context_length:].unsqueeze(-1)).squeeze(-1)
-    return (logps * attention_mask[:, context_length:]).sum(1)
+    return (token_logprobs(logits, sequences[:, context_length:]) * attention_mask[:, context_length:]).sum(1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -506,6 +524,8 @@ def load_pairs(args):
 def main(args: Args):
     if args.loss_type not in ("sigmoid", "ipo", "hinge"):
         sys.exit(f"error: --loss-type {args.loss_type!r}: choose sigmoid, ipo or hinge")
+    if args.batch_size % args.gradient_accumulation_steps:
+        sys.exit(f"error: --batch-size {args.batch_size} does not split into {args.gradient_accumulation_steps} micro-batches")
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     transformers.logging.set_verbosity_error()
@@ -515,6 +535,8 @@ def main(args: Args):
 
     train_rows, eval_rows, eval_prompts, eval_targets = load_pairs(args)
     tokenizer, stop_ids, policy, ref, reward = load_models(args, device)
+    if args.gradient_checkpointing:
+        policy.activation_checkpointing_enable({"use_reentrant": False})
 
     def encode_pairs(rows, split):
         """[((chosen ids, labels), (rejected ids, labels))] and the prompts' ids: a pair whose sides do not fit
@@ -558,10 +580,14 @@ def main(args: Args):
             logps = sequence_logps(model, input_ids, attention_mask, labels)
         return logps[: len(batch)], logps[len(batch) :]
 
+    @torch.no_grad()
+    def logps_in_chunks(model, pairs):
+        """logps_of over many pairs, --eval-batch-size at a time."""
+        parts = [logps_of(model, pairs[i : i + args.eval_batch_size]) for i in range(0, len(pairs), args.eval_batch_size)]
+        return torch.cat([c for c, _ in parts]), torch.cat([r for _, r in parts])
+
     # The reference never changes: its log-probs are computed once, before training
-    with torch.no_grad():
-        ref_logps = [logps_of(ref, train[i : i + 256]) for i in range(0, len(train), 256)]
-        ref_chosen, ref_rejected = torch.cat([c for c, _ in ref_logps]), torch.cat([r for _, r in ref_logps])
+    ref_chosen, ref_rejected = logps_in_chunks(ref, train)
 
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     writer = SummaryWriter(f"runs/{run_name}")
@@ -572,27 +598,31 @@ def main(args: Args):
         policy.eval()
         line = f"step {step}:"
         if evals:
-            with torch.no_grad():  # the preference metrics on held-out pairs
-                chosen, rejected = logps_of(policy, evals)
-                ref_c, ref_r = logps_of(ref, evals)
-                loss, r_c, r_r = dpo_loss(chosen, rejected, ref_c, ref_r, args.beta, args.loss_type, args.label_smoothing)
+            chosen, rejected = logps_in_chunks(policy, evals)  # the preference metrics on held-out pairs
+            ref_c, ref_r = logps_in_chunks(ref, evals)
+            loss, r_c, r_r = dpo_loss(chosen, rejected, ref_c, ref_r, args.beta, args.loss_type, args.label_smoothing)
             writer.add_scalar("eval/loss", loss.item(), step)
             writer.add_scalar("eval/rewards_accuracy", (r_c > r_r).float().mean().item(), step)
             line += f" eval/loss {loss.item():.4f}"
         if eval_ids:  # the sampled evaluation of rlhf_ppo.py: completions at temperature 1 on the eval prompts
-            with torch.no_grad(), amp():
-                sequences, attention_mask, context_length, response_mask = sample(
-                    policy, eval_ids, tokenizer.pad_token_id, stop_ids, args.response_length, args.temperature)
-                kl = (response_logps(policy, sequences, attention_mask, context_length, args.temperature)
-                      - response_logps(ref, sequences, attention_mask, context_length, args.temperature)).mean().item()
-                if reward is not None:
-                    scores, _ = score_responses(reward, sequences, attention_mask, response_mask, stop_ids,
-                                                args.missing_eos_penalty)
-                    writer.add_scalar("eval/score", scores.mean().item(), step)
-                    line += f", eval/score {scores.mean().item():.3f}"
+            completions, kls, scores = [], [], []
+            for i in range(0, len(eval_ids), args.eval_batch_size):
+                with torch.no_grad(), amp():
+                    sequences, attention_mask, context_length, response_mask = sample(
+                        policy, eval_ids[i : i + args.eval_batch_size], tokenizer.pad_token_id, stop_ids,
+                        args.response_length, args.temperature)
+                    kls.append(response_logps(policy, sequences, attention_mask, context_length, args.temperature)
+                               - response_logps(ref, sequences, attention_mask, context_length, args.temperature))
+                    if reward is not None:
+                        scores.append(score_responses(reward, sequences, attention_mask, response_mask, stop_ids,
+                                                      args.missing_eos_penalty)[0])
+                completions += decode(tokenizer, sequences, context_length, response_mask)
+            kl = torch.cat(kls).mean().item()
+            if reward is not None:
+                writer.add_scalar("eval/score", torch.cat(scores).mean().item(), step)
+                line += f", eval/score {torch.cat(scores).mean().item():.3f}"
             writer.add_scalar("eval/kl", kl, step)
             line += f", eval/kl {kl:.3f}"
-            completions = decode(tokenizer, sequences, context_length, response_mask)
             if eval_targets is not None:
                 accuracy = sum(c == t for c, t in zip(completions, eval_targets)) / len(eval_targets)
                 gold = sum(gold_score(c, t) for c, t in zip(completions, eval_targets)) / len(eval_targets)
@@ -616,17 +646,24 @@ def main(args: Args):
         lr = get_lr(step - 1, args.lr, args.warmup_steps, args.max_steps, "linear")
         for group in optimizer.param_groups:
             group["lr"] = lr
-        chosen, rejected = logps_of(policy, [train[i] for i in idx])
-        loss, r_c, r_r = dpo_loss(chosen, rejected, ref_chosen[idx], ref_rejected[idx], args.beta, args.loss_type,
-                                  args.label_smoothing)
-        optimizer.zero_grad()
-        loss.backward()
+        micro_size = args.batch_size // args.gradient_accumulation_steps
+        parts = []  # (loss, chosen, rejected, r_c, r_r) of each micro-batch
+        for m in range(0, args.batch_size, micro_size):
+            micro = idx[m : m + micro_size]
+            chosen, rejected = logps_of(policy, [train[i] for i in micro])
+            loss, r_c, r_r = dpo_loss(chosen, rejected, ref_chosen[micro], ref_rejected[micro], args.beta, args.loss_type,
+                                      args.label_smoothing)
+            (loss / args.gradient_accumulation_steps).backward()  # the mean over micro-batches = the batch's mean
+            parts.append((loss.detach() / args.gradient_accumulation_steps, chosen.detach(), rejected.detach(), r_c, r_r))
+        loss = sum(p[0] for p in parts)
+        chosen, rejected, r_c, r_r = (torch.cat([p[k] for p in parts]) for k in range(1, 5))
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
         check_finite(step, loss=loss, grad_norm=grad_norm)
         optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
         if step % 10 == 0:
-            logs = {"losses/loss": loss.item(), "rewards/chosen": r_c.mean(), "rewards/rejected": r_r.mean(),
+            logs = {"losses/loss": loss.item(), "train/grad_norm": grad_norm, "rewards/chosen": r_c.mean(), "rewards/rejected": r_r.mean(),
                     "rewards/accuracies": (r_c > r_r).float().mean(), "rewards/margins": (r_c - r_r).mean(),
                     "logps/chosen": chosen.detach().mean(), "logps/rejected": rejected.detach().mean(),
                     "charts/learning_rate": lr,

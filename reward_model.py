@@ -50,6 +50,12 @@ class Args:
     """optimizer steps (the data is cycled, reshuffled each pass)"""
     batch_size: int = 64
     """preference pairs per optimizer step"""
+    gradient_accumulation_steps: int = 1
+    """split each batch into this many micro-batches (the same update, less memory)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass (less memory, ~30% more time)"""
+    eval_batch_size: int = 128
+    """pairs per forward pass in evaluation"""
     lr: float = 1e-3
     """peak learning rate of AdamW (a pretrained model wants ~1e-5)"""
     warmup_steps: int = 50
@@ -415,6 +421,8 @@ def load_pairs(args):
 
 
 def main(args: Args):
+    if args.batch_size % args.gradient_accumulation_steps:
+        sys.exit(f"error: --batch-size {args.batch_size} does not split into {args.gradient_accumulation_steps} micro-batches")
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     transformers.logging.set_verbosity_error()
@@ -451,6 +459,8 @@ def main(args: Args):
 
     (train, _), (evals, eval_rows) = encode_pairs(train_rows, "train"), encode_pairs(eval_rows, "eval")
     model = load_model(args, tokenizer, stop_ids, device)
+    if args.gradient_checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
 
     def rewards_of(batch):
         """Chosen and rejected sequences in one forward pass: (r_chosen, r_rejected, margin or None)."""
@@ -473,8 +483,8 @@ def main(args: Args):
         model.eval()
         chosen, rejected, losses = [], [], []
         with torch.no_grad():
-            for i in range(0, len(evals), 128):
-                r_c, r_r, margin = rewards_of(evals[i : i + 128])
+            for i in range(0, len(evals), args.eval_batch_size):
+                r_c, r_r, margin = rewards_of(evals[i : i + args.eval_batch_size])
                 losses.append(bradley_terry_loss(r_c, r_r, margin).item() * len(r_c))
                 chosen.append(r_c), rejected.append(r_r)
         chosen, rejected = torch.cat(chosen), torch.cat(rejected)
@@ -505,10 +515,14 @@ def main(args: Args):
         for group in optimizer.param_groups:
             group["lr"] = lr
 
-        tick = time.time()
-        r_c, r_r, margin = rewards_of(batch)
-        loss = bradley_terry_loss(r_c, r_r, margin, args.center_rewards_coefficient)
-        loss.backward()
+        tick, micro_size, parts = time.time(), args.batch_size // args.gradient_accumulation_steps, []
+        for m in range(0, args.batch_size, micro_size):
+            r_c, r_r, margin = rewards_of(batch[m : m + micro_size])
+            loss = bradley_terry_loss(r_c, r_r, margin, args.center_rewards_coefficient) / args.gradient_accumulation_steps
+            loss.backward()  # the mean over micro-batches = the batch's mean
+            parts.append((loss.detach(), r_c.detach(), r_r.detach()))
+        loss = sum(p[0] for p in parts)
+        r_c, r_r = torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts])
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         check_finite(step, loss=loss, grad_norm=grad_norm)
         optimizer.step()
@@ -519,6 +533,7 @@ def main(args: Args):
         if step % 10 == 0:
             elapsed = time.time() - start_time
             writer.add_scalar("train/loss", loss.item(), step)
+            writer.add_scalar("train/grad_norm", grad_norm.item(), step)
             writer.add_scalar("train/accuracy", (r_c > r_r).float().mean().item(), step)
             writer.add_scalar("train/reward_chosen", r_c.mean().item(), step)
             writer.add_scalar("train/reward_rejected", r_r.mean().item(), step)

@@ -55,6 +55,13 @@ class Args:
     """prompts (and sampled responses) per rollout"""
     mini_batch_size: int = 32
     """responses per gradient step"""
+    gradient_accumulation_steps: int = 1
+    """split each minibatch into this many micro-batches (the same update, less memory); the rollout's
+    forward passes run in micro-batches too, so that the first ratio stays exactly 1"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass of the actor and critic (less memory, ~30% more time)"""
+    generation_batch_size: int = 128
+    """prompts per generate call and per forward pass in evaluation (the KV cache grows with it)"""
     ppo_epochs: int = 4
     """passes over each rollout"""
     lr: float = 1.5e-4
@@ -174,8 +181,10 @@ def task_rng(seed, split):
 # The math: pure functions over [batch, response_length] tensors, `mask` 1 on response tokens up to
 # and including the first EOS. Checked against hand-computed values in tests/test_rlhf_ppo_dpo.py.
 # ---------------------------------------------------------------------------------------------
-def masked_mean(x, mask):
-    return (x * mask).sum() / mask.sum()
+def masked_mean(x, mask, num_tokens=None):
+    """Σ x·mask / N, N the number of valid tokens (or `num_tokens`: those of the whole minibatch when it is
+    split into micro-batches, so that the micro-batches' losses add up to the minibatch's)."""
+    return (x * mask).sum() / (mask.sum() if num_tokens is None else num_tokens)
 
 
 def masked_whiten(x, mask, eps=1e-8):
@@ -227,20 +236,20 @@ def masked_gae(rewards, values, mask, gamma, lam):
     return advantages, advantages + values
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange):
-    """Clipped surrogate (PPO eq. 7), negated, averaged over valid tokens:
+def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, num_tokens=None):
+    """Clipped surrogate (PPO eq. 7), negated, averaged over valid tokens (see masked_mean for `num_tokens`):
         L = mean_t max( −Â_t ρ_t, −Â_t clip(ρ_t, 1 − ε, 1 + ε) ),   ρ_t = π_θ(a_t|s_t) / π_old(a_t|s_t)
     Returns (loss, ratio)."""
     ratio = torch.exp(logprobs - old_logprobs)
     losses = torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange))
-    return masked_mean(losses, mask), ratio
+    return masked_mean(losses, mask, num_tokens), ratio
 
 
-def value_loss(values, old_values, returns, mask, cliprange_value):
-    """Clipped value loss, averaged over valid tokens:
+def value_loss(values, old_values, returns, mask, cliprange_value, num_tokens=None):
+    """Clipped value loss, averaged over valid tokens (see masked_mean for `num_tokens`):
         L = ½ mean_t max( (V − R)², (V_old + clip(V − V_old, −ε, ε) − R)² )"""
     clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
-    return 0.5 * masked_mean(torch.max((values - returns) ** 2, (clipped - returns) ** 2), mask)
+    return 0.5 * masked_mean(torch.max((values - returns) ** 2, (clipped - returns) ** 2), mask, num_tokens)
 
 
 def adaptive_kl_coef(kl_coef, current_kl, kl_target, horizon, n_steps):
@@ -401,6 +410,21 @@ def dropout_off(config):
     return config
 
 
+def token_logprobs(logits, tokens, with_entropy=False):
+    """log π(token) = logit(token) − logsumexp(logits) at each position, and optionally the entropy
+    H = logsumexp − Σ softmax · logits, one sequence at a time: no float32 copy of the whole
+    [batch, length, vocabulary] logits is made (at a 128k vocabulary that copy is the largest tensor)."""
+    logprobs, entropies = [], []
+    for row, row_tokens in zip(logits, tokens):
+        row = row.float()
+        logsumexp = torch.logsumexp(row, -1)
+        logprobs.append(row.gather(-1, row_tokens.unsqueeze(-1)).squeeze(-1) - logsumexp)
+        if with_entropy:
+            with torch.no_grad():
+                entropies.append(logsumexp - (torch.softmax(row, -1) * row).sum(-1))
+    return (torch.stack(logprobs), torch.stack(entropies)) if with_entropy else torch.stack(logprobs)
+
+
 def position_ids_of(attention_mask):
     """Positions count real tokens only, so left padding does not shift them."""
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -506,10 +530,7 @@ def response_logprobs(model, sequences, attention_mask, context_length, temperat
     prompt + response. Logits are divided by the sampling temperature, as when sampling."""
     logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_of(attention_mask)).logits
     logits = logits[:, context_length - 1 : -1] / temperature  # position t predicts token t + 1
-    logprobs_all = F.log_softmax(logits.float(), dim=-1)
-    logprobs = torch.gather(logprobs_all, 2, sequences[:, context_length:].unsqueeze(-1)).squeeze(-1)
-    entropy = -(logprobs_all.exp() * logprobs_all).sum(-1)
-    return logprobs, entropy
+    return token_logprobs(logits, sequences[:, context_length:], with_entropy=True)
 
 
 def load_prompts(args):
@@ -538,9 +559,16 @@ def main(args: Args):
     amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
 
     train_prompts, eval_prompts, eval_targets = load_prompts(args)
+    if args.mini_batch_size % args.gradient_accumulation_steps:
+        sys.exit(f"error: --mini-batch-size {args.mini_batch_size} does not split into "
+                 f"{args.gradient_accumulation_steps} micro-batches")
+    micro_size = args.mini_batch_size // args.gradient_accumulation_steps
     if len(train_prompts) < args.batch_size:
         sys.exit(f"error: {len(train_prompts)} training prompts, fewer than --batch-size {args.batch_size}; lower it")
     tokenizer, stop_ids, actor, ref, reward, critic = load_models(args, device)
+    if args.gradient_checkpointing:
+        for model in (actor, critic):
+            model.activation_checkpointing_enable({"use_reentrant": False})
 
     def encode_prompts(prompts, split):
         """Token ids of the prompts that fit --max-prompt-length; the others are dropped and counted."""
@@ -570,23 +598,36 @@ def main(args: Args):
     writer = SummaryWriter(f"runs/{run_name}")
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
 
-    def forward_in_chunks(fn, *tensors):
-        """Rollout forward passes in chunks of the minibatch size, so they compute exactly what the
-        update's forward passes will (the PPO ratio starts at exactly 1)."""
-        outs = [fn(*(t[i : i + args.mini_batch_size] for t in tensors)) for i in range(0, len(tensors[0]), args.mini_batch_size)]
+    def forward_in_chunks(fn, *tensors, size=micro_size):
+        """Forward passes in chunks; in the rollout, chunks of the update's micro-batch size, so that they
+        compute exactly what the update's forward passes will (the PPO ratio starts at exactly 1)."""
+        outs = [fn(*(t[i : i + size] for t in tensors)) for i in range(0, len(tensors[0]), size)]
         return tuple(torch.cat(parts) for parts in zip(*outs)) if isinstance(outs[0], tuple) else torch.cat(outs)
+
+    def sample_in_chunks(prompt_ids):
+        """`sample` in chunks of --generation-batch-size, padded to one width."""
+        chunks = [sample(actor, prompt_ids[i : i + args.generation_batch_size], tokenizer.pad_token_id, stop_ids,
+                         args.response_length, args.temperature)
+                  for i in range(0, len(prompt_ids), args.generation_batch_size)]
+        width = max(c[2] for c in chunks)  # the longest prompt: left-pad the other chunks to it
+        pad = lambda t, value: F.pad(t, (width - t.shape[1] + args.response_length, 0), value=value)  # noqa: E731
+        return (torch.cat([pad(c[0], tokenizer.pad_token_id) for c in chunks]), torch.cat([pad(c[1], 0) for c in chunks]),
+                width, torch.cat([c[3] for c in chunks]))
 
     def evaluate(iteration):
         if not eval_ids:
             return
         actor.eval()
+        size = args.generation_batch_size
         with torch.no_grad(), amp():
-            sequences, attention_mask, context_length, response_mask = sample(
-                actor, eval_ids, tokenizer.pad_token_id, stop_ids, args.response_length, args.temperature)
-            logprobs, _ = response_logprobs(actor, sequences, attention_mask, context_length, args.temperature)
-            ref_logprobs, _ = response_logprobs(ref, sequences, attention_mask, context_length, args.temperature)
-            scores, has_stop = score_responses(reward, sequences, attention_mask, response_mask, stop_ids,
-                                               args.missing_eos_penalty)
+            sequences, attention_mask, context_length, response_mask = sample_in_chunks(eval_ids)
+            logprobs, _ = forward_in_chunks(lambda s, a: response_logprobs(actor, s, a, context_length, args.temperature),
+                                            sequences, attention_mask, size=size)
+            ref_logprobs, _ = forward_in_chunks(lambda s, a: response_logprobs(ref, s, a, context_length, args.temperature),
+                                                sequences, attention_mask, size=size)
+            scores, has_stop = forward_in_chunks(lambda s, a, m: score_responses(reward, s, a, m, stop_ids,
+                                                                                 args.missing_eos_penalty),
+                                                 sequences, attention_mask, response_mask, size=size)
         kl = ((logprobs - ref_logprobs) * response_mask).sum(1).mean().item()
         completions = decode(tokenizer, sequences, context_length, response_mask)
         writer.add_scalar("eval/score", scores.mean().item(), iteration)
@@ -612,8 +653,7 @@ def main(args: Args):
         actor.eval(), critic.eval()
         prompt_ids = rng.sample(train_ids, args.batch_size)
         with torch.no_grad(), amp():
-            sequences, attention_mask, context_length, mask = sample(actor, prompt_ids, tokenizer.pad_token_id, stop_ids,
-                                                                     args.response_length, args.temperature)
+            sequences, attention_mask, context_length, mask = sample_in_chunks(prompt_ids)
             mask = mask.float()
             logprobs, entropy = forward_in_chunks(
                 lambda s, a: response_logprobs(actor, s, a, context_length, args.temperature), sequences, attention_mask)
@@ -622,7 +662,9 @@ def main(args: Args):
             # V(s_t): the critic's value at the position that predicts response token t
             values = forward_in_chunks(lambda s, a: token_scores(critic, s, a)[:, context_length - 1 : -1],
                                        sequences, attention_mask)
-            scores, has_eos = score_responses(reward, sequences, attention_mask, mask, stop_ids, args.missing_eos_penalty)
+            scores, has_eos = forward_in_chunks(lambda s, a, m: score_responses(reward, s, a, m, stop_ids,
+                                                                                args.missing_eos_penalty),
+                                                sequences, attention_mask, mask)
 
             rewards, non_score = shaped_rewards(logprobs, ref_logprobs, scores, mask, kl_coef)
             advantages, returns = masked_gae(rewards, values, mask, args.gamma, args.lam)
@@ -631,38 +673,42 @@ def main(args: Args):
 
         # ---- update: several epochs of shuffled minibatches ----------------------------------------
         actor.train(), critic.train()
-        stats = {k: [] for k in ("pg_loss", "vf_loss", "approx_kl", "clipfrac", "ratio", "entropy")}
+        stats = {k: [] for k in ("pg_loss", "vf_loss", "approx_kl", "clipfrac", "ratio", "entropy")}  # micro-batch parts
         for epoch in range(args.ppo_epochs):
             # the rollout's prompts are already in random order: epoch 0 takes them as they come, so its
             # first minibatch is exactly the rollout's first chunk; later epochs reshuffle
             order = torch.randperm(args.batch_size, device=device) if epoch > 0 else torch.arange(args.batch_size, device=device)
             for start in range(0, args.batch_size, args.mini_batch_size):
                 mb = order[start : start + args.mini_batch_size]
-                with amp():
-                    new_logprobs, new_entropy = response_logprobs(actor, sequences[mb], attention_mask[mb], context_length,
-                                                                  args.temperature)
-                    new_values = token_scores(critic, sequences[mb], attention_mask[mb])[:, context_length - 1 : -1]
-                pg_loss, ratio = policy_loss(new_logprobs, logprobs[mb], advantages[mb], mask[mb], args.cliprange)
-                vf_loss = value_loss(new_values, values[mb], returns[mb], mask[mb], args.cliprange_value)
-                loss = pg_loss + args.vf_coef * vf_loss
+                num_tokens = mask[mb].sum()  # the losses are means over the whole minibatch's tokens
                 optimizer.zero_grad()
-                loss.backward()
+                for micro in range(0, args.mini_batch_size, micro_size):
+                    idx = mb[micro : micro + micro_size]
+                    with amp():
+                        new_logprobs, new_entropy = response_logprobs(actor, sequences[idx], attention_mask[idx],
+                                                                      context_length, args.temperature)
+                        new_values = token_scores(critic, sequences[idx], attention_mask[idx])[:, context_length - 1 : -1]
+                    pg_loss, ratio = policy_loss(new_logprobs, logprobs[idx], advantages[idx], mask[idx], args.cliprange,
+                                                 num_tokens)
+                    vf_loss = value_loss(new_values, values[idx], returns[idx], mask[idx], args.cliprange_value, num_tokens)
+                    (pg_loss + args.vf_coef * vf_loss).backward()
+                    with torch.no_grad():
+                        m = mask[idx]
+                        stats["pg_loss"].append(pg_loss.item())
+                        stats["vf_loss"].append(vf_loss.item())
+                        stats["approx_kl"].append(masked_mean(0.5 * (new_logprobs - logprobs[idx]) ** 2, m, num_tokens).item())
+                        stats["clipfrac"].append(masked_mean(((ratio - 1).abs() > args.cliprange).float(), m, num_tokens).item())
+                        stats["ratio"].append(masked_mean(ratio, m, num_tokens).item())
+                        stats["entropy"].append(masked_mean(new_entropy, m, num_tokens).item())
+                        if epoch == 0 and start == 0 and micro == 0:  # before any step, the ratio must be exactly 1
+                            writer.add_scalar("policy/first_ratio_max_error", (ratio - 1).abs().max().item(), iteration)
                 grad_norm = torch.nn.utils.clip_grad_norm_(list(actor.parameters()) + list(critic.parameters()),
                                                            args.max_grad_norm)
-                check_finite(iteration, loss=loss, grad_norm=grad_norm)
+                check_finite(iteration, loss=pg_loss + args.vf_coef * vf_loss, grad_norm=grad_norm)
                 optimizer.step()
-                with torch.no_grad():
-                    m = mask[mb]
-                    stats["pg_loss"].append(pg_loss.item())
-                    stats["vf_loss"].append(vf_loss.item())
-                    stats["approx_kl"].append(masked_mean(0.5 * (new_logprobs - logprobs[mb]) ** 2, m).item())
-                    stats["clipfrac"].append(masked_mean(((ratio - 1).abs() > args.cliprange).float(), m).item())
-                    stats["ratio"].append(masked_mean(ratio, m).item())
-                    stats["entropy"].append(masked_mean(new_entropy, m).item())
-                    if epoch == 0 and start == 0:  # before any step, the ratio must be exactly 1
-                        writer.add_scalar("policy/first_ratio_max_error", (ratio - 1).abs().max().item(), iteration)
 
         # ---- logs and the KL controller --------------------------------------------------------------
+        num_minibatches = args.ppo_epochs * args.batch_size // args.mini_batch_size  # each stat: the sum of its parts
         mean_kl = k1.sum(1).mean().item()
         var_returns = returns[mask.bool()].var()
         explained_variance = 1 - (returns - values)[mask.bool()].var() / var_returns
@@ -670,12 +716,12 @@ def main(args: Args):
             "objective/score": scores.mean(), "objective/kl": mean_kl, "objective/kl_k3": k3.sum(1).mean(),
             "objective/entropy": (entropy * mask).sum(1).mean(), "objective/non_score_reward": non_score.sum(1).mean(),
             "objective/rlhf_reward": scores.mean() + non_score.sum(1).mean(),
-            "policy/approx_kl": sum(stats["approx_kl"]) / len(stats["approx_kl"]),
-            "policy/clipfrac": sum(stats["clipfrac"]) / len(stats["clipfrac"]),
-            "policy/ratio_mean": sum(stats["ratio"]) / len(stats["ratio"]),
-            "policy/entropy": sum(stats["entropy"]) / len(stats["entropy"]),
-            "losses/policy_loss": sum(stats["pg_loss"]) / len(stats["pg_loss"]),
-            "losses/value_loss": sum(stats["vf_loss"]) / len(stats["vf_loss"]),
+            "policy/approx_kl": sum(stats["approx_kl"]) / num_minibatches,
+            "policy/clipfrac": sum(stats["clipfrac"]) / num_minibatches,
+            "policy/ratio_mean": sum(stats["ratio"]) / num_minibatches,
+            "policy/entropy": sum(stats["entropy"]) / num_minibatches,
+            "losses/policy_loss": sum(stats["pg_loss"]) / num_minibatches,
+            "losses/value_loss": sum(stats["vf_loss"]) / num_minibatches,
             "val/explained_variance": explained_variance, "val/num_eos": has_eos.sum(),
             "charts/kl_coef": kl_coef, "charts/learning_rate": lr,
             "charts/episodes_per_second": iteration * args.batch_size / (time.time() - start_time),

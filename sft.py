@@ -51,7 +51,11 @@ class Args:
     batch_size: int = 64
     """sequences per optimizer step"""
     gradient_accumulation_steps: int = 1
-    """split each batch into this many micro-batches (same result, less memory)"""
+    """split each batch into this many micro-batches (the same update, less memory)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass (less memory, ~30% more time)"""
+    eval_batch_size: int = 128
+    """examples or prompts per forward pass (and per generate call) in evaluation"""
     lr: float = 3e-3
     """peak learning rate of AdamW (a pretrained model wants ~1e-5 to 2e-5)"""
     warmup_steps: int = 100
@@ -484,6 +488,8 @@ def main(args: Args):
     train, evals = tokenize_all(train_examples, "train"), tokenize_all(eval_examples, "eval")
     builtin = args.dataset_name is None
     model = load_model(args, tokenizer, stop_ids, device)
+    if args.gradient_checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
 
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     writer = SummaryWriter(f"runs/{run_name}")
@@ -499,8 +505,9 @@ def main(args: Args):
         if evals:
             total, count = 0.0, 0
             with torch.no_grad(), amp():
-                for i in range(0, len(evals), 128):
-                    input_ids, attention_mask, labels = (t.to(device) for t in collate(evals[i : i + 128], tokenizer.pad_token_id))
+                for i in range(0, len(evals), args.eval_batch_size):
+                    batch = evals[i : i + args.eval_batch_size]
+                    input_ids, attention_mask, labels = (t.to(device) for t in collate(batch, tokenizer.pad_token_id))
                     n = (labels[:, 1:] != -100).sum()
                     total += sft_loss(model(input_ids=input_ids, attention_mask=attention_mask).logits, labels, n).item() * n.item()
                     count += n.item()
@@ -511,10 +518,11 @@ def main(args: Args):
             prompt_ids = [encode_prompt(tokenizer, p) for p in prompts]
             for name, greedy in (("", False), ("_greedy", True)):
                 completions = []
-                for i in range(0, len(prompt_ids), 256):
+                for i in range(0, len(prompt_ids), args.eval_batch_size):
                     with amp():
-                        sequences, _, width, response_mask = sample(model, prompt_ids[i : i + 256], tokenizer.pad_token_id,
-                                                                    stop_ids, args.max_new_tokens, greedy=greedy)
+                        sequences, _, width, response_mask = sample(model, prompt_ids[i : i + args.eval_batch_size],
+                                                                    tokenizer.pad_token_id, stop_ids, args.max_new_tokens,
+                                                                    greedy=greedy)
                     completions += decode(tokenizer, sequences, width, response_mask)
                 if not greedy:
                     sampled = completions
