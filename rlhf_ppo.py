@@ -59,7 +59,7 @@ class Args:
     """split each minibatch into this many micro-batches (the same update, less memory); the rollout's
     forward passes run in micro-batches too, so that the first ratio stays exactly 1"""
     gradient_checkpointing: bool = False
-    """recompute activations in the backward pass of the actor and critic (less memory, ~30% more time)"""
+    """recompute activations in the backward pass of the actor and critic (less memory, one more forward pass of compute)"""
     generation_batch_size: int = 128
     """prompts per generate call and per forward pass in evaluation (the KV cache grows with it)"""
     ppo_epochs: int = 4
@@ -551,6 +551,10 @@ def load_prompts(args):
 def main(args: Args):
     if args.batch_size % args.mini_batch_size:
         sys.exit(f"error: --batch-size {args.batch_size} does not split into minibatches of {args.mini_batch_size}")
+    if args.mini_batch_size % args.gradient_accumulation_steps:
+        sys.exit(f"error: --mini-batch-size {args.mini_batch_size} does not split into "
+                 f"{args.gradient_accumulation_steps} micro-batches")
+    micro_size = args.mini_batch_size // args.gradient_accumulation_steps
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     transformers.logging.set_verbosity_error()
@@ -559,10 +563,6 @@ def main(args: Args):
     amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
 
     train_prompts, eval_prompts, eval_targets = load_prompts(args)
-    if args.mini_batch_size % args.gradient_accumulation_steps:
-        sys.exit(f"error: --mini-batch-size {args.mini_batch_size} does not split into "
-                 f"{args.gradient_accumulation_steps} micro-batches")
-    micro_size = args.mini_batch_size // args.gradient_accumulation_steps
     if len(train_prompts) < args.batch_size:
         sys.exit(f"error: {len(train_prompts)} training prompts, fewer than --batch-size {args.batch_size}; lower it")
     tokenizer, stop_ids, actor, ref, reward, critic = load_models(args, device)

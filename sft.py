@@ -53,7 +53,7 @@ class Args:
     gradient_accumulation_steps: int = 1
     """split each batch into this many micro-batches (the same update, less memory)"""
     gradient_checkpointing: bool = False
-    """recompute activations in the backward pass (less memory, ~30% more time)"""
+    """recompute activations in the backward pass (less memory, one more forward pass of compute)"""
     eval_batch_size: int = 128
     """examples or prompts per forward pass (and per generate call) in evaluation"""
     lr: float = 3e-3
