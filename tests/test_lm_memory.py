@@ -1,7 +1,5 @@
 """Memory levers of the LM scripts change nothing numerically: chosen-token log-probs without a full
 log-softmax, gradient checkpointing, gradient accumulation, evaluation in micro-batches."""
-import json
-
 import pytest
 import torch
 from conftest import make_model, read_scalars, run_in_process, save_checkpoint

@@ -7,7 +7,13 @@ import os
 
 import pytest
 import torch
-from conftest import TOKENIZER_KINDS, read_scalars, run_in_process, save_checkpoint
+from conftest import (TOKENIZER_KINDS, assert_one_line_error, make_model, make_tokenizer, read_scalars, run_in_process,
+                      run_script, save_checkpoint)
+
+import dpo
+import reward_model
+import rlhf_ppo
+import sft
 
 ARCHS = ["llama", "qwen2", "gpt_neox", "gpt2"]
 DTYPES = ["float32", "bfloat16", "float16"]
@@ -86,8 +92,6 @@ CELLS = [(arch, dtype, KINDS[(i + j) % len(KINDS)]) for i, arch in enumerate(ARC
 def test_pipeline_on_a_pretrained_checkpoint(tmp_path, arch, dtype, kind):
     """sft → reward_model → rlhf_ppo, and dpo, through the scripts' entry points, on a tiny random checkpoint
     of a real architecture saved in `dtype`, with the data formats of `kind`'s tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
     fmt = FORMATS[kind]
     base = save_checkpoint(str(tmp_path / "base"), arch, kind, dtype, padded_vocab=(arch == "qwen2"))
     sft_data = write_data(tmp_path / "sft.jsonl", fmt["sft"])
@@ -115,7 +119,7 @@ def test_pipeline_on_a_pretrained_checkpoint(tmp_path, arch, dtype, kind):
     assert changed_fraction(base_state, sft_state) > 0.5  # embedding rows of unseen tokens may stay
     for name in ("ppo", "dpo"):
         assert changed_fraction(sft_state, state(tmp_path / name)[1]) > 0.5, name
-    rm_model, rm_state = state(tmp_path / "rm", "AutoModelForSequenceClassification")
+    _, rm_state = state(tmp_path / "rm", "AutoModelForSequenceClassification")
     assert changed_fraction(sft_state, rm_state) > 0.5
     # PPO's first minibatch recomputes exactly the rollout's log-probs
     assert [v for _, v in logs["rlhf_ppo"]["policy/first_ratio_max_error"]] == [0.0, 0.0]
@@ -185,12 +189,6 @@ def dpo_eval_loss(root, data):
 # One test per bug of the real-model path; each docstring names the bug it guards (issue: "The LM
 # scripts on real checkpoints and real data"), and each failed on the scripts before the fix.
 # ------------------------------------------------------------------------------------------------
-import dpo  # noqa: E402
-import reward_model  # noqa: E402
-import rlhf_ppo  # noqa: E402
-import sft  # noqa: E402
-from conftest import assert_one_line_error, make_model, make_tokenizer, run_script  # noqa: E402
-
 LM_SCRIPTS = [sft, reward_model, rlhf_ppo, dpo]
 
 
