@@ -324,12 +324,13 @@ def load_rows(name, split, eval_size):
 
 
 def get_lr(step, lr, warmup_steps, max_steps, decay):
-    """Learning rate of optimizer step `step` = 0, 1, ...: linear warmup to `lr` over `warmup_steps` steps,
-    then decay to 0 at `max_steps`, "linear" (1 − p) or "cosine" (½(1 + cos πp)), p the fraction of decay done."""
-    if step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
-    return lr * (1 - progress) if decay == "linear" else lr * 0.5 * (1 + math.cos(math.pi * progress))
+    """Learning rate of optimizer step `step` = 0, 1, ...: `lr` × a linear warmup min(1, (step + 1) / warmup_steps)
+    × a decay to 0 at `max_steps`: "linear", min(1, (max_steps − step) / (max_steps − warmup_steps)), flat through
+    the warmup; or "cosine", ½(1 + cos(π · step / max_steps)), over the whole run."""
+    warmup = min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+    if decay == "linear":
+        return lr * warmup * min(1.0, max(0.0, (max_steps - step) / max(1, max_steps - warmup_steps)))
+    return lr * warmup * 0.5 * (1 + math.cos(math.pi * min(1.0, step / max_steps)))
 
 
 def check_finite(step, **values):

@@ -462,9 +462,11 @@ def test_get_lr_by_hand():
     for script in LM_SCRIPTS:
         # warmup 2 of 10 steps, peak 1: steps 0, 1 → 1/2, 2/2; then linear (10 − s)/8: step 2 → 1, 6 → 0.5, 10 → 0
         assert [script.get_lr(s, 1.0, 2, 10, "linear") for s in (0, 1, 2, 6, 10)] == [0.5, 1.0, 1.0, 0.5, 0.0]
-        # cosine: halfway through the decay (step 6): ½(1 + cos π/2) = 0.5; a quarter (step 4): ½(1 + cos π/4) = 0.853553
-        assert script.get_lr(4, 1.0, 2, 10, "cosine") == pytest.approx(0.853553, abs=1e-6)
-        assert script.get_lr(6, 1.0, 2, 10, "cosine") == pytest.approx(0.5)
+        # cosine over the whole run, times the warmup: step 4 of 10: ½(1 + cos 0.4π) = ½(1 + 0.309017) = 0.654508;
+        #   step 5: ½(1 + cos π/2) = 0.5; step 0: warmup ½ × ½(1 + cos 0) = 0.5
+        assert script.get_lr(4, 1.0, 2, 10, "cosine") == pytest.approx(0.654508, abs=1e-6)
+        assert script.get_lr(5, 1.0, 2, 10, "cosine") == pytest.approx(0.5)
+        assert script.get_lr(0, 1.0, 2, 10, "cosine") == pytest.approx(0.5)
         assert script.get_lr(0, 3.0, 0, 4, "linear") == 3.0  # no warmup: the peak at once, then (4 − 1)/4 · 3
         assert script.get_lr(1, 3.0, 0, 4, "linear") == pytest.approx(2.25)
         assert script.get_lr(4, 1.0, 5, 5, "linear") == 1.0  # warmup == max steps: warms up to the end
