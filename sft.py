@@ -59,7 +59,7 @@ class Args:
     lr: float = 3e-3
     """peak learning rate of AdamW (a pretrained model wants ~1e-5 to 2e-5)"""
     warmup_steps: int = 100
-    """linear warmup steps (0: none), then cosine decay to 0"""
+    """linear warmup steps (0: none), times a cosine decay to 0 over the whole run"""
     weight_decay: float = 0.01
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
@@ -463,10 +463,10 @@ def main(args: Args):
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
 
-    # Data first, tokenized and checked before the model is loaded
-    train_examples, eval_examples = load_examples(args)
+    # The tokenizer (fast, and it checks the model path), then the data, tokenized and checked before the model
     tokenizer = load_tokenizer(args)
     stop_ids = stop_token_ids(tokenizer)
+    train_examples, eval_examples = load_examples(args)
 
     def tokenize_all(examples, split):
         """Examples that fit --max-length (a `text` example is cut to it); the others are dropped and counted."""
