@@ -194,8 +194,8 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_r
 
 def sequence_logps(model, input_ids, attention_mask, labels):
     """Σ_t log π(y_t | x, y_<t) over the completion tokens (labels ≠ −100), one value per sequence."""
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[:, :-1]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                   position_ids=position_ids_of(attention_mask)).logits[:, :-1]
     labels = labels[:, 1:]
     return (token_logprobs(logits, labels.clamp(min=0)) * (labels != -100)).sum(-1)
 
@@ -637,6 +637,7 @@ def main(args: Args):
     evaluate(0)
     policy.train()
     order, position = list(range(len(train))), len(train)
+    micro_size = args.batch_size // args.gradient_accumulation_steps
     start_time = time.time()
     for step in range(1, args.max_steps + 1):
         if position + args.batch_size > len(order):
@@ -647,7 +648,6 @@ def main(args: Args):
         lr = get_lr(step - 1, args.lr, args.warmup_steps, args.max_steps, "linear")
         for group in optimizer.param_groups:
             group["lr"] = lr
-        micro_size = args.batch_size // args.gradient_accumulation_steps
         parts = []  # (loss, chosen, rejected, r_c, r_r) of each micro-batch
         for m in range(0, args.batch_size, micro_size):
             micro = idx[m : m + micro_size]
@@ -664,9 +664,9 @@ def main(args: Args):
         optimizer.zero_grad(set_to_none=True)
 
         if step % 10 == 0:
-            logs = {"losses/loss": loss.item(), "train/grad_norm": grad_norm, "rewards/chosen": r_c.mean(), "rewards/rejected": r_r.mean(),
-                    "rewards/accuracies": (r_c > r_r).float().mean(), "rewards/margins": (r_c - r_r).mean(),
-                    "logps/chosen": chosen.detach().mean(), "logps/rejected": rejected.detach().mean(),
+            logs = {"losses/loss": loss.item(), "train/grad_norm": grad_norm, "rewards/chosen": r_c.mean(),
+                    "rewards/rejected": r_r.mean(), "rewards/accuracies": (r_c > r_r).float().mean(),
+                    "rewards/margins": (r_c - r_r).mean(), "logps/chosen": chosen.mean(), "logps/rejected": rejected.mean(),
                     "charts/learning_rate": lr,
                     "charts/samples_per_second": step * args.batch_size / (time.time() - start_time)}
             for tag, value in logs.items():

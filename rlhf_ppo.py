@@ -4,7 +4,7 @@ Ouyang et al. 2022 (InstructGPT) and Ziegler et al. 2019, with the details of Hu
 "The N+ implementation details of RLHF with PPO":
 - actor      π_θ     trained, starts as the SFT model (models/sft)
 - reference  π_ref   frozen copy of the SFT model: the KL penalty keeps π_θ near it
-- reward     r_φ     frozen reward model (models/reward_model), scores a whole response at its EOS
+- reward     r_φ     frozen reward model (models/reward_model), scores a whole response at its stop token
 - critic     V_ψ     trained, starts as the reward model; its scalar head gives one value per token
 Each token is an action; the per-token reward is −β·(log π_θ − log π_ref), plus r_φ at the last
 response token. GAE over the response, then several epochs of clipped PPO updates per rollout.
@@ -179,7 +179,7 @@ def task_rng(seed, split):
 
 # ---------------------------------------------------------------------------------------------
 # The math: pure functions over [batch, response_length] tensors, `mask` 1 on response tokens up to
-# and including the first EOS. Checked against hand-computed values in tests/test_rlhf_ppo_dpo.py.
+# and including the first stop token. Checked against hand-computed values in tests/test_rlhf_ppo_dpo.py.
 # ---------------------------------------------------------------------------------------------
 def masked_mean(x, mask, num_tokens=None):
     """Σ x·mask / N, N the number of valid tokens (or `num_tokens`: those of the whole minibatch when it is
@@ -209,7 +209,7 @@ def shaped_rewards(logprobs, ref_logprobs, scores, mask, kl_coef):
 
         r_t = −β (log π_θ(a_t|s_t) − log π_ref(a_t|s_t))   + score · [t = last response token]
 
-    The score is the reward model's on the whole response, given at its last token (the EOS); the
+    The score is the reward model's on the whole response, given at its last token (its stop token); the
     tokens after it are padding and get 0. Returns (rewards, non_score_rewards)."""
     non_score = -kl_coef * (logprobs - ref_logprobs) * mask
     last = mask.sum(1).long() - 1
@@ -626,9 +626,9 @@ def main(args: Args):
                                             sequences, attention_mask, size=size)
             ref_logprobs, _ = forward_in_chunks(lambda s, a: response_logprobs(ref, s, a, context_length, args.temperature),
                                                 sequences, attention_mask, size=size)
-            scores, has_stop = forward_in_chunks(lambda s, a, m: score_responses(reward, s, a, m, stop_ids,
-                                                                                 args.missing_eos_penalty),
-                                                 sequences, attention_mask, response_mask, size=size)
+            scores, _ = forward_in_chunks(lambda s, a, m: score_responses(reward, s, a, m, stop_ids,
+                                                                          args.missing_eos_penalty),
+                                          sequences, attention_mask, response_mask, size=size)
         kl = ((logprobs - ref_logprobs) * response_mask).sum(1).mean().item()
         completions = decode(tokenizer, sequences, context_length, response_mask)
         writer.add_scalar("eval/score", scores.mean().item(), iteration)
