@@ -466,7 +466,7 @@ def response_logps(model, sequences, attention_mask, context_length, temperature
 # ---------------------------------------------------------------------------------------------
 # Models and data; the evaluation is rlhf_ppo.py's (same tags, same definitions)
 # ---------------------------------------------------------------------------------------------
-def load_models(args, device):
+def load_dpo_models(args, device):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     path = args.model_name_or_path
@@ -503,7 +503,7 @@ def load_models(args, device):
     return tokenizer, stop_ids, policy, ref, reward
 
 
-def load_pairs(args):
+def load_pairs_and_prompts(args):
     """(train rows, eval rows, eval prompts or None, eval targets or None). On the built-in task the eval
     pairs are reward_model.py's and the eval prompts are those of sft.py and rlhf_ppo.py, so the sampled
     evaluations of all three compare directly; with a dataset, the prompts of the eval pairs are sampled."""
@@ -534,8 +534,8 @@ def main(args: Args):
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
 
-    train_rows, eval_rows, eval_prompts, eval_targets = load_pairs(args)
-    tokenizer, stop_ids, policy, ref, reward = load_models(args, device)
+    train_rows, eval_rows, eval_prompts, eval_targets = load_pairs_and_prompts(args)
+    tokenizer, stop_ids, policy, ref, reward = load_dpo_models(args, device)
     if args.gradient_checkpointing:
         policy.activation_checkpointing_enable({"use_reentrant": False})
 

@@ -378,12 +378,12 @@ def batch_tensors(sequences, pad_token_id, device):
 # ---------------------------------------------------------------------------------------------
 # Model and data
 # ---------------------------------------------------------------------------------------------
-def load_tokenizer(args):
+def load_tokenizer(path, hint):
+    """The tokenizer of a hub id or local directory. A local path that does not exist, or a checkpoint that
+    cannot be read, is one line (`hint` says what to do about a missing directory)."""
     from transformers import AutoTokenizer
 
-    path = args.model_name_or_path
     if not os.path.isdir(path) and (path.startswith((".", "/", "~", "models/")) or path.count("/") > 1):
-        hint = "run `python sft.py` first" if path == "models/sft" else "pass an existing directory or a hub id"
         sys.exit(f"error: model directory {path!r} does not exist; {hint}")
     try:
         return AutoTokenizer.from_pretrained(path)
@@ -391,7 +391,7 @@ def load_tokenizer(args):
         sys.exit(f"error: cannot load a tokenizer from {path!r}: {str(e).splitlines()[0]}")
 
 
-def load_model(args, tokenizer, stop_ids, device):
+def load_reward_model(args, tokenizer, stop_ids, device):
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     try:
@@ -432,7 +432,8 @@ def main(args: Args):
     amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
 
     # The tokenizer (fast, and it checks the model path) and the data come before the model
-    tokenizer = load_tokenizer(args)
+    hint = "run `python sft.py` first" if args.model_name_or_path == "models/sft" else "pass an existing directory or a hub id"
+    tokenizer = load_tokenizer(args.model_name_or_path, hint)
     stop_ids = stop_token_ids(tokenizer)
     train_rows, eval_rows = load_pairs(args)
     has_margin = any(row.get("margin") is not None for row in train_rows + eval_rows)
@@ -459,7 +460,7 @@ def main(args: Args):
         return pairs, kept
 
     (train, _), (evals, eval_rows) = encode_pairs(train_rows, "train"), encode_pairs(eval_rows, "eval")
-    model = load_model(args, tokenizer, stop_ids, device)
+    model = load_reward_model(args, tokenizer, stop_ids, device)
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
 

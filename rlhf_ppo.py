@@ -489,7 +489,7 @@ def decode(tokenizer, sequences, context_length, response_mask):
 # ---------------------------------------------------------------------------------------------
 # Models, prompts and the forward passes
 # ---------------------------------------------------------------------------------------------
-def load_models(args, device):
+def load_rlhf_models(args, device):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     for path, script in ((args.sft_model_path, "sft.py"), (args.reward_model_path, "reward_model.py")):
@@ -566,7 +566,7 @@ def main(args: Args):
     train_prompts, eval_prompts, eval_targets = load_prompts(args)
     if len(train_prompts) < args.batch_size:
         sys.exit(f"error: {len(train_prompts)} training prompts, fewer than --batch-size {args.batch_size}; lower it")
-    tokenizer, stop_ids, actor, ref, reward, critic = load_models(args, device)
+    tokenizer, stop_ids, actor, ref, reward, critic = load_rlhf_models(args, device)
     if args.gradient_checkpointing:
         for model in (actor, critic):
             model.activation_checkpointing_enable({"use_reentrant": False})

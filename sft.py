@@ -396,21 +396,20 @@ def decode(tokenizer, sequences, context_length, response_mask):
 # ---------------------------------------------------------------------------------------------
 # Model, tokenizer, data
 # ---------------------------------------------------------------------------------------------
-def load_tokenizer(args):
-    from transformers import AutoTokenizer, ByT5Tokenizer
+def load_tokenizer(path, hint):
+    """The tokenizer of a hub id or local directory. A local path that does not exist, or a checkpoint that
+    cannot be read, is one line (`hint` says what to do about a missing directory)."""
+    from transformers import AutoTokenizer
 
-    if args.model_name_or_path is None:
-        return ByT5Tokenizer()  # a byte-level tokenizer needs no files; pad (0) differs from EOS (1)
-    path = args.model_name_or_path
     if not os.path.isdir(path) and (path.startswith((".", "/", "~", "models/")) or path.count("/") > 1):
-        sys.exit(f"error: model directory {path!r} does not exist; pass an existing directory or a hub id")
+        sys.exit(f"error: model directory {path!r} does not exist; {hint}")
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         sys.exit(f"error: cannot load a tokenizer from {path!r}: {str(e).splitlines()[0]}")
 
 
-def load_model(args, tokenizer, stop_ids, device):
+def load_causal_lm(args, tokenizer, stop_ids, device):
     from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
     if args.model_name_or_path is None:
@@ -464,7 +463,12 @@ def main(args: Args):
     amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
 
     # The tokenizer (fast, and it checks the model path), then the data, tokenized and checked before the model
-    tokenizer = load_tokenizer(args)
+    if args.model_name_or_path is None:
+        from transformers import ByT5Tokenizer
+
+        tokenizer = ByT5Tokenizer()  # a byte-level tokenizer needs no files; pad (0) differs from EOS (1)
+    else:
+        tokenizer = load_tokenizer(args.model_name_or_path, "pass an existing directory or a hub id")
     stop_ids = stop_token_ids(tokenizer)
     train_examples, eval_examples = load_examples(args)
 
@@ -488,7 +492,7 @@ def main(args: Args):
 
     train, evals = tokenize_all(train_examples, "train"), tokenize_all(eval_examples, "eval")
     builtin = args.dataset_name is None
-    model = load_model(args, tokenizer, stop_ids, device)
+    model = load_causal_lm(args, tokenizer, stop_ids, device)
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
 

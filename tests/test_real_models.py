@@ -446,10 +446,10 @@ def test_dropout_is_off_also_where_it_is_a_config_number(tmp_path):
         rm_path = str(tmp_path / f"{arch}_rm")
         AutoModelForSequenceClassification.from_pretrained(base, num_labels=1).save_pretrained(rm_path)
         make_tokenizer("bos").save_pretrained(rm_path)
-        tokenizer, _, policy, ref, reward = dpo.load_models(dpo.Args(model_name_or_path=base, reward_model_path=rm_path), "cpu")
-        _, _, actor, _, _, critic = rlhf_ppo.load_models(rlhf_ppo.Args(sft_model_path=base, reward_model_path=rm_path), "cpu")
-        tok = reward_model.load_tokenizer(reward_model.Args(model_name_or_path=rm_path))
-        trained_rm = reward_model.load_model(reward_model.Args(model_name_or_path=rm_path), tok, [tok.eos_token_id], "cpu")
+        tokenizer, _, policy, ref, reward = dpo.load_dpo_models(dpo.Args(model_name_or_path=base, reward_model_path=rm_path), "cpu")
+        _, _, actor, _, _, critic = rlhf_ppo.load_rlhf_models(rlhf_ppo.Args(sft_model_path=base, reward_model_path=rm_path), "cpu")
+        tok = reward_model.load_tokenizer(rm_path, "")
+        trained_rm = reward_model.load_reward_model(reward_model.Args(model_name_or_path=rm_path), tok, [tok.eos_token_id], "cpu")
         ids = torch.tensor([tokenizer("sort 3 1 2: 1 2 3")["input_ids"] * 4])
         for model in (policy, actor, critic, trained_rm):
             model.train()
@@ -519,8 +519,8 @@ def test_pad_token_reuses_an_unused_special_token_and_never_shrinks_the_vocabula
 # The helpers several LM scripts share are one text, pasted verbatim: copies must not drift.
 # ------------------------------------------------------------------------------------------------
 SHARED = ["render_chat", "encode_prompt", "stop_token_ids", "tokenize_pair", "add_pad_token", "tokenize_preference",
-          "load_rows", "dropout_off", "get_lr", "check_finite", "save_atomically", "collate", "sample", "decode",
-          "position_ids_of", "last_token_index", "token_scores", "score_responses"]
+          "load_rows", "load_tokenizer", "dropout_off", "get_lr", "check_finite", "save_atomically", "collate", "sample",
+          "decode", "token_logprobs", "position_ids_of", "last_token_index", "token_scores", "score_responses"]
 
 
 @pytest.mark.parametrize("name", SHARED)
