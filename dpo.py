@@ -24,9 +24,13 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
 import tyro
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.tensorboard import SummaryWriter
 
 
@@ -59,13 +63,14 @@ class Args:
     max_steps: int = 300
     """optimizer steps (the data is cycled, reshuffled each pass)"""
     batch_size: int = 64
-    """preference pairs per optimizer step"""
+    """preference pairs per optimizer step, over all ranks: each of N ranks (torchrun) takes batch_size / N of them"""
     gradient_accumulation_steps: int = 1
-    """split each batch into this many micro-batches (the same update, less memory)"""
+    """split each rank's share of a batch into this many micro-batches (the same update, less memory)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass (less memory, one more forward pass of compute)"""
     eval_batch_size: int = 128
-    """pairs or prompts per forward pass (and per generate call) in evaluation and in the reference's precompute"""
+    """pairs or prompts per forward pass (and per generate call) in evaluation and in the reference's precompute,
+    on each rank"""
     lr: float = 1e-4
     """peak learning rate of AdamW (a pretrained model wants ~5e-7 to 1e-6)"""
     warmup_steps: int = 30
@@ -77,6 +82,9 @@ class Args:
     bf16: bool = False
     """mixed precision: forward and backward autocast to bfloat16 (CUDA or CPU); the policy's weights and AdamW
     state stay float32, the frozen reference and reward model are held in bfloat16"""
+    fsdp: bool = False
+    """under torchrun, shard the policy, its gradients and AdamW state across the ranks (FSDP2) instead of a full
+    copy on each (DDP): for models whose training state does not fit one device (the frozen models stay whole)"""
     num_train_pairs: int = 20_000
     """size of the built-in task's training set"""
     eval_every: int = 100
@@ -351,16 +359,25 @@ def check_finite(step, **values):
 
 
 def save_atomically(model, tokenizer, args, output_dir):
-    """Write to a temporary directory, then rename: a crash never leaves a half-written model."""
-    tmp_dir = f"{output_dir.rstrip('/')}.tmp-{os.getpid()}"
-    model.save_pretrained(tmp_dir)
-    tokenizer.save_pretrained(tmp_dir)
-    with open(os.path.join(tmp_dir, "training_args.json"), "w") as f:
-        json.dump(vars(args), f, indent=2)
-    if os.path.exists(output_dir):
-        shutil.rmtree(output_dir)
-    os.replace(tmp_dir, output_dir)
-
+    """Save a Hugging Face model (the one inside any DDP wrapper) so that a crash never leaves a half-written
+    checkpoint: rank 0 writes to a temporary directory, then renames it. Every rank calls this: under FSDP
+    they first gather the full weights together, and all wait for the write to finish."""
+    state_dict = None
+    if any(isinstance(module, FSDPModule) for module in model.modules()):
+        state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+        state_dict = {k: v for k, v in state_dict.items() if k in names}  # a tied weight once, under its first name
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        tmp_dir = f"{output_dir.rstrip('/')}.tmp-{os.getpid()}"
+        model.save_pretrained(tmp_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(tmp_dir)
+        with open(os.path.join(tmp_dir, "training_args.json"), "w") as f:
+            json.dump(vars(args), f, indent=2)
+        if os.path.exists(output_dir):
+            shutil.rmtree(output_dir)
+        os.replace(tmp_dir, output_dir)
+    if dist.is_initialized():
+        dist.barrier()
 
 def dropout_off(config):
     """Every dropout probability of a transformers config set to 0, before the model is built: Llama's and
@@ -431,7 +448,9 @@ def sample(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperatur
     model.generation_config = GenerationConfig(eos_token_id=stop_ids, pad_token_id=pad_token_id)
     config = GenerationConfig(do_sample=not greedy, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
                               eos_token_id=stop_ids, pad_token_id=pad_token_id)
-    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+    # under torchrun every rank keeps stepping until all are done: a sharded model needs all ranks in each step
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                         synced_gpus=dist.is_initialized())
     responses = F.pad(out[:, width:], (0, max_new_tokens - (out.shape[1] - width)), value=pad_token_id)
     is_stop = torch.isin(responses, torch.tensor(stop_ids, device=responses.device))
     # 1 up to and including the first stop token: a token is valid while no stop token came strictly before it
@@ -522,22 +541,95 @@ def load_pairs_and_prompts(args):
     return train, evals, None, None
 
 
+# ---------------------------------------------------------------------------------------------
+# Many processes. `torchrun --nproc-per-node N X.py` starts one process (rank) per device; each takes
+# its share of every batch, and the gradients are averaged. Under plain `python X.py` these helpers
+# change nothing.
+# ---------------------------------------------------------------------------------------------
+def setup_distributed(cuda):
+    """(rank, world_size, device). Under torchrun, which sets RANK, WORLD_SIZE and LOCAL_RANK, join the
+    process group: NCCL with one GPU per process, or gloo on the CPU. Ranks other than 0 print nothing
+    (their errors still reach stderr)."""
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() and cuda else "cpu")
+    if torch.cuda.is_available() and cuda:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    if dist.get_rank() != 0:
+        sys.stdout = open(os.devnull, "w")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def wrap_model(model, device, fsdp):
+    """A trained model made data-parallel (the model itself in one process). Every rank first takes rank 0's
+    weights: a model built from scratch, or a new scalar head, starts from other random values on each.
+    Then DDP, a full copy per rank with the gradients averaged during the backward pass; or, with --fsdp,
+    FSDP2: parameters, gradients and AdamW state sharded across the ranks, each transformer block gathered
+    only while it computes. Build the optimizer after this (FSDP2 replaces the parameters)."""
+    if not dist.is_initialized():
+        return model
+    for tensor in model.state_dict().values():
+        dist.broadcast(tensor, src=0)
+    if not fsdp:
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    block_names = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or []}
+    for module in model.modules():
+        if type(module).__name__ in block_names:
+            fully_shard(module)
+    return fully_shard(model)
+
+
+def shard(items, rank, world_size):
+    """This rank's share of an evaluation list, items[rank::world_size], padded with copies of items[0] to the
+    same length on every rank, and a weight per entry (0 on the copies): a sharded model needs every rank in
+    each forward pass, so every rank must run as many. Metrics are weighted sums, added up over the ranks."""
+    mine = items[rank::world_size]
+    padding = -(-len(items) // world_size) - len(mine)
+    return mine + items[:1] * padding, [1] * len(mine) + [0] * padding
+
+
+def all_reduce_sum(values, device):
+    """Each number summed over the ranks (the numbers themselves in one process): per-rank sums and counts
+    become global ones."""
+    if not dist.is_initialized():
+        return [float(v) for v in values]
+    total = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    dist.all_reduce(total)
+    return total.tolist()
+
+
+class NoWriter:
+    """Stands in for the SummaryWriter on ranks other than 0: only rank 0 writes TensorBoard logs."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
 def main(args: Args):
     if args.loss_type not in ("sigmoid", "ipo", "hinge"):
         sys.exit(f"error: --loss-type {args.loss_type!r}: choose sigmoid, ipo or hinge")
-    if args.batch_size % args.gradient_accumulation_steps:
-        sys.exit(f"error: --batch-size {args.batch_size} does not split into {args.gradient_accumulation_steps} micro-batches")
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)
+    rank, world_size, device = setup_distributed(args.cuda)
+    if args.batch_size % (world_size * args.gradient_accumulation_steps):
+        sys.exit(f"error: --batch-size {args.batch_size} does not split into {world_size} rank(s) × "
+                 f"{args.gradient_accumulation_steps} micro-batches; make it a multiple of "
+                 f"{world_size * args.gradient_accumulation_steps}")
+    random.seed(args.seed)  # the data order: the same on every rank
+    torch.manual_seed(args.seed + rank)  # sampling: a stream of its own on each rank
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
 
     train_rows, eval_rows, eval_prompts, eval_targets = load_pairs_and_prompts(args)
-    tokenizer, stop_ids, policy, ref, reward = load_dpo_models(args, device)
+    tokenizer, stop_ids, raw_policy, ref, reward = load_dpo_models(args, device)  # raw_policy: to sample and save
     if args.gradient_checkpointing:
-        policy.activation_checkpointing_enable({"use_reentrant": False})
+        raw_policy.activation_checkpointing_enable({"use_reentrant": False})
+    # the trained policy is data-parallel; the frozen models are whole on every rank (in bf16 with --bf16, they
+    # take 2 bytes per parameter where the policy's weights, gradients and AdamW state take 16)
+    policy = wrap_model(raw_policy, device, args.fsdp)
 
     def encode_pairs(rows, split):
         """[((chosen ids, labels), (rejected ids, labels))] and the prompts' ids: a pair whose sides do not fit
@@ -567,7 +659,7 @@ def main(args: Args):
     else:  # each distinct, non-empty prompt of the eval pairs
         eval_ids = [list(p) for p in dict.fromkeys(tuple(p) for p in eval_pair_prompts if p)]
         eval_prompts = [tokenizer.decode(p, skip_special_tokens=True) for p in eval_ids]
-    positions = getattr(policy.config, "max_position_embeddings", None) or getattr(policy.config, "n_positions", None)
+    positions = getattr(raw_policy.config, "max_position_embeddings", None) or getattr(raw_policy.config, "n_positions", None)
     longest = max([args.max_length] + [len(p) + args.response_length for p in eval_ids])
     if positions is not None and longest > positions:
         sys.exit(f"error: sequences of {longest} tokens (--max-length, or an eval prompt + --response-length) exceed the "
@@ -587,57 +679,78 @@ def main(args: Args):
         parts = [logps_of(model, pairs[i : i + args.eval_batch_size]) for i in range(0, len(pairs), args.eval_batch_size)]
         return torch.cat([c for c, _ in parts]), torch.cat([r for _, r in parts])
 
-    # The reference never changes: its log-probs are computed once, before training
-    ref_chosen, ref_rejected = logps_in_chunks(ref, train)
+    # The reference never changes: its log-probs are computed once, before training, each rank computing
+    # its shard of the pairs; the shards are then gathered, so that every rank has all of them.
+    ref_chosen, ref_rejected = logps_in_chunks(ref, shard(train, rank, world_size)[0])
+    if world_size > 1:  # rank r computed pairs r, r + N, r + 2N, ...: gather them, interleave, drop the padding
+        gathered = []
+        for local in (ref_chosen, ref_rejected):
+            parts = [torch.empty_like(local) for _ in range(world_size)]
+            dist.all_gather(parts, local)
+            gathered.append(torch.stack(parts, 1).flatten()[: len(train)])
+        ref_chosen, ref_rejected = gathered
 
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    writer = SummaryWriter(f"runs/{run_name}")
+    writer = SummaryWriter(f"runs/{run_name}") if rank == 0 else NoWriter()
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
 
     def evaluate(step):
+        """Each rank evaluates its shard of the eval pairs and prompts; the sums are added up over the ranks."""
         policy.eval()
         line = f"step {step}:"
-        if evals:
-            chosen, rejected = logps_in_chunks(policy, evals)  # the preference metrics on held-out pairs
-            ref_c, ref_r = logps_in_chunks(ref, evals)
+        if evals:  # the preference metrics on held-out pairs
+            mine, weights = shard(evals, rank, world_size)
+            keep = torch.tensor(weights, device=device).bool()
+            chosen, rejected = (x[keep] for x in logps_in_chunks(policy, mine))
+            ref_c, ref_r = (x[keep] for x in logps_in_chunks(ref, mine))
             loss, r_c, r_r = dpo_loss(chosen, rejected, ref_c, ref_r, args.beta, args.loss_type, args.label_smoothing)
-            writer.add_scalar("eval/loss", loss.item(), step)
-            writer.add_scalar("eval/rewards_accuracy", (r_c > r_r).float().mean().item(), step)
-            line += f" eval/loss {loss.item():.4f}"
+            loss, correct, n = all_reduce_sum([loss * len(r_c) if len(r_c) else 0.0, (r_c > r_r).sum(), len(r_c)], device)
+            writer.add_scalar("eval/loss", loss / n, step)
+            writer.add_scalar("eval/rewards_accuracy", correct / n, step)
+            line += f" eval/loss {loss / n:.4f}"
         if eval_ids:  # the sampled evaluation of rlhf_ppo.py: completions at temperature 1 on the eval prompts
+            mine, weights = shard(list(range(len(eval_ids))), rank, world_size)
             completions, kls, scores = [], [], []
-            for i in range(0, len(eval_ids), args.eval_batch_size):
+            for i in range(0, len(mine), args.eval_batch_size):
                 with torch.no_grad(), amp():
                     sequences, attention_mask, context_length, response_mask = sample(
-                        policy, eval_ids[i : i + args.eval_batch_size], tokenizer.pad_token_id, stop_ids,
-                        args.response_length, args.temperature)
+                        raw_policy, [eval_ids[j] for j in mine[i : i + args.eval_batch_size]], tokenizer.pad_token_id,
+                        stop_ids, args.response_length, args.temperature)
                     kls.append(response_logps(policy, sequences, attention_mask, context_length, args.temperature)
                                - response_logps(ref, sequences, attention_mask, context_length, args.temperature))
                     if reward is not None:
                         scores.append(score_responses(reward, sequences, attention_mask, response_mask, stop_ids,
                                                       args.missing_eos_penalty)[0])
                 completions += decode(tokenizer, sequences, context_length, response_mask)
-            kl = torch.cat(kls).mean().item()
+            w = torch.tensor(weights, device=device, dtype=torch.float)
+            sums = [(torch.cat(kls) * w).sum(), (torch.cat(scores) * w).sum() if reward is not None else 0.0, w.sum()]
+            if eval_targets is not None:
+                targets = [eval_targets[j] for j in mine]
+                sums += [sum(v * (c == t) for c, t, v in zip(completions, targets, weights)),
+                         sum(v * gold_score(c, t) for c, t, v in zip(completions, targets, weights))]
+            sums = all_reduce_sum(sums, device)
+            kl, score, n = sums[0] / sums[2], sums[1] / sums[2], sums[2]
             if reward is not None:
-                writer.add_scalar("eval/score", torch.cat(scores).mean().item(), step)
-                line += f", eval/score {torch.cat(scores).mean().item():.3f}"
+                writer.add_scalar("eval/score", score, step)
+                line += f", eval/score {score:.3f}"
             writer.add_scalar("eval/kl", kl, step)
             line += f", eval/kl {kl:.3f}"
             if eval_targets is not None:
-                accuracy = sum(c == t for c, t in zip(completions, eval_targets)) / len(eval_targets)
-                gold = sum(gold_score(c, t) for c, t in zip(completions, eval_targets)) / len(eval_targets)
+                accuracy, gold = sums[3] / n, sums[4] / n
                 writer.add_scalar("eval/gold_accuracy", accuracy, step)
                 writer.add_scalar("eval/gold_score", gold, step)
                 line += f", eval/gold_accuracy {accuracy:.3f}, eval/gold_score {gold:.3f}"
-            writer.add_text("eval/samples", "\n".join(f"    {p} {c!r}" for p, c in zip(eval_prompts[:8], completions)), step)
+            samples = "\n".join(f"    {eval_prompts[j]} {c!r}" for j, c in zip(mine[:8], completions))
+            writer.add_text("eval/samples", samples, step)
         print(line)
         policy.train()
 
     evaluate(0)
     policy.train()
     order, position = list(range(len(train))), len(train)
-    micro_size = args.batch_size // args.gradient_accumulation_steps
+    per_rank = args.batch_size // world_size
+    micro_size = per_rank // args.gradient_accumulation_steps
     start_time = time.time()
     for step in range(1, args.max_steps + 1):
         if position + args.batch_size > len(order):
@@ -649,12 +762,13 @@ def main(args: Args):
         for group in optimizer.param_groups:
             group["lr"] = lr
         parts = []  # (loss, chosen, rejected, r_c, r_r) of each micro-batch
-        for m in range(0, args.batch_size, micro_size):
+        for m in range(rank * per_rank, (rank + 1) * per_rank, micro_size):  # this rank's share, in micro-batches
             micro = idx[m : m + micro_size]
             chosen, rejected = logps_of(policy, [train[i] for i in micro])
             loss, r_c, r_r = dpo_loss(chosen, rejected, ref_chosen[micro], ref_rejected[micro], args.beta, args.loss_type,
                                       args.label_smoothing)
-            (loss / args.gradient_accumulation_steps).backward()  # the mean over micro-batches = the batch's mean
+            # the mean over micro-batches = the rank's mean; DDP and FSDP average over the ranks
+            (loss / args.gradient_accumulation_steps).backward()
             parts.append((loss.detach() / args.gradient_accumulation_steps, chosen.detach(), rejected.detach(), r_c, r_r))
         loss = sum(p[0] for p in parts)
         chosen, rejected, r_c, r_r = (torch.cat([p[k] for p in parts]) for k in range(1, 5))
@@ -663,10 +777,13 @@ def main(args: Args):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-        if step % 10 == 0:
-            logs = {"losses/loss": loss.item(), "train/grad_norm": grad_norm, "rewards/chosen": r_c.mean(),
-                    "rewards/rejected": r_r.mean(), "rewards/accuracies": (r_c > r_r).float().mean(),
-                    "rewards/margins": (r_c - r_r).mean(), "logps/chosen": chosen.mean(), "logps/rejected": rejected.mean(),
+        if step % 10 == 0:  # means over the whole batch: sums added up over the ranks, / batch size
+            sums = all_reduce_sum([loss * per_rank, r_c.sum(), r_r.sum(), (r_c > r_r).sum(), chosen.sum(), rejected.sum()],
+                                  device)
+            loss, r_c, r_r, correct, chosen, rejected = (s / args.batch_size for s in sums)
+            logs = {"losses/loss": loss, "train/grad_norm": grad_norm, "rewards/chosen": r_c,
+                    "rewards/rejected": r_r, "rewards/accuracies": correct,
+                    "rewards/margins": r_c - r_r, "logps/chosen": chosen, "logps/rejected": rejected,
                     "charts/learning_rate": lr,
                     "charts/samples_per_second": step * args.batch_size / (time.time() - start_time)}
             for tag, value in logs.items():
@@ -674,10 +791,17 @@ def main(args: Args):
         if step % args.eval_every == 0 or step == args.max_steps:
             evaluate(step)
 
-    save_atomically(policy, tokenizer, args, args.output_dir)
+    save_atomically(raw_policy, tokenizer, args, args.output_dir)
     print(f"saved to {args.output_dir} after {time.time() - start_time:.0f} s")
     writer.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args, description=__doc__))
+    try:
+        main(tyro.cli(Args, description=__doc__))
+    except SystemExit as e:  # under torchrun every rank stops on the same bad input: rank 0 alone says so
+        if isinstance(e.code, str) and os.environ.get("RANK", "0") != "0":
+            sys.exit(1)
+        raise

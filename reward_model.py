@@ -23,9 +23,13 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
 import tyro
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.tensorboard import SummaryWriter
 
 
@@ -49,13 +53,13 @@ class Args:
     max_steps: int = 600
     """optimizer steps (the data is cycled, reshuffled each pass)"""
     batch_size: int = 64
-    """preference pairs per optimizer step"""
+    """preference pairs per optimizer step, over all ranks: each of N ranks (torchrun) takes batch_size / N of them"""
     gradient_accumulation_steps: int = 1
-    """split each batch into this many micro-batches (the same update, less memory)"""
+    """split each rank's share of a batch into this many micro-batches (the same update, less memory)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass (less memory, one more forward pass of compute)"""
     eval_batch_size: int = 128
-    """pairs per forward pass in evaluation"""
+    """pairs per forward pass in evaluation, on each rank"""
     lr: float = 1e-3
     """peak learning rate of AdamW (a pretrained model wants ~1e-5)"""
     warmup_steps: int = 50
@@ -68,6 +72,9 @@ class Args:
     """longest prompt + completion in tokens: pairs with a longer side are dropped (and counted)"""
     bf16: bool = False
     """mixed precision: forward and backward autocast to bfloat16 (CUDA or CPU); weights and AdamW state stay float32"""
+    fsdp: bool = False
+    """under torchrun, shard the model, its gradients and AdamW state across the ranks (FSDP2) instead of a full
+    copy on each (DDP): for models whose training state does not fit one device"""
     center_rewards_coefficient: float | None = None
     """add this × mean((r_chosen + r_rejected)²) to keep rewards centered on 0 (Eisenstein et al. 2023)"""
     eval_every: int = 200
@@ -322,16 +329,25 @@ def check_finite(step, **values):
 
 
 def save_atomically(model, tokenizer, args, output_dir):
-    """Write to a temporary directory, then rename: a crash never leaves a half-written model."""
-    tmp_dir = f"{output_dir.rstrip('/')}.tmp-{os.getpid()}"
-    model.save_pretrained(tmp_dir)
-    tokenizer.save_pretrained(tmp_dir)
-    with open(os.path.join(tmp_dir, "training_args.json"), "w") as f:
-        json.dump(vars(args), f, indent=2)
-    if os.path.exists(output_dir):
-        shutil.rmtree(output_dir)
-    os.replace(tmp_dir, output_dir)
-
+    """Save a Hugging Face model (the one inside any DDP wrapper) so that a crash never leaves a half-written
+    checkpoint: rank 0 writes to a temporary directory, then renames it. Every rank calls this: under FSDP
+    they first gather the full weights together, and all wait for the write to finish."""
+    state_dict = None
+    if any(isinstance(module, FSDPModule) for module in model.modules()):
+        state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+        state_dict = {k: v for k, v in state_dict.items() if k in names}  # a tied weight once, under its first name
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        tmp_dir = f"{output_dir.rstrip('/')}.tmp-{os.getpid()}"
+        model.save_pretrained(tmp_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(tmp_dir)
+        with open(os.path.join(tmp_dir, "training_args.json"), "w") as f:
+            json.dump(vars(args), f, indent=2)
+        if os.path.exists(output_dir):
+            shutil.rmtree(output_dir)
+        os.replace(tmp_dir, output_dir)
+    if dist.is_initialized():
+        dist.barrier()
 
 def dropout_off(config):
     """Every dropout probability of a transformers config set to 0, before the model is built: Llama's and
@@ -361,9 +377,22 @@ def token_scores(model, sequences, attention_mask):
     return model.score(hidden).squeeze(-1).float()
 
 
-def get_rewards(model, input_ids, attention_mask):
-    """One reward per sequence: the scalar head at its last non-pad token (the stop token)."""
-    scores = token_scores(model, input_ids, attention_mask)
+class TokenScorer(torch.nn.Module):
+    """token_scores as a module's forward. DDP and FSDP act in the forward of the module they wrap, so a
+    trained scalar head is wrapped in this: its forward, unlike the classifier's own, keeps every position."""
+
+    def __init__(self, classifier):
+        super().__init__()
+        self.classifier = classifier
+
+    def forward(self, sequences, attention_mask):
+        return token_scores(self.classifier, sequences, attention_mask)
+
+
+def get_rewards(scorer, input_ids, attention_mask):
+    """One reward per sequence: the scalar head (a TokenScorer, or DDP/FSDP around one) at its last non-pad
+    token, the stop token."""
+    scores = scorer(input_ids, attention_mask)
     return scores[torch.arange(len(scores), device=scores.device), last_token_index(attention_mask)]
 
 
@@ -421,14 +450,84 @@ def load_pairs(args):
     return train, evals
 
 
+# ---------------------------------------------------------------------------------------------
+# Many processes. `torchrun --nproc-per-node N X.py` starts one process (rank) per device; each takes
+# its share of every batch, and the gradients are averaged. Under plain `python X.py` these helpers
+# change nothing.
+# ---------------------------------------------------------------------------------------------
+def setup_distributed(cuda):
+    """(rank, world_size, device). Under torchrun, which sets RANK, WORLD_SIZE and LOCAL_RANK, join the
+    process group: NCCL with one GPU per process, or gloo on the CPU. Ranks other than 0 print nothing
+    (their errors still reach stderr)."""
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() and cuda else "cpu")
+    if torch.cuda.is_available() and cuda:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    if dist.get_rank() != 0:
+        sys.stdout = open(os.devnull, "w")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def wrap_model(model, device, fsdp):
+    """A trained model made data-parallel (the model itself in one process). Every rank first takes rank 0's
+    weights: a model built from scratch, or a new scalar head, starts from other random values on each.
+    Then DDP, a full copy per rank with the gradients averaged during the backward pass; or, with --fsdp,
+    FSDP2: parameters, gradients and AdamW state sharded across the ranks, each transformer block gathered
+    only while it computes. Build the optimizer after this (FSDP2 replaces the parameters)."""
+    if not dist.is_initialized():
+        return model
+    for tensor in model.state_dict().values():
+        dist.broadcast(tensor, src=0)
+    if not fsdp:
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    block_names = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or []}
+    for module in model.modules():
+        if type(module).__name__ in block_names:
+            fully_shard(module)
+    return fully_shard(model)
+
+
+def shard(items, rank, world_size):
+    """This rank's share of an evaluation list, items[rank::world_size], padded with copies of items[0] to the
+    same length on every rank, and a weight per entry (0 on the copies): a sharded model needs every rank in
+    each forward pass, so every rank must run as many. Metrics are weighted sums, added up over the ranks."""
+    mine = items[rank::world_size]
+    padding = -(-len(items) // world_size) - len(mine)
+    return mine + items[:1] * padding, [1] * len(mine) + [0] * padding
+
+
+def all_reduce_sum(values, device):
+    """Each number summed over the ranks (the numbers themselves in one process): per-rank sums and counts
+    become global ones."""
+    if not dist.is_initialized():
+        return [float(v) for v in values]
+    total = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    dist.all_reduce(total)
+    return total.tolist()
+
+
+class NoWriter:
+    """Stands in for the SummaryWriter on ranks other than 0: only rank 0 writes TensorBoard logs."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
 def main(args: Args):
-    if args.batch_size % args.gradient_accumulation_steps:
-        sys.exit(f"error: --batch-size {args.batch_size} does not split into {args.gradient_accumulation_steps} micro-batches")
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)
+    rank, world_size, device = setup_distributed(args.cuda)
+    if args.batch_size % (world_size * args.gradient_accumulation_steps):
+        sys.exit(f"error: --batch-size {args.batch_size} does not split into {world_size} rank(s) × "
+                 f"{args.gradient_accumulation_steps} micro-batches; make it a multiple of "
+                 f"{world_size * args.gradient_accumulation_steps}")
+    random.seed(args.seed)  # the data order: the same on every rank
+    torch.manual_seed(args.seed + rank)  # a stream of its own on each rank
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
 
     # The tokenizer (fast, and it checks the model path) and the data come before the model
@@ -460,9 +559,10 @@ def main(args: Args):
         return pairs, kept
 
     (train, _), (evals, eval_rows) = encode_pairs(train_rows, "train"), encode_pairs(eval_rows, "eval")
-    model = load_reward_model(args, tokenizer, stop_ids, device)
+    raw_model = load_reward_model(args, tokenizer, stop_ids, device)  # the Hugging Face model, to save
     if args.gradient_checkpointing:
-        model.activation_checkpointing_enable({"use_reentrant": False})
+        raw_model.activation_checkpointing_enable({"use_reentrant": False})
+    model = wrap_model(TokenScorer(raw_model), device, args.fsdp)  # forward and backward passes
 
     def rewards_of(batch):
         """Chosen and rejected sequences in one forward pass: (r_chosen, r_rejected, margin or None)."""
@@ -474,37 +574,47 @@ def main(args: Args):
         return rewards[: len(batch)], rewards[len(batch) :], margin
 
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    writer = SummaryWriter(f"runs/{run_name}")
+    writer = SummaryWriter(f"runs/{run_name}") if rank == 0 else NoWriter()
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
-    print(f"{sum(p.numel() for p in model.parameters()):,} parameters, {len(train):,} training pairs")
+    print(f"{sum(p.numel() for p in raw_model.parameters()):,} parameters, {len(train):,} training pairs")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 
     def evaluate(step):
+        """Each rank evaluates its shard of the eval pairs; the sums are added up over the ranks."""
         if not evals:
             return
         model.eval()
-        chosen, rejected, losses = [], [], []
+        mine, weights = shard(list(zip(evals, eval_rows)), rank, world_size)
+        chosen, rejected, margins = [], [], []
         with torch.no_grad():
-            for i in range(0, len(evals), args.eval_batch_size):
-                r_c, r_r, margin = rewards_of(evals[i : i + args.eval_batch_size])
-                losses.append(bradley_terry_loss(r_c, r_r, margin).item() * len(r_c))
-                chosen.append(r_c), rejected.append(r_r)
-        chosen, rejected = torch.cat(chosen), torch.cat(rejected)
-        accuracy = (chosen > rejected).float().mean().item()
-        writer.add_scalar("eval/loss", sum(losses) / len(evals), step)
-        writer.add_scalar("eval/accuracy", accuracy, step)
-        line = f"step {step}: eval/loss {sum(losses) / len(evals):.4f}, eval/accuracy {accuracy:.3f}"
+            for i in range(0, len(mine), args.eval_batch_size):
+                r_c, r_r, margin = rewards_of([pair for pair, _ in mine[i : i + args.eval_batch_size]])
+                chosen.append(r_c), rejected.append(r_r), margins.append(margin)
+        keep = torch.tensor(weights, device=device).bool()
+        chosen, rejected = torch.cat(chosen)[keep], torch.cat(rejected)[keep]
+        margin = torch.cat(margins)[keep] if has_margin else None
+        loss = bradley_terry_loss(chosen, rejected, margin).item() * len(chosen) if len(chosen) else 0.0
+        loss, correct, n = all_reduce_sum([loss, (chosen > rejected).sum(), len(chosen)], device)
+        writer.add_scalar("eval/loss", loss / n, step)
+        writer.add_scalar("eval/accuracy", correct / n, step)
+        line = f"step {step}: eval/loss {loss / n:.4f}, eval/accuracy {correct / n:.3f}"
         if args.dataset_name is None:
-            # how well the learned reward tracks the gold one, over every held-out candidate
-            gold = torch.tensor([gold_score(p[k], p["target"]) for k in ("chosen", "rejected") for p in eval_rows])
-            scores = torch.cat([chosen, rejected]).cpu()
-            correlation = torch.corrcoef(torch.stack([scores, gold]))[0, 1].item()
+            # how well the learned reward tracks the gold one, over every held-out candidate: Pearson's r,
+            # from sums that add up over the ranks
+            rows = [row for (_, row), w in zip(mine, weights) if w]
+            x = torch.cat([chosen, rejected]).double().cpu()
+            y = torch.tensor([gold_score(row[k], row["target"]) for k in ("chosen", "rejected") for row in rows]).double()
+            n, sx, sy, sxx, syy, sxy = all_reduce_sum([len(x), x.sum(), y.sum(), (x * x).sum(), (y * y).sum(),
+                                                       (x * y).sum()], device)
+            correlation = (n * sxy - sx * sy) / math.sqrt((n * sxx - sx**2) * (n * syy - sy**2))
             writer.add_scalar("eval/gold_correlation", correlation, step)
             line += f", eval/gold_correlation {correlation:.3f}"
         print(line)
         model.train()
 
     model.train()
+    per_rank = args.batch_size // world_size
+    micro_size = per_rank // args.gradient_accumulation_steps
     order, position = list(range(len(train))), len(train)
     start_time, model_time, tokens_seen = time.time(), 0.0, 0
     for step in range(1, args.max_steps + 1):
@@ -517,11 +627,11 @@ def main(args: Args):
         for group in optimizer.param_groups:
             group["lr"] = lr
 
-        tick, micro_size, parts = time.time(), args.batch_size // args.gradient_accumulation_steps, []
-        for m in range(0, args.batch_size, micro_size):
+        tick, parts = time.time(), []
+        for m in range(rank * per_rank, (rank + 1) * per_rank, micro_size):  # this rank's share, in micro-batches
             r_c, r_r, margin = rewards_of(batch[m : m + micro_size])
             loss = bradley_terry_loss(r_c, r_r, margin, args.center_rewards_coefficient) / args.gradient_accumulation_steps
-            loss.backward()  # the mean over micro-batches = the batch's mean
+            loss.backward()  # the mean over micro-batches = the rank's mean; DDP and FSDP average over the ranks
             parts.append((loss.detach(), r_c.detach(), r_r.detach()))
         loss = sum(p[0] for p in parts)
         r_c, r_r = torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts])
@@ -530,30 +640,40 @@ def main(args: Args):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         model_time += time.time() - tick
-        tokens_seen += sum(len(c) + len(r) for c, r, _ in batch)
+        tokens_seen += sum(len(c) + len(r) for c, r, _ in batch[rank * per_rank : (rank + 1) * per_rank])
 
         if step % 10 == 0:
             elapsed = time.time() - start_time
-            writer.add_scalar("train/loss", loss.item(), step)
-            writer.add_scalar("train/grad_norm", grad_norm.item(), step)
-            writer.add_scalar("train/accuracy", (r_c > r_r).float().mean().item(), step)
-            writer.add_scalar("train/reward_chosen", r_c.mean().item(), step)
-            writer.add_scalar("train/reward_rejected", r_r.mean().item(), step)
-            writer.add_scalar("train/margin", (r_c - r_r).mean().item(), step)
+            loss, correct, sum_chosen, sum_rejected, all_tokens = all_reduce_sum(
+                [loss, (r_c > r_r).sum(), r_c.sum(), r_r.sum(), tokens_seen], device)
+            writer.add_scalar("train/loss", loss / world_size, step)
+            writer.add_scalar("train/grad_norm", float(grad_norm), step)
+            writer.add_scalar("train/accuracy", correct / args.batch_size, step)
+            writer.add_scalar("train/reward_chosen", sum_chosen / args.batch_size, step)
+            writer.add_scalar("train/reward_rejected", sum_rejected / args.batch_size, step)
+            writer.add_scalar("train/margin", (sum_chosen - sum_rejected) / args.batch_size, step)
             writer.add_scalar("charts/learning_rate", lr, step)
             writer.add_scalar("charts/samples_per_second", step * args.batch_size / elapsed, step)
-            writer.add_scalar("charts/tokens_per_second", tokens_seen / elapsed, step)
+            writer.add_scalar("charts/tokens_per_second", all_tokens / elapsed, step)
             writer.add_scalar("charts/model_time_fraction", model_time / elapsed, step)
         if step % args.eval_every == 0 or step == args.max_steps:
             evaluate(step)
 
     elapsed = time.time() - start_time
+    tokens_seen = all_reduce_sum([tokens_seen], device)[0]
     print(f"{args.max_steps * args.batch_size / elapsed:.0f} pairs/s, {tokens_seen / elapsed:.0f} tokens/s, "
           f"{100 * model_time / elapsed:.0f}% of the time in forward/backward/optimizer, {elapsed:.0f} s in all")
-    save_atomically(model, tokenizer, args, args.output_dir)
+    save_atomically(raw_model, tokenizer, args, args.output_dir)
     print(f"saved to {args.output_dir}")
     writer.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args, description=__doc__))
+    try:
+        main(tyro.cli(Args, description=__doc__))
+    except SystemExit as e:  # under torchrun every rank stops on the same bad input: rank 0 alone says so
+        if isinstance(e.code, str) and os.environ.get("RANK", "0") != "0":
+            sys.exit(1)
+        raise

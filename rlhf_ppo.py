@@ -23,9 +23,13 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
 import tyro
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.tensorboard import SummaryWriter
 
 
@@ -52,16 +56,16 @@ class Args:
     num_iterations: int = 80
     """rollout-then-update iterations"""
     batch_size: int = 128
-    """prompts (and sampled responses) per rollout"""
+    """prompts (and sampled responses) per rollout, over all ranks: each of N ranks (torchrun) samples batch_size / N"""
     mini_batch_size: int = 32
-    """responses per gradient step"""
+    """responses per gradient step, over all ranks (each rank's share: mini_batch_size / N)"""
     gradient_accumulation_steps: int = 1
-    """split each minibatch into this many micro-batches (the same update, less memory); the rollout's
-    forward passes run in micro-batches too, so that the first ratio stays exactly 1"""
+    """split each rank's share of a minibatch into this many micro-batches (the same update, less memory); the
+    rollout's forward passes run in micro-batches too, so that the first ratio stays exactly 1"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass of the actor and critic (less memory, one more forward pass of compute)"""
     generation_batch_size: int = 128
-    """prompts per generate call and per forward pass in evaluation (the KV cache grows with it)"""
+    """prompts per generate call and per forward pass in evaluation, on each rank (the KV cache grows with it)"""
     ppo_epochs: int = 4
     """passes over each rollout"""
     lr: float = 1.5e-4
@@ -75,6 +79,9 @@ class Args:
     bf16: bool = False
     """mixed precision: forward and backward autocast to bfloat16 (CUDA or CPU); the trained weights and AdamW
     state stay float32, the frozen reference and reward model are held in bfloat16"""
+    fsdp: bool = False
+    """under torchrun, shard the actor and critic, their gradients and AdamW state across the ranks (FSDP2) instead
+    of a full copy on each (DDP): for models whose training state does not fit one device (the frozen models stay whole)"""
     temperature: float = 1.0
     """sampling temperature; the log-probs of training divide the logits by it too"""
     kl_coef: float = 1.0
@@ -188,10 +195,16 @@ def masked_mean(x, mask, num_tokens=None):
 
 
 def masked_whiten(x, mask, eps=1e-8):
-    """(x − mean) / std over the valid tokens only; padding stays 0."""
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
-    return (x - mean) * torch.rsqrt(var + eps) * mask
+    """(x − mean) / std over the valid tokens only; padding stays 0. Under torchrun, over the valid tokens of
+    all ranks: the sums in mean = Σ x·m / Σ m and var = Σ (x − mean)²·m / Σ m are added up over the ranks."""
+    sums = torch.stack([(x * mask).sum(), mask.sum()])
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+    mean = sums[0] / sums[1]
+    square_sum = ((x - mean) ** 2 * mask).sum()
+    if dist.is_initialized():
+        dist.all_reduce(square_sum)
+    return (x - mean) * torch.rsqrt(square_sum / sums[1] + eps) * mask
 
 
 def kl_estimators(logprobs, ref_logprobs, mask):
@@ -391,16 +404,25 @@ def check_finite(step, **values):
 
 
 def save_atomically(model, tokenizer, args, output_dir):
-    """Write to a temporary directory, then rename: a crash never leaves a half-written model."""
-    tmp_dir = f"{output_dir.rstrip('/')}.tmp-{os.getpid()}"
-    model.save_pretrained(tmp_dir)
-    tokenizer.save_pretrained(tmp_dir)
-    with open(os.path.join(tmp_dir, "training_args.json"), "w") as f:
-        json.dump(vars(args), f, indent=2)
-    if os.path.exists(output_dir):
-        shutil.rmtree(output_dir)
-    os.replace(tmp_dir, output_dir)
-
+    """Save a Hugging Face model (the one inside any DDP wrapper) so that a crash never leaves a half-written
+    checkpoint: rank 0 writes to a temporary directory, then renames it. Every rank calls this: under FSDP
+    they first gather the full weights together, and all wait for the write to finish."""
+    state_dict = None
+    if any(isinstance(module, FSDPModule) for module in model.modules()):
+        state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+        state_dict = {k: v for k, v in state_dict.items() if k in names}  # a tied weight once, under its first name
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        tmp_dir = f"{output_dir.rstrip('/')}.tmp-{os.getpid()}"
+        model.save_pretrained(tmp_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(tmp_dir)
+        with open(os.path.join(tmp_dir, "training_args.json"), "w") as f:
+            json.dump(vars(args), f, indent=2)
+        if os.path.exists(output_dir):
+            shutil.rmtree(output_dir)
+        os.replace(tmp_dir, output_dir)
+    if dist.is_initialized():
+        dist.barrier()
 
 def dropout_off(config):
     """Every dropout probability of a transformers config set to 0, before the model is built: Llama's and
@@ -445,6 +467,19 @@ def token_scores(model, sequences, attention_mask):
     return model.score(hidden).squeeze(-1).float()
 
 
+class TokenScorer(torch.nn.Module):
+    """token_scores as a module's forward. DDP and FSDP act in the forward of the module they wrap, so a
+    trained scalar head is wrapped in this: its forward, unlike the classifier's own, keeps every position."""
+
+    def __init__(self, classifier):
+        super().__init__()
+        self.classifier = classifier
+
+    def forward(self, sequences, attention_mask):
+        return token_scores(self.classifier, sequences, attention_mask)
+
+
+
 @torch.no_grad()
 def score_responses(reward, sequences, attention_mask, response_mask, stop_ids, missing_eos_penalty):
     """The reward model's score at each response's last token, its stop token; `missing_eos_penalty`
@@ -471,7 +506,9 @@ def sample(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperatur
     model.generation_config = GenerationConfig(eos_token_id=stop_ids, pad_token_id=pad_token_id)
     config = GenerationConfig(do_sample=not greedy, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
                               eos_token_id=stop_ids, pad_token_id=pad_token_id)
-    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+    # under torchrun every rank keeps stepping until all are done: a sharded model needs all ranks in each step
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                         synced_gpus=dist.is_initialized())
     responses = F.pad(out[:, width:], (0, max_new_tokens - (out.shape[1] - width)), value=pad_token_id)
     is_stop = torch.isin(responses, torch.tensor(stop_ids, device=responses.device))
     # 1 up to and including the first stop token: a token is valid while no stop token came strictly before it
@@ -549,27 +586,102 @@ def load_prompts(args):
     return [row["prompt"] for row in train], [row["prompt"] for row in evals], None
 
 
+# ---------------------------------------------------------------------------------------------
+# Many processes. `torchrun --nproc-per-node N X.py` starts one process (rank) per device; each takes
+# its share of every batch, and the gradients are averaged. Under plain `python X.py` these helpers
+# change nothing.
+# ---------------------------------------------------------------------------------------------
+def setup_distributed(cuda):
+    """(rank, world_size, device). Under torchrun, which sets RANK, WORLD_SIZE and LOCAL_RANK, join the
+    process group: NCCL with one GPU per process, or gloo on the CPU. Ranks other than 0 print nothing
+    (their errors still reach stderr)."""
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() and cuda else "cpu")
+    if torch.cuda.is_available() and cuda:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    if dist.get_rank() != 0:
+        sys.stdout = open(os.devnull, "w")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def wrap_model(model, device, fsdp):
+    """A trained model made data-parallel (the model itself in one process). Every rank first takes rank 0's
+    weights: a model built from scratch, or a new scalar head, starts from other random values on each.
+    Then DDP, a full copy per rank with the gradients averaged during the backward pass; or, with --fsdp,
+    FSDP2: parameters, gradients and AdamW state sharded across the ranks, each transformer block gathered
+    only while it computes. Build the optimizer after this (FSDP2 replaces the parameters)."""
+    if not dist.is_initialized():
+        return model
+    for tensor in model.state_dict().values():
+        dist.broadcast(tensor, src=0)
+    if not fsdp:
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    block_names = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or []}
+    for module in model.modules():
+        if type(module).__name__ in block_names:
+            fully_shard(module)
+    return fully_shard(model)
+
+
+def shard(items, rank, world_size):
+    """This rank's share of an evaluation list, items[rank::world_size], padded with copies of items[0] to the
+    same length on every rank, and a weight per entry (0 on the copies): a sharded model needs every rank in
+    each forward pass, so every rank must run as many. Metrics are weighted sums, added up over the ranks."""
+    mine = items[rank::world_size]
+    padding = -(-len(items) // world_size) - len(mine)
+    return mine + items[:1] * padding, [1] * len(mine) + [0] * padding
+
+
+def all_reduce_sum(values, device):
+    """Each number summed over the ranks (the numbers themselves in one process): per-rank sums and counts
+    become global ones."""
+    if not dist.is_initialized():
+        return [float(v) for v in values]
+    total = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    dist.all_reduce(total)
+    return total.tolist()
+
+
+class NoWriter:
+    """Stands in for the SummaryWriter on ranks other than 0: only rank 0 writes TensorBoard logs."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
 def main(args: Args):
+    rank, world_size, device = setup_distributed(args.cuda)
     if args.batch_size % args.mini_batch_size:
         sys.exit(f"error: --batch-size {args.batch_size} does not split into minibatches of {args.mini_batch_size}")
-    if args.mini_batch_size % args.gradient_accumulation_steps:
-        sys.exit(f"error: --mini-batch-size {args.mini_batch_size} does not split into "
-                 f"{args.gradient_accumulation_steps} micro-batches")
-    micro_size = args.mini_batch_size // args.gradient_accumulation_steps
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)
+    if args.mini_batch_size % (world_size * args.gradient_accumulation_steps):
+        sys.exit(f"error: --mini-batch-size {args.mini_batch_size} does not split into {world_size} rank(s) × "
+                 f"{args.gradient_accumulation_steps} micro-batches; make it a multiple of "
+                 f"{world_size * args.gradient_accumulation_steps}")
+    per_rank, mini_per_rank = args.batch_size // world_size, args.mini_batch_size // world_size
+    micro_size = mini_per_rank // args.gradient_accumulation_steps
+    random.seed(args.seed)  # the prompts drawn: the same on every rank, which each takes its share of
+    torch.manual_seed(args.seed + rank)  # sampling: a stream of its own on each rank
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
 
     train_prompts, eval_prompts, eval_targets = load_prompts(args)
     if len(train_prompts) < args.batch_size:
         sys.exit(f"error: {len(train_prompts)} training prompts, fewer than --batch-size {args.batch_size}; lower it")
-    tokenizer, stop_ids, actor, ref, reward, critic = load_rlhf_models(args, device)
+    tokenizer, stop_ids, raw_actor, ref, reward, raw_critic = load_rlhf_models(args, device)
     if args.gradient_checkpointing:
-        for model in (actor, critic):
+        for model in (raw_actor, raw_critic):
             model.activation_checkpointing_enable({"use_reentrant": False})
+    # the trained actor and critic are data-parallel (raw_actor: to sample and save); the frozen models are whole
+    # on every rank (in bf16 with --bf16, 2 bytes per parameter where a trained one's weights, gradients and
+    # AdamW state take 16)
+    actor = wrap_model(raw_actor, device, args.fsdp)
+    critic = wrap_model(TokenScorer(raw_critic), device, args.fsdp)  # its forward: V(s_t) at every position
 
     def encode_prompts(prompts, split):
         """Token ids of the prompts that fit --max-prompt-length; the others are dropped and counted."""
@@ -586,7 +698,7 @@ def main(args: Args):
     kept, eval_ids = encode_prompts(eval_prompts, "eval")
     eval_prompts = [eval_prompts[i] for i in kept]
     eval_targets = [eval_targets[i] for i in kept] if eval_targets is not None else None
-    positions = getattr(actor.config, "max_position_embeddings", None) or getattr(actor.config, "n_positions", None)
+    positions = getattr(raw_actor.config, "max_position_embeddings", None) or getattr(raw_actor.config, "n_positions", None)
     longest = max(len(ids) for ids in train_ids + eval_ids)
     if positions is not None and longest + args.response_length > positions:
         sys.exit(f"error: the longest prompt ({longest} tokens) + --response-length {args.response_length} exceeds the "
@@ -596,7 +708,7 @@ def main(args: Args):
     kl_coef = args.kl_coef
 
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    writer = SummaryWriter(f"runs/{run_name}")
+    writer = SummaryWriter(f"runs/{run_name}") if rank == 0 else NoWriter()
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
 
     def forward_in_chunks(fn, *tensors, size=micro_size):
@@ -607,7 +719,7 @@ def main(args: Args):
 
     def sample_in_chunks(prompt_ids):
         """`sample` in chunks of --generation-batch-size, padded to one width."""
-        chunks = [sample(actor, prompt_ids[i : i + args.generation_batch_size], tokenizer.pad_token_id, stop_ids,
+        chunks = [sample(raw_actor, prompt_ids[i : i + args.generation_batch_size], tokenizer.pad_token_id, stop_ids,
                          args.response_length, args.temperature)
                   for i in range(0, len(prompt_ids), args.generation_batch_size)]
         width = max(c[2] for c in chunks)  # the longest prompt: left-pad the other chunks to it
@@ -616,12 +728,14 @@ def main(args: Args):
                 width, torch.cat([c[3] for c in chunks]))
 
     def evaluate(iteration):
+        """Each rank evaluates its shard of the eval prompts; the sums are added up over the ranks."""
         if not eval_ids:
             return
         actor.eval()
         size = args.generation_batch_size
+        mine, weights = shard(list(range(len(eval_ids))), rank, world_size)
         with torch.no_grad(), amp():
-            sequences, attention_mask, context_length, response_mask = sample_in_chunks(eval_ids)
+            sequences, attention_mask, context_length, response_mask = sample_in_chunks([eval_ids[j] for j in mine])
             logprobs, _ = forward_in_chunks(lambda s, a: response_logprobs(actor, s, a, context_length, args.temperature),
                                             sequences, attention_mask, size=size)
             ref_logprobs, _ = forward_in_chunks(lambda s, a: response_logprobs(ref, s, a, context_length, args.temperature),
@@ -629,18 +743,25 @@ def main(args: Args):
             scores, _ = forward_in_chunks(lambda s, a, m: score_responses(reward, s, a, m, stop_ids,
                                                                           args.missing_eos_penalty),
                                           sequences, attention_mask, response_mask, size=size)
-        kl = ((logprobs - ref_logprobs) * response_mask).sum(1).mean().item()
+        w = torch.tensor(weights, device=device, dtype=torch.float)
         completions = decode(tokenizer, sequences, context_length, response_mask)
-        writer.add_scalar("eval/score", scores.mean().item(), iteration)
-        writer.add_scalar("eval/kl", kl, iteration)
-        line = f"iteration {iteration}: eval/score {scores.mean().item():.3f}, eval/kl {kl:.3f}"
+        sums = [(((logprobs - ref_logprobs) * response_mask).sum(1) * w).sum(), (scores * w).sum(), w.sum()]
         if eval_targets is not None:
-            accuracy = sum(c == t for c, t in zip(completions, eval_targets)) / len(eval_targets)
-            gold = sum(gold_score(c, t) for c, t in zip(completions, eval_targets)) / len(eval_targets)
+            targets = [eval_targets[j] for j in mine]
+            sums += [sum(v * (c == t) for c, t, v in zip(completions, targets, weights)),
+                     sum(v * gold_score(c, t) for c, t, v in zip(completions, targets, weights))]
+        sums = all_reduce_sum(sums, device)
+        kl, score, n = sums[0] / sums[2], sums[1] / sums[2], sums[2]
+        writer.add_scalar("eval/score", score, iteration)
+        writer.add_scalar("eval/kl", kl, iteration)
+        line = f"iteration {iteration}: eval/score {score:.3f}, eval/kl {kl:.3f}"
+        if eval_targets is not None:
+            accuracy, gold = sums[3] / n, sums[4] / n
             writer.add_scalar("eval/gold_accuracy", accuracy, iteration)
             writer.add_scalar("eval/gold_score", gold, iteration)
             line += f", eval/gold_accuracy {accuracy:.3f}, eval/gold_score {gold:.3f}"
-        writer.add_text("eval/samples", "\n".join(f"    {p} {c!r}" for p, c in zip(eval_prompts[:8], completions)), iteration)
+        samples = "\n".join(f"    {eval_prompts[j]} {c!r}" for j, c in zip(mine[:8], completions))
+        writer.add_text("eval/samples", samples, iteration)
         print(line)
         actor.train()
 
@@ -652,7 +773,7 @@ def main(args: Args):
         optimizer.param_groups[0]["lr"] = lr
         # ---- rollout: sample, then score every token with the four models --------------------------
         actor.eval(), critic.eval()
-        prompt_ids = rng.sample(train_ids, args.batch_size)
+        prompt_ids = rng.sample(train_ids, args.batch_size)[rank * per_rank : (rank + 1) * per_rank]  # this rank's share
         with torch.no_grad(), amp():
             sequences, attention_mask, context_length, mask = sample_in_chunks(prompt_ids)
             mask = mask.float()
@@ -661,15 +782,14 @@ def main(args: Args):
             ref_logprobs, _ = forward_in_chunks(
                 lambda s, a: response_logprobs(ref, s, a, context_length, args.temperature), sequences, attention_mask)
             # V(s_t): the critic's value at the position that predicts response token t
-            values = forward_in_chunks(lambda s, a: token_scores(critic, s, a)[:, context_length - 1 : -1],
-                                       sequences, attention_mask)
+            values = forward_in_chunks(lambda s, a: critic(s, a)[:, context_length - 1 : -1], sequences, attention_mask)
             scores, has_eos = forward_in_chunks(lambda s, a, m: score_responses(reward, s, a, m, stop_ids,
                                                                                 args.missing_eos_penalty),
                                                 sequences, attention_mask, mask)
 
             rewards, non_score = shaped_rewards(logprobs, ref_logprobs, scores, mask, kl_coef)
             advantages, returns = masked_gae(rewards, values, mask, args.gamma, args.lam)
-            advantages = masked_whiten(advantages, mask)
+            advantages = masked_whiten(advantages, mask)  # over the whole batch, all ranks together
             k1, k3 = kl_estimators(logprobs, ref_logprobs, mask)
 
         # ---- update: several epochs of shuffled minibatches ----------------------------------------
@@ -678,21 +798,22 @@ def main(args: Args):
         for epoch in range(args.ppo_epochs):
             # the rollout's prompts are already in random order: epoch 0 takes them as they come, so its
             # first minibatch is exactly the rollout's first chunk; later epochs reshuffle
-            order = torch.randperm(args.batch_size, device=device) if epoch > 0 else torch.arange(args.batch_size, device=device)
-            for start in range(0, args.batch_size, args.mini_batch_size):
-                mb = order[start : start + args.mini_batch_size]
-                num_tokens = mask[mb].sum()  # the losses are means over the whole minibatch's tokens
+            order = torch.randperm(per_rank, device=device) if epoch > 0 else torch.arange(per_rank, device=device)
+            for start in range(0, per_rank, mini_per_rank):  # each rank takes its share of every minibatch
+                mb = order[start : start + mini_per_rank]
+                num_tokens = all_reduce_sum([mask[mb].sum()], device)[0]  # losses: means over the minibatch's tokens
                 optimizer.zero_grad()
-                for micro in range(0, args.mini_batch_size, micro_size):
+                for micro in range(0, mini_per_rank, micro_size):
                     idx = mb[micro : micro + micro_size]
                     with amp():
                         new_logprobs, new_entropy = response_logprobs(actor, sequences[idx], attention_mask[idx],
                                                                       context_length, args.temperature)
-                        new_values = token_scores(critic, sequences[idx], attention_mask[idx])[:, context_length - 1 : -1]
+                        new_values = critic(sequences[idx], attention_mask[idx])[:, context_length - 1 : -1]
                     pg_loss, ratio = policy_loss(new_logprobs, logprobs[idx], advantages[idx], mask[idx], args.cliprange,
                                                  num_tokens)
                     vf_loss = value_loss(new_values, values[idx], returns[idx], mask[idx], args.cliprange_value, num_tokens)
-                    (pg_loss + args.vf_coef * vf_loss).backward()
+                    # DDP and FSDP average the ranks' gradients; × world_size turns that into the minibatch's sum
+                    ((pg_loss + args.vf_coef * vf_loss) * world_size).backward()
                     with torch.no_grad():
                         m = mask[idx]
                         stats["pg_loss"].append(pg_loss.item())
@@ -702,28 +823,36 @@ def main(args: Args):
                         stats["ratio"].append(masked_mean(ratio, m, num_tokens).item())
                         stats["entropy"].append(masked_mean(new_entropy, m, num_tokens).item())
                         if epoch == 0 and start == 0 and micro == 0:  # before any step, the ratio must be exactly 1
-                            writer.add_scalar("policy/first_ratio_max_error", (ratio - 1).abs().max().item(), iteration)
+                            first_ratio_error = (ratio - 1).abs().max()
                 grad_norm = torch.nn.utils.clip_grad_norm_(list(actor.parameters()) + list(critic.parameters()),
                                                            args.max_grad_norm)
                 check_finite(iteration, loss=pg_loss + args.vf_coef * vf_loss, grad_norm=grad_norm)
                 optimizer.step()
 
-        # ---- logs and the KL controller --------------------------------------------------------------
+        # ---- logs and the KL controller: statistics of the whole batch, sums added up over the ranks ---
         num_minibatches = args.ppo_epochs * args.batch_size // args.mini_batch_size  # each stat: the sum of its parts
-        mean_kl = k1.sum(1).mean().item()
-        var_returns = returns[mask.bool()].var()
-        explained_variance = 1 - (returns - values)[mask.bool()].var() / var_returns
+        valid, residual = mask.bool(), (returns - values).double()
+        r = returns.double()[valid]
+        sums = all_reduce_sum([scores.sum(), k1.sum(), k3.sum(), (entropy * mask).sum(), non_score.sum(), has_eos.sum(),
+                               valid.sum(), r.sum(), (r * r).sum(), residual[valid].sum(), (residual[valid] ** 2).sum(),
+                               *(sum(parts) for parts in stats.values())], device)
+        score, mean_kl, kl_k3, entropy_sum, non_score_reward = (s / args.batch_size for s in sums[:5])
+        num_eos, n, sum_r, sum_rr, sum_e, sum_ee = sums[5:11]
+        var_returns, var_residual = sum_rr - sum_r**2 / n, sum_ee - sum_e**2 / n  # both × (n − 1), which cancels
+        stat = {name: total / num_minibatches for name, total in zip(stats, sums[11:])}
+        if dist.is_initialized():
+            dist.all_reduce(first_ratio_error, op=dist.ReduceOp.MAX)  # the largest on any rank
         logs = {
-            "objective/score": scores.mean(), "objective/kl": mean_kl, "objective/kl_k3": k3.sum(1).mean(),
-            "objective/entropy": (entropy * mask).sum(1).mean(), "objective/non_score_reward": non_score.sum(1).mean(),
-            "objective/rlhf_reward": scores.mean() + non_score.sum(1).mean(),
-            "policy/approx_kl": sum(stats["approx_kl"]) / num_minibatches,
-            "policy/clipfrac": sum(stats["clipfrac"]) / num_minibatches,
-            "policy/ratio_mean": sum(stats["ratio"]) / num_minibatches,
-            "policy/entropy": sum(stats["entropy"]) / num_minibatches,
-            "losses/policy_loss": sum(stats["pg_loss"]) / num_minibatches,
-            "losses/value_loss": sum(stats["vf_loss"]) / num_minibatches,
-            "val/explained_variance": explained_variance, "val/num_eos": has_eos.sum(),
+            "objective/score": score, "objective/kl": mean_kl, "objective/kl_k3": kl_k3,
+            "objective/entropy": entropy_sum, "objective/non_score_reward": non_score_reward,
+            "objective/rlhf_reward": score + non_score_reward,
+            "policy/approx_kl": stat["approx_kl"], "policy/clipfrac": stat["clipfrac"],
+            "policy/ratio_mean": stat["ratio"], "policy/entropy": stat["entropy"],
+            "policy/first_ratio_max_error": first_ratio_error,
+            "losses/policy_loss": stat["pg_loss"], "losses/value_loss": stat["vf_loss"],
+            # 1 − Var(R − V) / Var(R) over the valid tokens (undefined when every return is the same)
+            "val/explained_variance": 1 - var_residual / var_returns if var_returns > 0 else float("nan"),
+            "val/num_eos": num_eos,
             "charts/kl_coef": kl_coef, "charts/learning_rate": lr,
             "charts/episodes_per_second": iteration * args.batch_size / (time.time() - start_time),
         }
@@ -732,15 +861,22 @@ def main(args: Args):
         if args.kl_target is not None:
             kl_coef = adaptive_kl_coef(kl_coef, mean_kl, args.kl_target, args.kl_horizon, args.batch_size)
         if iteration % 10 == 0:
-            print(f"iteration {iteration}: score {scores.mean().item():.3f}, kl {mean_kl:.3f}, "
-                  f"eos {has_eos.float().mean().item():.2f}, {time.time() - start_time:.0f} s")
+            print(f"iteration {iteration}: score {score:.3f}, kl {mean_kl:.3f}, eos {num_eos / args.batch_size:.2f}, "
+                  f"{time.time() - start_time:.0f} s")
         if iteration % args.eval_every == 0 or iteration == args.num_iterations:
             evaluate(iteration)
 
-    save_atomically(actor, tokenizer, args, args.output_dir)
+    save_atomically(raw_actor, tokenizer, args, args.output_dir)
     print(f"saved to {args.output_dir} after {time.time() - start_time:.0f} s")
     writer.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args, description=__doc__))
+    try:
+        main(tyro.cli(Args, description=__doc__))
+    except SystemExit as e:  # under torchrun every rank stops on the same bad input: rank 0 alone says so
+        if isinstance(e.code, str) and os.environ.get("RANK", "0") != "0":
+            sys.exit(1)
+        raise

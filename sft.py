@@ -23,9 +23,13 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
 import tyro
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.tensorboard import SummaryWriter
 
 
@@ -49,13 +53,13 @@ class Args:
     max_steps: int = 1500
     """optimizer steps (the data is cycled, reshuffled each pass)"""
     batch_size: int = 64
-    """sequences per optimizer step"""
+    """sequences per optimizer step, over all ranks: each of N ranks (torchrun) takes batch_size / N of them"""
     gradient_accumulation_steps: int = 1
-    """split each batch into this many micro-batches (the same update, less memory)"""
+    """split each rank's share of a batch into this many micro-batches (the same update, less memory)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass (less memory, one more forward pass of compute)"""
     eval_batch_size: int = 128
-    """examples or prompts per forward pass (and per generate call) in evaluation"""
+    """examples or prompts per forward pass (and per generate call) in evaluation, on each rank"""
     lr: float = 3e-3
     """peak learning rate of AdamW (a pretrained model wants ~1e-5 to 2e-5)"""
     warmup_steps: int = 100
@@ -69,6 +73,9 @@ class Args:
     `text` examples are cut to it"""
     bf16: bool = False
     """mixed precision: forward and backward autocast to bfloat16 (CUDA or CPU); weights and AdamW state stay float32"""
+    fsdp: bool = False
+    """under torchrun, shard the model, its gradients and AdamW state across the ranks (FSDP2) instead of a full
+    copy on each (DDP): for models whose training state does not fit one device"""
     eval_every: int = 500
     """evaluate every this many steps (and at the end)"""
     eval_size: int = 512
@@ -343,16 +350,25 @@ def check_finite(step, **values):
 
 
 def save_atomically(model, tokenizer, args, output_dir):
-    """Write to a temporary directory, then rename: a crash never leaves a half-written model."""
-    tmp_dir = f"{output_dir.rstrip('/')}.tmp-{os.getpid()}"
-    model.save_pretrained(tmp_dir)
-    tokenizer.save_pretrained(tmp_dir)
-    with open(os.path.join(tmp_dir, "training_args.json"), "w") as f:
-        json.dump(vars(args), f, indent=2)
-    if os.path.exists(output_dir):
-        shutil.rmtree(output_dir)
-    os.replace(tmp_dir, output_dir)
-
+    """Save a Hugging Face model (the one inside any DDP wrapper) so that a crash never leaves a half-written
+    checkpoint: rank 0 writes to a temporary directory, then renames it. Every rank calls this: under FSDP
+    they first gather the full weights together, and all wait for the write to finish."""
+    state_dict = None
+    if any(isinstance(module, FSDPModule) for module in model.modules()):
+        state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+        state_dict = {k: v for k, v in state_dict.items() if k in names}  # a tied weight once, under its first name
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        tmp_dir = f"{output_dir.rstrip('/')}.tmp-{os.getpid()}"
+        model.save_pretrained(tmp_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(tmp_dir)
+        with open(os.path.join(tmp_dir, "training_args.json"), "w") as f:
+            json.dump(vars(args), f, indent=2)
+        if os.path.exists(output_dir):
+            shutil.rmtree(output_dir)
+        os.replace(tmp_dir, output_dir)
+    if dist.is_initialized():
+        dist.barrier()
 
 def collate(batch, pad_token_id):
     """Right-pad a list of (input_ids, labels): (input_ids, attention_mask, labels) tensors, labels −100 on padding."""
@@ -378,7 +394,9 @@ def sample(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperatur
     model.generation_config = GenerationConfig(eos_token_id=stop_ids, pad_token_id=pad_token_id)
     config = GenerationConfig(do_sample=not greedy, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
                               eos_token_id=stop_ids, pad_token_id=pad_token_id)
-    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+    # under torchrun every rank keeps stepping until all are done: a sharded model needs all ranks in each step
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                         synced_gpus=dist.is_initialized())
     responses = F.pad(out[:, width:], (0, max_new_tokens - (out.shape[1] - width)), value=pad_token_id)
     is_stop = torch.isin(responses, torch.tensor(stop_ids, device=responses.device))
     # 1 up to and including the first stop token: a token is valid while no stop token came strictly before it
@@ -452,14 +470,84 @@ def load_examples(args):
     return train, evals
 
 
+# ---------------------------------------------------------------------------------------------
+# Many processes. `torchrun --nproc-per-node N X.py` starts one process (rank) per device; each takes
+# its share of every batch, and the gradients are averaged. Under plain `python X.py` these helpers
+# change nothing.
+# ---------------------------------------------------------------------------------------------
+def setup_distributed(cuda):
+    """(rank, world_size, device). Under torchrun, which sets RANK, WORLD_SIZE and LOCAL_RANK, join the
+    process group: NCCL with one GPU per process, or gloo on the CPU. Ranks other than 0 print nothing
+    (their errors still reach stderr)."""
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() and cuda else "cpu")
+    if torch.cuda.is_available() and cuda:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    if dist.get_rank() != 0:
+        sys.stdout = open(os.devnull, "w")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def wrap_model(model, device, fsdp):
+    """A trained model made data-parallel (the model itself in one process). Every rank first takes rank 0's
+    weights: a model built from scratch, or a new scalar head, starts from other random values on each.
+    Then DDP, a full copy per rank with the gradients averaged during the backward pass; or, with --fsdp,
+    FSDP2: parameters, gradients and AdamW state sharded across the ranks, each transformer block gathered
+    only while it computes. Build the optimizer after this (FSDP2 replaces the parameters)."""
+    if not dist.is_initialized():
+        return model
+    for tensor in model.state_dict().values():
+        dist.broadcast(tensor, src=0)
+    if not fsdp:
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    block_names = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or []}
+    for module in model.modules():
+        if type(module).__name__ in block_names:
+            fully_shard(module)
+    return fully_shard(model)
+
+
+def shard(items, rank, world_size):
+    """This rank's share of an evaluation list, items[rank::world_size], padded with copies of items[0] to the
+    same length on every rank, and a weight per entry (0 on the copies): a sharded model needs every rank in
+    each forward pass, so every rank must run as many. Metrics are weighted sums, added up over the ranks."""
+    mine = items[rank::world_size]
+    padding = -(-len(items) // world_size) - len(mine)
+    return mine + items[:1] * padding, [1] * len(mine) + [0] * padding
+
+
+def all_reduce_sum(values, device):
+    """Each number summed over the ranks (the numbers themselves in one process): per-rank sums and counts
+    become global ones."""
+    if not dist.is_initialized():
+        return [float(v) for v in values]
+    total = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    dist.all_reduce(total)
+    return total.tolist()
+
+
+class NoWriter:
+    """Stands in for the SummaryWriter on ranks other than 0: only rank 0 writes TensorBoard logs."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
 def main(args: Args):
-    if args.batch_size % args.gradient_accumulation_steps:
-        sys.exit(f"error: --batch-size {args.batch_size} does not split into {args.gradient_accumulation_steps} micro-batches")
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)
+    rank, world_size, device = setup_distributed(args.cuda)
+    if args.batch_size % (world_size * args.gradient_accumulation_steps):
+        sys.exit(f"error: --batch-size {args.batch_size} does not split into {world_size} rank(s) × "
+                 f"{args.gradient_accumulation_steps} micro-batches; make it a multiple of "
+                 f"{world_size * args.gradient_accumulation_steps}")
+    random.seed(args.seed)  # the data order: the same on every rank
+    torch.manual_seed(args.seed + rank)  # sampling: a stream of its own on each rank
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
 
     # The tokenizer (fast, and it checks the model path), then the data, tokenized and checked before the model
@@ -492,47 +580,56 @@ def main(args: Args):
 
     train, evals = tokenize_all(train_examples, "train"), tokenize_all(eval_examples, "eval")
     builtin = args.dataset_name is None
-    model = load_causal_lm(args, tokenizer, stop_ids, device)
+    raw_model = load_causal_lm(args, tokenizer, stop_ids, device)  # the Hugging Face model: generate, save
     if args.gradient_checkpointing:
-        model.activation_checkpointing_enable({"use_reentrant": False})
+        raw_model.activation_checkpointing_enable({"use_reentrant": False})
+    model = wrap_model(raw_model, device, args.fsdp)  # forward and backward passes
 
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    writer = SummaryWriter(f"runs/{run_name}")
+    writer = SummaryWriter(f"runs/{run_name}") if rank == 0 else NoWriter()
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
-    print(f"{sum(p.numel() for p in model.parameters()):,} parameters, {len(train):,} training examples")
+    print(f"{sum(p.numel() for p in raw_model.parameters()):,} parameters, {len(train):,} training examples")
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    micro_size = args.batch_size // args.gradient_accumulation_steps
+    per_rank = args.batch_size // world_size
+    micro_size = per_rank // args.gradient_accumulation_steps
 
     def evaluate(step):
+        """Each rank evaluates its shard of the eval set; the sums are added up over the ranks."""
         model.eval()
         line = f"step {step}:"
         if evals:
+            mine, weights = shard(evals, rank, world_size)
+            mine = [(ids, labels if w else [-100] * len(labels)) for (ids, labels), w in zip(mine, weights)]
             total, count = 0.0, 0
             with torch.no_grad(), amp():
-                for i in range(0, len(evals), args.eval_batch_size):
-                    batch = evals[i : i + args.eval_batch_size]
+                for i in range(0, len(mine), args.eval_batch_size):
+                    batch = mine[i : i + args.eval_batch_size]
                     input_ids, attention_mask, labels = (t.to(device) for t in collate(batch, tokenizer.pad_token_id))
-                    n = (labels[:, 1:] != -100).sum()
-                    total += sft_loss(model(input_ids=input_ids, attention_mask=attention_mask).logits, labels, n).item() * n.item()
-                    count += n.item()
+                    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+                    total += sft_loss(logits, labels, num_items=1).item()  # the summed NLL of the batch
+                    count += (labels[:, 1:] != -100).sum().item()
+            total, count = all_reduce_sum([total, count], device)
             writer.add_scalar("eval/loss", total / count, step)
             line += f" eval/loss {total / count:.4f}"
         if builtin:
-            prompts, targets = [ex["prompt"] for ex in eval_examples], [ex["target"] for ex in eval_examples]
+            mine, weights = shard(eval_examples, rank, world_size)
+            prompts, targets = [ex["prompt"] for ex in mine], [ex["target"] for ex in mine]
             prompt_ids = [encode_prompt(tokenizer, p) for p in prompts]
             for name, greedy in (("", False), ("_greedy", True)):
                 completions = []
                 for i in range(0, len(prompt_ids), args.eval_batch_size):
                     with amp():
-                        sequences, _, width, response_mask = sample(model, prompt_ids[i : i + args.eval_batch_size],
+                        sequences, _, width, response_mask = sample(raw_model, prompt_ids[i : i + args.eval_batch_size],
                                                                     tokenizer.pad_token_id, stop_ids, args.max_new_tokens,
                                                                     greedy=greedy)
                     completions += decode(tokenizer, sequences, width, response_mask)
                 if not greedy:
                     sampled = completions
-                accuracy = sum(c == t for c, t in zip(completions, targets)) / len(targets)
-                score = sum(gold_score(c, t) for c, t in zip(completions, targets)) / len(targets)
+                correct, score, n = all_reduce_sum([sum(w * (c == t) for c, t, w in zip(completions, targets, weights)),
+                                                    sum(w * gold_score(c, t) for c, t, w in zip(completions, targets, weights)),
+                                                    sum(weights)], device)
+                accuracy, score = correct / n, score / n
                 writer.add_scalar(f"eval/gold_accuracy{name}", accuracy, step)
                 writer.add_scalar(f"eval/gold_score{name}", score, step)
                 line += f", gold_accuracy{name} {accuracy:.3f}, gold_score{name} {score:.3f}"
@@ -556,12 +653,13 @@ def main(args: Args):
             group["lr"] = lr
 
         tick, batch_loss = time.time(), 0.0
-        for m in range(0, args.batch_size, micro_size):
+        for m in range(rank * per_rank, (rank + 1) * per_rank, micro_size):  # this rank's share, in micro-batches
             input_ids, attention_mask, labels = (t.to(device) for t in collate(batch[m : m + micro_size], tokenizer.pad_token_id))
             with amp():
                 logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
             loss = sft_loss(logits, labels, num_items)
-            loss.backward()
+            # DDP and FSDP average the ranks' gradients; × world_size turns that into the sum over the whole batch
+            (loss * world_size).backward()
             batch_loss += loss.item()
             tokens_seen += int(attention_mask.sum())
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -572,22 +670,31 @@ def main(args: Args):
 
         if step % 10 == 0:
             elapsed = time.time() - start_time
+            batch_loss, all_tokens = all_reduce_sum([batch_loss, tokens_seen], device)
             writer.add_scalar("train/loss", batch_loss, step)
-            writer.add_scalar("train/grad_norm", grad_norm.item(), step)
+            writer.add_scalar("train/grad_norm", float(grad_norm), step)
             writer.add_scalar("charts/learning_rate", lr, step)
             writer.add_scalar("charts/samples_per_second", step * args.batch_size / elapsed, step)
-            writer.add_scalar("charts/tokens_per_second", tokens_seen / elapsed, step)
+            writer.add_scalar("charts/tokens_per_second", all_tokens / elapsed, step)
             writer.add_scalar("charts/model_time_fraction", model_time / elapsed, step)
         if step % args.eval_every == 0 or step == args.max_steps:
             evaluate(step)
 
     elapsed = time.time() - start_time
+    tokens_seen = all_reduce_sum([tokens_seen], device)[0]
     print(f"{args.max_steps * args.batch_size / elapsed:.0f} samples/s, {tokens_seen / elapsed:.0f} tokens/s, "
           f"{100 * model_time / elapsed:.0f}% of the time in forward/backward/optimizer, {elapsed:.0f} s in all")
-    save_atomically(model, tokenizer, args, args.output_dir)
+    save_atomically(raw_model, tokenizer, args, args.output_dir)
     print(f"saved to {args.output_dir}")
     writer.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args, description=__doc__))
+    try:
+        main(tyro.cli(Args, description=__doc__))
+    except SystemExit as e:  # under torchrun every rank stops on the same bad input: rank 0 alone says so
+        if isinstance(e.code, str) and os.environ.get("RANK", "0") != "0":
+            sys.exit(1)
+        raise

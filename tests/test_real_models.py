@@ -165,7 +165,7 @@ def rm_eval_loss(path, data):
     model, tokenizer = AutoModelForSequenceClassification.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
     triples = [rm.tokenize_preference(tokenizer, row, rm.stop_token_ids(tokenizer)) for row in eval_rows(data)]
     sequences = [p + c for p, c, _ in triples] + [p + r for p, _, r in triples]
-    rewards = rm.get_rewards(model, *rm.batch_tensors(sequences, tokenizer.pad_token_id, "cpu"))
+    rewards = rm.get_rewards(rm.TokenScorer(model), *rm.batch_tensors(sequences, tokenizer.pad_token_id, "cpu"))
     return rm.bradley_terry_loss(rewards[: len(triples)], rewards[len(triples) :]).item()
 
 
@@ -345,8 +345,9 @@ def test_sampling_and_scoring_stop_at_the_end_of_turn_token():
     class FixedModel(torch.nn.Module):  # generate returns the prompt + fixed responses
         device = torch.device("cpu")
 
-        def generate(self, input_ids, attention_mask, generation_config):
+        def generate(self, input_ids, attention_mask, generation_config, synced_gpus):
             assert generation_config.eos_token_id == stop_ids and generation_config.top_k == 0
+            assert synced_gpus is False  # one process: nothing to wait for
             return torch.cat([input_ids, torch.tensor([[5, eot, 9, 9], [5, 6, 6, 6]])], 1)
 
     for script in (rlhf_ppo, dpo):
@@ -520,7 +521,8 @@ def test_pad_token_reuses_an_unused_special_token_and_never_shrinks_the_vocabula
 # ------------------------------------------------------------------------------------------------
 SHARED = ["render_chat", "encode_prompt", "stop_token_ids", "tokenize_pair", "add_pad_token", "tokenize_preference",
           "load_rows", "load_tokenizer", "dropout_off", "get_lr", "check_finite", "save_atomically", "collate", "sample",
-          "decode", "token_logprobs", "position_ids_of", "last_token_index", "token_scores", "score_responses"]
+          "decode", "token_logprobs", "position_ids_of", "last_token_index", "token_scores", "score_responses",
+          "TokenScorer", "setup_distributed", "wrap_model", "shard", "all_reduce_sum", "NoWriter"]
 
 
 @pytest.mark.parametrize("name", SHARED)

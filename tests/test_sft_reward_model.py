@@ -65,7 +65,8 @@ def test_last_token_index_under_padding():
 def test_rewards_do_not_depend_on_padding(tiny_checkpoints):
     from transformers import AutoModelForSequenceClassification
 
-    model = AutoModelForSequenceClassification.from_pretrained(tiny_checkpoints["reward_model"]).eval()
+    classifier = AutoModelForSequenceClassification.from_pretrained(tiny_checkpoints["reward_model"]).eval()
+    model = reward_model.TokenScorer(classifier)
     seq = torch.tensor([[118, 114, 117, 119, 35, 52, 53, 61, 52, 53, 1]])
     ones = torch.ones_like(seq)
     pad = torch.zeros(1, 3, dtype=torch.long)

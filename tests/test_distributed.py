@@ -1,0 +1,157 @@
+"""Many processes: `torchrun --nproc-per-node 2` on the CPU (gloo) gives the same update as one process, with DDP
+and with FSDP2; rlhf_ppo.py's whitening uses the whole batch; bad input is one line from rank 0."""
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, TINY_LM, read_scalars, run_in_process, save_checkpoint
+from test_real_models import state, write_data
+
+import rlhf_ppo
+
+
+def torchrun(script, *flags, cwd, nproc=2, check=True):
+    """`torchrun --standalone --nproc-per-node 2 <script> <flags>` in `cwd`, one thread per process; each rank's
+    stdout and stderr go to files under cwd/torchrun_logs (read them with rank_output)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "--log-dir", str(cwd / "torchrun_logs"), "--redirects", "3", os.path.join(ROOT, script), *flags]
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        pytest.fail(f"torchrun {script} {' '.join(flags)} exited {proc.returncode}:\n{proc.stderr[-3000:]}\n"
+                    + "\n".join(rank_output(cwd, r, "stderr")[-3000:] for r in range(nproc)))
+    return proc
+
+
+def rank_output(cwd, rank, stream):
+    """What one rank wrote to stdout or stderr in the last torchrun run in cwd."""
+    paths = sorted(glob.glob(str(cwd / "torchrun_logs" / "**" / str(rank) / f"{stream}.log"), recursive=True),
+                   key=os.path.getmtime)
+    return open(paths[-1]).read() if paths else ""
+
+
+# ------------------------------------------------------------------------------------------------
+# The same update: 2 ranks × 4 = 1 process × 8 = 1 process × 2 micro-batches of 4, for DDP and FSDP
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("script,data", [("sft.py", "prompt_completion"), ("sft.py", None), ("reward_model.py", "explicit"),
+                                         ("dpo.py", "explicit")])
+def test_two_ranks_give_the_same_update_as_one_process(tmp_path, script, data):
+    """10 steps of a batch of 8 at lr 1e-3 from a tiny Llama (data None: sft.py's built-in task and tiny GPT-2 built
+    from scratch, which starts from different random weights on each rank until rank 0's are broadcast): one
+    process; one process in 2 micro-batches; torchrun with 2 ranks of 4 (DDP); and 2 ranks of 2 micro-batches of
+    2 (FSDP2). The same logged loss and gradient norm (AdamW is blind to a gradient's scale, so the norm is what
+    shows a wrong normalization across ranks) and the same weights within 1e-4, 1% of the distance they moved
+    (Adam turns rounding noise in near-zero gradients into steps of up to lr)."""
+    auto = "AutoModelForSequenceClassification" if script == "reward_model.py" else "AutoModelForCausalLM"
+    loss_tag = "losses/loss" if script == "dpo.py" else "train/loss"
+    common = ["--max-steps", "10", "--batch-size", "8", "--lr", "1e-3", "--warmup-steps", "1", "--eval-every", "10",
+              "--eval-batch-size", "3"]
+    if data is None:
+        common += [*TINY_LM, "--num-train-examples", "200", "--eval-size", "5", "--max-new-tokens", "4"]
+    else:
+        base = save_checkpoint(str(tmp_path / "base"), "llama", "bos", "float32")
+        common += ["--model-name-or-path", base, "--dataset-name", write_data(tmp_path / "d.jsonl", data)]
+        common += ["--reward-model-path", "None"] if script == "dpo.py" else []
+    runs = {"one": [], "one_accum2": ["--gradient-accumulation-steps", "2"]}
+    for name, flags in runs.items():
+        run_in_process(script, *common, *flags, "--output-dir", name, "--exp-name", name, cwd=tmp_path)
+    torchrun(script, *common, "--output-dir", "ddp", "--exp-name", "ddp", cwd=tmp_path)
+    torchrun(script, *common, "--fsdp", "--gradient-accumulation-steps", "2", "--output-dir", "fsdp", "--exp-name", "fsdp",
+             cwd=tmp_path)
+
+    weights = {name: state(tmp_path / name, auto)[1] for name in ("one", "one_accum2", "ddp", "fsdp")}
+    logs = {}
+    for name in weights:
+        run_dirs = list((tmp_path / "runs").glob(f"{name}__*"))
+        assert len(run_dirs) == 1, run_dirs  # rank 0 alone writes TensorBoard logs
+        logs[name] = read_scalars(str(run_dirs[0]))
+    if data is not None:
+        start = state(base, auto)[1]
+        moved = max((weights["one"][k] - start[k]).abs().max() for k in start if start[k].shape == weights["one"][k].shape)
+        assert moved > 1e-3  # it trained: 10× the tolerance below
+    for name in ("one_accum2", "ddp", "fsdp"):
+        for tag in (loss_tag, "train/grad_norm", "eval/loss"):
+            assert logs[name][tag][-1][1] == pytest.approx(logs["one"][tag][-1][1], rel=1e-4), (name, tag)
+        assert weights[name].keys() == weights["one"].keys()
+        for key in weights["one"]:
+            torch.testing.assert_close(weights[name][key], weights["one"][key], atol=1e-4, rtol=0, msg=(name, key))
+        if os.environ.get("LM_EQUIVALENCE_REPORT"):  # the figures quoted in the README
+            with open(os.environ["LM_EQUIVALENCE_REPORT"], "a") as f:
+                f.write(json.dumps({"script": script, "data": data, "run": name, "max_weight_difference": max(
+                    (weights[name][k] - weights["one"][k]).abs().max().item() for k in weights["one"]),
+                    **{f"{tag} relative difference": abs(logs[name][tag][-1][1] / logs["one"][tag][-1][1] - 1)
+                       for tag in (loss_tag, "train/grad_norm", "eval/loss")}}) + "\n")
+    assert not glob.glob(str(tmp_path / "*.tmp-*"))  # no half-written checkpoint left behind
+
+
+# ------------------------------------------------------------------------------------------------
+# rlhf_ppo.py: each rank samples its share; whitening and the KL statistics use the whole batch
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_rlhf_ppo_under_torchrun(tiny_checkpoints, tmp_path, fsdp):
+    """2 ranks, 2 iterations: one run directory, one checkpoint that loads, the first ratio exactly 1 on every
+    rank (the logged value is the largest over the ranks), finite logs, and evaluation over all the prompts."""
+    models = tiny_checkpoints["cwd"] / "models"
+    torchrun("rlhf_ppo.py", "--sft-model-path", str(models / "sft"), "--reward-model-path", str(models / "reward_model"),
+             "--num-iterations", "2", "--batch-size", "16", "--mini-batch-size", "8", "--gradient-accumulation-steps", "2",
+             "--eval-size", "9", "--generation-batch-size", "3", *(["--fsdp"] if fsdp else []), cwd=tmp_path)
+    run_dirs = glob.glob(str(tmp_path / "runs" / "*"))
+    assert len(run_dirs) == 1, run_dirs
+    scalars = read_scalars(run_dirs[0])
+    assert [v for _, v in scalars["policy/first_ratio_max_error"]] == [0.0, 0.0]
+    assert all(torch.isfinite(torch.tensor([v for _, v in values])).all() for values in scalars.values())
+    assert [step for step, _ in scalars["eval/gold_accuracy"]] == [0, 2]
+    assert sorted(os.listdir(tmp_path / "models")) == ["rlhf_ppo"]
+    model, _ = state(tmp_path / "models" / "rlhf_ppo")
+    assert model.config.architectures == ["GPT2LMHeadModel"]
+    assert "iteration 2: eval/score" in rank_output(tmp_path, 0, "stdout")
+    assert rank_output(tmp_path, 1, "stdout") == ""  # ranks other than 0 print nothing
+
+
+def _whiten_on_rank(rank, init_file, x, mask, out_file):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    half = len(x) // 2
+    rows = slice(rank * half, (rank + 1) * half)
+    torch.save(rlhf_ppo.masked_whiten(x[rows], mask[rows]), f"{out_file}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_masked_whiten_uses_the_whole_batch_over_ranks(tmp_path):
+    """Two gloo processes, each whitening half of a batch: together they give what one process gives on the whole
+    batch. The halves have different means and spreads, so per-rank statistics would be far off."""
+    torch.manual_seed(0)
+    x = torch.cat([torch.randn(3, 5) * 4 + 10, torch.randn(3, 5) * 0.5 - 2])
+    mask = (torch.rand(6, 5) > 0.3).float()
+    mask[:, 0] = 1
+    torch.multiprocessing.spawn(_whiten_on_rank, args=(str(tmp_path / "init"), x, mask, str(tmp_path / "out")), nprocs=2)
+    together = torch.cat([torch.load(tmp_path / f"out.{rank}") for rank in range(2)])
+    # one process, by hand: mean and (biased) variance over the valid tokens of all 6 rows
+    valid = x[mask.bool()]
+    expected = (x - valid.mean()) / torch.sqrt(((valid - valid.mean()) ** 2).mean() + 1e-8) * mask
+    torch.testing.assert_close(together, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(rlhf_ppo.masked_whiten(x, mask), expected, atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input: one line from rank 0, every rank exits, nothing written
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("script,flags", [
+    ("sft.py", ["--batch-size", "6", "--gradient-accumulation-steps", "2"]),
+    ("reward_model.py", ["--batch-size", "6", "--gradient-accumulation-steps", "2"]),
+    ("dpo.py", ["--batch-size", "6", "--gradient-accumulation-steps", "2"]),
+    ("rlhf_ppo.py", ["--batch-size", "12", "--mini-batch-size", "6", "--gradient-accumulation-steps", "2"]),
+])
+def test_batch_that_does_not_split_over_ranks_is_one_line_on_rank_0(tmp_path, script, flags):
+    proc = torchrun(script, *flags, cwd=tmp_path, check=False)
+    assert proc.returncode != 0
+    lines = rank_output(tmp_path, 0, "stderr").strip().splitlines()
+    assert len(lines) == 1 and "2 rank(s) × 2 micro-batches; make it a multiple of 4" in lines[0], lines
+    assert rank_output(tmp_path, 1, "stderr").strip() == ""
+    assert not os.path.exists(tmp_path / "runs") and not os.path.exists(tmp_path / "models")
