@@ -349,6 +349,7 @@ def save_atomically(model, tokenizer, args, output_dir):
     if dist.is_initialized():
         dist.barrier()
 
+
 def dropout_off(config):
     """Every dropout probability of a transformers config set to 0, before the model is built: Llama's and
     Qwen2's attention dropout is no nn.Dropout module but a number each layer reads from the config."""

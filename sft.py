@@ -370,6 +370,7 @@ def save_atomically(model, tokenizer, args, output_dir):
     if dist.is_initialized():
         dist.barrier()
 
+
 def collate(batch, pad_token_id):
     """Right-pad a list of (input_ids, labels): (input_ids, attention_mask, labels) tensors, labels −100 on padding."""
     width = max(len(ids) for ids, _ in batch)
