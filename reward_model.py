@@ -179,9 +179,9 @@ def bradley_terry_loss(rewards_chosen, rewards_rejected, margin=None, center_rew
 
 
 # ---------------------------------------------------------------------------------------------
-# Tokenization as the model expects it. The same text in sft.py, reward_model.py, rlhf_ppo.py and
-# dpo.py (tests check the copies), so that the reward model scores exactly the token sequences SFT
-# trained on and PPO/DPO produce. Data rows are in TRL's formats: text, or conversations (lists of
+# Tokenization as the model expects it. The same text in sft.py, reward_model.py, rlhf_ppo.py, dpo.py
+# and grpo.py (tests check the copies), so that the reward model scores exactly the token sequences SFT
+# trained on and PPO, DPO and GRPO produce. Data rows are in TRL's formats: text, or conversations (lists of
 # {"role", "content"} messages) rendered by the tokenizer's chat template.
 # ---------------------------------------------------------------------------------------------
 def render_chat(tokenizer, messages, add_generation_prompt=False):

@@ -185,9 +185,9 @@ def sft_loss(logits, labels, num_items=None):
 
 
 # ---------------------------------------------------------------------------------------------
-# Tokenization as the model expects it. The same text in sft.py, reward_model.py, rlhf_ppo.py and
-# dpo.py (tests check the copies), so that the reward model scores exactly the token sequences SFT
-# trained on and PPO/DPO produce. Data rows are in TRL's formats: text, or conversations (lists of
+# Tokenization as the model expects it. The same text in sft.py, reward_model.py, rlhf_ppo.py, dpo.py
+# and grpo.py (tests check the copies), so that the reward model scores exactly the token sequences SFT
+# trained on and PPO, DPO and GRPO produce. Data rows are in TRL's formats: text, or conversations (lists of
 # {"role", "content"} messages) rendered by the tokenizer's chat template.
 # ---------------------------------------------------------------------------------------------
 def render_chat(tokenizer, messages, add_generation_prompt=False):

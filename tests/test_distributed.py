@@ -112,6 +112,21 @@ def test_rlhf_ppo_under_torchrun(tiny_checkpoints, tmp_path, fsdp):
     assert rank_output(tmp_path, 1, "stdout") == ""  # ranks other than 0 print nothing
 
 
+def test_grpo_under_torchrun(tiny_checkpoints, tmp_path):
+    """2 ranks, each sampling whole groups: one run directory, one checkpoint, the first ratio exactly 1."""
+    models = tiny_checkpoints["cwd"] / "models"
+    torchrun("grpo.py", "--sft-model-path", str(models / "sft"), "--num-batches", "2", "--batch-size", "16",
+             "--num-generations", "4", "--mini-batch-size", "8", "--eval-size", "9", "--eval-every", "1", cwd=tmp_path)
+    run_dirs = glob.glob(str(tmp_path / "runs" / "*"))
+    assert len(run_dirs) == 1, run_dirs
+    scalars = read_scalars(run_dirs[0])
+    assert [v for _, v in scalars["policy/first_ratio_max_error"]] == [0.0, 0.0]
+    assert [step for step, _ in scalars["eval/gold_accuracy"]] == [0, 1, 2]
+    assert scalars["eval/kl"][0][1] == pytest.approx(0.0, abs=1e-6)
+    assert sorted(os.listdir(tmp_path / "models")) == ["grpo"]
+    state(tmp_path / "models" / "grpo")
+
+
 def _whiten_on_rank(rank, init_file, x, mask, out_file):
     import torch.distributed as dist
 
@@ -147,6 +162,8 @@ def test_masked_whiten_uses_the_whole_batch_over_ranks(tmp_path):
     ("reward_model.py", ["--batch-size", "6", "--gradient-accumulation-steps", "2"]),
     ("dpo.py", ["--batch-size", "6", "--gradient-accumulation-steps", "2"]),
     ("rlhf_ppo.py", ["--batch-size", "12", "--mini-batch-size", "6", "--gradient-accumulation-steps", "2"]),
+    ("grpo.py", ["--batch-size", "12", "--num-generations", "2", "--mini-batch-size", "6",
+                 "--gradient-accumulation-steps", "2"]),
 ])
 def test_batch_that_does_not_split_over_ranks_is_one_line_on_rank_0(tmp_path, script, flags):
     proc = torchrun(script, *flags, cwd=tmp_path, check=False)

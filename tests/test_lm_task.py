@@ -3,7 +3,7 @@ import importlib
 
 import pytest
 
-SCRIPTS = [name for name in ("sft", "reward_model", "dpo", "rlhf_ppo") if importlib.util.find_spec(name)]
+SCRIPTS = [name for name in ("sft", "reward_model", "dpo", "rlhf_ppo", "grpo") if importlib.util.find_spec(name)]
 
 
 def task_data(module, seed):

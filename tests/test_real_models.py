@@ -11,6 +11,7 @@ from conftest import (TOKENIZER_KINDS, assert_one_line_error, make_model, make_t
                       run_script, save_checkpoint)
 
 import dpo
+import grpo
 import reward_model
 import rlhf_ppo
 import sft
@@ -90,7 +91,7 @@ CELLS = [(arch, dtype, KINDS[(i + j) % len(KINDS)]) for i, arch in enumerate(ARC
 @pytest.mark.slow
 @pytest.mark.parametrize("arch,dtype,kind", CELLS, ids=[f"{a}-{d}-{k}" for a, d, k in CELLS])
 def test_pipeline_on_a_pretrained_checkpoint(tmp_path, arch, dtype, kind):
-    """sft → reward_model → rlhf_ppo, and dpo, through the scripts' entry points, on a tiny random checkpoint
+    """sft → reward_model → rlhf_ppo, and dpo and grpo (reward model), through the scripts' entry points, on a tiny random checkpoint
     of a real architecture saved in `dtype`, with the data formats of `kind`'s tokenizer."""
     fmt = FORMATS[kind]
     base = save_checkpoint(str(tmp_path / "base"), arch, kind, dtype, padded_vocab=(arch == "qwen2"))
@@ -107,6 +108,10 @@ def test_pipeline_on_a_pretrained_checkpoint(tmp_path, arch, dtype, kind):
                    "--response-length", "8", "--eval-every", "1", "--lr", "3e-3", "--output-dir", "ppo", cwd=tmp_path)
     run_in_process("dpo.py", "--model-name-or-path", "sft", "--reward-model-path", "rm", "--dataset-name", pref_data,
                    "--response-length", "8", "--lr", "3e-3", "--output-dir", "dpo", *common, cwd=tmp_path)
+    run_in_process("grpo.py", "--sft-model-path", "sft", "--reward", "model", "--reward-model-path", "rm",
+                   "--dataset-name", prompt_data, "--num-batches", "2", "--batch-size", "8", "--num-generations", "4",
+                   "--mini-batch-size", "4", "--response-length", "8", "--eval-every", "1", "--lr", "3e-3",
+                   "--output-dir", "grpo", cwd=tmp_path)
 
     runs = {d.name.split("__")[0]: str(d) for d in (tmp_path / "runs").iterdir()}
     logs = {name: read_scalars(run_dir) for name, run_dir in runs.items()}
@@ -117,12 +122,13 @@ def test_pipeline_on_a_pretrained_checkpoint(tmp_path, arch, dtype, kind):
     sft_model, sft_state = state(tmp_path / "sft")
     assert sft_model.dtype == torch.float32
     assert changed_fraction(base_state, sft_state) > 0.5  # embedding rows of unseen tokens may stay
-    for name in ("ppo", "dpo"):
+    for name in ("ppo", "dpo", "grpo"):
         assert changed_fraction(sft_state, state(tmp_path / name)[1]) > 0.5, name
     _, rm_state = state(tmp_path / "rm", "AutoModelForSequenceClassification")
     assert changed_fraction(sft_state, rm_state) > 0.5
     # PPO's first minibatch recomputes exactly the rollout's log-probs
     assert [v for _, v in logs["rlhf_ppo"]["policy/first_ratio_max_error"]] == [0.0, 0.0]
+    assert [v for _, v in logs["grpo"]["policy/first_ratio_max_error"]] == [0.0, 0.0]
     # the saved checkpoints give the outputs the runs logged: eval/loss recomputed from the reloaded models
     assert logs["sft"]["eval/loss"][-1][1] == pytest.approx(sft_eval_loss(tmp_path / "sft", sft_data), abs=1e-4)
     assert logs["reward_model"]["eval/loss"][-1][1] == pytest.approx(rm_eval_loss(tmp_path / "rm", pref_data), abs=1e-4)
@@ -137,7 +143,9 @@ def test_pipeline_on_a_pretrained_checkpoint(tmp_path, arch, dtype, kind):
                                     rm_eval_loss=logs["reward_model"]["eval/loss"][-1][1],
                                     ppo_policy_loss=logs["rlhf_ppo"]["losses/policy_loss"][-1][1],
                                     ppo_value_loss=logs["rlhf_ppo"]["losses/value_loss"][-1][1],
-                                    dpo_eval_loss=logs["dpo"]["eval/loss"][-1][1])) + "\n")
+                                    dpo_eval_loss=logs["dpo"]["eval/loss"][-1][1],
+                                    grpo_first_ratio_error=max(v for _, v in logs["grpo"]["policy/first_ratio_max_error"]),
+                                    grpo_eval_score=logs["grpo"]["eval/score"][-1][1])) + "\n")
 
 
 def eval_rows(data):
@@ -189,7 +197,7 @@ def dpo_eval_loss(root, data):
 # One test per bug of the real-model path; each docstring names the bug it guards (issue: "The LM
 # scripts on real checkpoints and real data"), and each failed on the scripts before the fix.
 # ------------------------------------------------------------------------------------------------
-LM_SCRIPTS = [sft, reward_model, rlhf_ppo, dpo]
+LM_SCRIPTS = [sft, reward_model, rlhf_ppo, dpo, grpo]
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -350,7 +358,7 @@ def test_sampling_and_scoring_stop_at_the_end_of_turn_token():
             assert synced_gpus is False  # one process: nothing to wait for
             return torch.cat([input_ids, torch.tensor([[5, eot, 9, 9], [5, 6, 6, 6]])], 1)
 
-    for script in (rlhf_ppo, dpo):
+    for script in (rlhf_ppo, dpo, grpo):
         sequences, attention_mask, width, mask = script.sample(FixedModel(), [[3, 4], [4]], pad, stop_ids, 4)
         assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]  # cut after the end-of-turn token
         assert sequences[:, width:].tolist() == [[5, eot, pad, pad], [5, 6, 6, 6]]
@@ -522,7 +530,8 @@ def test_pad_token_reuses_an_unused_special_token_and_never_shrinks_the_vocabula
 SHARED = ["render_chat", "encode_prompt", "stop_token_ids", "tokenize_pair", "add_pad_token", "tokenize_preference",
           "load_rows", "load_tokenizer", "dropout_off", "get_lr", "check_finite", "save_atomically", "collate", "sample",
           "decode", "token_logprobs", "position_ids_of", "last_token_index", "token_scores", "score_responses",
-          "TokenScorer", "setup_distributed", "wrap_model", "shard", "all_reduce_sum", "NoWriter"]
+          "TokenScorer", "setup_distributed", "wrap_model", "shard", "all_reduce_sum", "NoWriter", "kl_estimators",
+          "response_logprobs"]
 
 
 @pytest.mark.parametrize("name", SHARED)

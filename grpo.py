@@ -1,0 +1,884 @@
+"""GRPO: critic-free RL for language models, with the group of completions of a prompt as the baseline.
+
+Shao et al. 2024, "DeepSeekMath", section 4.1 (Group Relative Policy Optimization). For each prompt q
+sample G completions o_1..o_G from the current policy, reward each, and give every token of o_i the
+advantage of o_i relative to its group, Â_i = (r_i − mean(r)) / std(r). No critic and, with a
+verifiable reward, no reward model: the models in memory are the policy and the frozen reference
+(and a reward model with --reward model). The loss is PPO's clipped surrogate plus a KL penalty to
+the reference (eq. 3):
+
+    J = E[ (1/G) Σ_i (1/|o_i|) Σ_t  min( ρ_it Â_i, clip(ρ_it, 1 − ε, 1 + ε) Â_i ) − β D_KL[π_θ ‖ π_ref] ]
+
+with ρ_it = π_θ(o_it | q, o_i,<t) / π_old(o_it | q, o_i,<t) and the KL estimated per token with k3 (eq. 4).
+The variants people compare are flags: RLOO's leave-one-out baseline (--advantage rloo), no std
+scaling (--no-scale-rewards, Dr. GRPO), the loss over all tokens (--loss-type dapo) or over a constant
+(--loss-type dr_grpo), a higher upper clip (--epsilon-high, DAPO).
+
+    python sft.py && python grpo.py                      # built-in task: the gold score is the reward
+    python grpo.py --reward model                        # the reward model of reward_model.py instead
+    python grpo.py --advantage rloo                      # RLOO
+    python grpo.py --sft-model-path my-sft --dataset-name math.jsonl --reward gold-exact --lr 1e-6 --bf16
+"""
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import transformers
+import tyro
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.tensorboard import SummaryWriter
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment, part of the run name runs/<exp>__<seed>__<time>"""
+    seed: int = 1
+    """seed of python, torch and the built-in task's data"""
+    cuda: bool = True
+    """use CUDA when it is available (the CPU otherwise)"""
+    sft_model_path: str = "models/sft"
+    """the policy's start and the frozen reference (sft.py's output by default)"""
+    reward: str = "gold"
+    """gold: the gold score of the answer (1 − normalized edit distance to the `target`); gold-exact: 1 for
+    exactly the target, else 0; model: the frozen reward model at --reward-model-path"""
+    reward_model_path: str = "models/reward_model"
+    """the reward model of --reward model (reward_model.py's output by default)"""
+    dataset_name: str | None = None
+    """hub id, local dataset directory, or .json/.jsonl/.parquet file with a `prompt` column (text or
+    conversational), and a `target` column for the gold rewards; None: built-in task"""
+    dataset_split: str = "train"
+    """split of --dataset-name to draw prompts from"""
+    output_dir: str = "models/grpo"
+    """where the trained policy is saved as a Hugging Face checkpoint (atomically)"""
+
+    num_batches: int = 120
+    """rollout-then-update rounds (rlhf_ppo.py's --num-iterations; TRL's steps count optimizer steps instead)"""
+    num_generations: int = 8
+    """G: completions sampled per prompt; the group's rewards are each completion's baseline"""
+    batch_size: int = 256
+    """completions per rollout (batch_size / G prompts), over all ranks: each of N ranks samples batch_size / N,
+    whole groups"""
+    mini_batch_size: int = 64
+    """completions per gradient step, over all ranks (each rank's share: mini_batch_size / N)"""
+    num_iterations: int = 2
+    """μ: passes over each rollout (TRL's num_iterations; rlhf_ppo.py's --ppo-epochs)"""
+    gradient_accumulation_steps: int = 1
+    """split each rank's share of a minibatch into this many micro-batches (the same update, less memory); the
+    rollout's forward passes run in micro-batches too, so that the first ratio stays exactly 1"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass (less memory, one more forward pass of compute)"""
+    generation_batch_size: int = 256
+    """prompts per generate call and per forward pass in evaluation, on each rank (the KV cache grows with it)"""
+    lr: float = 1e-4
+    """AdamW learning rate (a pretrained model wants ~1e-6)"""
+    anneal_lr: bool = True
+    """linearly anneal the learning rate to 0 over the batches"""
+    response_length: int = 12
+    """new tokens sampled per completion (L_max of --loss-type dr_grpo)"""
+    max_prompt_length: int = 64
+    """prompts longer than this many tokens are dropped (and counted), never cut"""
+    bf16: bool = False
+    """mixed precision: forward and backward autocast to bfloat16 (CUDA or CPU); the policy's weights and AdamW
+    state stay float32, the frozen reference and reward model are held in bfloat16"""
+    fsdp: bool = False
+    """under torchrun, shard the policy, its gradients and AdamW state across the ranks (FSDP2) instead of a full
+    copy on each (DDP): for models whose training state does not fit one device (the frozen models stay whole)"""
+    temperature: float = 1.0
+    """sampling temperature; the log-probs of training divide the logits by it too"""
+    advantage: str = "grpo"
+    """grpo: (r − group mean) / group std; rloo: r − the mean of the other G − 1 rewards (Ahmadian et al. 2024)"""
+    scale_rewards: bool = True
+    """divide GRPO's advantages by the group's std (--no-scale-rewards: Dr. GRPO, Liu et al. 2025)"""
+    loss_type: str = "grpo"
+    """grpo: mean over each completion's tokens, then over completions; dapo: mean over all tokens of the batch;
+    dr_grpo: sum over tokens / (completions × --response-length)"""
+    epsilon: float = 0.2
+    """ε of the clipped surrogate (the lower bound, 1 − ε; and the upper one unless --epsilon-high is set)"""
+    epsilon_high: float | None = None
+    """upper clip bound 1 + ε_high (DAPO's clip-higher, e.g. 0.28); None: ε"""
+    beta: float = 0.04
+    """β of the k3 KL penalty to the reference (DeepSeekMath's 0.04); 0 drops the reference model (and eval/kl)"""
+    missing_eos_penalty: float = -1.0
+    """the reward of a completion with no stop token (EOS or end of turn) in its --response-length tokens, as in
+    rlhf_ppo.py (an unfinished answer is not scored)"""
+    max_grad_norm: float = 1.0
+    """clip the global gradient norm to this"""
+    eval_every: int = 20
+    """evaluate every this many batches (and before the first and after the last)"""
+    eval_size: int = 512
+    """eval prompts: the built-in task's are those of sft.py, rlhf_ppo.py and dpo.py; a dataset's are its `test`
+    split, or else prompts held out from the training ones"""
+
+
+# ---------------------------------------------------------------------------------------------
+# The built-in task: sort the digits. Gold reward known exactly. (Each LM script has its own copy;
+# tests/test_lm_task.py checks the copies agree.)
+# ---------------------------------------------------------------------------------------------
+def levenshtein(a, b):
+    """Edit distance: insertions, deletions and substitutions, each of cost 1."""
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i]
+        for j, cb in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
+        prev = cur
+    return prev[-1]
+
+
+def gold_score(completion, target):
+    """1 − min(1, levenshtein(completion, target) / len(target)): 1 for the exact answer."""
+    return 1.0 - min(1.0, levenshtein(completion, target) / len(target))
+
+
+def make_prompt(rng):
+    """`sort <n digits>:` with n uniform in [4, 8]; returns (prompt, target)."""
+    digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(4, 8)))
+    return f"sort {digits}:", "".join(sorted(digits))
+
+
+def corrupt(rng, s, kinds=("swap", "drop", "insert", "replace")):
+    """One random corruption of s; a swap exchanges two adjacent, unequal digits."""
+    while True:
+        kind, i = rng.choice(kinds), rng.randrange(len(s))
+        if kind == "swap":
+            pairs = [j for j in range(len(s) - 1) if s[j] != s[j + 1]]
+            if pairs:
+                j = rng.choice(pairs)
+                return s[:j] + s[j + 1] + s[j] + s[j + 2 :]
+            if kinds == ("swap",):
+                return s  # all digits equal: nothing to swap
+        elif kind == "drop":
+            return s[:i] + s[i + 1 :]
+        elif kind == "insert":
+            return s[:i] + rng.choice("0123456789") + s[i:]
+        elif kind == "replace":
+            return s[:i] + rng.choice([d for d in "0123456789" if d != s[i]]) + s[i + 1 :]
+
+
+def demonstration(rng, target):
+    """The sloppy demonstrator: the target, or with probability 0.5 the target with one adjacent swap."""
+    return target if rng.random() < 0.5 else corrupt(rng, target, ("swap",))
+
+
+def candidate(rng, target):
+    """A candidate for preference pairs: the target, or with probability 0.5 one or two corruptions."""
+    if rng.random() < 0.5:
+        return target
+    for _ in range(rng.randint(1, 2)):
+        target = corrupt(rng, target)
+    return target
+
+
+def preference_pair(rng):
+    """Two candidates for one prompt with different gold scores: (prompt, chosen, rejected, target)."""
+    prompt, target = make_prompt(rng)
+    while True:
+        a, b = candidate(rng, target), candidate(rng, target)
+        if gold_score(a, target) != gold_score(b, target):
+            return (prompt, a, b, target) if gold_score(a, target) > gold_score(b, target) else (prompt, b, a, target)
+
+
+def task_rng(seed, split):
+    """Train and eval data come from different random streams of the same seed."""
+    return random.Random(f"sort-task/{seed}/{split}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The math: pure functions. Rewards and advantages are [B] with the G completions of a prompt in
+# adjacent rows; token tensors are [B, response_length] with `mask` 1 on completion tokens up to and
+# including the first stop token. Checked against hand-computed values in tests/test_grpo.py.
+# ---------------------------------------------------------------------------------------------
+def group_advantages(rewards, num_generations, scale_rewards=True, eps=1e-4):
+    """GRPO's advantage of completion i (Shao et al. 2024, section 4.1.2, outcome supervision), given to every
+    one of its tokens; the group is the G completions of one prompt:
+
+        Â_i = (r_i − mean(r)) / (std(r) + ε)      std over the group, with G − 1 in the denominator (as TRL)
+
+    scale_rewards=False (Dr. GRPO, Liu et al. 2025): Â_i = r_i − mean(r). Dividing by the std gives groups
+    whose rewards barely differ (prompts nearly always or nearly never solved) as much weight as the rest.
+    A group of equal rewards gets Â = 0: it teaches nothing."""
+    groups = rewards.view(-1, num_generations)
+    advantages = groups - groups.mean(1, keepdim=True)
+    if scale_rewards:
+        advantages = advantages / (groups.std(1, keepdim=True) + eps)
+    return advantages.flatten()
+
+
+def rloo_advantages(rewards, num_generations):
+    """RLOO's leave-one-out baseline (Ahmadian et al. 2024): each completion against the mean reward of the
+    other G − 1 completions of its prompt, an unbiased baseline because it does not depend on o_i:
+
+        Â_i = r_i − (1/(G − 1)) Σ_{j≠i} r_j  =  G/(G − 1) · (r_i − mean(r))"""
+    groups = rewards.view(-1, num_generations)
+    baseline = (groups.sum(1, keepdim=True) - groups) / (num_generations - 1)
+    return (groups - baseline).flatten()
+
+
+def kl_estimators(logprobs, ref_logprobs, mask):
+    """Per-token estimators of KL[π_θ ‖ π_ref] on tokens sampled from π_θ (Schulman 2020, "Approximating
+    KL divergence"), with log r = log π_ref − log π_θ:
+        k1 = −log r = log π_θ − log π_ref          (unbiased, can be negative per token)
+        k3 = (r − 1) − log r                        (unbiased, never negative)
+    Returns (k1, k3), zero on padding."""
+    log_r = ref_logprobs - logprobs
+    return -log_r * mask, (log_r.exp() - 1 - log_r) * mask
+
+
+def clipped_surrogate(logprobs, old_logprobs, advantages, epsilon_low, epsilon_high):
+    """PPO's clipped surrogate per token, negated to be minimized, with DAPO's separate upper bound
+    (clip-higher, Yu et al. 2025; epsilon_high = epsilon_low is PPO's):
+
+        l_t = −min( ρ_t Â, clip(ρ_t, 1 − ε_low, 1 + ε_high) Â ),   ρ_t = π_θ(o_t | q, o_<t) / π_old(o_t | q, o_<t)
+
+    `advantages` has one value per completion, broadcast over its tokens. Returns (l, ρ)."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    advantages = advantages.unsqueeze(1)
+    return -torch.min(ratio * advantages, torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * advantages), ratio
+
+
+def aggregate_loss(per_token_loss, mask, loss_type, num_sequences, num_tokens, max_completion_length):
+    """The per-token losses l_it of a (micro-)batch as one number. The normalizers are those of the whole
+    minibatch, so that the losses of its micro-batches (and ranks) add up to its loss:
+
+        grpo      (1/B) Σ_i (1/|o_i|) Σ_t l_it     mean over each completion, then over completions (eq. 3)
+        dapo      Σ_i Σ_t l_it / Σ_i |o_i|         every token weighs the same (Yu et al. 2025)
+        dr_grpo   Σ_i Σ_t l_it / (B · L_max)       a constant normalizer: no length bias (Liu et al. 2025)
+
+    B = `num_sequences` completions and Σ_i |o_i| = `num_tokens` tokens in the minibatch; L_max =
+    `max_completion_length`. Under grpo a long wrong answer is penalized less per token than a short one."""
+    summed = (per_token_loss * mask).sum(1)
+    if loss_type == "grpo":
+        return (summed / mask.sum(1).clamp(min=1)).sum() / num_sequences
+    if loss_type == "dapo":
+        return summed.sum() / num_tokens
+    if loss_type == "dr_grpo":
+        return summed.sum() / (num_sequences * max_completion_length)
+    raise ValueError(f"unknown loss type {loss_type!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenization as the model expects it. The same text in sft.py, reward_model.py, rlhf_ppo.py, dpo.py
+# and grpo.py (tests check the copies), so that the reward model scores exactly the token sequences SFT
+# trained on and PPO, DPO and GRPO produce. Data rows are in TRL's formats: text, or conversations (lists of
+# {"role", "content"} messages) rendered by the tokenizer's chat template.
+# ---------------------------------------------------------------------------------------------
+def render_chat(tokenizer, messages, add_generation_prompt=False):
+    """Token ids of a conversation rendered by the tokenizer's chat template."""
+    if tokenizer.chat_template is None:
+        sys.exit("error: the data is conversational (lists of role/content messages) but the tokenizer has no "
+                 "chat template; use a chat model's tokenizer, or text data")
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in transformers 5
+
+
+def encode_prompt(tokenizer, prompt):
+    """A prompt's token ids: a conversation through the chat template, ending with the assistant's header;
+    a text with BOS first where the tokenizer prepends one (Llama, Mistral, Gemma), and never the EOS that
+    T5-style tokenizers append as their special token."""
+    if isinstance(prompt, list):
+        return render_chat(tokenizer, prompt, add_generation_prompt=True)
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token_id
+    if bos is not None and tokenizer("")["input_ids"][:1] == [bos] and ids[:1] != [bos]:
+        ids = [bos] + ids
+    return ids
+
+
+def stop_token_ids(tokenizer):
+    """The tokens that end a completion: EOS, and the chat template's end-of-turn token when it is another
+    one (ChatML's <|im_end|>, Llama 3's <|eot_id|>). One set for the SFT labels, sampling, the response
+    mask, the reward model's scoring position and the missing-EOS penalty."""
+    if tokenizer.eos_token_id is None:
+        sys.exit("error: the tokenizer has no EOS token, so completions cannot end; set tokenizer.eos_token and save it")
+    stops = [tokenizer.eos_token_id]
+    if tokenizer.chat_template is not None:
+        turn = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
+        try:
+            full = render_chat(tokenizer, turn)
+            header = render_chat(tokenizer, turn[:1], add_generation_prompt=True)
+        except Exception:  # noqa: BLE001  a template that cannot render this probe: EOS alone
+            return stops
+        special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+        end_of_turn = next((t for t in full[len(header) :] if t in special), None)
+        if end_of_turn is not None and end_of_turn not in stops:
+            stops.append(end_of_turn)
+    return stops
+
+
+def add_pad_token(tokenizer, stop_ids, *models):
+    """Make sure the tokenizer has a pad token that is no stop token, so that masking padding never masks
+    an EOS the model must learn. Reuse an unused special token where the tokenizer has one (Llama 3's
+    <|finetune_right_pad_id|>, reserved or unused tokens), else add <|pad|>; grow the embeddings only if
+    the new id does not fit (to a multiple of 64), and never shrink a vocabulary padded for speed."""
+    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id not in stop_ids:
+        return
+    taken = set(stop_ids) | {tokenizer.bos_token_id, tokenizer.unk_token_id}
+    unused = [t.content for i, t in sorted(tokenizer.added_tokens_decoder.items())
+              if t.special and i not in taken and t.content not in (tokenizer.chat_template or "")]
+    preferred = [c for c in unused if "pad" in c.lower()] + [c for c in unused if "reserved" in c or "unused" in c]
+    tokenizer.add_special_tokens({"pad_token": preferred[0] if preferred else "<|pad|>"})
+    for model in models:
+        if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+            model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading and training helpers, the same text in every LM script (tests check the copies)
+# ---------------------------------------------------------------------------------------------
+def load_rows(name, split, eval_size):
+    """(train rows, eval rows) of a dataset: a hub id, a `save_to_disk` directory or a .json/.jsonl/.parquet
+    file. The eval rows are its `test` split, or else the first rows of `split` (at most a tenth), held out."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        if name.endswith((".json", ".jsonl", ".parquet")):
+            if not os.path.isfile(name):
+                sys.exit(f"error: dataset file {name!r} does not exist")
+            data = datasets.load_dataset("parquet" if name.endswith(".parquet") else "json", data_files=name)
+        elif os.path.isdir(name) and os.path.exists(os.path.join(name, "dataset_dict.json")):
+            data = datasets.load_from_disk(name)
+        else:
+            data = datasets.load_dataset(name)
+    except Exception as e:  # noqa: BLE001  any loading failure becomes one line
+        sys.exit(f"error: cannot load dataset {name!r}: {str(e).splitlines()[0]}")
+    if split not in data:
+        sys.exit(f"error: dataset {name!r} has the splits {list(data)}; pass one of them as --dataset-split")
+    rows = list(data[split])
+    if "test" in data and split != "test":
+        return rows, list(data["test"])[:eval_size]
+    n_eval = min(eval_size, len(rows) // 10)
+    return rows[n_eval:], rows[:n_eval]
+
+
+def get_lr(step, lr, warmup_steps, max_steps, decay):
+    """Learning rate of optimizer step `step` = 0, 1, ...: `lr` × a linear warmup min(1, (step + 1) / warmup_steps)
+    × a decay to 0 at `max_steps`: "linear", min(1, (max_steps − step) / (max_steps − warmup_steps)), flat through
+    the warmup; or "cosine", ½(1 + cos(π · step / max_steps)), over the whole run."""
+    warmup = min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+    if decay == "linear":
+        return lr * warmup * min(1.0, max(0.0, (max_steps - step) / max(1, max_steps - warmup_steps)))
+    return lr * warmup * 0.5 * (1 + math.cos(math.pi * min(1.0, step / max_steps)))
+
+
+def check_finite(step, **values):
+    """Stop the run with one line, before anything is saved, when a loss or gradient norm is NaN or inf."""
+    for name, value in values.items():
+        value = float(torch.as_tensor(value).detach())
+        if not math.isfinite(value):
+            sys.exit(f"error: {name} is {value} at step {step}; stopped, nothing saved "
+                     "(lower --lr; with a half-precision model, train without --bf16 to check)")
+
+
+def save_atomically(model, tokenizer, args, output_dir):
+    """Save a Hugging Face model (the one inside any DDP wrapper) so that a crash never leaves a half-written
+    checkpoint: rank 0 writes to a temporary directory, then renames it. Every rank calls this: under FSDP
+    they first gather the full weights together, and all wait for the write to finish."""
+    state_dict = None
+    if any(isinstance(module, FSDPModule) for module in model.modules()):
+        state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+        state_dict = {k: v for k, v in state_dict.items() if k in names}  # a tied weight once, under its first name
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        tmp_dir = f"{output_dir.rstrip('/')}.tmp-{os.getpid()}"
+        model.save_pretrained(tmp_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(tmp_dir)
+        with open(os.path.join(tmp_dir, "training_args.json"), "w") as f:
+            json.dump(vars(args), f, indent=2)
+        if os.path.exists(output_dir):
+            shutil.rmtree(output_dir)
+        os.replace(tmp_dir, output_dir)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def dropout_off(config):
+    """Every dropout probability of a transformers config set to 0, before the model is built: Llama's and
+    Qwen2's attention dropout is no nn.Dropout module but a number each layer reads from the config."""
+    for key, value in list(vars(config).items()):
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            setattr(config, key, 0.0)
+    return config
+
+
+def token_logprobs(logits, tokens, with_entropy=False):
+    """log π(token) = logit(token) − logsumexp(logits) at each position, and optionally the entropy
+    H = logsumexp − Σ softmax · logits, one sequence at a time: no float32 copy of the whole
+    [batch, length, vocabulary] logits is made (at a 128k vocabulary that copy is the largest tensor)."""
+    logprobs, entropies = [], []
+    for row, row_tokens in zip(logits, tokens):
+        row = row.float()
+        logsumexp = torch.logsumexp(row, -1)
+        logprobs.append(row.gather(-1, row_tokens.unsqueeze(-1)).squeeze(-1) - logsumexp)
+        if with_entropy:
+            with torch.no_grad():
+                entropies.append(logsumexp - (torch.softmax(row, -1) * row).sum(-1))
+    return (torch.stack(logprobs), torch.stack(entropies)) if with_entropy else torch.stack(logprobs)
+
+
+def position_ids_of(attention_mask):
+    """Positions count real tokens only, so left padding does not shift them."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def last_token_index(attention_mask):
+    """Index of the last non-pad token of each row, under left or right padding: the largest position
+    whose mask is 1 (for right padding, the number of tokens − 1)."""
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return (positions * attention_mask).argmax(-1)
+
+
+def token_scores(model, sequences, attention_mask):
+    """The scalar head of a sequence-classification model on every position: [batch, length]."""
+    hidden = model.base_model(input_ids=sequences, attention_mask=attention_mask,
+                              position_ids=position_ids_of(attention_mask)).last_hidden_state
+    return model.score(hidden).squeeze(-1).float()
+
+
+@torch.no_grad()
+def score_responses(reward, sequences, attention_mask, response_mask, stop_ids, missing_eos_penalty):
+    """The reward model's score at each response's last token, its stop token; `missing_eos_penalty`
+    instead for a response with no stop token in the length sampled (an unfinished answer is not scored).
+    Returns (scores, has_stop)."""
+    scores = token_scores(reward, sequences, attention_mask)[torch.arange(len(sequences)), last_token_index(attention_mask)]
+    responses = sequences[:, -response_mask.shape[1] :]
+    has_stop = (torch.isin(responses, torch.tensor(stop_ids, device=responses.device)) & response_mask.bool()).any(1)
+    return torch.where(has_stop, scores, torch.full_like(scores, missing_eos_penalty)), has_stop
+
+
+@torch.no_grad()
+def sample(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature=1.0, greedy=False):
+    """Complete each prompt (lists of token ids, left-padded here) and cut each response after its first
+    stop token. Returns (sequences, attention_mask, context_length, response_mask), response_mask 1 on
+    response tokens up to and including the first stop token. Every sampling setting is explicit: the
+    checkpoint's generation_config.json (repetition_penalty, min_new_tokens, top_k, ...) would otherwise
+    fill the unset ones and sample from another distribution than the one whose log-probs are trained."""
+    from transformers import GenerationConfig
+
+    width = max(len(p) for p in prompt_ids)
+    input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompt_ids], device=model.device)
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=model.device)
+    model.generation_config = GenerationConfig(eos_token_id=stop_ids, pad_token_id=pad_token_id)
+    config = GenerationConfig(do_sample=not greedy, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+                              eos_token_id=stop_ids, pad_token_id=pad_token_id)
+    # under torchrun every rank keeps stepping until all are done: a sharded model needs all ranks in each step
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                         synced_gpus=dist.is_initialized())
+    responses = F.pad(out[:, width:], (0, max_new_tokens - (out.shape[1] - width)), value=pad_token_id)
+    is_stop = torch.isin(responses, torch.tensor(stop_ids, device=responses.device))
+    # 1 up to and including the first stop token: a token is valid while no stop token came strictly before it
+    response_mask = ((is_stop.cumsum(1) - is_stop.long()) == 0).long()
+    responses = responses.masked_fill(response_mask == 0, pad_token_id)
+    return (torch.cat([input_ids, responses], 1), torch.cat([attention_mask, response_mask], 1), width, response_mask)
+
+
+def decode(tokenizer, sequences, context_length, response_mask):
+    """The responses as text, up to their stop token, special tokens dropped."""
+    return [tokenizer.decode([t for t, m in zip(row, mask) if m], skip_special_tokens=True)
+            for row, mask in zip(sequences[:, context_length:].tolist(), response_mask.tolist())]
+
+
+# ---------------------------------------------------------------------------------------------
+# Models, prompts and the forward passes
+# ---------------------------------------------------------------------------------------------
+def load_grpo_models(args, device):
+    """(tokenizer, stop_ids, policy, reference or None, reward model or None): the reference only when β > 0,
+    the reward model only with --reward model."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    paths = [(args.sft_model_path, "sft.py")] + [(args.reward_model_path, "reward_model.py")] * (args.reward == "model")
+    for path, script in paths:
+        if not os.path.isdir(path) and (path.startswith((".", "/", "~", "models/")) or path.count("/") > 1):
+            sys.exit(f"error: model directory {path!r} does not exist; run `python {script}` first or pass a path")
+    # The policy in float32 (master weights) whatever the checkpoint's dtype, the frozen models in the dtype they
+    # compute in; dropout off, also where it is a number read from the config (Llama's attention dropout)
+    frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32
+    ref, reward, reward_tokenizer = None, None, None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path)
+        config = dropout_off(AutoConfig.from_pretrained(args.sft_model_path))
+        policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, config=config, dtype=torch.float32)
+        if args.beta > 0:
+            ref = AutoModelForCausalLM.from_pretrained(args.sft_model_path, config=config, dtype=frozen_dtype)
+        if args.reward == "model":
+            reward_tokenizer = AutoTokenizer.from_pretrained(args.reward_model_path)
+            rm_config = dropout_off(AutoConfig.from_pretrained(args.reward_model_path, num_labels=1))
+            reward = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, config=rm_config,
+                                                                        dtype=frozen_dtype)
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: cannot load the models: {str(e).splitlines()[0]}")
+    stop_ids = stop_token_ids(tokenizer)
+    add_pad_token(tokenizer, stop_ids, *[m for m in (policy, ref, reward) if m is not None])
+    if reward is not None:
+        add_pad_token(reward_tokenizer, stop_ids)
+        if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
+            sys.exit(f"error: the reward model {args.reward_model_path!r} has another tokenizer than the SFT model "
+                     f"{args.sft_model_path!r}; train it from the SFT model with reward_model.py")
+    for model in (policy, ref, reward):
+        if model is not None:
+            model.config.pad_token_id = tokenizer.pad_token_id
+            model.to(device)
+            if model is not policy:
+                model.eval().requires_grad_(False)
+    return tokenizer, stop_ids, policy, ref, reward
+
+
+def response_logprobs(model, sequences, attention_mask, context_length, temperature):
+    """log π(a_t | s_t) of each response token and the entropy of π(·|s_t), from one forward pass over
+    prompt + response. Logits are divided by the sampling temperature, as when sampling."""
+    logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_of(attention_mask)).logits
+    logits = logits[:, context_length - 1 : -1] / temperature  # position t predicts token t + 1
+    return token_logprobs(logits, sequences[:, context_length:], with_entropy=True)
+
+
+def load_prompts_and_targets(args):
+    """(train prompts, train targets, eval prompts, eval targets); a prompt is a text or a conversation, the
+    targets are None where the data has none (the gold rewards need them)."""
+    if args.dataset_name is None:
+        rng = task_rng(args.seed, "train")
+        train = [make_prompt(rng) for _ in range(50_000)]
+        rng = task_rng(args.seed, "eval")
+        evals = [make_prompt(rng) for _ in range(args.eval_size)]
+        return [p for p, _ in train], [t for _, t in train], [p for p, _ in evals], [t for _, t in evals]
+    train, evals = load_rows(args.dataset_name, args.dataset_split, args.eval_size)
+    columns = sorted(train[0]) if train else []
+    if "prompt" not in columns:
+        sys.exit(f"error: dataset {args.dataset_name!r} has columns {columns}; grpo.py needs a `prompt` column")
+    if args.reward != "model" and "target" not in columns:
+        sys.exit(f"error: --reward {args.reward} needs a `target` column (the verifiable answer), and dataset "
+                 f"{args.dataset_name!r} has columns {columns}; add one, or use --reward model")
+    targets = "target" in columns
+    return ([row["prompt"] for row in train], [row["target"] for row in train] if targets else None,
+            [row["prompt"] for row in evals], [row["target"] for row in evals] if targets else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Many processes. `torchrun --nproc-per-node N X.py` starts one process (rank) per device; each takes
+# its share of every batch, and the gradients are averaged. Under plain `python X.py` these helpers
+# change nothing.
+# ---------------------------------------------------------------------------------------------
+def setup_distributed(cuda):
+    """(rank, world_size, device). Under torchrun, which sets RANK, WORLD_SIZE and LOCAL_RANK, join the
+    process group: NCCL with one GPU per process, or gloo on the CPU. Ranks other than 0 print nothing
+    (their errors still reach stderr)."""
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() and cuda else "cpu")
+    if torch.cuda.is_available() and cuda:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    if dist.get_rank() != 0:
+        sys.stdout = open(os.devnull, "w")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def wrap_model(model, device, fsdp):
+    """A trained model made data-parallel (the model itself in one process). Every rank first takes rank 0's
+    weights: a model built from scratch, or a new scalar head, starts from other random values on each.
+    Then DDP, a full copy per rank with the gradients averaged during the backward pass; or, with --fsdp,
+    FSDP2: parameters, gradients and AdamW state sharded across the ranks, each transformer block gathered
+    only while it computes. Build the optimizer after this (FSDP2 replaces the parameters)."""
+    if not dist.is_initialized():
+        return model
+    for tensor in model.state_dict().values():
+        dist.broadcast(tensor, src=0)
+    if not fsdp:
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    block_names = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or []}
+    for module in model.modules():
+        if type(module).__name__ in block_names:
+            fully_shard(module)
+    return fully_shard(model)
+
+
+def shard(items, rank, world_size):
+    """This rank's share of an evaluation list, items[rank::world_size], padded with copies of items[0] to the
+    same length on every rank, and a weight per entry (0 on the copies): a sharded model needs every rank in
+    each forward pass, so every rank must run as many. Metrics are weighted sums, added up over the ranks."""
+    mine = items[rank::world_size]
+    padding = -(-len(items) // world_size) - len(mine)
+    return mine + items[:1] * padding, [1] * len(mine) + [0] * padding
+
+
+def all_reduce_sum(values, device):
+    """Each number summed over the ranks (the numbers themselves in one process): per-rank sums and counts
+    become global ones."""
+    if not dist.is_initialized():
+        return [float(v) for v in values]
+    total = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    dist.all_reduce(total)
+    return total.tolist()
+
+
+class NoWriter:
+    """Stands in for the SummaryWriter on ranks other than 0: only rank 0 writes TensorBoard logs."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+def main(args: Args):
+    rank, world_size, device = setup_distributed(args.cuda)
+    G = args.num_generations
+    for flag, value, choices in (("--reward", args.reward, ("gold", "gold-exact", "model")),
+                                 ("--advantage", args.advantage, ("grpo", "rloo")),
+                                 ("--loss-type", args.loss_type, ("grpo", "dapo", "dr_grpo"))):
+        if value not in choices:
+            sys.exit(f"error: {flag} {value!r}: choose one of {', '.join(choices)}")
+    if G < 2:
+        sys.exit(f"error: --num-generations {G}: a group needs at least 2 completions, its own baseline")
+    if args.batch_size % G:
+        sys.exit(f"error: --batch-size {args.batch_size} completions do not split into groups of --num-generations {G}")
+    if (args.batch_size // G) % world_size:
+        sys.exit(f"error: the {args.batch_size // G} prompts of --batch-size {args.batch_size} do not split over "
+                 f"{world_size} ranks (each rank samples whole groups)")
+    if args.batch_size % args.mini_batch_size:
+        sys.exit(f"error: --batch-size {args.batch_size} does not split into minibatches of {args.mini_batch_size}")
+    if args.mini_batch_size % (world_size * args.gradient_accumulation_steps):
+        sys.exit(f"error: --mini-batch-size {args.mini_batch_size} does not split into {world_size} rank(s) × "
+                 f"{args.gradient_accumulation_steps} micro-batches; make it a multiple of "
+                 f"{world_size * args.gradient_accumulation_steps}")
+    prompts_per_rank = args.batch_size // G // world_size
+    per_rank, mini_per_rank = prompts_per_rank * G, args.mini_batch_size // world_size
+    micro_size = mini_per_rank // args.gradient_accumulation_steps
+    epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    random.seed(args.seed)  # the prompts drawn: the same on every rank, which each takes its share of
+    torch.manual_seed(args.seed + rank)  # sampling: a stream of its own on each rank
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
+
+    train_prompts, train_targets, eval_prompts, eval_targets = load_prompts_and_targets(args)
+    tokenizer, stop_ids, raw_policy, ref, reward = load_grpo_models(args, device)  # raw_policy: to sample and save
+    if args.gradient_checkpointing:
+        raw_policy.activation_checkpointing_enable({"use_reentrant": False})
+    # the trained policy is data-parallel; the frozen models are whole on every rank
+    policy = wrap_model(raw_policy, device, args.fsdp)
+
+    def encode_prompts(prompts, split):
+        """Token ids of the prompts that fit --max-prompt-length; the others are dropped and counted."""
+        encoded = [encode_prompt(tokenizer, p) for p in prompts]
+        kept = [i for i, ids in enumerate(encoded) if 0 < len(ids) <= args.max_prompt_length]
+        if len(kept) < len(encoded):
+            print(f"{split}: dropped {len(encoded) - len(kept):,} of {len(encoded):,} prompts longer than "
+                  f"--max-prompt-length {args.max_prompt_length} (or empty)")
+        return kept, [encoded[i] for i in kept]
+
+    kept, train_ids = encode_prompts(train_prompts, "train")
+    if len(train_ids) < args.batch_size // G:
+        sys.exit(f"error: {len(train_ids)} training prompts fit --max-prompt-length, fewer than the "
+                 f"{args.batch_size // G} of a batch; lower --batch-size")
+    train_targets = [str(train_targets[i]) for i in kept] if train_targets is not None else None
+    kept, eval_ids = encode_prompts(eval_prompts, "eval")
+    eval_prompts = [eval_prompts[i] for i in kept]
+    eval_targets = [str(eval_targets[i]) for i in kept] if eval_targets is not None else None
+    positions = getattr(raw_policy.config, "max_position_embeddings", None) or getattr(raw_policy.config, "n_positions", None)
+    longest = max(len(ids) for ids in train_ids + eval_ids)
+    if positions is not None and longest + args.response_length > positions:
+        sys.exit(f"error: the longest prompt ({longest} tokens) + --response-length {args.response_length} exceeds the "
+                 f"model's {positions} positions; lower --max-prompt-length or --response-length")
+
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr)
+    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    writer = SummaryWriter(f"runs/{run_name}") if rank == 0 else NoWriter()
+    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+    print(f"{1 + (ref is not None) + (reward is not None)} model(s) in memory: the policy"
+          + (", the reference" if ref is not None else "") + (", the reward model" if reward is not None else ""))
+
+    def forward_in_chunks(fn, *tensors, size=micro_size):
+        """Forward passes in chunks; in the rollout, chunks of the update's micro-batch size, so that they
+        compute exactly what the update's forward passes will (the ratio starts at exactly 1)."""
+        outs = [fn(*(t[i : i + size] for t in tensors)) for i in range(0, len(tensors[0]), size)]
+        return tuple(torch.cat(parts) for parts in zip(*outs)) if isinstance(outs[0], tuple) else torch.cat(outs)
+
+    def sample_in_chunks(prompt_ids):
+        """`sample` in chunks of --generation-batch-size, padded to one width."""
+        chunks = [sample(raw_policy, prompt_ids[i : i + args.generation_batch_size], tokenizer.pad_token_id, stop_ids,
+                         args.response_length, args.temperature)
+                  for i in range(0, len(prompt_ids), args.generation_batch_size)]
+        width = max(c[2] for c in chunks)  # the longest prompt: left-pad the other chunks to it
+        pad = lambda t, value: F.pad(t, (width - t.shape[1] + args.response_length, 0), value=value)  # noqa: E731
+        return (torch.cat([pad(c[0], tokenizer.pad_token_id) for c in chunks]), torch.cat([pad(c[1], 0) for c in chunks]),
+                width, torch.cat([c[3] for c in chunks]))
+
+    def rewards_of(sequences, attention_mask, context_length, response_mask, targets):
+        """One reward per completion: the gold score (or exact match) against its target, or the reward model's
+        score; `--missing-eos-penalty` instead for a completion that has no stop token."""
+        if args.reward == "model":
+            return forward_in_chunks(lambda s, a, m: score_responses(reward, s, a, m, stop_ids, args.missing_eos_penalty),
+                                     sequences, attention_mask, response_mask, size=args.generation_batch_size)
+        responses = sequences[:, context_length:]
+        has_stop = (torch.isin(responses, torch.tensor(stop_ids, device=device)) & response_mask.bool()).any(1)
+        completions = decode(tokenizer, sequences, context_length, response_mask)
+        gold = torch.tensor([float(c == t) if args.reward == "gold-exact" else gold_score(c, t)
+                             for c, t in zip(completions, targets)], device=device)
+        return torch.where(has_stop, gold, torch.full_like(gold, args.missing_eos_penalty)), has_stop
+
+    def evaluate(step):
+        """Each rank evaluates its shard of the eval prompts; the sums are added up over the ranks."""
+        if not eval_ids:
+            return
+        policy.eval()
+        size = args.generation_batch_size
+        mine, weights = shard(list(range(len(eval_ids))), rank, world_size)
+        w = torch.tensor(weights, device=device, dtype=torch.float)
+        with torch.no_grad(), amp():
+            sequences, attention_mask, context_length, response_mask = sample_in_chunks([eval_ids[j] for j in mine])
+            sums = [w.sum(), 0.0, 0.0]
+            if ref is not None:  # eval/kl: Σ_t log π_θ − log π_ref over a completion, the mean over completions
+                logprobs, _ = forward_in_chunks(lambda s, a: response_logprobs(policy, s, a, context_length,
+                                                                               args.temperature),
+                                                sequences, attention_mask, size=size)
+                ref_logprobs, _ = forward_in_chunks(lambda s, a: response_logprobs(ref, s, a, context_length,
+                                                                                   args.temperature),
+                                                    sequences, attention_mask, size=size)
+                sums[1] = (((logprobs - ref_logprobs) * response_mask).sum(1) * w).sum()
+            if reward is not None:
+                scores, _ = forward_in_chunks(lambda s, a, m: score_responses(reward, s, a, m, stop_ids,
+                                                                              args.missing_eos_penalty),
+                                              sequences, attention_mask, response_mask, size=size)
+                sums[2] = (scores * w).sum()
+        completions = decode(tokenizer, sequences, context_length, response_mask)
+        if eval_targets is not None:
+            targets = [eval_targets[j] for j in mine]
+            sums += [sum(v * (c == t) for c, t, v in zip(completions, targets, weights)),
+                     sum(v * gold_score(c, t) for c, t, v in zip(completions, targets, weights))]
+        sums = all_reduce_sum(sums, device)
+        n, line = sums[0], f"batch {step}:"
+        if ref is not None:
+            writer.add_scalar("eval/kl", sums[1] / n, step)
+            line += f" eval/kl {sums[1] / n:.3f}"
+        if reward is not None:
+            writer.add_scalar("eval/score", sums[2] / n, step)
+            line += f" eval/score {sums[2] / n:.3f}"
+        if eval_targets is not None:
+            accuracy, gold = sums[3] / n, sums[4] / n
+            writer.add_scalar("eval/gold_accuracy", accuracy, step)
+            writer.add_scalar("eval/gold_score", gold, step)
+            line += f" eval/gold_accuracy {accuracy:.3f}, eval/gold_score {gold:.3f}"
+        samples = "\n".join(f"    {eval_prompts[j]} {c!r}" for j, c in zip(mine[:8], completions))
+        writer.add_text("eval/samples", samples, step)
+        print(line)
+        policy.train()
+
+    evaluate(0)  # the SFT model, before any update
+    start_time = time.time()
+    rng = random.Random(args.seed)
+    for step in range(1, args.num_batches + 1):
+        lr = get_lr(step - 1, args.lr, 0, args.num_batches, "linear") if args.anneal_lr else args.lr
+        optimizer.param_groups[0]["lr"] = lr
+        # ---- rollout: G completions per prompt, their rewards, advantages within each group ----------
+        policy.eval()
+        chosen = rng.sample(range(len(train_ids)), args.batch_size // G)[rank * prompts_per_rank : (rank + 1) * prompts_per_rank]
+        prompt_ids = [train_ids[i] for i in chosen for _ in range(G)]  # each prompt G times, in adjacent rows
+        targets = [train_targets[i] for i in chosen for _ in range(G)] if train_targets is not None else None
+        with torch.no_grad(), amp():
+            sequences, attention_mask, context_length, mask = sample_in_chunks(prompt_ids)
+            mask = mask.float()
+            rewards, has_stop = rewards_of(sequences, attention_mask, context_length, mask, targets)
+            if args.advantage == "rloo":
+                advantages = rloo_advantages(rewards, G)
+            else:
+                advantages = group_advantages(rewards, G, args.scale_rewards)
+            old_logprobs, entropy = forward_in_chunks(
+                lambda s, a: response_logprobs(policy, s, a, context_length, args.temperature), sequences, attention_mask)
+            ref_logprobs = old_logprobs  # β = 0: no reference (the KL terms below are 0 and not logged)
+            if ref is not None:
+                ref_logprobs, _ = forward_in_chunks(
+                    lambda s, a: response_logprobs(ref, s, a, context_length, args.temperature), sequences, attention_mask)
+            k1, k3 = kl_estimators(old_logprobs, ref_logprobs, mask)
+
+        # ---- update: μ passes over the rollout in shuffled minibatches ---------------------------------
+        policy.train()
+        stats = {k: 0.0 for k in ("policy_loss", "kl_penalty", "clipped")}  # summed over micro-batches
+        for iteration in range(args.num_iterations):
+            # the first pass takes the rollout in order, so its first minibatch is exactly the rollout's first
+            # chunk; later passes reshuffle (whole groups need not stay together: advantages are computed)
+            order = torch.randperm(per_rank, device=device) if iteration > 0 else torch.arange(per_rank, device=device)
+            for start in range(0, per_rank, mini_per_rank):
+                mb = order[start : start + mini_per_rank]
+                num_tokens = all_reduce_sum([mask[mb].sum()], device)[0]  # of the whole minibatch, all ranks
+                optimizer.zero_grad()
+                for micro in range(0, mini_per_rank, micro_size):
+                    idx = mb[micro : micro + micro_size]
+                    with amp():
+                        logprobs, _ = response_logprobs(policy, sequences[idx], attention_mask[idx], context_length,
+                                                        args.temperature)
+                    surrogate, ratio = clipped_surrogate(logprobs, old_logprobs[idx], advantages[idx], args.epsilon,
+                                                         epsilon_high)
+                    policy_loss = aggregate_loss(surrogate, mask[idx], args.loss_type, args.mini_batch_size, num_tokens,
+                                                 args.response_length)
+                    kl_penalty = torch.zeros((), device=device)
+                    if ref is not None:
+                        _, new_k3 = kl_estimators(logprobs, ref_logprobs[idx], mask[idx])
+                        kl_penalty = args.beta * aggregate_loss(new_k3, mask[idx], args.loss_type, args.mini_batch_size,
+                                                                num_tokens, args.response_length)
+                    # DDP and FSDP average the ranks' gradients; × world_size turns that into the minibatch's sum
+                    ((policy_loss + kl_penalty) * world_size).backward()
+                    with torch.no_grad():
+                        stats["policy_loss"] += policy_loss.item()
+                        stats["kl_penalty"] += kl_penalty.item()
+                        stats["clipped"] += (((ratio < 1 - args.epsilon) | (ratio > 1 + epsilon_high)) * mask[idx]).sum().item()
+                        if iteration == 0 and start == 0 and micro == 0:  # before any step, the ratio must be exactly 1
+                            first_ratio_error = (ratio - 1).abs().max()
+                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                check_finite(step, loss=policy_loss + kl_penalty, grad_norm=grad_norm)
+                optimizer.step()
+
+        # ---- logs: statistics of the whole batch, sums added up over the ranks --------------------------
+        groups = rewards.view(-1, G)
+        num_minibatches = args.num_iterations * args.batch_size // args.mini_batch_size
+        sums = all_reduce_sum([rewards.sum(), groups.std(1).sum(), (groups.std(1) == 0).sum(), mask.sum(), k1.sum(),
+                               k3.sum(), (entropy * mask).sum(), has_stop.sum(), stats["policy_loss"],
+                               stats["kl_penalty"], stats["clipped"]], device)
+        if dist.is_initialized():
+            dist.all_reduce(first_ratio_error, op=dist.ReduceOp.MAX)  # the largest on any rank
+        B, num_groups = args.batch_size, args.batch_size // G
+        logs = {
+            "objective/reward": sums[0] / B, "objective/reward_std": sums[1] / num_groups,
+            "objective/zero_std_fraction": sums[2] / num_groups, "objective/completion_length": sums[3] / B,
+            "objective/kl": sums[4] / B, "objective/kl_k3": sums[5] / B, "objective/entropy": sums[6] / B,
+            "objective/stop_fraction": sums[7] / B,
+            "losses/policy_loss": sums[8] / num_minibatches, "losses/kl_penalty": sums[9] / num_minibatches,
+            "policy/clipfrac": sums[10] / (args.num_iterations * sums[3]),
+            "policy/first_ratio_max_error": first_ratio_error,
+            "charts/learning_rate": lr, "charts/episodes_per_second": step * B / (time.time() - start_time),
+        }
+        if ref is None:  # no reference, no KL to it
+            del logs["objective/kl"], logs["objective/kl_k3"], logs["losses/kl_penalty"]
+        for tag, value in logs.items():
+            writer.add_scalar(tag, float(value), step)
+        if step % 10 == 0:
+            print(f"batch {step}: reward {logs['objective/reward']:.3f}, reward std {logs['objective/reward_std']:.3f}, "
+                  f"kl {logs.get('objective/kl', 0.0):.3f}, {time.time() - start_time:.0f} s")
+        if step % args.eval_every == 0 or step == args.num_batches:
+            evaluate(step)
+
+    save_atomically(raw_policy, tokenizer, args, args.output_dir)
+    print(f"saved to {args.output_dir} after {time.time() - start_time:.0f} s")
+    writer.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    try:
+        main(tyro.cli(Args, description=__doc__))
+    except SystemExit as e:  # under torchrun every rank stops on the same bad input: rank 0 alone says so
+        if isinstance(e.code, str) and os.environ.get("RANK", "0") != "0":
+            sys.exit(1)
+        raise

@@ -1,0 +1,155 @@
+"""grpo.py: the math against hand computations, and the script end to end (gold reward, reward model, a dataset
+with targets, bad input)."""
+import json
+import math
+
+import pytest
+import torch
+from conftest import assert_one_line_error, read_scalars, run_in_process, run_script
+
+import grpo
+
+
+def test_group_advantages_scaled_and_not():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5])  # two groups of G = 4, the second all equal
+    # group 1: mean 0.5, deviations ±0.5; std with G − 1 = 3: sqrt(4 · 0.25 / 3) = 0.577350
+    # Â = ±0.5 / (0.577350 + 1e-4) = ±0.865875; group 2: deviations 0, so Â = 0 (it teaches nothing)
+    a = 0.5 / (math.sqrt(1 / 3) + 1e-4)
+    torch.testing.assert_close(grpo.group_advantages(rewards, 4), torch.tensor([a, -a, -a, a, 0, 0, 0, 0]))
+    # Dr. GRPO, no std: the deviations themselves
+    torch.testing.assert_close(grpo.group_advantages(rewards, 4, scale_rewards=False),
+                               torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]))
+    # the groups are adjacent rows: G = 2 pairs (1, 0) (0, 1) (0.5, 0.5) (0.5, 0.5); std of (1, 0) = sqrt(0.5)
+    b = 0.5 / (math.sqrt(0.5) + 1e-4)
+    torch.testing.assert_close(grpo.group_advantages(rewards, 2), torch.tensor([b, -b, -b, b, 0, 0, 0, 0]))
+
+
+def test_rloo_advantages():
+    # G = 2: each against the other one: (1, 0.25) → 1 − 0.25 = 0.75 and 0.25 − 1 = −0.75; (0.3, 0.3) → 0, 0
+    torch.testing.assert_close(grpo.rloo_advantages(torch.tensor([1.0, 0.25, 0.3, 0.3]), 2),
+                               torch.tensor([0.75, -0.75, 0.0, 0.0]))
+    # G = 3: (1, 0, 0.5): 1 − (0 + 0.5)/2 = 0.75; 0 − (1 + 0.5)/2 = −0.75; 0.5 − (1 + 0)/2 = 0
+    torch.testing.assert_close(grpo.rloo_advantages(torch.tensor([1.0, 0.0, 0.5]), 3), torch.tensor([0.75, -0.75, 0.0]))
+
+
+def test_clipped_surrogate_both_signs_and_clip_higher():
+    ratios = torch.tensor([[1.5, 0.5, 1.1]])
+    old = torch.zeros(1, 3)
+    new = ratios.log()
+    # Â = 2: −min(ρÂ, clip(ρ, 0.8, 1.2)Â): 1.5 → −min(3, 2.4) = −2.4; 0.5 → −min(1, 1.6) = −1; 1.1 → −2.2
+    loss, ratio = grpo.clipped_surrogate(new, old, torch.tensor([2.0]), 0.2, 0.2)
+    torch.testing.assert_close(loss, torch.tensor([[-2.4, -1.0, -2.2]]))
+    torch.testing.assert_close(ratio, ratios)
+    # Â = −1: 1.5 → −min(−1.5, −1.2) = 1.5; 0.5 → −min(−0.5, −0.8) = 0.8; 1.1 → −min(−1.1, −1.1) = 1.1
+    loss, _ = grpo.clipped_surrogate(new, old, torch.tensor([-1.0]), 0.2, 0.2)
+    torch.testing.assert_close(loss, torch.tensor([[1.5, 0.8, 1.1]]))
+    # clip-higher, ε_high = 0.28, Â = 2: 1.5 → −min(3, 1.28 · 2 = 2.56) = −2.56; the lower bound is still 0.8
+    loss, _ = grpo.clipped_surrogate(new, old, torch.tensor([2.0]), 0.2, 0.28)
+    torch.testing.assert_close(loss, torch.tensor([[-2.56, -1.0, -2.2]]))
+
+
+def test_kl_k3():
+    # log π = log 0.5, log π_ref = log 0.25: log r = log 0.5; k3 = r − 1 − log r = 0.5 − 1 + 0.693147 = 0.193147
+    _, k3 = grpo.kl_estimators(torch.tensor([[math.log(0.5)]]), torch.tensor([[math.log(0.25)]]), torch.ones(1, 1))
+    assert k3.item() == pytest.approx(0.193147, abs=1e-6)
+
+
+@pytest.mark.parametrize("loss_type,expected", [
+    ("grpo", (6 / 3 + 4 / 1) / 2),  # per completion (1+2+3)/3 = 2 and 4/1 = 4, then their mean: 3
+    ("dapo", (6 + 4) / 4),  # all 4 valid tokens: 10 / 4 = 2.5
+    ("dr_grpo", (6 + 4) / (2 * 6)),  # a constant, B · L_max = 2 · 6 (L_max, not the padded width 5): 0.8333
+])
+def test_loss_normalizations_on_a_padded_batch(loss_type, expected):
+    per_token = torch.tensor([[1.0, 2.0, 3.0, 100.0, 100.0], [4.0, 100.0, 100.0, 100.0, 100.0]])  # 100: padding
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0, 0.0]])
+    total = grpo.aggregate_loss(per_token, mask, loss_type, 2, 4, 6)
+    assert total.item() == pytest.approx(expected)
+    # split into two micro-batches of one completion, with the whole minibatch's normalizers: the parts add up
+    parts = [grpo.aggregate_loss(per_token[i : i + 1], mask[i : i + 1], loss_type, 2, 4, 6) for i in range(2)]
+    assert sum(p.item() for p in parts) == pytest.approx(expected)
+
+
+def read_run(cwd, name):
+    return read_scalars(str(next((cwd / "runs").glob(f"{name}__*"))))
+
+
+def test_grpo_smoke_gold_reward_first_ratio_is_exactly_one(tiny_checkpoints, tmp_path):
+    """Built-in task, gold reward: runs, logs the tags, the ratio is exactly 1 on the first minibatch of each
+    batch, the checkpoint loads; two models in memory."""
+    models = tiny_checkpoints["cwd"] / "models"
+    proc = run_script("grpo.py", "--sft-model-path", str(models / "sft"), "--num-batches", "2", "--batch-size", "16",
+                      "--num-generations", "4", "--mini-batch-size", "8", "--gradient-accumulation-steps", "2",
+                      "--eval-size", "8", "--eval-every", "1", cwd=tmp_path)
+    assert "2 model(s) in memory" in proc.stdout
+    logs = read_run(tmp_path, "grpo")
+    assert [v for _, v in logs["policy/first_ratio_max_error"]] == [0.0, 0.0]
+    for tag in ("eval/gold_accuracy", "eval/gold_score", "eval/kl", "objective/reward", "objective/reward_std",
+                "objective/zero_std_fraction", "policy/clipfrac", "objective/completion_length", "losses/policy_loss"):
+        assert tag in logs, tag
+    assert [step for step, _ in logs["eval/gold_accuracy"]] == [0, 1, 2]
+    assert logs["eval/kl"][0][1] == 0.0  # before any update the policy is the reference
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "models" / "grpo")
+
+
+def test_grpo_reward_model_and_rloo_without_reference(tiny_checkpoints, tmp_path):
+    """--reward model --advantage rloo --beta 0: the reward model scores (eval/score), no reference is loaded
+    (and no eval/kl is logged)."""
+    models = tiny_checkpoints["cwd"] / "models"
+    proc = run_script("grpo.py", "--sft-model-path", str(models / "sft"), "--reward", "model", "--reward-model-path",
+                      str(models / "reward_model"), "--advantage", "rloo", "--beta", "0", "--loss-type", "dapo",
+                      "--num-batches", "2", "--batch-size", "8", "--num-generations", "2", "--mini-batch-size", "8",
+                      "--eval-size", "8", cwd=tmp_path)
+    assert "2 model(s) in memory: the policy, the reward model" in proc.stdout
+    logs = read_run(tmp_path, "grpo")
+    assert "eval/score" in logs and "eval/kl" not in logs and "objective/kl" not in logs
+    assert [v for _, v in logs["policy/first_ratio_max_error"]] == [0.0, 0.0]
+
+
+def test_grpo_on_a_dataset_with_targets(tiny_checkpoints, tmp_path):
+    """A .jsonl of prompts with a `target` column and the exact-match reward; the reward is one of 0, 1 and the
+    missing-EOS penalty, so its mean lies within [penalty, 1]."""
+    rows = [{"prompt": f"sort {a}{b}{c}:", "target": "".join(sorted(f"{a}{b}{c}"))}
+            for a in range(3) for b in range(3) for c in range(3)]
+    (tmp_path / "math.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    models = tiny_checkpoints["cwd"] / "models"
+    run_in_process("grpo.py", "--sft-model-path", str(models / "sft"), "--dataset-name", "math.jsonl", "--reward",
+                   "gold-exact", "--num-batches", "2", "--batch-size", "8", "--num-generations", "4",
+                   "--mini-batch-size", "8", "--eval-size", "4", cwd=tmp_path)
+    logs = read_run(tmp_path, "grpo")
+    assert all(-1.0 <= v <= 1.0 for _, v in logs["objective/reward"])
+    assert "eval/gold_accuracy" in logs
+
+
+def test_a_completion_without_a_stop_token_gets_the_penalty_not_its_gold_score(tiny_checkpoints, tmp_path):
+    """One token per completion: a digit, never the EOS the SFT model learned to put after the digits. Its
+    gold score would be ≥ 0; the reward is the penalty, exactly, for every completion."""
+    models = tiny_checkpoints["cwd"] / "models"
+    run_in_process("grpo.py", "--sft-model-path", str(models / "sft"), "--response-length", "1", "--missing-eos-penalty",
+                   "-0.7", "--num-batches", "2", "--batch-size", "8", "--num-generations", "4", "--mini-batch-size", "8",
+                   "--eval-size", "4", cwd=tmp_path)
+    logs = read_run(tmp_path, "grpo")
+    assert [v for _, v in logs["objective/stop_fraction"]] == [0.0, 0.0]
+    assert [v for _, v in logs["objective/reward"]] == pytest.approx([-0.7, -0.7])
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--num-generations", "1"], ["--num-generations 1", "at least 2"]),
+    (["--batch-size", "20", "--num-generations", "8"], ["--batch-size 20", "groups of --num-generations 8"]),
+    (["--loss-type", "mean"], ["--loss-type 'mean'", "grpo, dapo, dr_grpo"]),
+    (["--reward", "model", "--reward-model-path", "models/nope"], ["models/nope", "python reward_model.py"]),
+])
+def test_bad_input_is_one_line(tiny_checkpoints, tmp_path, flags, words):
+    models = tiny_checkpoints["cwd"] / "models"
+    proc = run_script("grpo.py", "--sft-model-path", str(models / "sft"), *flags, cwd=tmp_path, check=False)
+    assert_one_line_error(proc, *words)
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "models").exists()
+
+
+def test_a_dataset_without_targets_needs_the_reward_model(tiny_checkpoints, tmp_path):
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps({"prompt": f"sort {i}{i + 1}:"}) for i in range(8)))
+    models = tiny_checkpoints["cwd"] / "models"
+    proc = run_script("grpo.py", "--sft-model-path", str(models / "sft"), "--dataset-name", "p.jsonl", cwd=tmp_path,
+                      check=False)
+    assert_one_line_error(proc, "`target` column", "--reward model")
