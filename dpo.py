@@ -14,6 +14,7 @@ policy is fit to preference pairs directly (eq. 7):
 Datasets in TRL's preference formats, text or conversational: `prompt`/`chosen`/`rejected`, or
 `chosen`/`rejected` with the prompt inside each.
 """
+import gc
 import json
 import math
 import os
@@ -795,8 +796,6 @@ def main(args: Args):
     save_atomically(raw_policy, tokenizer, args, args.output_dir)
     print(f"saved to {args.output_dir} after {time.time() - start_time:.0f} s")
     writer.close()
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
@@ -806,3 +805,8 @@ if __name__ == "__main__":
         if isinstance(e.code, str) and os.environ.get("RANK", "0") != "0":
             sys.exit(1)
         raise
+    if dist.is_initialized():
+        # Only now, with main's models freed: a DDP model that outlives the process group tears gloo down
+        # while holding the GIL, which can deadlock with gloo's worker threads.
+        gc.collect()
+        dist.destroy_process_group()

@@ -19,6 +19,7 @@ scaling (--no-scale-rewards, Dr. GRPO), the loss over all tokens (--loss-type da
     python grpo.py --advantage rloo                      # RLOO
     python grpo.py --sft-model-path my-sft --dataset-name math.jsonl --reward gold-exact --lr 1e-6 --bf16
 """
+import gc
 import json
 import math
 import os
@@ -871,8 +872,6 @@ def main(args: Args):
     save_atomically(raw_policy, tokenizer, args, args.output_dir)
     print(f"saved to {args.output_dir} after {time.time() - start_time:.0f} s")
     writer.close()
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
@@ -882,3 +881,8 @@ if __name__ == "__main__":
         if isinstance(e.code, str) and os.environ.get("RANK", "0") != "0":
             sys.exit(1)
         raise
+    if dist.is_initialized():
+        # Only now, with main's models freed: a DDP model that outlives the process group tears gloo down
+        # while holding the GIL, which can deadlock with gloo's worker threads.
+        gc.collect()
+        dist.destroy_process_group()

@@ -13,6 +13,7 @@ response token. GAE over the response, then several epochs of clipped PPO update
     python rlhf_ppo.py --kl-coef 0                                   # what the KL penalty is for
     python rlhf_ppo.py --sft-model-path my-sft --reward-model-path my-rm --dataset-name prompts.jsonl --lr 1e-6 --bf16
 """
+import gc
 import json
 import math
 import os
@@ -870,8 +871,6 @@ def main(args: Args):
     save_atomically(raw_actor, tokenizer, args, args.output_dir)
     print(f"saved to {args.output_dir} after {time.time() - start_time:.0f} s")
     writer.close()
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
@@ -881,3 +880,8 @@ if __name__ == "__main__":
         if isinstance(e.code, str) and os.environ.get("RANK", "0") != "0":
             sys.exit(1)
         raise
+    if dist.is_initialized():
+        # Only now, with main's models freed: a DDP model that outlives the process group tears gloo down
+        # while holding the GIL, which can deadlock with gloo's worker threads.
+        gc.collect()
+        dist.destroy_process_group()

@@ -13,6 +13,7 @@ its stop token), `text` (loss on every token) or `messages` (chat template; loss
 turns). A checkpoint saved in bf16 or fp16 is trained in float32 (master weights); `--bf16` adds mixed
 precision.
 """
+import gc
 import json
 import math
 import os
@@ -688,8 +689,6 @@ def main(args: Args):
     save_atomically(raw_model, tokenizer, args, args.output_dir)
     print(f"saved to {args.output_dir}")
     writer.close()
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
@@ -699,3 +698,8 @@ if __name__ == "__main__":
         if isinstance(e.code, str) and os.environ.get("RANK", "0") != "0":
             sys.exit(1)
         raise
+    if dist.is_initialized():
+        # Only now, with main's models freed: a DDP model that outlives the process group tears gloo down
+        # while holding the GIL, which can deadlock with gloo's worker threads.
+        gc.collect()
+        dist.destroy_process_group()

@@ -20,7 +20,7 @@ def torchrun(script, *flags, cwd, nproc=2, check=True):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "--log-dir", str(cwd / "torchrun_logs"), "--redirects", "3", os.path.join(ROOT, script), *flags]
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     if check and proc.returncode != 0:
         pytest.fail(f"torchrun {script} {' '.join(flags)} exited {proc.returncode}:\n{proc.stderr[-3000:]}\n"
                     + "\n".join(rank_output(cwd, r, "stderr")[-3000:] for r in range(nproc)))

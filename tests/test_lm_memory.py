@@ -91,7 +91,8 @@ def test_rlhf_ppo_micro_batches_keep_the_first_ratio_exact_and_the_update(tiny_c
         assert logs_two[tag][0][1] == pytest.approx(logs_one[tag][0][1], abs=1e-5), tag
 
 
-def test_rlhf_ppo_rollout_forward_passes_use_the_update_micro_batch_size(tiny_checkpoints, tmp_path):
+@pytest.mark.parametrize("script", ["rlhf_ppo.py", "grpo.py"])
+def test_rollout_forward_passes_use_the_update_micro_batch_size(tiny_checkpoints, tmp_path, script):
     """The first ratio is exactly 1 because the rollout's log-probs come from forward passes of the same size as
     the update's. On this CPU a batch of 4 and one of 8 happen to give the same bits, so the sizes are checked."""
     from transformers import GPT2LMHeadModel
@@ -112,10 +113,11 @@ def test_rlhf_ppo_rollout_forward_passes_use_the_update_micro_batch_size(tiny_ch
 
     GPT2LMHeadModel.forward = forward
     try:
-        run_in_process("rlhf_ppo.py", "--sft-model-path", str(models / "sft"), "--reward-model-path",
-                       str(models / "reward_model"), "--num-iterations", "1", "--batch-size", "16", "--mini-batch-size", "8",
-                       "--gradient-accumulation-steps", "2", "--eval-size", "6", "--generation-batch-size", "6",
-                       "--response-length", "14", "--output-dir", "ppo", cwd=tmp_path)
+        flags = (["--reward-model-path", str(models / "reward_model"), "--num-iterations", "1"] if script == "rlhf_ppo.py"
+                 else ["--num-batches", "1", "--num-generations", "4"])
+        run_in_process(script, "--sft-model-path", str(models / "sft"), *flags, "--batch-size", "16", "--mini-batch-size",
+                       "8", "--gradient-accumulation-steps", "2", "--eval-size", "6", "--generation-batch-size", "6",
+                       "--response-length", "14", "--output-dir", "out", cwd=tmp_path)
     finally:
         GPT2LMHeadModel.forward = original
     update = {size for grad, size in sizes if grad}
