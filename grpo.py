@@ -560,6 +560,9 @@ def load_prompts_and_targets(args):
         sys.exit(f"error: --reward {args.reward} needs a `target` column (the verifiable answer), and dataset "
                  f"{args.dataset_name!r} has columns {columns}; add one, or use --reward model")
     targets = "target" in columns
+    if args.reward == "gold" and targets and any(str(row["target"]) == "" for row in train + evals):
+        sys.exit(f"error: dataset {args.dataset_name!r} has an empty `target`; the gold score (an edit distance "
+                 "relative to the target's length) needs one, or use --reward gold-exact")
     return ([row["prompt"] for row in train], [row["target"] for row in train] if targets else None,
             [row["prompt"] for row in evals], [row["target"] for row in evals] if targets else None)
 

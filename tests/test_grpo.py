@@ -153,3 +153,12 @@ def test_a_dataset_without_targets_needs_the_reward_model(tiny_checkpoints, tmp_
     proc = run_script("grpo.py", "--sft-model-path", str(models / "sft"), "--dataset-name", "p.jsonl", cwd=tmp_path,
                       check=False)
     assert_one_line_error(proc, "`target` column", "--reward model")
+
+
+def test_an_empty_target_is_one_line_for_the_gold_score(tiny_checkpoints, tmp_path):
+    rows = [{"prompt": f"sort {i}{i + 1}:", "target": "" if i == 3 else f"{i}{i + 1}"} for i in range(8)]
+    (tmp_path / "t.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    models = tiny_checkpoints["cwd"] / "models"
+    proc = run_script("grpo.py", "--sft-model-path", str(models / "sft"), "--dataset-name", "t.jsonl", cwd=tmp_path,
+                      check=False)
+    assert_one_line_error(proc, "empty `target`", "--reward gold-exact")

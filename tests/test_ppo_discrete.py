@@ -47,6 +47,20 @@ def test_gae_without_truncation_bootstrap(script):
 
 
 @pytest.mark.parametrize("script", BOTH)
+def test_gae_with_gamma_unequal_to_lambda(script):
+    # γ = 0.9, λ = 0.5 (unequal, so swapping them anywhere shows), one env, T = 3, no episode end,
+    # r = 1, 2, 3, V = 1, 1, 1, V after the rollout = 2:
+    #   t=2: δ = 3 + .9·2 − 1 = 3.8                 Â_2 = 3.8
+    #   t=1: δ = 2 + .9·1 − 1 = 1.9                 Â_1 = 1.9 + .9·.5·3.8 = 3.61
+    #   t=0: δ = 1 + .9·1 − 1 = 0.9                 Â_0 = 0.9 + .45·3.61 = 2.5245
+    col = lambda *x: np.array(x, dtype=np.float64)[:, None]  # noqa: E731
+    advantages, returns = script.compute_gae(col(1, 2, 3), col(1, 1, 1), np.array([2.0]), col(0, 0, 0), col(0, 0, 0),
+                                             col(0, 0, 0), gamma=0.9, gae_lambda=0.5)
+    np.testing.assert_allclose(advantages[:, 0], [2.5245, 3.61, 3.8])
+    np.testing.assert_allclose(returns[:, 0], [3.5245, 4.61, 4.8])
+
+
+@pytest.mark.parametrize("script", BOTH)
 def test_gae_terminated_and_truncated_at_once_is_a_termination(script):
     # T = 1: r = 1, V = 2, both flags set, final value 10: δ = 1 + 0 − 2 = −1
     advantages, _ = script.compute_gae(np.ones((1, 1)), np.full((1, 1), 2.0), np.zeros(1), np.ones((1, 1)),

@@ -40,6 +40,19 @@ def test_masked_gae_over_a_padded_response():
     torch.testing.assert_close(returns, T([[0.625, 0.75, 1.0], [0.7, 1.0, 0.0]]))
 
 
+def test_masked_gae_with_gamma_unequal_to_lambda():
+    # γ = 0.9, λ = 0.5; a response of 3 valid tokens and one of padding; r = 1, 2, 3, V = 1, 1, 1, and V = 0 after
+    # the last valid token:
+    #   t=2: δ = 3 + .9·0 − 1 = 2        Â_2 = 2
+    #   t=1: δ = 2 + .9·1 − 1 = 1.9      Â_1 = 1.9 + .9·.5·2 = 2.8
+    #   t=0: δ = 1 + .9·1 − 1 = 0.9      Â_0 = 0.9 + .45·2.8 = 2.16;  returns = Â + V = 3.16, 3.8, 3, (padding) 0
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    advantages, returns = rlhf_ppo.masked_gae(torch.tensor([[1.0, 2.0, 3.0, 5.0]]), torch.tensor([[1.0, 1.0, 1.0, 7.0]]),
+                                              mask, gamma=0.9, lam=0.5)
+    torch.testing.assert_close(advantages, torch.tensor([[2.16, 2.8, 2.0, 0.0]]))
+    torch.testing.assert_close(returns, torch.tensor([[3.16, 3.8, 3.0, 0.0]]))
+
+
 def test_masked_whiten():
     # valid values {1, 2, 3, 5}: mean 2.75, var (1.75² + .75² + .25² + 2.25²)/4 = 8.75/4 = 2.1875, std 1.479020
     #   (1 − 2.75)/1.47902 = −1.183216, (2 − 2.75)/… = −0.507093, (3 − 2.75)/… = 0.169031, (5 − 2.75)/… = 1.521278
@@ -188,3 +201,50 @@ def test_real_data_paths_with_local_files(tiny_checkpoints, tmp_path):
     proc = run_script("dpo.py", "--dataset-name", "prompts.jsonl", "--model-name-or-path", str(models / "sft"),
                       cwd=tmp_path, check=False)
     assert_one_line_error(proc, "['prompt']", "chosen and rejected")
+
+
+class PositionLogits(torch.nn.Module):
+    """A stand-in LM whose next-token distribution differs at every position (and row): logits[b, t, v] =
+    3 sin(1 + 0.7 t + 1.3 v + b). Uniform logits cannot show a log-prob taken one position off; these do."""
+
+    vocab = 11
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        from types import SimpleNamespace
+
+        b, t, v = (torch.arange(n).float() for n in (*input_ids.shape, self.vocab))
+        return SimpleNamespace(logits=3 * torch.sin(1 + 0.7 * t.view(1, -1, 1) + 1.3 * v.view(1, 1, -1) + b.view(-1, 1, 1)))
+
+
+def by_hand(logits, sequences, positions):
+    """log softmax of the logits at position p − 1, at the token at position p, for each (row, p)."""
+    return torch.tensor([torch.log_softmax(logits[b, p - 1], -1)[sequences[b, p]].item() for b, p in positions])
+
+
+@pytest.mark.parametrize("script", ["rlhf_ppo", "grpo"])
+def test_response_logprobs_are_those_of_the_token_after_each_position(script):
+    import importlib
+
+    module = importlib.import_module(script)
+    model = PositionLogits()
+    sequences = torch.tensor([[0, 3, 4, 5, 6, 2], [0, 0, 7, 1, 9, 8]])  # context 3 (row 1 left-padded), response 3
+    attention_mask = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1]])
+    logprobs, _ = module.response_logprobs(model, sequences, attention_mask, 3, 1.0)
+    logits = model(sequences).logits
+    expected = by_hand(logits, sequences, [(b, p) for b in range(2) for p in range(3, 6)]).view(2, 3)
+    torch.testing.assert_close(logprobs, expected)
+
+
+def test_dpo_log_probs_are_those_of_the_token_after_each_position():
+    model = PositionLogits()
+    input_ids = torch.tensor([[5, 3, 4, 6, 2], [5, 1, 9, 0, 0]])  # right-padded
+    attention_mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    labels = torch.tensor([[-100, -100, 4, 6, 2], [-100, 1, 9, -100, -100]])  # the completions
+    logits = model(input_ids).logits
+    expected = torch.stack([by_hand(logits, input_ids, [(0, 2), (0, 3), (0, 4)]).sum(),
+                            by_hand(logits, input_ids, [(1, 1), (1, 2)]).sum()])
+    torch.testing.assert_close(dpo.sequence_logps(model, input_ids, attention_mask, labels), expected)
+    # the sampled-response version: a context of 2 then 3 response tokens (the second row stops after 1)
+    sequences, mask = torch.tensor([[5, 3, 4, 6, 2], [5, 1, 9, 0, 0]]), torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    expected = torch.stack([by_hand(logits, sequences, [(0, 2), (0, 3), (0, 4)]).sum(), by_hand(logits, sequences, [(1, 2)]).sum()])
+    torch.testing.assert_close(dpo.response_logps(model, sequences, mask, 2, 1.0), expected)
