@@ -201,12 +201,22 @@ def evaluate(agent, args, device):
 
 
 def main(args: Args):
+    for flag, value in (("--num-envs", args.num_envs), ("--num-steps", args.num_steps),
+                        ("--num-minibatches", args.num_minibatches), ("--update-epochs", args.update_epochs)):
+        if value < 1:
+            sys.exit(f"error: {flag} {value}: it must be at least 1")
     batch_size = args.num_envs * args.num_steps
     if batch_size % args.num_minibatches:
         sys.exit(f"error: the batch (num_envs * num_steps = {batch_size}) does not divide into "
                  f"{args.num_minibatches} minibatches; change --num-minibatches")
     minibatch_size = batch_size // args.num_minibatches
+    if args.norm_adv and minibatch_size < 2:
+        sys.exit(f"error: minibatches of {minibatch_size} sample: --norm-adv divides the advantages by their std "
+                 "over a minibatch, which needs at least 2; lower --num-minibatches or pass --no-norm-adv")
     num_iterations = args.total_timesteps // batch_size
+    if num_iterations < 1:
+        sys.exit(f"error: --total-timesteps {args.total_timesteps} is less than one batch (num_envs * num_steps = "
+                 f"{batch_size}), so nothing would be trained; raise it or lower --num-steps")
     envs = make_envs(args)
     check_spaces(envs, args.env_id)
     run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"

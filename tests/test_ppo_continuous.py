@@ -109,3 +109,15 @@ def test_gae_with_gamma_unequal_to_lambda():
                                          col(0, 0, 0), col(0, 0, 0), gamma=0.9, gae_lambda=0.5)
     np.testing.assert_allclose(advantages[:, 0], [2.5245, 3.61, 3.8])
     np.testing.assert_allclose(returns[:, 0], [3.5245, 4.61, 4.8])
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--total-timesteps", "100", "--num-envs", "2", "--num-steps", "64"], ["--total-timesteps 100", "less than one batch"]),
+    (["--num-envs", "0"], ["--num-envs 0", "at least 1"]),
+    (["--num-minibatches", "0"], ["--num-minibatches 0", "at least 1"]),
+    (["--num-envs", "1", "--num-steps", "4", "--num-minibatches", "4"], ["minibatches of 1 sample", "--no-norm-adv"]),
+])
+def test_bad_sizes_are_one_line_and_write_nothing(tmp_path, flags, words):
+    proc = run_script("ppo_continuous.py", *flags, cwd=tmp_path, check=False)
+    assert_one_line_error(proc, *words)
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "models").exists()

@@ -225,3 +225,16 @@ def test_same_seed_same_results(tmp_path):
         runs.append({tag: values for tag, values in scalars.items() if tag != "charts/SPS"})
     assert runs[0] == runs[1]
     assert len(runs[0]["charts/episodic_return"]) > 10
+
+
+@pytest.mark.parametrize("script", ["ppo_clip.py", "ppo_kl.py"])
+@pytest.mark.parametrize("flags,words", [
+    (["--total-timesteps", "100", "--num-envs", "2", "--num-steps", "64"], ["--total-timesteps 100", "less than one batch"]),
+    (["--num-envs", "0"], ["--num-envs 0", "at least 1"]),
+    (["--num-minibatches", "0"], ["--num-minibatches 0", "at least 1"]),
+    (["--num-envs", "1", "--num-steps", "4", "--num-minibatches", "4"], ["minibatches of 1 sample", "--no-norm-adv"]),
+])
+def test_bad_sizes_are_one_line_and_write_nothing(tmp_path, script, flags, words):
+    proc = run_script(script, *flags, cwd=tmp_path, check=False)
+    assert_one_line_error(proc, *words)
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "models").exists()
