@@ -322,23 +322,6 @@ def stop_token_ids(tokenizer):
     return stops
 
 
-def tokenize_pair(tokenizer, prompt, completion, stop_ids):
-    """(prompt_ids, completion_ids), the completion ending with a stop token. A text completion is
-    tokenized on its own, EOS appended. A conversational one (assistant messages after a conversational
-    prompt) is what the chat template adds to the prompt's rendering, up to and including its first stop
-    token: what a template writes after it (a newline) is never sampled, so it is not trained on either."""
-    prompt_ids = encode_prompt(tokenizer, prompt)
-    if not isinstance(completion, list):
-        return prompt_ids, tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    full = render_chat(tokenizer, prompt + completion)
-    if full[: len(prompt_ids)] != prompt_ids:
-        sys.exit("error: the chat template renders a conversation's start differently once a reply follows, so "
-                 "prompt and completion tokens cannot be told apart; use text prompt/completion data")
-    completion_ids = full[len(prompt_ids) :]
-    ends = [i for i, t in enumerate(completion_ids) if t in stop_ids]
-    return prompt_ids, completion_ids[: ends[0] + 1] if ends else completion_ids + [tokenizer.eos_token_id]
-
-
 def add_pad_token(tokenizer, stop_ids, *models):
     """Make sure the tokenizer has a pad token that is no stop token, so that masking padding never masks
     an EOS the model must learn. Reuse an unused special token where the tokenizer has one (Llama 3's
