@@ -33,18 +33,24 @@ class Args:
     cuda: bool = True
     """use CUDA when it is available (the CPU otherwise)"""
     threads: int = 1
-    """torch CPU threads; one is fastest for these small networks (see README)"""
+    """torch CPU threads; one is fastest for networks this small (more threads cost more in overhead than they save)"""
     save_model: bool = False
-    """save the agent and its observation-normalization statistics to runs/<run name>/<exp name>.pt"""
+    """save the agent, the flags and the observation statistics to runs/<run name>/<exp name>.pt (tensors and plain
+    types: `torch.load(path)` reads it)"""
     eval_episodes: int = 10
     """episodes of the deterministic (mean action) evaluation at the end; 0 skips it"""
+    load_model: str | None = None
+    """start from this checkpoint (a .pt written by --save-model); with --total-timesteps 0, only evaluate it"""
+    capture_video: bool = False
+    """record the evaluation episodes to videos/<run name>/ (needs moviepy; pygame for classic control;
+    MuJoCo without a display: MUJOCO_GL=egl)"""
 
     env_id: str = "HalfCheetah-v5"
     """gymnasium id of an environment with Box actions and vector observations"""
     total_timesteps: int = 1_000_000
     """total environment steps, summed over all parallel environments"""
     learning_rate: float = 3e-4
-    """Adam learning rate"""
+    """Adam learning rate (rlhf_ppo.py: --lr)"""
     num_envs: int = 1
     """number of parallel environments"""
     num_steps: int = 2048
@@ -54,15 +60,16 @@ class Args:
     gamma: float = 0.99
     """discount factor"""
     gae_lambda: float = 0.95
-    """lambda of generalized advantage estimation"""
+    """λ of generalized advantage estimation (TRL, rlhf_ppo.py: lam)"""
     num_minibatches: int = 32
-    """minibatches per epoch; must divide the batch"""
+    """minibatches per epoch; must divide the batch (TRL: num_mini_batches; rlhf_ppo.py sets their size instead,
+    --mini-batch-size = batch / num_minibatches)"""
     update_epochs: int = 10
-    """epochs over the rollout in each update"""
+    """epochs over the rollout in each update (TRL: num_ppo_epochs; rlhf_ppo.py: --ppo-epochs)"""
     norm_adv: bool = True
     """normalize advantages within each minibatch"""
     clip_coef: float = 0.2
-    """epsilon of the clipped surrogate (eq. 7)"""
+    """ε of the clipped surrogate (eq. 7), and of the value clipping (TRL, rlhf_ppo.py: cliprange, cliprange_value)"""
     clip_vloss: bool = True
     """clip the value loss around the old values, as in the OpenAI baselines"""
     ent_coef: float = 0.0
@@ -141,9 +148,10 @@ def compute_gae(rewards, values, last_value, terminations, truncations, final_va
 
     V_next_t is the value of the state after step t: V(s_{t+1}) inside an episode, `last_value`
     after the last step of the rollout, and `final_values[t]`, the value of the real final
-    observation, when the episode was truncated at step t (HalfCheetah never terminates: every
-    episode ends by its 1000-step time limit, which cuts the future off without making it worth 0).
-    Passing zeros as final_values treats truncations like terminations. Returns (advantages, returns).
+    observation, when the episode was truncated at step t. A time limit cuts the future off, it
+    does not make it worth zero; a termination does, hence the (1 − term_t). Passing zeros as
+    final_values treats truncations like terminations. Works on numpy arrays or torch tensors.
+    Returns (advantages, returns).
     """
     num_steps = len(rewards)
     advantages = rewards * 0.0
@@ -158,12 +166,21 @@ def compute_gae(rewards, values, last_value, terminations, truncations, final_va
 
 
 def clipped_policy_loss(ratio, advantages, clip_coef):
-    """The clipped surrogate (PPO eq. 7), negated: mean( max( −Â_t r_t(θ), −Â_t clip(r_t(θ), 1 − ε, 1 + ε) ) )"""
-    return torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)).mean()
+    """The clipped surrogate (PPO eq. 7), negated to be minimized:
+
+        L = mean( max( −Â_t r_t(θ),  −Â_t clip(r_t(θ), 1 − ε, 1 + ε) ) ),   r_t = π_θ(a|s) / π_old(a|s)
+    """
+    pg_loss1 = -advantages * ratio
+    pg_loss2 = -advantages * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)
+    return torch.max(pg_loss1, pg_loss2).mean()
 
 
 def value_loss(newvalues, oldvalues, returns, clip_coef, clip=True):
-    """½ mean( max( (V − R)², (V_old + clip(V − V_old, −ε, ε) − R)² ) ), or ½ mean((V − R)²) without clip."""
+    """Squared error to the returns, optionally clipped around the rollout's values:
+
+        L = ½ mean( max( (V − R)²,  (V_old + clip(V − V_old, −ε, ε) − R)² ) )    (clip)
+        L = ½ mean( (V − R)² )                                                 (no clip)
+    """
     unclipped = (newvalues - returns) ** 2
     if not clip:
         return 0.5 * unclipped.mean()
@@ -217,8 +234,44 @@ class Agent(nn.Module):
         return action, gaussian_log_prob(mean, log_std, action), gaussian_entropy(log_std), self.get_value(x)
 
 
+def check_args(args):
+    """Flags that would crash, train nothing or fail at the end are one-line errors, before any work.
+    Returns (batch_size, minibatch_size, num_iterations)."""
+    for flag, value in (("--num-envs", args.num_envs), ("--num-steps", args.num_steps),
+                        ("--num-minibatches", args.num_minibatches), ("--update-epochs", args.update_epochs)):
+        if value < 1:
+            sys.exit(f"error: {flag} {value}: it must be at least 1")
+    batch_size = args.num_envs * args.num_steps
+    if batch_size % args.num_minibatches:
+        sys.exit(f"error: the batch (num_envs * num_steps = {batch_size}) does not divide into "
+                 f"{args.num_minibatches} minibatches; change --num-minibatches")
+    minibatch_size = batch_size // args.num_minibatches
+    if args.norm_adv and minibatch_size < 2:
+        sys.exit(f"error: minibatches of {minibatch_size} sample: --norm-adv divides the advantages by their std "
+                 "over a minibatch, which needs at least 2; lower --num-minibatches or pass --no-norm-adv")
+    num_iterations = args.total_timesteps // batch_size
+    if args.total_timesteps == 0 and args.load_model is not None:  # evaluate a saved agent, train nothing
+        if args.eval_episodes < 1:
+            sys.exit("error: --total-timesteps 0 and --eval-episodes 0: nothing to do; raise --eval-episodes")
+    elif num_iterations < 1:
+        sys.exit(f"error: --total-timesteps {args.total_timesteps} is less than one batch (num_envs * num_steps = "
+                 f"{batch_size}), so nothing would be trained; raise it or lower --num-steps "
+                 "(0 with --load-model only evaluates)")
+    if args.load_model is not None and not os.path.isfile(args.load_model):
+        sys.exit(f"error: --load-model {args.load_model}: no such file; pass a .pt written by --save-model")
+    if args.capture_video:
+        if args.eval_episodes < 1:
+            sys.exit("error: --capture-video records the evaluation episodes, but --eval-episodes is 0")
+        try:
+            import moviepy  # noqa: F401  (gymnasium's RecordVideo writes the .mp4 files with it)
+        except ImportError:
+            sys.exit("error: --capture-video needs moviepy: pip install moviepy")
+    return batch_size, minibatch_size, num_iterations
+
+
 def make_envs(args):
-    """Vector envs that reset in the same step an episode ends (see ppo_clip.py)."""
+    """Vector envs that reset in the same step an episode ends (gymnasium >= 1.0's default would
+    instead emit one extra transition, belonging to no episode, after every episode end)."""
     try:
         return gym.vector.SyncVectorEnv(
             [lambda: gym.make(args.env_id) for _ in range(args.num_envs)],
@@ -228,18 +281,60 @@ def make_envs(args):
         sys.exit(f"error: cannot make env {args.env_id!r}: {e}")
 
 
-def check_spaces(envs, env_id):
-    if not isinstance(envs.single_action_space, gym.spaces.Box):
-        sys.exit(f"error: {env_id} has {envs.single_action_space} actions; this script needs Box (continuous) "
-                 "ones (use ppo_clip.py for Discrete actions)")
+def check_env(envs, args, action_space):
+    """One-line errors for an environment this script cannot train on or (with --capture-video) film."""
+    if not isinstance(envs.single_action_space, action_space):
+        sys.exit(f"error: {args.env_id} has {envs.single_action_space} actions; this script needs {action_space.__name__} "
+                 "ones (ppo_clip.py and ppo_kl.py take Discrete actions, ppo_continuous.py Box ones)")
     if not (isinstance(envs.single_observation_space, gym.spaces.Box) and len(envs.single_observation_space.shape) == 1):
-        sys.exit(f"error: {env_id} has {envs.single_observation_space} observations; this script needs a flat Box")
+        sys.exit(f"error: {args.env_id} has {envs.single_observation_space} observations; this script needs a flat Box")
+    if args.capture_video:
+        try:
+            env = gym.make(args.env_id, render_mode="rgb_array")
+            env.reset(seed=args.seed)
+            env.render()
+            env.close()
+        except Exception as e:  # a missing renderer: pygame (classic control), OpenGL (MuJoCo)
+            sys.exit(f"error: --capture-video: {args.env_id} cannot render here ({str(e).splitlines()[0]}); classic "
+                     "control needs `pip install pygame`, MuJoCo without a display MUJOCO_GL=egl")
 
 
-def evaluate(agent, obs_rms, args, device):
+def save_checkpoint(path, agent, args, obs_rms=None):
+    """The weights, the flags and, when observations are normalized, their running statistics, all as
+    tensors and plain types (so the safe `torch.load(path)` reads it); written to a temporary file
+    first, so a crash never leaves half a checkpoint."""
+    checkpoint = {"agent": agent.state_dict(), "args": vars(args)}
+    if obs_rms is not None:
+        checkpoint["obs_rms"] = {"mean": torch.as_tensor(obs_rms.mean), "var": torch.as_tensor(obs_rms.var),
+                                 "count": float(obs_rms.count)}
+    torch.save(checkpoint, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def load_checkpoint(path, agent, args, obs_rms=None):
+    """Load a `save_checkpoint` file into `agent` (and `obs_rms`); a wrong file is a one-line error."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        for flag in ("env_id", "norm_obs"):  # same sizes, other meaning: it would load, and be wrong
+            saved, given = checkpoint["args"].get(flag), getattr(args, flag, None)
+            if saved != given:
+                sys.exit(f"error: --load-model {path} was saved with {flag}={saved!r}, this run has {given!r}")
+        agent.load_state_dict(checkpoint["agent"])
+        if obs_rms is not None:
+            stats = checkpoint["obs_rms"]
+            obs_rms.mean, obs_rms.var, obs_rms.count = stats["mean"].numpy(), stats["var"].numpy(), stats["count"]
+    except Exception as e:  # not a checkpoint, another env's sizes, no statistics
+        sys.exit(f"error: --load-model {path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}; pass a .pt "
+                 "that --save-model of this script wrote for the same env and network")
+
+
+def evaluate(agent, obs_rms, args, device, video_folder=None):
     """Mean return of `eval_episodes` episodes taking the mean action, observations normalized
-    with the statistics frozen at the end of training."""
-    env = gym.make(args.env_id)
+    with the statistics frozen at the end of training. With `video_folder`, every episode is
+    recorded there as an .mp4."""
+    env = gym.make(args.env_id, render_mode="rgb_array" if video_folder else None)
+    if video_folder:
+        env = gym.wrappers.RecordVideo(env, video_folder, episode_trigger=lambda episode: True, disable_logger=True)
     low, high = env.action_space.low, env.action_space.high
     returns = []
     for episode in range(args.eval_episodes):
@@ -259,24 +354,9 @@ def evaluate(agent, obs_rms, args, device):
 
 
 def main(args: Args):
-    for flag, value in (("--num-envs", args.num_envs), ("--num-steps", args.num_steps),
-                        ("--num-minibatches", args.num_minibatches), ("--update-epochs", args.update_epochs)):
-        if value < 1:
-            sys.exit(f"error: {flag} {value}: it must be at least 1")
-    batch_size = args.num_envs * args.num_steps
-    if batch_size % args.num_minibatches:
-        sys.exit(f"error: the batch (num_envs * num_steps = {batch_size}) does not divide into "
-                 f"{args.num_minibatches} minibatches; change --num-minibatches")
-    minibatch_size = batch_size // args.num_minibatches
-    if args.norm_adv and minibatch_size < 2:
-        sys.exit(f"error: minibatches of {minibatch_size} sample: --norm-adv divides the advantages by their std "
-                 "over a minibatch, which needs at least 2; lower --num-minibatches or pass --no-norm-adv")
-    num_iterations = args.total_timesteps // batch_size
-    if num_iterations < 1:
-        sys.exit(f"error: --total-timesteps {args.total_timesteps} is less than one batch (num_envs * num_steps = "
-                 f"{batch_size}), so nothing would be trained; raise it or lower --num-steps")
+    batch_size, minibatch_size, num_iterations = check_args(args)
     envs = make_envs(args)
-    check_spaces(envs, args.env_id)
+    check_env(envs, args, gym.spaces.Box)
     run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
 
     random.seed(args.seed)
@@ -285,14 +365,16 @@ def main(args: Args):
     torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
 
-    writer = SummaryWriter(f"runs/{run_name}")
-    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
-
     obs_dim, act_dim = envs.single_observation_space.shape[0], envs.single_action_space.shape[0]
     low, high = envs.single_action_space.low, envs.single_action_space.high
     agent = Agent(obs_dim, act_dim, args.hidden_size, args.log_std_init).to(device)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
     obs_rms, return_rms = RunningMeanStd(obs_dim), RunningMeanStd()
+    if args.load_model is not None:
+        load_checkpoint(args.load_model, agent, args, obs_rms)
+
+    writer = SummaryWriter(f"runs/{run_name}")
+    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
 
     def process_obs(raw_obs, update=True):
         """Normalize observations, first folding them into the running statistics."""
@@ -386,6 +468,9 @@ def main(args: Args):
                 entropy_loss = entropy.mean()
                 loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef  # eq. 9, negated
 
+                if not torch.isfinite(loss):  # stop before the weights turn to NaN; nothing is saved
+                    sys.exit(f"error: the loss is {loss.item()} at iteration {iteration}; nothing was saved "
+                             "(lower --learning-rate or --max-grad-norm)")
                 optimizer.zero_grad()
                 loss.backward()
                 nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
@@ -414,10 +499,10 @@ def main(args: Args):
 
     if args.save_model:
         model_path = f"runs/{run_name}/{args.exp_name}.pt"
-        torch.save({"agent": agent.state_dict(), "obs_rms": vars(obs_rms), "args": vars(args)}, model_path)
+        save_checkpoint(model_path, agent, args, obs_rms)
         print(f"model saved to {model_path}")
     if args.eval_episodes > 0:
-        eval_return = evaluate(agent, obs_rms, args, device)
+        eval_return = evaluate(agent, obs_rms, args, device, f"videos/{run_name}" if args.capture_video else None)
         writer.add_scalar("eval/episodic_return", eval_return, global_step)
         print(f"eval/episodic_return={eval_return:.2f} over {args.eval_episodes} deterministic episodes")
 

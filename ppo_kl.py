@@ -8,8 +8,8 @@ maximize the KL-penalized surrogate (eq. 8)
 with the KL computed exactly between the two categorical distributions (the rollout stores the old
 logits), and after each update adapt β toward the target KL d_targ:
     d = Ê_t[KL];  d < d_targ/1.5 → β ← β/2;  d > 1.5·d_targ → β ← 2β.
-Everything else (agent, GAE, value loss, entropy bonus, defaults, TensorBoard tags) is ppo_clip.py's,
-so the two overlay in TensorBoard.
+Everything else (agent, GAE, value loss, entropy bonus, defaults, TensorBoard tags) is as in the clipped
+version, ppo_clip.py, so that the two overlay in TensorBoard.
 
     python ppo_kl.py                                # CartPole-v1, 500k steps, adaptive β
     python ppo_kl.py --no-adaptive-kl --kl-beta 3   # fixed β
@@ -38,18 +38,23 @@ class Args:
     cuda: bool = True
     """use CUDA when it is available (the CPU otherwise)"""
     threads: int = 1
-    """torch CPU threads; one is fastest for these small networks (see README)"""
+    """torch CPU threads; one is fastest for networks this small (more threads cost more in overhead than they save)"""
     save_model: bool = False
-    """save the agent's weights to runs/<run name>/<exp name>.pt"""
+    """save the agent and the flags to runs/<run name>/<exp name>.pt (`torch.load(path)` reads it)"""
     eval_episodes: int = 10
     """episodes of the deterministic (argmax) evaluation at the end; 0 skips it"""
+    load_model: str | None = None
+    """start from this checkpoint (a .pt written by --save-model); with --total-timesteps 0, only evaluate it"""
+    capture_video: bool = False
+    """record the evaluation episodes to videos/<run name>/ (needs moviepy; pygame for classic control;
+    MuJoCo without a display: MUJOCO_GL=egl)"""
 
     env_id: str = "CartPole-v1"
     """gymnasium id of an environment with discrete actions and vector observations"""
     total_timesteps: int = 500_000
     """total environment steps, summed over all parallel environments"""
     learning_rate: float = 2.5e-4
-    """Adam learning rate"""
+    """Adam learning rate (rlhf_ppo.py: --lr)"""
     num_envs: int = 4
     """number of parallel environments"""
     num_steps: int = 128
@@ -59,11 +64,12 @@ class Args:
     gamma: float = 0.99
     """discount factor"""
     gae_lambda: float = 0.95
-    """lambda of generalized advantage estimation"""
+    """λ of generalized advantage estimation (TRL, rlhf_ppo.py: lam)"""
     num_minibatches: int = 4
-    """minibatches per epoch; must divide the batch"""
+    """minibatches per epoch; must divide the batch (TRL: num_mini_batches; rlhf_ppo.py sets their size instead,
+    --mini-batch-size = batch / num_minibatches)"""
     update_epochs: int = 4
-    """epochs over the rollout in each update"""
+    """epochs over the rollout in each update (TRL: num_ppo_epochs; rlhf_ppo.py: --ppo-epochs)"""
     norm_adv: bool = True
     """normalize advantages within each minibatch"""
     kl_target: float = 0.01
@@ -73,7 +79,8 @@ class Args:
     adaptive_kl: bool = True
     """adapt β after each update (section 4); --no-adaptive-kl keeps it fixed"""
     clip_coef: float = 0.2
-    """epsilon of the value-loss clipping, and the threshold of the clipfrac diagnostic (the policy loss is not clipped)"""
+    """ε of the value-loss clipping and of the clipfrac diagnostic; the policy loss is not clipped (TRL, rlhf_ppo.py:
+    cliprange_value)"""
     clip_vloss: bool = True
     """clip the value loss around the old values, as in the OpenAI baselines"""
     ent_coef: float = 0.01
@@ -87,7 +94,7 @@ class Args:
 
 
 # ---------------------------------------------------------------------------------------------
-# The math: pure functions, checked against hand-computed values in tests/test_ppo_discrete.py
+# The math: pure functions, checked against hand-computed values in tests/test_ppo_kl.py
 # ---------------------------------------------------------------------------------------------
 def compute_gae(rewards, values, last_value, terminations, truncations, final_values, gamma, gae_lambda):
     """Generalized advantage estimation over a rollout of shape [T, num_envs] (PPO eq. 11-12).
@@ -193,6 +200,41 @@ class Agent(nn.Module):
         return action, dist.log_prob(action), dist.entropy(), self.get_value(x), logits
 
 
+def check_args(args):
+    """Flags that would crash, train nothing or fail at the end are one-line errors, before any work.
+    Returns (batch_size, minibatch_size, num_iterations)."""
+    for flag, value in (("--num-envs", args.num_envs), ("--num-steps", args.num_steps),
+                        ("--num-minibatches", args.num_minibatches), ("--update-epochs", args.update_epochs)):
+        if value < 1:
+            sys.exit(f"error: {flag} {value}: it must be at least 1")
+    batch_size = args.num_envs * args.num_steps
+    if batch_size % args.num_minibatches:
+        sys.exit(f"error: the batch (num_envs * num_steps = {batch_size}) does not divide into "
+                 f"{args.num_minibatches} minibatches; change --num-minibatches")
+    minibatch_size = batch_size // args.num_minibatches
+    if args.norm_adv and minibatch_size < 2:
+        sys.exit(f"error: minibatches of {minibatch_size} sample: --norm-adv divides the advantages by their std "
+                 "over a minibatch, which needs at least 2; lower --num-minibatches or pass --no-norm-adv")
+    num_iterations = args.total_timesteps // batch_size
+    if args.total_timesteps == 0 and args.load_model is not None:  # evaluate a saved agent, train nothing
+        if args.eval_episodes < 1:
+            sys.exit("error: --total-timesteps 0 and --eval-episodes 0: nothing to do; raise --eval-episodes")
+    elif num_iterations < 1:
+        sys.exit(f"error: --total-timesteps {args.total_timesteps} is less than one batch (num_envs * num_steps = "
+                 f"{batch_size}), so nothing would be trained; raise it or lower --num-steps "
+                 "(0 with --load-model only evaluates)")
+    if args.load_model is not None and not os.path.isfile(args.load_model):
+        sys.exit(f"error: --load-model {args.load_model}: no such file; pass a .pt written by --save-model")
+    if args.capture_video:
+        if args.eval_episodes < 1:
+            sys.exit("error: --capture-video records the evaluation episodes, but --eval-episodes is 0")
+        try:
+            import moviepy  # noqa: F401  (gymnasium's RecordVideo writes the .mp4 files with it)
+        except ImportError:
+            sys.exit("error: --capture-video needs moviepy: pip install moviepy")
+    return batch_size, minibatch_size, num_iterations
+
+
 def make_envs(args):
     """Vector envs that reset in the same step an episode ends (gymnasium >= 1.0's default would
     instead emit one extra transition, belonging to no episode, after every episode end)."""
@@ -205,17 +247,59 @@ def make_envs(args):
         sys.exit(f"error: cannot make env {args.env_id!r}: {e}")
 
 
-def check_spaces(envs, env_id):
-    if not isinstance(envs.single_action_space, gym.spaces.Discrete):
-        sys.exit(f"error: {env_id} has {envs.single_action_space} actions; this script needs Discrete ones "
-                 "(use ppo_continuous.py for Box actions)")
+def check_env(envs, args, action_space):
+    """One-line errors for an environment this script cannot train on or (with --capture-video) film."""
+    if not isinstance(envs.single_action_space, action_space):
+        sys.exit(f"error: {args.env_id} has {envs.single_action_space} actions; this script needs {action_space.__name__} "
+                 "ones (ppo_clip.py and ppo_kl.py take Discrete actions, ppo_continuous.py Box ones)")
     if not (isinstance(envs.single_observation_space, gym.spaces.Box) and len(envs.single_observation_space.shape) == 1):
-        sys.exit(f"error: {env_id} has {envs.single_observation_space} observations; this script needs a flat Box")
+        sys.exit(f"error: {args.env_id} has {envs.single_observation_space} observations; this script needs a flat Box")
+    if args.capture_video:
+        try:
+            env = gym.make(args.env_id, render_mode="rgb_array")
+            env.reset(seed=args.seed)
+            env.render()
+            env.close()
+        except Exception as e:  # a missing renderer: pygame (classic control), OpenGL (MuJoCo)
+            sys.exit(f"error: --capture-video: {args.env_id} cannot render here ({str(e).splitlines()[0]}); classic "
+                     "control needs `pip install pygame`, MuJoCo without a display MUJOCO_GL=egl")
 
 
-def evaluate(agent, args, device):
-    """Mean return of `eval_episodes` greedy (argmax) episodes on a fresh environment."""
-    env = gym.make(args.env_id)
+def save_checkpoint(path, agent, args, obs_rms=None):
+    """The weights, the flags and, when observations are normalized, their running statistics, all as
+    tensors and plain types (so the safe `torch.load(path)` reads it); written to a temporary file
+    first, so a crash never leaves half a checkpoint."""
+    checkpoint = {"agent": agent.state_dict(), "args": vars(args)}
+    if obs_rms is not None:
+        checkpoint["obs_rms"] = {"mean": torch.as_tensor(obs_rms.mean), "var": torch.as_tensor(obs_rms.var),
+                                 "count": float(obs_rms.count)}
+    torch.save(checkpoint, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def load_checkpoint(path, agent, args, obs_rms=None):
+    """Load a `save_checkpoint` file into `agent` (and `obs_rms`); a wrong file is a one-line error."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        for flag in ("env_id", "norm_obs"):  # same sizes, other meaning: it would load, and be wrong
+            saved, given = checkpoint["args"].get(flag), getattr(args, flag, None)
+            if saved != given:
+                sys.exit(f"error: --load-model {path} was saved with {flag}={saved!r}, this run has {given!r}")
+        agent.load_state_dict(checkpoint["agent"])
+        if obs_rms is not None:
+            stats = checkpoint["obs_rms"]
+            obs_rms.mean, obs_rms.var, obs_rms.count = stats["mean"].numpy(), stats["var"].numpy(), stats["count"]
+    except Exception as e:  # not a checkpoint, another env's sizes, no statistics
+        sys.exit(f"error: --load-model {path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}; pass a .pt "
+                 "that --save-model of this script wrote for the same env and network")
+
+
+def evaluate(agent, args, device, video_folder=None):
+    """Mean return of `eval_episodes` greedy (argmax) episodes on a fresh environment. With
+    `video_folder`, every episode is recorded there as an .mp4."""
+    env = gym.make(args.env_id, render_mode="rgb_array" if video_folder else None)
+    if video_folder:
+        env = gym.wrappers.RecordVideo(env, video_folder, episode_trigger=lambda episode: True, disable_logger=True)
     returns = []
     for episode in range(args.eval_episodes):
         obs, _ = env.reset(seed=args.seed + 10_000 + episode)
@@ -232,24 +316,9 @@ def evaluate(agent, args, device):
 
 
 def main(args: Args):
-    for flag, value in (("--num-envs", args.num_envs), ("--num-steps", args.num_steps),
-                        ("--num-minibatches", args.num_minibatches), ("--update-epochs", args.update_epochs)):
-        if value < 1:
-            sys.exit(f"error: {flag} {value}: it must be at least 1")
-    batch_size = args.num_envs * args.num_steps
-    if batch_size % args.num_minibatches:
-        sys.exit(f"error: the batch (num_envs * num_steps = {batch_size}) does not divide into "
-                 f"{args.num_minibatches} minibatches; change --num-minibatches")
-    minibatch_size = batch_size // args.num_minibatches
-    if args.norm_adv and minibatch_size < 2:
-        sys.exit(f"error: minibatches of {minibatch_size} sample: --norm-adv divides the advantages by their std "
-                 "over a minibatch, which needs at least 2; lower --num-minibatches or pass --no-norm-adv")
-    num_iterations = args.total_timesteps // batch_size
-    if num_iterations < 1:
-        sys.exit(f"error: --total-timesteps {args.total_timesteps} is less than one batch (num_envs * num_steps = "
-                 f"{batch_size}), so nothing would be trained; raise it or lower --num-steps")
+    batch_size, minibatch_size, num_iterations = check_args(args)
     envs = make_envs(args)
-    check_spaces(envs, args.env_id)
+    check_env(envs, args, gym.spaces.Discrete)
     run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
 
     random.seed(args.seed)
@@ -258,12 +327,14 @@ def main(args: Args):
     torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
 
-    writer = SummaryWriter(f"runs/{run_name}")
-    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
-
     obs_dim = envs.single_observation_space.shape[0]
     agent = Agent(obs_dim, envs.single_action_space.n).to(device)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
+    if args.load_model is not None:
+        load_checkpoint(args.load_model, agent, args)
+
+    writer = SummaryWriter(f"runs/{run_name}")
+    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
 
     # Rollout storage: numpy for the per-step bookkeeping (cheaper than torch for tiny arrays)
     shape = (args.num_steps, args.num_envs)
@@ -344,10 +415,15 @@ def main(args: Args):
 
                 kl = categorical_kl(b_old_logits[mb_inds], newlogits)
                 pg_loss = kl_penalty_loss(ratio, mb_advantages, kl, beta)
+                with torch.no_grad():  # logged apart, so that losses/policy_loss is the surrogate alone
+                    kl_penalty = beta * kl.mean()
                 v_loss = value_loss(newvalue, b_values[mb_inds], b_returns[mb_inds], args.clip_coef, args.clip_vloss)
                 entropy_loss = entropy.mean()
                 loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef  # eq. 9 with L^KLPEN, negated
 
+                if not torch.isfinite(loss):  # stop before the weights turn to NaN; nothing is saved
+                    sys.exit(f"error: the loss is {loss.item()} at iteration {iteration}; nothing was saved "
+                             "(lower --learning-rate or --max-grad-norm)")
                 optimizer.zero_grad()
                 loss.backward()
                 nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
@@ -357,7 +433,7 @@ def main(args: Args):
         with torch.no_grad():
             d = categorical_kl(b_old_logits, agent.actor(b_obs)).mean().item()
         writer.add_scalar("losses/kl", d, global_step)
-        writer.add_scalar("charts/kl_beta", beta, global_step)  # the β this update was made with
+        writer.add_scalar("charts/kl_coef", beta, global_step)  # the β this update was made with
         if args.adaptive_kl:
             beta = update_beta(beta, d, args.kl_target)
 
@@ -368,7 +444,8 @@ def main(args: Args):
         sps = int(global_step / (time.time() - start_time))
         writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
         writer.add_scalar("losses/value_loss", v_loss.item(), global_step)
-        writer.add_scalar("losses/policy_loss", pg_loss.item(), global_step)
+        writer.add_scalar("losses/policy_loss", (pg_loss - kl_penalty).item(), global_step)
+        writer.add_scalar("losses/kl_penalty", kl_penalty.item(), global_step)
         writer.add_scalar("losses/entropy", entropy_loss.item(), global_step)
         writer.add_scalar("losses/old_approx_kl", old_approx_kl.item(), global_step)
         writer.add_scalar("losses/approx_kl", approx_kl.item(), global_step)
@@ -380,10 +457,10 @@ def main(args: Args):
 
     if args.save_model:
         model_path = f"runs/{run_name}/{args.exp_name}.pt"
-        torch.save(agent.state_dict(), model_path)
+        save_checkpoint(model_path, agent, args)
         print(f"model saved to {model_path}")
     if args.eval_episodes > 0:
-        eval_return = evaluate(agent, args, device)
+        eval_return = evaluate(agent, args, device, f"videos/{run_name}" if args.capture_video else None)
         writer.add_scalar("eval/episodic_return", eval_return, global_step)
         print(f"eval/episodic_return={eval_return:.2f} over {args.eval_episodes} greedy episodes")
 

@@ -41,7 +41,7 @@ def main(root, out_path):
         acc.Reload()
         _, exp_name, seed, _ = os.path.basename(run_dir).split("__")
         label = f"{exp_name.replace('ppo_kl_', '') if exp_name != 'ppo_kl' else 'dtarg0.01'} s{seed}"
-        betas.append((label, [(e.step, e.value) for e in acc.Scalars("charts/kl_beta")]))
+        betas.append((label, [(e.step, e.value) for e in acc.Scalars("charts/kl_coef")]))
         kls.append((label, [(e.step, e.value) for e in acc.Scalars("losses/kl")]))
     svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W + 80}" height="{2 * H}" font-family="sans-serif">',
            '<rect width="100%" height="100%" fill="white"/>']

