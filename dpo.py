@@ -73,7 +73,7 @@ class Args:
     """pairs or prompts per forward pass (and per generate call) in evaluation and in the reference's precompute,
     on each rank"""
     lr: float = 1e-4
-    """peak learning rate of AdamW (a pretrained model wants ~5e-7 to 1e-6)"""
+    """peak learning rate of AdamW (a pretrained model wants ~5e-7 to 1e-6; TRL: learning_rate)"""
     warmup_steps: int = 30
     """linear warmup steps (0: none), then linear decay to 0"""
     max_grad_norm: float = 1.0
@@ -102,7 +102,7 @@ class Args:
 
 # ---------------------------------------------------------------------------------------------
 # The built-in task: sort the digits. Gold reward known exactly. (Each LM script has its own copy;
-# tests/test_lm_task.py checks the copies agree.)
+# tests/test_copies.py checks the copies agree.)
 # ---------------------------------------------------------------------------------------------
 def levenshtein(a, b):
     """Edit distance: insertions, deletions and substitutions, each of cost 1."""
@@ -174,7 +174,7 @@ def task_rng(seed, split):
 
 
 # ---------------------------------------------------------------------------------------------
-# The math: pure functions, checked against hand-computed values in tests/test_rlhf_ppo_dpo.py
+# The math: pure functions, checked against hand-computed values in tests/test_dpo.py
 # ---------------------------------------------------------------------------------------------
 def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, beta,
              loss_type="sigmoid", label_smoothing=0.0):
@@ -709,7 +709,7 @@ def main(args: Args):
             loss, r_c, r_r = dpo_loss(chosen, rejected, ref_c, ref_r, args.beta, args.loss_type, args.label_smoothing)
             loss, correct, n = all_reduce_sum([loss * len(r_c) if len(r_c) else 0.0, (r_c > r_r).sum(), len(r_c)], device)
             writer.add_scalar("eval/loss", loss / n, step)
-            writer.add_scalar("eval/rewards_accuracy", correct / n, step)
+            writer.add_scalar("eval/accuracy", correct / n, step)
             line += f" eval/loss {loss / n:.4f}"
         if eval_ids:  # the sampled evaluation of rlhf_ppo.py: completions at temperature 1 on the eval prompts
             mine, weights = shard(list(range(len(eval_ids))), rank, world_size)
@@ -783,9 +783,10 @@ def main(args: Args):
             sums = all_reduce_sum([loss * per_rank, r_c.sum(), r_r.sum(), (r_c > r_r).sum(), chosen.sum(), rejected.sum()],
                                   device)
             loss, r_c, r_r, correct, chosen, rejected = (s / args.batch_size for s in sums)
-            logs = {"losses/loss": loss, "train/grad_norm": grad_norm, "rewards/chosen": r_c,
-                    "rewards/rejected": r_r, "rewards/accuracies": correct,
-                    "rewards/margins": r_c - r_r, "logps/chosen": chosen, "logps/rejected": rejected,
+            # the implicit rewards β log π/π_ref, under reward_model.py's tags (TRL: rewards/chosen, ...)
+            logs = {"losses/loss": loss, "train/grad_norm": grad_norm, "train/reward_chosen": r_c,
+                    "train/reward_rejected": r_r, "train/accuracy": correct,
+                    "train/margin": r_c - r_r, "train/logps_chosen": chosen, "train/logps_rejected": rejected,
                     "charts/learning_rate": lr,
                     "charts/samples_per_second": step * args.batch_size / (time.time() - start_time)}
             for tag, value in logs.items():

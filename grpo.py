@@ -82,7 +82,7 @@ class Args:
     generation_batch_size: int = 256
     """prompts per generate call and per forward pass in evaluation, on each rank (the KV cache grows with it)"""
     lr: float = 1e-4
-    """AdamW learning rate (a pretrained model wants ~1e-6)"""
+    """AdamW learning rate (a pretrained model wants ~1e-6; CleanRL, TRL: learning_rate)"""
     anneal_lr: bool = True
     """linearly anneal the learning rate to 0 over the batches"""
     response_length: int = 12
@@ -105,7 +105,8 @@ class Args:
     """grpo: mean over each completion's tokens, then over completions; dapo: mean over all tokens of the batch;
     dr_grpo: sum over tokens / (completions × --response-length)"""
     epsilon: float = 0.2
-    """ε of the clipped surrogate (the lower bound, 1 − ε; and the upper one unless --epsilon-high is set)"""
+    """ε of the clipped surrogate (the lower bound, 1 − ε; and the upper one unless --epsilon-high is set); CleanRL:
+    clip_coef, rlhf_ppo.py: cliprange"""
     epsilon_high: float | None = None
     """upper clip bound 1 + ε_high (DAPO's clip-higher, e.g. 0.28); None: ε"""
     beta: float = 0.04
@@ -124,7 +125,7 @@ class Args:
 
 # ---------------------------------------------------------------------------------------------
 # The built-in task: sort the digits. Gold reward known exactly. (Each LM script has its own copy;
-# tests/test_lm_task.py checks the copies agree.)
+# tests/test_copies.py checks the copies agree.)
 # ---------------------------------------------------------------------------------------------
 def levenshtein(a, b):
     """Edit distance: insertions, deletions and substitutions, each of cost 1."""

@@ -62,7 +62,7 @@ class Args:
     eval_batch_size: int = 128
     """pairs per forward pass in evaluation, on each rank"""
     lr: float = 1e-3
-    """peak learning rate of AdamW (a pretrained model wants ~1e-5)"""
+    """peak learning rate of AdamW (a pretrained model wants ~1e-5; TRL: learning_rate)"""
     warmup_steps: int = 50
     """linear warmup steps (0: none), then linear decay to 0"""
     weight_decay: float = 0.0
@@ -88,7 +88,7 @@ class Args:
 
 # ---------------------------------------------------------------------------------------------
 # The built-in task: sort the digits. Gold reward known exactly. (Each LM script has its own copy;
-# tests/test_lm_task.py checks the copies agree.)
+# tests/test_copies.py checks the copies agree.)
 # ---------------------------------------------------------------------------------------------
 def levenshtein(a, b):
     """Edit distance: insertions, deletions and substitutions, each of cost 1."""
@@ -160,7 +160,7 @@ def task_rng(seed, split):
 
 
 # ---------------------------------------------------------------------------------------------
-# The math: a pure function, checked against hand-computed values in tests/test_sft_reward_model.py
+# The math: a pure function, checked against hand-computed values in tests/test_reward_model.py
 # ---------------------------------------------------------------------------------------------
 def bradley_terry_loss(rewards_chosen, rewards_rejected, margin=None, center_rewards_coefficient=None):
     """Pairwise loss of the Bradley-Terry model P(y_c ≻ y_r) = σ(r_c − r_r):
@@ -648,7 +648,7 @@ def main(args: Args):
             elapsed = time.time() - start_time
             loss, correct, sum_chosen, sum_rejected, all_tokens = all_reduce_sum(
                 [loss, (r_c > r_r).sum(), r_c.sum(), r_r.sum(), tokens_seen], device)
-            writer.add_scalar("train/loss", loss / world_size, step)
+            writer.add_scalar("losses/loss", loss / world_size, step)
             writer.add_scalar("train/grad_norm", float(grad_norm), step)
             writer.add_scalar("train/accuracy", correct / args.batch_size, step)
             writer.add_scalar("train/reward_chosen", sum_chosen / args.batch_size, step)

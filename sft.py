@@ -62,7 +62,7 @@ class Args:
     eval_batch_size: int = 128
     """examples or prompts per forward pass (and per generate call) in evaluation, on each rank"""
     lr: float = 3e-3
-    """peak learning rate of AdamW (a pretrained model wants ~1e-5 to 2e-5)"""
+    """peak learning rate of AdamW (a pretrained model wants ~1e-5 to 2e-5; TRL: learning_rate)"""
     warmup_steps: int = 100
     """linear warmup steps (0: none), times a cosine decay to 0 over the whole run"""
     weight_decay: float = 0.01
@@ -96,7 +96,7 @@ class Args:
 
 # ---------------------------------------------------------------------------------------------
 # The built-in task: sort the digits. Gold reward known exactly. (Each LM script has its own copy;
-# tests/test_lm_task.py checks the copies agree.)
+# tests/test_copies.py checks the copies agree.)
 # ---------------------------------------------------------------------------------------------
 def levenshtein(a, b):
     """Edit distance: insertions, deletions and substitutions, each of cost 1."""
@@ -168,7 +168,7 @@ def task_rng(seed, split):
 
 
 # ---------------------------------------------------------------------------------------------
-# The loss: a pure function, checked against hand-computed values in tests/test_sft_reward_model.py
+# The loss: a pure function, checked against hand-computed values in tests/test_sft.py
 # ---------------------------------------------------------------------------------------------
 def sft_loss(logits, labels, num_items=None):
     """Cross-entropy of the next-token predictions on the labeled tokens (completion and its stop token;
@@ -673,7 +673,7 @@ def main(args: Args):
         if step % 10 == 0:
             elapsed = time.time() - start_time
             batch_loss, all_tokens = all_reduce_sum([batch_loss, tokens_seen], device)
-            writer.add_scalar("train/loss", batch_loss, step)
+            writer.add_scalar("losses/loss", batch_loss, step)
             writer.add_scalar("train/grad_norm", float(grad_norm), step)
             writer.add_scalar("charts/learning_rate", lr, step)
             writer.add_scalar("charts/samples_per_second", step * args.batch_size / elapsed, step)

@@ -47,7 +47,7 @@ def test_two_ranks_give_the_same_update_as_one_process(tmp_path, script, data):
     shows a wrong normalization across ranks) and the same weights within 1e-4, 1% of the distance they moved
     (Adam turns rounding noise in near-zero gradients into steps of up to lr)."""
     auto = "AutoModelForSequenceClassification" if script == "reward_model.py" else "AutoModelForCausalLM"
-    loss_tag = "losses/loss" if script == "dpo.py" else "train/loss"
+    loss_tag = "losses/loss"
     common = ["--max-steps", "10", "--batch-size", "8", "--lr", "1e-3", "--warmup-steps", "1", "--eval-every", "10",
               "--eval-batch-size", "3"]
     if data is None:

@@ -5,7 +5,8 @@ import math
 
 import pytest
 import torch
-from conftest import assert_one_line_error, read_scalars, run_in_process, run_script
+from conftest import (PositionLogits, assert_one_line_error, by_hand, read_scalars, run_in_process, run_script,
+                      same_seed_scalars)
 
 import grpo
 
@@ -162,3 +163,22 @@ def test_an_empty_target_is_one_line_for_the_gold_score(tiny_checkpoints, tmp_pa
     proc = run_script("grpo.py", "--sft-model-path", str(models / "sft"), "--dataset-name", "t.jsonl", cwd=tmp_path,
                       check=False)
     assert_one_line_error(proc, "empty `target`", "--reward gold-exact")
+
+
+def test_response_logprobs_are_those_of_the_token_after_each_position():
+    model = PositionLogits()
+    sequences = torch.tensor([[0, 3, 4, 5, 6, 2], [0, 0, 7, 1, 9, 8]])  # context 3 (row 1 left-padded), response 3
+    attention_mask = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1]])
+    logprobs, _ = grpo.response_logprobs(model, sequences, attention_mask, 3, 1.0)
+    logits = model(sequences).logits
+    expected = by_hand(logits, sequences, [(b, p) for b in range(2) for p in range(3, 6)]).view(2, 3)
+    torch.testing.assert_close(logprobs, expected)
+
+
+def test_same_seed_same_logs_and_weights(tiny_checkpoints, tmp_path):
+    models = tiny_checkpoints["cwd"] / "models"
+    flags = ["--sft-model-path", str(models / "sft"), "--num-batches", "2", "--batch-size", "16", "--num-generations",
+             "4", "--mini-batch-size", "8", "--eval-size", "8", "--eval-every", "1", "--output-dir", "models/m"]
+    (logs_a, saved_a), (logs_b, saved_b) = same_seed_scalars("grpo.py", flags, tmp_path)
+    assert [tag for tag in logs_a if logs_a[tag] != logs_b.get(tag)] == [] and len(logs_a) >= 5
+    assert saved_a == saved_b and len(saved_a) == 1

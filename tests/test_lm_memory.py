@@ -54,7 +54,7 @@ def test_gradient_accumulation_gives_the_same_update(tmp_path, script, data):
     base = save_checkpoint(str(tmp_path / "base"), "llama", "eos_no_pad", "float32")
     data = write_data(tmp_path / "d.jsonl", data)
     weights, logs = [], []
-    loss_tag = "losses/loss" if script == "dpo.py" else "train/loss"
+    loss_tag = "losses/loss"
     for accumulation in (1, 2, 4):
         out = f"out{accumulation}"
         extra = ["--reward-model-path", "None"] if script == "dpo.py" else []

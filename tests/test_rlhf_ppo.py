@@ -1,12 +1,11 @@
-"""rlhf_ppo.py and dpo.py: the math against hand-computed values, then the scripts end to end."""
+"""rlhf_ppo.py: the math against hand-computed values, then the script end to end."""
 import math
 import os
 
 import pytest
 import torch
-from conftest import assert_one_line_error, read_scalars, run_script
+from conftest import PositionLogits, assert_one_line_error, by_hand, read_scalars, run_script, same_seed_scalars
 
-import dpo
 import rlhf_ppo
 
 T = torch.tensor
@@ -91,36 +90,6 @@ def test_adaptive_kl_controller_step():
     assert rlhf_ppo.adaptive_kl_coef(0.1, 3.8, 4.0, 10_000, 128) == pytest.approx(0.099936)
 
 
-def test_dpo_loss_variants():
-    # log π(y_w) = −3, log π(y_l) = −5, log π_ref = −4 for both: logratios 1 and −1, h = 2
-    args = (T([-3.0]), T([-5.0]), T([-4.0]), T([-4.0]))
-    # sigmoid, β = .5: −log σ(1) = log(1 + e^−1) = 0.313262
-    loss, r_c, r_r = dpo.dpo_loss(*args, beta=0.5)
-    assert loss.item() == pytest.approx(0.313262, abs=1e-6)
-    assert (r_c.item(), r_r.item()) == (pytest.approx(0.5), pytest.approx(-0.5))  # β · logratio
-    # label smoothing ε = .1: .9 · 0.313262 + .1 · (−log σ(−1) = 1.313262) = 0.413262
-    assert dpo.dpo_loss(*args, beta=0.5, label_smoothing=0.1)[0].item() == pytest.approx(0.413262, abs=1e-6)
-    # ipo, β = .5: (h − 1/(2β))² = (2 − 1)² = 1;  β = .25: (2 − 2)² = 0
-    assert dpo.dpo_loss(*args, beta=0.5, loss_type="ipo")[0].item() == pytest.approx(1.0)
-    assert dpo.dpo_loss(*args, beta=0.25, loss_type="ipo")[0].item() == pytest.approx(0.0)
-    # hinge: max(0, 1 − β h): β = .25 → .5;  β = .5 → 0
-    assert dpo.dpo_loss(*args, beta=0.25, loss_type="hinge")[0].item() == pytest.approx(0.5)
-    assert dpo.dpo_loss(*args, beta=0.5, loss_type="hinge")[0].item() == pytest.approx(0.0)
-
-
-def test_dpo_sequence_logps_sum_the_completion_only():
-    # A model whose logits are uniform over 4 tokens: every token costs log 4, so a completion of
-    # 3 labeled tokens (prompt of 2 masked, 1 padding) sums to −3 log 4 = −4.158883
-    class Uniform(torch.nn.Module):
-        def forward(self, input_ids, attention_mask, position_ids):
-            return type("Out", (), {"logits": torch.zeros(*input_ids.shape, 4)})()
-
-    labels = T([[-100, -100, 1, 2, 3, -100]]).long()
-    logps = dpo.sequence_logps(Uniform(), torch.zeros(1, 6).long(), torch.ones(1, 6).long(), labels)
-    assert logps.item() == pytest.approx(-3 * math.log(4))
-
-
-# ------------------------------------------------------------------------------------ end to end
 PPO_TINY = ["--num-iterations", "2", "--batch-size", "16", "--mini-batch-size", "8", "--ppo-epochs", "2",
             "--eval-size", "16", "--eval-every", "1"]
 
@@ -151,22 +120,6 @@ def test_rlhf_ppo_adaptive_kl_moves_the_coefficient(tiny_checkpoints):
     kls = [v for _, v in scalars["objective/kl"]]
     assert kl_coefs[0] == pytest.approx(0.05)
     assert kl_coefs[1] == pytest.approx(rlhf_ppo.adaptive_kl_coef(0.05, kls[0], 0.001, 100, 16), rel=1e-5)
-
-
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
-def test_dpo_smoke(tiny_checkpoints, loss_type):
-    cwd = tiny_checkpoints["cwd"]
-    run_script("dpo.py", "--loss-type", loss_type, "--max-steps", "10", "--batch-size", "8", "--num-train-pairs", "200",
-               "--eval-size", "16", "--eval-every", "5", "--warmup-steps", "2", "--output-dir", f"models/dpo_{loss_type}",
-               cwd=cwd)
-    scalars = read_scalars(str(sorted((cwd / "runs").glob("dpo__*"))[-1]))
-    for tag in ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-                "logps/rejected", "losses/loss", "eval/gold_accuracy", "eval/gold_score", "eval/score", "eval/kl"]:
-        assert tag in scalars, tag
-    assert scalars["eval/kl"][0][1] == pytest.approx(0.0, abs=1e-4)  # before training: the reference itself
-    from transformers import AutoModelForCausalLM
-
-    AutoModelForCausalLM.from_pretrained(cwd / "models" / f"dpo_{loss_type}")
 
 
 def test_bad_input_says_which_script_to_run_first(tiny_checkpoints, tmp_path):
@@ -203,48 +156,20 @@ def test_real_data_paths_with_local_files(tiny_checkpoints, tmp_path):
     assert_one_line_error(proc, "['prompt']", "chosen and rejected")
 
 
-class PositionLogits(torch.nn.Module):
-    """A stand-in LM whose next-token distribution differs at every position (and row): logits[b, t, v] =
-    3 sin(1 + 0.7 t + 1.3 v + b). Uniform logits cannot show a log-prob taken one position off; these do."""
-
-    vocab = 11
-
-    def forward(self, input_ids, attention_mask=None, position_ids=None):
-        from types import SimpleNamespace
-
-        b, t, v = (torch.arange(n).float() for n in (*input_ids.shape, self.vocab))
-        return SimpleNamespace(logits=3 * torch.sin(1 + 0.7 * t.view(1, -1, 1) + 1.3 * v.view(1, 1, -1) + b.view(-1, 1, 1)))
-
-
-def by_hand(logits, sequences, positions):
-    """log softmax of the logits at position p − 1, at the token at position p, for each (row, p)."""
-    return torch.tensor([torch.log_softmax(logits[b, p - 1], -1)[sequences[b, p]].item() for b, p in positions])
-
-
-@pytest.mark.parametrize("script", ["rlhf_ppo", "grpo"])
-def test_response_logprobs_are_those_of_the_token_after_each_position(script):
-    import importlib
-
-    module = importlib.import_module(script)
+def test_response_logprobs_are_those_of_the_token_after_each_position():
     model = PositionLogits()
     sequences = torch.tensor([[0, 3, 4, 5, 6, 2], [0, 0, 7, 1, 9, 8]])  # context 3 (row 1 left-padded), response 3
     attention_mask = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1]])
-    logprobs, _ = module.response_logprobs(model, sequences, attention_mask, 3, 1.0)
+    logprobs, _ = rlhf_ppo.response_logprobs(model, sequences, attention_mask, 3, 1.0)
     logits = model(sequences).logits
     expected = by_hand(logits, sequences, [(b, p) for b in range(2) for p in range(3, 6)]).view(2, 3)
     torch.testing.assert_close(logprobs, expected)
 
 
-def test_dpo_log_probs_are_those_of_the_token_after_each_position():
-    model = PositionLogits()
-    input_ids = torch.tensor([[5, 3, 4, 6, 2], [5, 1, 9, 0, 0]])  # right-padded
-    attention_mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
-    labels = torch.tensor([[-100, -100, 4, 6, 2], [-100, 1, 9, -100, -100]])  # the completions
-    logits = model(input_ids).logits
-    expected = torch.stack([by_hand(logits, input_ids, [(0, 2), (0, 3), (0, 4)]).sum(),
-                            by_hand(logits, input_ids, [(1, 1), (1, 2)]).sum()])
-    torch.testing.assert_close(dpo.sequence_logps(model, input_ids, attention_mask, labels), expected)
-    # the sampled-response version: a context of 2 then 3 response tokens (the second row stops after 1)
-    sequences, mask = torch.tensor([[5, 3, 4, 6, 2], [5, 1, 9, 0, 0]]), torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
-    expected = torch.stack([by_hand(logits, sequences, [(0, 2), (0, 3), (0, 4)]).sum(), by_hand(logits, sequences, [(1, 2)]).sum()])
-    torch.testing.assert_close(dpo.response_logps(model, sequences, mask, 2, 1.0), expected)
+def test_same_seed_same_logs_and_weights(tiny_checkpoints, tmp_path):
+    models = tiny_checkpoints["cwd"] / "models"
+    flags = [*PPO_TINY, "--sft-model-path", str(models / "sft"), "--reward-model-path", str(models / "reward_model"),
+             "--output-dir", "models/m"]
+    (logs_a, saved_a), (logs_b, saved_b) = same_seed_scalars("rlhf_ppo.py", flags, tmp_path)
+    assert [tag for tag in logs_a if logs_a[tag] != logs_b.get(tag)] == [] and len(logs_a) >= 5
+    assert saved_a == saved_b and len(saved_a) == 1

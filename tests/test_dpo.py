@@ -1,0 +1,81 @@
+"""dpo.py: the math against hand-computed values, then the script end to end."""
+import math
+
+import pytest
+import torch
+from conftest import PositionLogits, by_hand, read_scalars, run_script, same_seed_scalars
+
+import dpo
+
+T = torch.tensor
+
+
+def test_dpo_loss_variants():
+    # log π(y_w) = −3, log π(y_l) = −5, log π_ref = −4 for both: logratios 1 and −1, h = 2
+    args = (T([-3.0]), T([-5.0]), T([-4.0]), T([-4.0]))
+    # sigmoid, β = .5: −log σ(1) = log(1 + e^−1) = 0.313262
+    loss, r_c, r_r = dpo.dpo_loss(*args, beta=0.5)
+    assert loss.item() == pytest.approx(0.313262, abs=1e-6)
+    assert (r_c.item(), r_r.item()) == (pytest.approx(0.5), pytest.approx(-0.5))  # β · logratio
+    # label smoothing ε = .1: .9 · 0.313262 + .1 · (−log σ(−1) = 1.313262) = 0.413262
+    assert dpo.dpo_loss(*args, beta=0.5, label_smoothing=0.1)[0].item() == pytest.approx(0.413262, abs=1e-6)
+    # ipo, β = .5: (h − 1/(2β))² = (2 − 1)² = 1;  β = .25: (2 − 2)² = 0
+    assert dpo.dpo_loss(*args, beta=0.5, loss_type="ipo")[0].item() == pytest.approx(1.0)
+    assert dpo.dpo_loss(*args, beta=0.25, loss_type="ipo")[0].item() == pytest.approx(0.0)
+    # hinge: max(0, 1 − β h): β = .25 → .5;  β = .5 → 0
+    assert dpo.dpo_loss(*args, beta=0.25, loss_type="hinge")[0].item() == pytest.approx(0.5)
+    assert dpo.dpo_loss(*args, beta=0.5, loss_type="hinge")[0].item() == pytest.approx(0.0)
+
+
+def test_dpo_sequence_logps_sum_the_completion_only():
+    # A model whose logits are uniform over 4 tokens: every token costs log 4, so a completion of
+    # 3 labeled tokens (prompt of 2 masked, 1 padding) sums to −3 log 4 = −4.158883
+    class Uniform(torch.nn.Module):
+        def forward(self, input_ids, attention_mask, position_ids):
+            return type("Out", (), {"logits": torch.zeros(*input_ids.shape, 4)})()
+
+    labels = T([[-100, -100, 1, 2, 3, -100]]).long()
+    logps = dpo.sequence_logps(Uniform(), torch.zeros(1, 6).long(), torch.ones(1, 6).long(), labels)
+    assert logps.item() == pytest.approx(-3 * math.log(4))
+
+
+# ------------------------------------------------------------------------------------ end to end
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_dpo_smoke(tiny_checkpoints, loss_type):
+    cwd = tiny_checkpoints["cwd"]
+    run_script("dpo.py", "--loss-type", loss_type, "--max-steps", "10", "--batch-size", "8", "--num-train-pairs", "200",
+               "--eval-size", "16", "--eval-every", "5", "--warmup-steps", "2", "--output-dir", f"models/dpo_{loss_type}",
+               cwd=cwd)
+    scalars = read_scalars(str(sorted((cwd / "runs").glob("dpo__*"))[-1]))
+    for tag in ["train/reward_chosen", "train/reward_rejected", "train/accuracy", "train/margin", "train/logps_chosen",
+                "train/logps_rejected", "losses/loss", "eval/accuracy", "eval/gold_accuracy", "eval/gold_score", "eval/score", "eval/kl"]:
+        assert tag in scalars, tag
+    assert scalars["eval/kl"][0][1] == pytest.approx(0.0, abs=1e-4)  # before training: the reference itself
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(cwd / "models" / f"dpo_{loss_type}")
+
+
+def test_dpo_log_probs_are_those_of_the_token_after_each_position():
+    model = PositionLogits()
+    input_ids = torch.tensor([[5, 3, 4, 6, 2], [5, 1, 9, 0, 0]])  # right-padded
+    attention_mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    labels = torch.tensor([[-100, -100, 4, 6, 2], [-100, 1, 9, -100, -100]])  # the completions
+    logits = model(input_ids).logits
+    expected = torch.stack([by_hand(logits, input_ids, [(0, 2), (0, 3), (0, 4)]).sum(),
+                            by_hand(logits, input_ids, [(1, 1), (1, 2)]).sum()])
+    torch.testing.assert_close(dpo.sequence_logps(model, input_ids, attention_mask, labels), expected)
+    # the sampled-response version: a context of 2 then 3 response tokens (the second row stops after 1)
+    sequences, mask = torch.tensor([[5, 3, 4, 6, 2], [5, 1, 9, 0, 0]]), torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    expected = torch.stack([by_hand(logits, sequences, [(0, 2), (0, 3), (0, 4)]).sum(), by_hand(logits, sequences, [(1, 2)]).sum()])
+    torch.testing.assert_close(dpo.response_logps(model, sequences, mask, 2, 1.0), expected)
+
+
+def test_same_seed_same_logs_and_weights(tiny_checkpoints, tmp_path):
+    models = tiny_checkpoints["cwd"] / "models"
+    flags = ["--model-name-or-path", str(models / "sft"), "--reward-model-path", str(models / "reward_model"),
+             "--max-steps", "10", "--batch-size", "4", "--num-train-pairs", "100", "--eval-size", "8", "--eval-every", "5",
+             "--warmup-steps", "1", "--output-dir", "models/m"]
+    (logs_a, saved_a), (logs_b, saved_b) = same_seed_scalars("dpo.py", flags, tmp_path)
+    assert [tag for tag in logs_a if logs_a[tag] != logs_b.get(tag)] == [] and len(logs_a) >= 5
+    assert saved_a == saved_b and len(saved_a) == 1
