@@ -121,6 +121,15 @@ def clipped_policy_loss(ratio, advantages, clip_coef):
     return torch.max(pg_loss1, pg_loss2).mean()
 
 
+def categorical_kl(old_logits, new_logits):
+    """The exact KL between two categorical distributions given by logits, one value per state:
+
+        KL[π_old(·|s) ‖ π_θ(·|s)] = Σ_a π_old(a|s) (log π_old(a|s) − log π_θ(a|s))
+    """
+    old_logp, new_logp = old_logits.log_softmax(-1), new_logits.log_softmax(-1)
+    return (old_logp.exp() * (old_logp - new_logp)).sum(-1)
+
+
 def value_loss(newvalues, oldvalues, returns, clip_coef, clip=True):
     """Squared error to the returns, optionally clipped around the rollout's values:
 
@@ -360,6 +369,9 @@ def main(args: Args):
             torch.from_numpy(x.reshape(batch_size)).to(device) for x in (actions, logprobs, advantages, returns, values)
         )
 
+        with torch.no_grad():  # the rollout's policy, for the exact KL the update moves it by (losses/kl)
+            b_old_logits = agent.actor(b_obs)
+
         clipfracs = []
         for epoch in range(args.update_epochs):
             b_inds = torch.randperm(batch_size, device=device)
@@ -393,6 +405,9 @@ def main(args: Args):
             if args.target_kl is not None and approx_kl > args.target_kl:
                 break
 
+        with torch.no_grad():
+            d = categorical_kl(b_old_logits, agent.actor(b_obs)).mean().item()
+
         y_pred, y_true = b_values.cpu().numpy(), b_returns.cpu().numpy()
         var_y = np.var(y_true)
         explained_var = np.nan if var_y == 0 else 1 - np.var(y_true - y_pred) / var_y
@@ -405,6 +420,7 @@ def main(args: Args):
         writer.add_scalar("losses/old_approx_kl", old_approx_kl.item(), global_step)
         writer.add_scalar("losses/approx_kl", approx_kl.item(), global_step)
         writer.add_scalar("losses/clipfrac", np.mean(clipfracs), global_step)
+        writer.add_scalar("losses/kl", d, global_step)
         writer.add_scalar("losses/explained_variance", explained_var, global_step)
         writer.add_scalar("charts/SPS", sps, global_step)
         if iteration % 20 == 0 or iteration == num_iterations:

@@ -21,7 +21,7 @@ LM_SCRIPTS = [sft, reward_model, rlhf_ppo, dpo, grpo]
 # Same job, same text. Not in these lists on purpose: each script's Args, Agent, evaluate and main,
 # whose differences are the point of the script (ppo_continuous.py's evaluate normalizes observations
 # and clips actions; ppo_kl.py's Agent also returns the logits).
-RL_SHARED = ["compute_gae", "clipped_policy_loss", "value_loss", "layer_init", "check_args", "make_envs", "check_env",
+RL_SHARED = ["compute_gae", "clipped_policy_loss", "categorical_kl", "value_loss", "layer_init", "check_args", "make_envs", "check_env",
              "save_checkpoint", "load_checkpoint"]
 LM_SHARED = ["render_chat", "encode_prompt", "stop_token_ids", "tokenize_pair", "add_pad_token", "tokenize_preference",
              "load_rows", "load_tokenizer", "dropout_off", "get_lr", "check_finite", "save_atomically", "collate",

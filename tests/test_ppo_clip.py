@@ -1,5 +1,6 @@
 """ppo_clip.py: the math against values computed by hand, then the values that flow through `main`,
 then the script end to end as a user runs it."""
+import math
 import os
 
 import numpy as np
@@ -81,6 +82,13 @@ def test_clipped_policy_loss_each_region():
     assert ppo_clip.clipped_policy_loss(ratios, advs, 0.2).item() == pytest.approx(0.1)
 
 
+def test_categorical_kl_exact():
+    # π_old = (½, ½) from logits (0, 0); π_θ = (¾, ¼) from logits (log 3, 0)
+    #   KL[π_old ‖ π_θ] = ½ log(½ / ¾) + ½ log(½ / ¼) = ½ log(4/3) = 0.143841  (the reverse is 0.130812)
+    kl = ppo_clip.categorical_kl(torch.tensor([[0.0, 0.0]]), torch.tensor([[math.log(3), 0.0]]))
+    assert kl.item() == pytest.approx(0.5 * math.log(4 / 3), rel=1e-6)
+
+
 def test_value_loss_clipped_and_unclipped():
     # V = [2.0, 0.5], V_old = [1, 1], R = [3, 0], ε = 0.2
     #   element 0: (2 − 3)² = 1;      clipped 1 + 0.2 = 1.2 → (1.2 − 3)² = 3.24; max 3.24
@@ -139,7 +147,7 @@ def test_a_nan_loss_stops_the_run_with_one_line_and_saves_nothing(tmp_path, monk
 # ---------------------------------------------------------------------------- end to end, as a user
 TAGS = ["charts/episodic_return", "charts/episodic_length", "charts/SPS", "charts/learning_rate",
         "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl",
-        "losses/old_approx_kl", "losses/clipfrac", "losses/explained_variance", "eval/episodic_return"]
+        "losses/old_approx_kl", "losses/clipfrac", "losses/explained_variance", "losses/kl", "eval/episodic_return"]
 TINY = ["--total-timesteps", "1024", "--num-envs", "2", "--num-steps", "256", "--eval-episodes", "2"]
 
 
@@ -151,6 +159,7 @@ def test_smoke_save_load_and_evaluate_again(tmp_path):
     for tag in TAGS:
         assert tag in scalars, tag
     assert [step for step, _ in scalars["charts/SPS"]] == [512, 1024]  # two iterations of 2 × 256 steps
+    assert all(kl > 0 for _, kl in scalars["losses/kl"])  # every update moved the policy, by a KL ≥ 0
     # torch's safe default loader reads the checkpoint: weights, and the flags as plain types
     path = os.path.join(run_dir, "ppo_clip.pt")
     checkpoint = torch.load(path)
