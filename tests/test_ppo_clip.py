@@ -123,6 +123,29 @@ def test_no_bootstrap_flag_zeroes_the_final_values(tmp_path, monkeypatch):
     assert seen["truncations"].sum() >= 4 and (seen["final_values"] == 0).all()
 
 
+def test_losses_kl_is_from_the_rollout_policy_to_the_updated_one(tmp_path, monkeypatch):
+    # d = KL[π_old ‖ π_θ]: the first argument is the actor's output on the batch before the update, the
+    # second its output after (the two whole-batch passes of each iteration, caught by a forward hook)
+    whole_batch, calls, real = [], [], ppo_clip.categorical_kl
+
+    class Hooked(ppo_clip.Agent):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.actor.register_forward_hook(
+                lambda module, inputs, out: whole_batch.append(out.detach().clone()) if len(out) == 512 else None)
+
+    def spy(old_logits, new_logits):
+        calls.append((old_logits.clone(), new_logits.clone()))
+        return real(old_logits, new_logits)
+
+    monkeypatch.setattr(ppo_clip, "Agent", Hooked)
+    monkeypatch.setattr(ppo_clip, "categorical_kl", spy)
+    monkeypatch.chdir(tmp_path)
+    ppo_clip.main(ppo_clip.Args(total_timesteps=512, num_envs=2, num_steps=256, eval_episodes=0))
+    assert len(calls) == 1 and len(whole_batch) == 2 and not torch.equal(*whole_batch)
+    assert torch.equal(calls[0][0], whole_batch[0]) and torch.equal(calls[0][1], whole_batch[1])
+
+
 def test_logged_returns_are_the_true_episode_returns(tmp_path, monkeypatch):
     # gymnasium >= 1.0 autoreset: no junk transition after an episode end, and every episode logged
     CountingEnv.finished_returns, CountingEnv.steps_taken = [], 0

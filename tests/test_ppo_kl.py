@@ -168,6 +168,26 @@ def test_the_penalty_is_kl_from_the_rollout_policy_to_the_new_one(tmp_path, monk
     torch.testing.assert_close(order(batch[0]), order(first_epoch))
 
 
+def test_policy_loss_is_logged_without_the_penalty(tmp_path, monkeypatch):
+    # losses/policy_loss = −mean(r Â) of the update's last minibatch, as in ppo_clip.py; the β·KL term apart
+    terms, real = [], ppo_kl.kl_penalty_loss
+
+    def spy(ratio, advantages, kl, beta):
+        terms.append((-(ratio * advantages).mean().item(), (beta * kl).mean().item()))
+        return real(ratio, advantages, kl, beta)
+
+    monkeypatch.setattr(ppo_kl, "kl_penalty_loss", spy)
+    monkeypatch.chdir(tmp_path)
+    ppo_kl.main(ppo_kl.Args(total_timesteps=256, num_envs=2, num_steps=128, num_minibatches=4, update_epochs=2,
+                            eval_episodes=0, adaptive_kl=False, kl_beta=5.0))
+    scalars = read_scalars(only_run_dir(tmp_path))
+    surrogate, penalty = terms[-1]
+    assert penalty > 1e-6  # the last minibatch comes after 7 updates: its KL is not 0
+    # (logged in float32 as the loss minus the penalty: equal up to rounding, far closer than the penalty's size)
+    assert scalars["losses/policy_loss"][0][1] == pytest.approx(surrogate, abs=penalty / 100)
+    assert scalars["losses/kl_penalty"][0][1] == pytest.approx(penalty, rel=1e-5)
+
+
 def test_logged_returns_are_the_true_episode_returns(tmp_path, monkeypatch):
     # gymnasium >= 1.0 autoreset: no junk transition after an episode end, and every episode logged
     CountingEnv.finished_returns, CountingEnv.steps_taken = [], 0

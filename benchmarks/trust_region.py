@@ -1,0 +1,83 @@
+"""The trust-region table and figure (PPO paper, Table 1, on discrete tasks): what clipping and the KL
+penalty do in a regime where unconstrained updates overshoot. Reads the runs of trust_region.sh.
+
+    python benchmarks/trust_region.py benchmarks/trust_region/runs docs/curves/trust_region.svg
+
+Prints, per variant and env, the mean ± std over seeds of the mean return of the last 100 training
+episodes, and the median over all updates of the exact KL each update moved the policy by
+(`losses/kl`); draws that KL per update against the targets, and β of the adaptive runs.
+"""
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import plot_curves  # noqa: E402  (its run loading refuses duplicates, runs killed early, runs without eval)
+
+# (exp name, label) in the order of the paper's Table 1
+VARIANTS = [("tr_none", "no clipping or penalty"), ("tr_clip", "clipping, ε = 0.2"),
+            ("tr_adaptive_0.003", "adaptive KL, d_targ = 0.003"), ("tr_adaptive_0.01", "adaptive KL, d_targ = 0.01"),
+            ("tr_adaptive_0.03", "adaptive KL, d_targ = 0.03"), ("tr_fixed_0.3", "fixed KL, β = 0.3"),
+            ("tr_fixed_1", "fixed KL, β = 1"), ("tr_fixed_3", "fixed KL, β = 3")]
+ENVS = ["CartPole-v1", "Acrobot-v1", "LunarLander-v3"]
+
+
+def smooth(values, n=20):
+    return np.array([np.mean(values[max(0, i - n + 1): i + 1]) for i in range(len(values))])
+
+
+def main(root, out_path):
+    plot_curves.RL_RUNS = root
+    runs = {(env, exp): plot_curves.runs_of(f"rl:{env}__{exp}__*").get((env, exp), {}) for env in ENVS
+            for exp, _ in VARIANTS}
+    envs = [env for env in ENVS if any(runs[(env, exp)] for exp, _ in VARIANTS)]
+    print("| variant | " + " | ".join(f"{env}: return | {env}: median KL per update" for env in envs) + " |")
+    print("|-|" + "-|-|" * len(envs))
+    for exp, label in VARIANTS:
+        cells = []
+        for env in envs:
+            seeds = runs[(env, exp)]
+            if not seeds:
+                cells += ["", ""]
+                continue
+            finals = [np.mean([v for _, v in s["charts/episodic_return"]][-100:]) for s in seeds.values()]
+            kls = np.concatenate([[v for _, v in s["losses/kl"]] for s in seeds.values()])
+            cells += [f"{np.mean(finals):.1f} ± {np.std(finals):.1f} ({len(seeds)} seeds)", f"{np.median(kls):.1e}"]
+        print(f"| {label} | " + " | ".join(cells) + " |")
+
+    fig, axes = plt.subplots(len(envs), 2, figsize=(11, 3.4 * len(envs)), squeeze=False)
+    for row, env in enumerate(envs):
+        kl_ax, beta_ax = axes[row]
+        for i, (exp, label) in enumerate(VARIANTS):
+            seeds = runs[(env, exp)]
+            if not seeds:
+                continue
+            steps = [t for t, _ in next(iter(seeds.values()))["losses/kl"]]
+            kl = np.mean([[v for _, v in s["losses/kl"]] for s in seeds.values()], axis=0)
+            kl_ax.plot(steps, smooth(kl), color=f"C{i}", label=label, linewidth=1)
+            if exp.startswith("tr_adaptive"):
+                target = float(exp.split("_")[-1])
+                kl_ax.axhline(target, color=f"C{i}", linestyle="--", linewidth=0.8)
+                beta = np.exp(np.mean([np.log(np.maximum([v for _, v in s["charts/kl_coef"]], 1e-30))
+                                       for s in seeds.values()], axis=0))
+                beta_ax.plot(steps, beta, color=f"C{i}", label=label, linewidth=1)
+        kl_ax.set_yscale("log")
+        kl_ax.set_title(f"{env}: KL of each update (mean over seeds, 20-update mean); dashed: d_targ", fontsize=9)
+        kl_ax.set_xlabel("environment steps")
+        beta_ax.set_yscale("log")
+        beta_ax.set_title(f"{env}: β of the adaptive runs (geometric mean over seeds)", fontsize=9)
+        beta_ax.set_xlabel("environment steps")
+        for ax in (kl_ax, beta_ax):
+            ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(out_path)
+    print(f"wrote {out_path}")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
