@@ -16,8 +16,10 @@ import os
 import sys
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
+matplotlib.rcParams["svg.hashsalt"] = "curves"  # the same runs give the same file
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
@@ -133,6 +135,8 @@ def draw(ax, title, pattern, tag, ylabel):
     ax.set_xlabel("environment steps" if pattern.startswith("rl:") else "step")
     ax.set_ylabel(ylabel, fontsize=9)
     ax.legend(fontsize=7)
+    if pattern.startswith("rl:"):
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x / 1000:.0f}k"))
     return True
 
 
@@ -143,7 +147,7 @@ def main():
         drawn = [draw(ax, *panel) for ax, panel in zip(axes[0], panels)]
         if any(drawn):
             fig.tight_layout()
-            fig.savefig(os.path.join(OUT, name))
+            fig.savefig(os.path.join(OUT, name), metadata={"Date": None})  # no date: the same runs, the same file
             print(f"wrote {OUT}/{name}")
         plt.close(fig)
 

@@ -3,16 +3,20 @@ penalty do in a regime where unconstrained updates overshoot. Reads the runs of 
 
     python benchmarks/trust_region.py benchmarks/trust_region/runs docs/curves/trust_region.svg
 
-Prints, per variant and env, the mean ± std over seeds of the mean return of the last 100 training
-episodes, and the median over all updates of the exact KL each update moved the policy by
-(`losses/kl`); draws that KL per update against the targets, and β of the adaptive runs.
+Prints, per variant and env, the mean ± std over seeds of: the mean return of the last 100 training
+episodes (the paper's measure), and the learning curve's mean height (the last-100-episode return
+averaged over the run's steps: it sees collapses and slow starts that the final figure forgets); and
+the median over all updates of the exact KL each update moved the policy by (`losses/kl`). Draws that
+KL per update against the targets, and β of the adaptive runs.
 """
 import os
 import sys
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
+matplotlib.rcParams["svg.hashsalt"] = "curves"  # the same runs give the same file
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -36,18 +40,23 @@ def main(root, out_path):
     runs = {(env, exp): plot_curves.runs_of(f"rl:{env}__{exp}__*").get((env, exp), {}) for env in ENVS
             for exp, _ in VARIANTS}
     envs = [env for env in ENVS if any(runs[(env, exp)] for exp, _ in VARIANTS)]
-    print("| variant | " + " | ".join(f"{env}: return | {env}: median KL per update" for env in envs) + " |")
-    print("|-|" + "-|-|" * len(envs))
+    if not envs:
+        sys.exit(f"error: no runs of benchmarks/trust_region.sh in {root}")
+    print("| variant | " + " | ".join(f"{env}: final return | curve mean | median KL per update" for env in envs) + " |")
+    print("|-|" + "-|-|-|" * len(envs))
     for exp, label in VARIANTS:
         cells = []
         for env in envs:
             seeds = runs[(env, exp)]
             if not seeds:
-                cells += ["", ""]
+                cells += ["", "", ""]
                 continue
-            finals = [np.mean([v for _, v in s["charts/episodic_return"]][-100:]) for s in seeds.values()]
+            curves = [plot_curves.curve(s, "return") for s in seeds.values()]
+            finals = [y[-1] for _, y in curves]
+            heights = [np.interp(np.linspace(x[0], x[-1], 200), x, y).mean() for x, y in curves]
             kls = np.concatenate([[v for _, v in s["losses/kl"]] for s in seeds.values()])
-            cells += [f"{np.mean(finals):.1f} ± {np.std(finals):.1f} ({len(seeds)} seeds)", f"{np.median(kls):.1e}"]
+            cells += [f"{np.mean(finals):.1f} ± {np.std(finals):.1f}", f"{np.mean(heights):.1f} ± {np.std(heights):.1f}",
+                      f"{np.median(kls):.1e}"]
         print(f"| {label} | " + " | ".join(cells) + " |")
 
     fig, axes = plt.subplots(len(envs), 2, figsize=(11, 3.4 * len(envs)), squeeze=False)
@@ -74,8 +83,9 @@ def main(root, out_path):
         beta_ax.set_xlabel("environment steps")
         for ax in (kl_ax, beta_ax):
             ax.legend(fontsize=6)
+            ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x / 1000:.0f}k"))
     fig.tight_layout()
-    fig.savefig(out_path)
+    fig.savefig(out_path, metadata={"Date": None})
     print(f"wrote {out_path}")
 
 
