@@ -196,8 +196,9 @@ class RunningMeanStd:
         self.mean, self.var, self.count = np.zeros(shape), np.ones(shape), 1e-4
 
     def update(self, x):
-        self.mean, self.var, self.count = update_mean_var(self.mean, self.var, self.count,
-                                                          x.mean(0), x.var(0), x.shape[0])
+        batch_mean = x.sum(0) / len(x)  # x.mean(0) and x.var(0), without numpy's per-call overhead
+        batch_var = ((x - batch_mean) ** 2).sum(0) / len(x)
+        self.mean, self.var, self.count = update_mean_var(self.mean, self.var, self.count, batch_mean, batch_var, len(x))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,6 +234,15 @@ class Agent(nn.Module):
         if action is None:
             action = mean + torch.exp(log_std) * torch.randn_like(mean)
         return action, gaussian_log_prob(mean, log_std, action), gaussian_entropy(log_std), self.get_value(x)
+
+    @torch.inference_mode()
+    def act(self, x):
+        """The rollout's step: a sampled action, its log-prob and V(s), without the entropy or any autograd
+        bookkeeping (inference mode), which the rollout does not need."""
+        mean = self.actor_mean(x)
+        log_std = self.actor_logstd.expand_as(mean)
+        action = mean + torch.exp(log_std) * torch.randn_like(mean)
+        return action, gaussian_log_prob(mean, log_std, action), self.get_value(x)
 
 
 def check_args(args):
@@ -369,7 +379,8 @@ def main(args: Args):
     obs_dim, act_dim = envs.single_observation_space.shape[0], envs.single_action_space.shape[0]
     low, high = envs.single_action_space.low, envs.single_action_space.high
     agent = Agent(obs_dim, act_dim, args.hidden_size, args.log_std_init).to(device)
-    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
+    # foreach: one kernel per operation over all parameters (the same arithmetic as the default per-parameter loop)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, foreach=True)
     obs_rms, return_rms = RunningMeanStd(obs_dim), RunningMeanStd()
     if args.load_model is not None:
         load_checkpoint(args.load_model, agent, args, obs_rms)
@@ -394,7 +405,7 @@ def main(args: Args):
     global_step = 0
     start_time = time.time()
     raw_obs, _ = envs.reset(seed=args.seed)
-    next_obs = process_obs(raw_obs)
+    next_obs = process_obs(raw_obs, update=num_iterations > 0)  # evaluating a loaded agent keeps its statistics
     episode_returns = np.zeros(args.num_envs)  # raw rewards, for logging
     episode_lengths = np.zeros(args.num_envs, dtype=np.int64)
     discounted_returns = np.zeros(args.num_envs)  # G_t of the reward scaling
@@ -407,8 +418,7 @@ def main(args: Args):
         for step in range(args.num_steps):
             global_step += args.num_envs
             obs[step] = next_obs
-            with torch.no_grad():
-                action, logprob, _, value = agent.get_action_and_value(torch.from_numpy(next_obs).to(device))
+            action, logprob, value = agent.act(torch.from_numpy(next_obs).to(device))
             actions[step], logprobs[step], values[step] = action.cpu().numpy(), logprob.cpu().numpy(), value.cpu().numpy()
 
             # the env gets the action clipped to its bounds; the policy is trained on the unclipped sample

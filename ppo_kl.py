@@ -25,7 +25,6 @@ import numpy as np
 import torch
 import torch.nn as nn
 import tyro
-from torch.distributions import Categorical
 from torch.utils.tensorboard import SummaryWriter
 
 
@@ -194,10 +193,20 @@ class Agent(nn.Module):
 
     def get_action_and_value(self, x, action=None):
         logits = self.actor(x)
-        dist = Categorical(logits=logits, validate_args=False)
+        logp = logits.log_softmax(-1)  # log π(a|s) of every action a
         if action is None:
-            action = dist.sample()
-        return action, dist.log_prob(action), dist.entropy(), self.get_value(x), logits
+            action = torch.multinomial(logp.exp(), 1).squeeze(-1)
+        entropy = -(logp.exp() * logp).sum(-1)
+        return action, logp.gather(-1, action.unsqueeze(-1)).squeeze(-1), entropy, self.get_value(x), logits
+
+    @torch.inference_mode()
+    def act(self, x):
+        """The rollout's step: a sampled action, its log-prob and V(s) (and the logits), without the entropy or
+        any autograd bookkeeping (inference mode), which the rollout does not need."""
+        logits = self.actor(x)
+        logp = logits.log_softmax(-1)
+        action = torch.multinomial(logp.exp(), 1).squeeze(-1)
+        return action, logp.gather(-1, action.unsqueeze(-1)).squeeze(-1), self.get_value(x), logits
 
 
 def check_args(args):
@@ -329,7 +338,8 @@ def main(args: Args):
 
     obs_dim = envs.single_observation_space.shape[0]
     agent = Agent(obs_dim, envs.single_action_space.n).to(device)
-    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
+    # foreach: one kernel per operation over all parameters (the same arithmetic as the default per-parameter loop)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, foreach=True)
     if args.load_model is not None:
         load_checkpoint(args.load_model, agent, args)
 
@@ -363,8 +373,7 @@ def main(args: Args):
         for step in range(args.num_steps):
             global_step += args.num_envs
             obs[step] = next_obs
-            with torch.no_grad():
-                action, logprob, _, value, logits = agent.get_action_and_value(torch.from_numpy(obs[step]).to(device))
+            action, logprob, value, logits = agent.act(torch.from_numpy(obs[step]).to(device))
             actions[step], logprobs[step], values[step] = action.cpu().numpy(), logprob.cpu().numpy(), value.cpu().numpy()
             old_logits[step] = logits.cpu().numpy()
 

@@ -203,12 +203,12 @@ def test_smoke_save_load_and_evaluate_again(tmp_path):
     pc.Agent(3, 1).load_state_dict(checkpoint["agent"])
     assert checkpoint["obs_rms"]["count"] > 512 and checkpoint["args"]["env_id"] == "Pendulum-v1"
     # --load-model with --total-timesteps 0 evaluates it again: the same weights and observation
-    # statistics give the same deterministic episodes
+    # statistics give exactly the same deterministic episodes (the statistics are not touched by the reset)
     os.makedirs(tmp_path / "eval")
     run_script("ppo_continuous.py", "--env-id", "Pendulum-v1", "--load-model", path, "--total-timesteps", "0",
                "--eval-episodes", "2", cwd=tmp_path / "eval")
     again = read_scalars(only_run_dir(tmp_path / "eval"))
-    assert again["eval/episodic_return"][0][1] == pytest.approx(scalars["eval/episodic_return"][0][1], rel=1e-6)
+    assert again["eval/episodic_return"][0][1] == scalars["eval/episodic_return"][0][1]
 
 
 def test_mujoco_smoke(tmp_path):
