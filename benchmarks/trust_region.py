@@ -28,7 +28,7 @@ VARIANTS = [("tr_none", "no clipping or penalty"), ("tr_clip", "clipping, ε = 0
             ("tr_adaptive_0.003", "adaptive KL, d_targ = 0.003"), ("tr_adaptive_0.01", "adaptive KL, d_targ = 0.01"),
             ("tr_adaptive_0.03", "adaptive KL, d_targ = 0.03"), ("tr_fixed_0.3", "fixed KL, β = 0.3"),
             ("tr_fixed_1", "fixed KL, β = 1"), ("tr_fixed_3", "fixed KL, β = 3")]
-ENVS = ["CartPole-v1", "Acrobot-v1", "LunarLander-v3"]
+ENVS = ["CartPole-v1", "Acrobot-v1"]
 
 
 def smooth(values, n=20):

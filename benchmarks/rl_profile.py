@@ -1,0 +1,60 @@
+"""Where the time of a classic PPO script goes: cProfile over its main(), grouped into the parts of the loop.
+
+    python benchmarks/rl_profile.py ppo_clip.py --total-timesteps 102400
+    python benchmarks/rl_profile.py ppo_continuous.py --total-timesteps 20480
+
+Prints each part's share of main's time (cumulative, so a part includes what it calls; cProfile's own
+overhead inflates the Python-heavy parts, so compare shares between versions, not with wall time).
+Works on any version of the scripts, e.g. an older checkout's, for a before/after.
+"""
+import cProfile
+import importlib.util
+import os
+import pstats
+import sys
+import tempfile
+
+import tyro
+
+PARTS = [  # (label, [(file name ending, function name), ...])
+    ("policy and value forward, sampling, log-probs (rollout and update)",
+     [("ppo_clip.py", "get_action_and_value"), ("ppo_kl.py", "get_action_and_value"),
+      ("ppo_continuous.py", "get_action_and_value"), ("ppo_clip.py", "act"), ("ppo_kl.py", "act"),
+      ("ppo_continuous.py", "act")]),
+    ("the vector env's step (the simulator inside)", [("sync_vector_env.py", "step")]),
+    ("backward", [("_tensor.py", "backward")]),
+    ("Adam", [("adam.py", "step")]),
+    ("gradient clipping", [("clip_grad.py", "clip_grad_norm_")]),
+    ("GAE", [("ppo_clip.py", "compute_gae"), ("ppo_kl.py", "compute_gae"), ("ppo_continuous.py", "compute_gae")]),
+    ("observation and reward statistics", [("ppo_continuous.py", "normalize"), ("ppo_continuous.py", "update"),
+                                           ("ppo_continuous.py", "scale_reward")]),
+    ("TensorBoard logging", [("writer.py", "add_scalar")]),
+    ("setup: making the envs, creating Adam (its first use imports torch._dynamo)",
+     [("ppo_clip.py", "make_envs"), ("ppo_kl.py", "make_envs"), ("ppo_continuous.py", "make_envs"),
+      ("adam.py", "__init__")]),
+]
+
+
+def main(script, flags):
+    spec = importlib.util.spec_from_file_location("script", os.path.abspath(script))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    args = tyro.cli(module.Args, args=flags + ["--eval-episodes", "0"])
+    os.chdir(tempfile.mkdtemp())  # the run's TensorBoard files go to a scratch directory
+    profiler = cProfile.Profile()
+    profiler.runcall(module.main, args)
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, primitive calls, tottime, cumtime, callers)}
+    total = next(v[3] for (f, _, name), v in stats.items() if name == "main" and f.endswith(os.path.basename(script)))
+    print(f"{script} {' '.join(flags)}: main {total:.1f} s under cProfile")
+    accounted = 0.0
+    for label, functions in PARTS:
+        seconds = sum(v[3] for (f, _, name), v in stats.items()
+                      if any(f.endswith(end) and name == fn for end, fn in functions))
+        if seconds:
+            accounted += seconds
+            print(f"  {seconds / total:6.1%}  {label}")
+    print(f"  {1 - accounted / total:6.1%}  the rest: the loop's own bookkeeping, losses, logging")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
