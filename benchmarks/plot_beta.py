@@ -1,7 +1,9 @@
 """Plot the adaptive β of ppo_kl.py runs (log scale) and the KL of each update, as an SVG.
 
     python benchmarks/plot_beta.py benchmarks/runs docs/ppo_kl_beta.svg
-Plain SVG so that no plotting package is needed.
+Plain SVG so that no plotting package is needed. Also prints, per run, what docs/rl_notes.md quotes: the 5th
+and 95th percentiles of the KL per update, the share of updates below d_targ/1.5 (after which β halves),
+how many updates doubled β, and the first update from which β stays below 1e-6.
 """
 import glob
 import math
@@ -43,6 +45,14 @@ def main(root, out_path):
         label = f"{exp_name.replace('ppo_kl_', '') if exp_name != 'ppo_kl' else 'dtarg0.01'} s{seed}"
         betas.append((label, [(e.step, e.value) for e in acc.Scalars("charts/kl_coef")]))
         kls.append((label, [(e.step, e.value) for e in acc.Scalars("losses/kl")]))
+        target = 0.001 if "0.001" in exp_name else 0.01
+        d = sorted(v for _, v in kls[-1][1])
+        beta = [v for _, v in betas[-1][1]]  # the β each update was made with
+        first_small = next((i + 1 for i in range(len(beta)) if all(b < 1e-6 for b in beta[i:])), None)
+        small = first_small and betas[-1][1][first_small - 1][0]
+        print(f"{label}: KL per update p5 {d[len(d) // 20]:.1e}, p95 {d[len(d) * 19 // 20]:.1e}; "
+              f"{sum(v < target / 1.5 for v in d) / len(d):.1%} of {len(d)} updates below d_targ/1.5; "
+              f"{sum(v > target * 1.5 for v in d)} doubled β; β < 1e-6 from update {first_small} (step {small:,})")
     svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W + 80}" height="{2 * H}" font-family="sans-serif">',
            '<rect width="100%" height="100%" fill="white"/>']
     svg += panel(betas, 0, "ppo_kl.py CartPole-v1: β (log scale)", -12, 1)

@@ -105,6 +105,24 @@ def test_value_loss_clipped_and_unclipped():
     assert pc.value_loss(v, v_old, ret, 0.2, clip=False).item() == pytest.approx(0.3125)
 
 
+# ------------------------------------------------------------------------------------------ the agent
+def test_the_rollout_samples_from_the_policy_the_update_trains():
+    # act() (the rollout's step) and get_action_and_value() (the update) give the same log π(a|s) and V(s)
+    # for the sampled action, so the first epoch's ratio is 1; the samples have the policy's mean and std
+    torch.manual_seed(0)
+    agent = pc.Agent(3, 2, hidden_size=8, log_std_init=-0.5)
+    with torch.no_grad():
+        agent.actor_logstd.copy_(torch.tensor([[-0.5, 0.7]]))  # a different std per action dimension
+    x = torch.randn(5, 3)
+    action, logprob, value = agent.act(x)
+    _, newlogprob, _, newvalue = agent.get_action_and_value(x, action)
+    assert torch.equal(logprob, newlogprob.detach()) and torch.equal(value, newvalue.detach())
+    draws = agent.act(x[:1].expand(20_000, 3))[0]
+    mean = agent.actor_mean(x[:1]).detach()[0]
+    assert torch.allclose(draws.mean(0), mean, atol=0.05)
+    assert torch.allclose(draws.std(0), torch.tensor([math.exp(-0.5), math.exp(0.7)]), rtol=0.03)
+
+
 # ------------------------------------------------------------- the values that flow through main
 CLOCK = dict(env_id="ClockBox-v0", num_envs=2, num_steps=20, num_minibatches=2, update_epochs=1, eval_episodes=0)
 

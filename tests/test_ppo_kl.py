@@ -100,6 +100,29 @@ def test_value_loss_clipped_and_unclipped():
     assert ppo_kl.value_loss(v, v_old, ret, 0.2, clip=False).item() == pytest.approx(0.3125)
 
 
+# ------------------------------------------------------------------------------------------ the agent
+def test_the_rollout_samples_from_the_policy_the_update_trains():
+    # act() (the rollout's step) and get_action_and_value() (the update) give the same log π(a|s) and V(s)
+    # for the sampled action, so the first epoch's ratio is 1; both against torch's Categorical as the oracle,
+    # on a policy far from uniform (so that the log-prob of a wrong action index shows)
+    torch.manual_seed(0)
+    agent = ppo_kl.Agent(4, 3)
+    with torch.no_grad():
+        agent.actor[-1].weight.mul_(100)
+    x = torch.randn(6, 4)
+    action, logprob, value, *_ = agent.act(x)
+    action = action.clone()  # out of inference mode, as main's rollout storage is
+    _, newlogprob, entropy, newvalue, *_ = agent.get_action_and_value(x, action)
+    dist = torch.distributions.Categorical(logits=agent.actor(x))
+    assert torch.equal(logprob, newlogprob.detach()) and torch.equal(value, newvalue.detach())
+    assert torch.allclose(logprob, dist.log_prob(action), atol=1e-5)
+    assert torch.allclose(entropy, dist.entropy(), atol=1e-5)
+    # the actions are drawn with the policy's probabilities: frequencies over 20,000 draws from one state
+    draws = agent.act(x[:1].expand(20_000, 4))[0]
+    frequencies = torch.bincount(draws, minlength=3) / 20_000
+    assert torch.allclose(frequencies, dist.probs[0].detach(), atol=0.015)
+
+
 # ------------------------------------------------------------- the values that flow through main
 def test_a_truncation_bootstraps_from_the_real_final_observation(tmp_path, monkeypatch):
     # Clock-v0: episodes alternately terminate at t = 2 and are truncated at t = 3. A truncated step must
