@@ -6,8 +6,8 @@ penalty do in a regime where unconstrained updates overshoot. Reads the runs of 
 Prints, per variant and env, the mean ± std over seeds of: the mean return of the last 100 training
 episodes (the paper's measure), and the learning curve's mean height (the last-100-episode return
 averaged over the run's steps: it sees collapses and slow starts that the final figure forgets); and
-the median over all updates of the exact KL each update moved the policy by (`losses/kl`). Draws that
-KL per update against the targets, and β of the adaptive runs.
+the median over all updates of the exact KL each update moved the policy by (`losses/kl`). Draws, per
+env, the learning curves, that KL per update against the targets, and β of the adaptive runs.
 """
 import os
 import sys
@@ -59,13 +59,18 @@ def main(root, out_path):
                       f"{np.median(kls):.1e}"]
         print(f"| {label} | " + " | ".join(cells) + " |")
 
-    fig, axes = plt.subplots(len(envs), 2, figsize=(11, 3.4 * len(envs)), squeeze=False)
+    fig, axes = plt.subplots(len(envs), 3, figsize=(16, 3.4 * len(envs)), squeeze=False)
     for row, env in enumerate(envs):
-        kl_ax, beta_ax = axes[row]
+        return_ax, kl_ax, beta_ax = axes[row]
         for i, (exp, label) in enumerate(VARIANTS):
             seeds = runs[(env, exp)]
             if not seeds:
                 continue
+            curves = [plot_curves.curve(s, "return") for s in seeds.values()]
+            grid = np.linspace(max(x[0] for x, _ in curves), min(x[-1] for x, _ in curves), 200)
+            ys = np.array([np.interp(grid, x, y) for x, y in curves])
+            return_ax.plot(grid, ys.mean(0), color=f"C{i}", label=label, linewidth=1)
+            return_ax.fill_between(grid, ys.min(0), ys.max(0), color=f"C{i}", alpha=0.12)
             steps = [t for t, _ in next(iter(seeds.values()))["losses/kl"]]
             kl = np.mean([[v for _, v in s["losses/kl"]] for s in seeds.values()], axis=0)
             kl_ax.plot(steps, smooth(kl), color=f"C{i}", label=label, linewidth=1)
@@ -75,13 +80,15 @@ def main(root, out_path):
                 beta = np.exp(np.mean([np.log(np.maximum([v for _, v in s["charts/kl_coef"]], 1e-30))
                                        for s in seeds.values()], axis=0))
                 beta_ax.plot(steps, beta, color=f"C{i}", label=label, linewidth=1)
+        return_ax.set_title(f"{env}: last-100-episode return (mean over seeds, min-max band)", fontsize=9)
+        return_ax.set_xlabel("environment steps")
         kl_ax.set_yscale("log")
         kl_ax.set_title(f"{env}: KL of each update (mean over seeds, 20-update mean); dashed: d_targ", fontsize=9)
         kl_ax.set_xlabel("environment steps")
         beta_ax.set_yscale("log")
         beta_ax.set_title(f"{env}: β of the adaptive runs (geometric mean over seeds)", fontsize=9)
         beta_ax.set_xlabel("environment steps")
-        for ax in (kl_ax, beta_ax):
+        for ax in (return_ax, kl_ax, beta_ax):
             ax.legend(fontsize=6)
             ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x / 1000:.0f}k"))
     fig.tight_layout()
