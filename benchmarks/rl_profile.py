@@ -3,7 +3,7 @@
     python benchmarks/rl_profile.py ppo_clip.py --total-timesteps 102400
     python benchmarks/rl_profile.py ppo_continuous.py --total-timesteps 20480
 
-Prints each part's share of main's time (cumulative, so a part includes what it calls; cProfile's own
+Prints each part's seconds and share of main's time (cumulative, so a part includes what it calls; cProfile's own
 overhead inflates the Python-heavy parts, so compare shares between versions, not with wall time).
 Works on any version of the scripts, e.g. an older checkout's, for a before/after.
 """
@@ -52,8 +52,8 @@ def main(script, flags):
                       if any(f.endswith(end) and name == fn for end, fn in functions))
         if seconds:
             accounted += seconds
-            print(f"  {seconds / total:6.1%}  {label}")
-    print(f"  {1 - accounted / total:6.1%}  the rest: the loop's own bookkeeping, losses, logging")
+            print(f"  {seconds:6.1f} s {seconds / total:6.1%}  {label}")
+    print(f"  {total - accounted:6.1f} s {1 - accounted / total:6.1%}  the rest: the loop's own bookkeeping, the losses")
 
 
 if __name__ == "__main__":
