@@ -101,8 +101,269 @@ class Args:
 
 
 # ---------------------------------------------------------------------------------------------
-# The built-in task: sort the digits. Gold reward known exactly. (Each LM script has its own copy;
-# tests/test_copies.py checks the copies agree.)
+# The math: pure functions, checked against hand-computed values in tests/test_dpo.py
+# ---------------------------------------------------------------------------------------------
+def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, beta,
+             loss_type="sigmoid", label_smoothing=0.0):
+    """Preference losses on h = (log π − log π_ref)(y_w) − (log π − log π_ref)(y_l), log-probs summed over
+    the completion tokens:
+
+        sigmoid   −(1 − ε) log σ(β h) − ε log σ(−β h)      (DPO eq. 7; ε > 0: conservative DPO)
+        ipo       (h − 1/(2β))²                           (IPO, Azar et al. 2023, eq. 17; h from summed
+                                                          log-probs as in the paper, TRL averages per token)
+        hinge     max(0, 1 − β h)                         (SLiC, Zhao et al. 2023)
+
+    Returns (loss, chosen_rewards, rejected_rewards): the implicit rewards β (log π − log π_ref) (eq. 5)."""
+    chosen_logratios = policy_chosen_logps - ref_chosen_logps
+    rejected_logratios = policy_rejected_logps - ref_rejected_logps
+    h = chosen_logratios - rejected_logratios
+    if loss_type == "sigmoid":
+        losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+    elif loss_type == "ipo":
+        losses = (h - 1 / (2 * beta)) ** 2
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - beta * h)
+    else:
+        raise ValueError(f"unknown loss type {loss_type!r}")
+    return losses.mean(), beta * chosen_logratios.detach(), beta * rejected_logratios.detach()
+
+
+# ---------------------------------------------------------------------------------------------
+# DPO's forward passes: log-probs summed over a completion
+# ---------------------------------------------------------------------------------------------
+def sequence_logps(model, input_ids, attention_mask, labels):
+    """Σ_t log π(y_t | x, y_<t) over the completion tokens (labels ≠ −100), one value per sequence."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                   position_ids=position_ids_of(attention_mask)).logits[:, :-1]
+    labels = labels[:, 1:]
+    return (token_logprobs(logits, labels.clamp(min=0)) * (labels != -100)).sum(-1)
+
+
+@torch.no_grad()
+def response_logps(model, sequences, attention_mask, context_length, temperature):
+    """Σ_t log π(a_t | s_t) over each sampled response's valid tokens."""
+    logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_of(attention_mask)).logits
+    logits = logits[:, context_length - 1 : -1] / temperature
+    return (token_logprobs(logits, sequences[:, context_length:]) * attention_mask[:, context_length:]).sum(1)
+
+
+def check_args(args):
+    """Every flag checked before any work: one line that says what to change. Under torchrun each rank checks
+    the same flags and only rank 0 prints."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.loss_type not in ("sigmoid", "ipo", "hinge"):
+        sys.exit(f"error: --loss-type {args.loss_type!r}: choose sigmoid, ipo or hinge")
+    if args.batch_size % (world_size * args.gradient_accumulation_steps):
+        sys.exit(f"error: --batch-size {args.batch_size} does not split into {world_size} rank(s) × "
+                 f"{args.gradient_accumulation_steps} micro-batches; make it a multiple of "
+                 f"{world_size * args.gradient_accumulation_steps}")
+
+
+def main(args: Args):
+    check_args(args)
+    rank, world_size, device = setup_distributed(args.cuda)
+    random.seed(args.seed)  # the data order: the same on every rank
+    torch.manual_seed(args.seed + rank)  # sampling: a stream of its own on each rank
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
+
+    # Preference pairs; on the built-in task, the eval prompts of sft.py and rlhf_ppo.py too, so that the sampled
+    # evaluations of all three compare directly (with a dataset, the prompts of the eval pairs are sampled)
+    train_rows, eval_rows = load_data(args, "preference", args.num_train_pairs, [("chosen", "rejected")],
+                                      "needs chosen and rejected (and optionally prompt)")
+    eval_prompts, eval_targets = None, None
+    if args.dataset_name is None:
+        prompt_rows = task_rows(args.seed, "eval", args.eval_size, "prompt")
+        eval_prompts, eval_targets = [row["prompt"] for row in prompt_rows], [row["target"] for row in prompt_rows]
+    # The policy in float32 (master weights) whatever the checkpoint's dtype, the frozen models in the dtype they
+    # compute in; dropout off. The reward model, when there is one, only reports eval/score.
+    path = args.model_name_or_path
+    tokenizer = load_tokenizer(path, "run `python sft.py` first" if path == "models/sft" else
+                               "pass an existing directory or a hub id")
+    has_reward = bool(args.reward_model_path) and os.path.isdir(args.reward_model_path)
+    if has_reward:
+        reward_tokenizer = load_tokenizer(args.reward_model_path, "pass an existing directory")
+    stop_ids = stop_token_ids(tokenizer)
+    frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32
+    config = load_config(path, "lm")
+    raw_policy = load_model(path, "lm", torch.float32, config)  # π_θ (raw: to sample and save)
+    ref = load_model(path, "lm", frozen_dtype, config)  # π_ref
+    reward = None
+    if has_reward:
+        reward = load_model(args.reward_model_path, "score", frozen_dtype, load_config(args.reward_model_path, "score"))
+    frozen = [model for model in (ref, reward) if model is not None]
+    prepare_models(tokenizer, stop_ids, device, [raw_policy, *frozen], frozen)
+    if reward is not None:
+        check_same_vocabulary(tokenizer, reward_tokenizer, stop_ids,
+                              f"the reward model {args.reward_model_path!r} has another tokenizer than {path!r}; pass "
+                              "--reward-model-path of one trained from this model, or None")
+    if args.gradient_checkpointing:
+        raw_policy.activation_checkpointing_enable({"use_reentrant": False})
+    # the trained policy is data-parallel; the frozen models are whole on every rank (in bf16 with --bf16, they
+    # take 2 bytes per parameter where the policy's weights, gradients and AdamW state take 16)
+    policy = wrap_model(raw_policy, device, args.fsdp)
+
+    # each pair: ((chosen ids, labels), (rejected ids, labels)), the labels on the completion and its stop token only
+    train, evals, eval_pair_prompts = [], [], []
+    for pairs, rows, split in ((train, train_rows, "train"), (evals, eval_rows, "eval")):
+        for p, c, r, _ in tokenize_pairs(tokenizer, rows, stop_ids, args.max_length, split):
+            pairs.append(((p + c, [-100] * len(p) + c), (p + r, [-100] * len(p) + r)))
+            if split == "eval":
+                eval_pair_prompts.append(p)
+    if eval_prompts is not None:
+        eval_ids = [encode_prompt(tokenizer, p) for p in eval_prompts]
+    else:  # each distinct, non-empty prompt of the eval pairs
+        eval_ids = [list(p) for p in dict.fromkeys(tuple(p) for p in eval_pair_prompts if p)]
+        eval_prompts = [tokenizer.decode(p, skip_special_tokens=True) for p in eval_ids]
+    positions = model_positions(raw_policy)
+    longest = max([args.max_length] + [len(p) + args.response_length for p in eval_ids])
+    if positions is not None and longest > positions:
+        sys.exit(f"error: sequences of {longest} tokens (--max-length, or an eval prompt + --response-length) exceed the "
+                 f"model's {positions} positions; lower them")
+
+    def logps_of(model, batch):
+        """Summed log-probs of the chosen and the rejected completions, in one forward pass."""
+        input_ids, attention_mask, labels = (t.to(device) for t in collate([c for c, _ in batch] + [r for _, r in batch],
+                                                                          tokenizer.pad_token_id))
+        with amp():
+            logps = sequence_logps(model, input_ids, attention_mask, labels)
+        return logps[: len(batch)], logps[len(batch) :]
+
+    @torch.no_grad()
+    def logps_in_chunks(model, pairs):
+        """logps_of over many pairs, --eval-batch-size at a time."""
+        parts = [logps_of(model, pairs[i : i + args.eval_batch_size]) for i in range(0, len(pairs), args.eval_batch_size)]
+        return torch.cat([c for c, _ in parts]), torch.cat([r for _, r in parts])
+
+    # The reference never changes: its log-probs are computed once, before training, each rank computing
+    # its shard of the pairs; the shards are then gathered, so that every rank has all of them.
+    ref_chosen, ref_rejected = logps_in_chunks(ref, shard(train, rank, world_size)[0])
+    if world_size > 1:  # rank r computed pairs r, r + N, r + 2N, ...: gather them, interleave, drop the padding
+        gathered = []
+        for local in (ref_chosen, ref_rejected):
+            parts = [torch.empty_like(local) for _ in range(world_size)]
+            dist.all_gather(parts, local)
+            gathered.append(torch.stack(parts, 1).flatten()[: len(train)])
+        ref_chosen, ref_rejected = gathered
+
+    writer = make_writer(args, rank)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
+
+    def evaluate(step):
+        """Each rank evaluates its shard of the eval pairs and prompts; the sums are added up over the ranks."""
+        policy.eval()
+        line = f"step {step}:"
+        if evals:  # the preference metrics on held-out pairs
+            mine, weights = shard(evals, rank, world_size)
+            keep = torch.tensor(weights, device=device).bool()
+            chosen, rejected = (x[keep] for x in logps_in_chunks(policy, mine))
+            ref_c, ref_r = (x[keep] for x in logps_in_chunks(ref, mine))
+            loss, r_c, r_r = dpo_loss(chosen, rejected, ref_c, ref_r, args.beta, args.loss_type, args.label_smoothing)
+            sums = all_reduce_sum({"loss": loss * len(r_c) if len(r_c) else 0.0, "correct": (r_c > r_r).sum(),
+                                   "n": len(r_c)}, device)
+            writer.add_scalar("eval/loss", sums["loss"] / sums["n"], step)
+            writer.add_scalar("eval/accuracy", sums["correct"] / sums["n"], step)
+            line += f" eval/loss {sums['loss'] / sums['n']:.4f}"
+        if eval_ids:  # the sampled evaluation of rlhf_ppo.py: completions at temperature 1 on the eval prompts
+            mine, weights = shard(list(range(len(eval_ids))), rank, world_size)
+            completions, kls, scores = [], [], []
+            for i in range(0, len(mine), args.eval_batch_size):
+                with torch.no_grad(), amp():
+                    sequences, attention_mask, context_length, response_mask = sample(
+                        raw_policy, [eval_ids[j] for j in mine[i : i + args.eval_batch_size]], tokenizer.pad_token_id,
+                        stop_ids, args.response_length, args.temperature)
+                    kls.append(response_logps(policy, sequences, attention_mask, context_length, args.temperature)
+                               - response_logps(ref, sequences, attention_mask, context_length, args.temperature))
+                    if reward is not None:
+                        scores.append(score_responses(reward, sequences, attention_mask, response_mask, stop_ids,
+                                                      args.missing_eos_penalty)[0])
+                completions += decode(tokenizer, sequences, context_length, response_mask)
+            w = torch.tensor(weights, device=device, dtype=torch.float)
+            sums = {"kl": (torch.cat(kls) * w).sum(), "n": w.sum()}
+            if reward is not None:
+                sums["score"] = (torch.cat(scores) * w).sum()
+            if eval_targets is not None:
+                targets = [eval_targets[j] for j in mine]
+                sums["correct"] = sum(v * (c == t) for c, t, v in zip(completions, targets, weights))
+                sums["gold"] = sum(v * gold_score(c, t) for c, t, v in zip(completions, targets, weights))
+            sums = all_reduce_sum(sums, device)
+            for tag, name in (("eval/score", "score"), ("eval/kl", "kl"), ("eval/gold_accuracy", "correct"),
+                              ("eval/gold_score", "gold")):
+                if name in sums:
+                    writer.add_scalar(tag, sums[name] / sums["n"], step)
+                    line += f", {tag} {sums[name] / sums['n']:.3f}"
+            samples = "\n".join(f"    {eval_prompts[j]} {c!r}" for j, c in zip(mine[:8], completions))
+            writer.add_text("eval/samples", samples, step)
+        print(line)
+        policy.train()
+
+    evaluate(0)
+    policy.train()
+    order, position = list(range(len(train))), len(train)
+    per_rank = args.batch_size // world_size
+    micro_size = per_rank // args.gradient_accumulation_steps
+    start_time = time.time()
+    for step in range(1, args.max_steps + 1):
+        if position + args.batch_size > len(order):  # a new pass over the data, reshuffled
+            random.shuffle(order)
+            position = 0
+        idx = order[position : position + args.batch_size]
+        position += args.batch_size
+        lr = get_lr(step - 1, args.lr, args.warmup_steps, args.max_steps, "linear")
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        # ---- update: this rank's share of the batch, in micro-batches -----------------------------
+        parts = []  # (loss, chosen, rejected, r_c, r_r) of each micro-batch
+        for m in range(rank * per_rank, (rank + 1) * per_rank, micro_size):
+            micro = idx[m : m + micro_size]
+            chosen, rejected = logps_of(policy, [train[i] for i in micro])
+            loss, r_c, r_r = dpo_loss(chosen, rejected, ref_chosen[micro], ref_rejected[micro], args.beta, args.loss_type,
+                                      args.label_smoothing)
+            # the mean over micro-batches = the rank's mean; DDP and FSDP average over the ranks
+            (loss / args.gradient_accumulation_steps).backward()
+            parts.append((loss.detach() / args.gradient_accumulation_steps, chosen.detach(), rejected.detach(), r_c, r_r))
+        loss = sum(p[0] for p in parts)
+        chosen, rejected, r_c, r_r = (torch.cat([p[k] for p in parts]) for k in range(1, 5))
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+        check_finite(step, loss=loss, grad_norm=grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        # ---- log and evaluate: means over the whole batch, sums added up over the ranks -------------
+        if step % 10 == 0:
+            sums = all_reduce_sum({"loss": loss * per_rank, "reward_chosen": r_c.sum(), "reward_rejected": r_r.sum(),
+                                   "correct": (r_c > r_r).sum(), "logps_chosen": chosen.sum(),
+                                   "logps_rejected": rejected.sum()}, device)
+            mean = {name: value / args.batch_size for name, value in sums.items()}
+            # the implicit rewards β log π/π_ref, under reward_model.py's tags (TRL: rewards/chosen, ...)
+            logs = {"losses/loss": mean["loss"], "train/grad_norm": grad_norm, "train/reward_chosen": mean["reward_chosen"],
+                    "train/reward_rejected": mean["reward_rejected"], "train/accuracy": mean["correct"],
+                    "train/margin": mean["reward_chosen"] - mean["reward_rejected"],
+                    "train/logps_chosen": mean["logps_chosen"], "train/logps_rejected": mean["logps_rejected"],
+                    "charts/learning_rate": lr,
+                    "charts/samples_per_second": step * args.batch_size / (time.time() - start_time)}
+            for tag, value in logs.items():
+                writer.add_scalar(tag, float(value), step)
+        if step % args.eval_every == 0 or step == args.max_steps:
+            evaluate(step)
+
+    save_atomically(raw_policy, tokenizer, args, args.output_dir)
+    print(f"saved to {args.output_dir} after {time.time() - start_time:.0f} s")
+    writer.close()
+
+
+# =============================================================================================
+# Plumbing. Everything below this line is the same text in sft.py, reward_model.py, dpo.py, rlhf_ppo.py
+# and grpo.py (tests/test_copies.py checks it byte for byte): the built-in task, tokenization, data and
+# model loading, forward passes, many processes, saving. A reader learning the algorithm can stop here.
+# =============================================================================================
+
+
+# ---------------------------------------------------------------------------------------------
+# The built-in task: sort the digits. The gold reward is known exactly, so every stage is measured
+# against it: SFT learns from a sloppy demonstrator, the reward model from noisy preference pairs.
 # ---------------------------------------------------------------------------------------------
 def levenshtein(a, b):
     """Edit distance: insertions, deletions and substitutions, each of cost 1."""
@@ -173,47 +434,25 @@ def task_rng(seed, split):
     return random.Random(f"sort-task/{seed}/{split}")
 
 
-# ---------------------------------------------------------------------------------------------
-# The math: pure functions, checked against hand-computed values in tests/test_dpo.py
-# ---------------------------------------------------------------------------------------------
-def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, beta,
-             loss_type="sigmoid", label_smoothing=0.0):
-    """Preference losses on h = (log π − log π_ref)(y_w) − (log π − log π_ref)(y_l), log-probs summed over
-    the completion tokens:
-
-        sigmoid   −(1 − ε) log σ(β h) − ε log σ(−β h)      (DPO eq. 7; ε > 0: conservative DPO)
-        ipo       (h − 1/(2β))²                           (IPO, Azar et al. 2023, eq. 17; h from summed
-                                                          log-probs as in the paper, TRL averages per token)
-        hinge     max(0, 1 − β h)                         (SLiC, Zhao et al. 2023)
-
-    Returns (loss, chosen_rewards, rejected_rewards): the implicit rewards β (log π − log π_ref) (eq. 5)."""
-    chosen_logratios = policy_chosen_logps - ref_chosen_logps
-    rejected_logratios = policy_rejected_logps - ref_rejected_logps
-    h = chosen_logratios - rejected_logratios
-    if loss_type == "sigmoid":
-        losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
-    elif loss_type == "ipo":
-        losses = (h - 1 / (2 * beta)) ** 2
-    elif loss_type == "hinge":
-        losses = torch.relu(1 - beta * h)
-    else:
-        raise ValueError(f"unknown loss type {loss_type!r}")
-    return losses.mean(), beta * chosen_logratios.detach(), beta * rejected_logratios.detach()
-
-
-def sequence_logps(model, input_ids, attention_mask, labels):
-    """Σ_t log π(y_t | x, y_<t) over the completion tokens (labels ≠ −100), one value per sequence."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                   position_ids=position_ids_of(attention_mask)).logits[:, :-1]
-    labels = labels[:, 1:]
-    return (token_logprobs(logits, labels.clamp(min=0)) * (labels != -100)).sum(-1)
+def task_rows(seed, split, n, kind):
+    """n rows of the built-in task in TRL's formats, each with its `target`: kind "demonstration" (prompt,
+    completion: the sloppy demonstrator's answer), "preference" (prompt, chosen, rejected) or "prompt"."""
+    rng, rows = task_rng(seed, split), []
+    for _ in range(n):
+        if kind == "preference":
+            rows.append(dict(zip(("prompt", "chosen", "rejected", "target"), preference_pair(rng))))
+            continue
+        prompt, target = make_prompt(rng)
+        rows.append({"prompt": prompt, "target": target})
+        if kind == "demonstration":
+            rows[-1]["completion"] = demonstration(rng, target)
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------
-# Tokenization as the model expects it. The same text in sft.py, reward_model.py, rlhf_ppo.py, dpo.py
-# and grpo.py (tests check the copies), so that the reward model scores exactly the token sequences SFT
-# trained on and PPO, DPO and GRPO produce. Data rows are in TRL's formats: text, or conversations (lists of
-# {"role", "content"} messages) rendered by the tokenizer's chat template.
+# Tokenization as the model expects it, one text for every script, so that the reward model scores
+# exactly the token sequences SFT trained on and PPO, DPO and GRPO produce. Data rows are in TRL's
+# formats: text, or conversations (lists of {"role", "content"} messages) rendered by the chat template.
 # ---------------------------------------------------------------------------------------------
 def render_chat(tokenizer, messages, add_generation_prompt=False):
     """Token ids of a conversation rendered by the tokenizer's chat template."""
@@ -292,6 +531,40 @@ def add_pad_token(tokenizer, stop_ids, *models):
             model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
 
 
+def tokenize(example, tokenizer, stop_ids):
+    """(input_ids, labels) of one example, labels −100 where no loss is taken:
+    prompt/completion (text or conversational): the loss on the completion and its stop token;
+    text: on every token, EOS appended; messages: on each assistant turn up to its stop token."""
+    if example.get("messages") is not None:
+        messages, ids, labels, stopped = example["messages"], [], [], True
+        for i, message in enumerate(messages):
+            renders = [render_chat(tokenizer, messages[: i + 1])]
+            if message["role"] == "assistant":  # the assistant header is prompt, not completion
+                renders.insert(0, render_chat(tokenizer, messages[:i], add_generation_prompt=True))
+            for full in renders:
+                # Each render must extend the previous one. Templates that re-render earlier turns once later
+                # ones exist (e.g. dropping past reasoning) break this, and the labels would be misplaced.
+                if full[: len(ids)] != ids:
+                    sys.exit("error: the chat template renders earlier turns differently once later turns exist (e.g. "
+                             "it drops past reasoning), so assistant turns cannot be labeled; split each conversation "
+                             "into prompt/completion rows, one per assistant turn")
+                new, ids = full[len(ids) :], full
+                if full is renders[-1] and message["role"] == "assistant":
+                    ends = [j for j, t in enumerate(new) if t in stop_ids]
+                    n, stopped = (ends[0] + 1, True) if ends else (len(new), False)
+                    labels += new[:n] + [-100] * (len(new) - n)
+                else:
+                    labels += [-100] * len(new)
+        if not stopped and messages[-1]["role"] == "assistant":  # a template with no end-of-turn token: EOS ends the reply
+            ids, labels = ids + [tokenizer.eos_token_id], labels + [tokenizer.eos_token_id]
+        return ids, labels
+    if example.get("prompt") is not None and example.get("completion") is not None:
+        prompt_ids, completion_ids = tokenize_pair(tokenizer, example["prompt"], example["completion"], stop_ids)
+        return prompt_ids + completion_ids, [-100] * len(prompt_ids) + completion_ids
+    ids = encode_prompt(tokenizer, example["text"]) + [tokenizer.eos_token_id]
+    return ids, list(ids)
+
+
 def tokenize_preference(tokenizer, row, stop_ids):
     """(prompt_ids, chosen_ids, rejected_ids) of a preference row in any of TRL's formats: explicit
     (`prompt`, `chosen`, `rejected`) or implicit (`chosen` and `rejected` each include the prompt), text or
@@ -311,8 +584,59 @@ def tokenize_preference(tokenizer, row, stop_ids):
     return prompt_ids, chosen_ids, tokenize_pair(tokenizer, prompt, rejected, stop_ids)[1]
 
 
+def tokenize_examples(tokenizer, examples, stop_ids, max_length, split):
+    """[(input_ids, labels)] of the examples that fit `max_length` (a `text` example is cut to it); the others
+    are dropped and counted, as are examples with nothing to learn."""
+    kept, dropped = [], 0
+    for ex in examples:
+        ids, labels = tokenize(ex, tokenizer, stop_ids)
+        if ex.get("text") is not None and ex.get("messages") is None and ex.get("completion") is None:
+            ids, labels = ids[:max_length], labels[:max_length]
+        if len(ids) > max_length or all(label == -100 for label in labels[1:]):
+            dropped += 1
+        else:
+            kept.append((ids, labels))
+    if dropped:
+        print(f"{split}: dropped {dropped:,} of {len(examples):,} examples longer than --max-length {max_length} "
+              "or with nothing to learn")
+    if not kept and split == "train":
+        sys.exit(f"error: no training example fits --max-length {max_length} (see above); raise it")
+    return kept
+
+
+def tokenize_pairs(tokenizer, rows, stop_ids, max_length, split):
+    """[(prompt_ids, chosen_ids, rejected_ids, row)] of the preference rows that fit `max_length`: a pair whose
+    longer side does not fit, or whose sides are the same tokens, is dropped (and counted) rather than cut, so
+    no fake EOS and no zero-gradient pair is trained on."""
+    kept, too_long, same = [], 0, 0
+    for row in rows:
+        prompt_ids, chosen_ids, rejected_ids = tokenize_preference(tokenizer, row, stop_ids)
+        if len(prompt_ids) + max(len(chosen_ids), len(rejected_ids)) > max_length:
+            too_long += 1
+        elif chosen_ids == rejected_ids:
+            same += 1
+        else:
+            kept.append((prompt_ids, chosen_ids, rejected_ids, row))
+    if too_long or same:
+        print(f"{split}: dropped {too_long:,} of {len(rows):,} pairs longer than --max-length {max_length}, "
+              f"{same:,} whose chosen and rejected are the same tokens")
+    if not kept and split == "train":
+        sys.exit("error: no training pair is left (see above); raise --max-length or check the data")
+    return kept
+
+
+def tokenize_prompts(tokenizer, prompts, max_prompt_length, split):
+    """(indices kept, token ids) of the prompts that fit `max_prompt_length`; the others are dropped and counted."""
+    encoded = [encode_prompt(tokenizer, p) for p in prompts]
+    kept = [i for i, ids in enumerate(encoded) if 0 < len(ids) <= max_prompt_length]
+    if len(kept) < len(encoded):
+        print(f"{split}: dropped {len(encoded) - len(kept):,} of {len(encoded):,} prompts longer than "
+              f"--max-prompt-length {max_prompt_length} (or empty)")
+    return kept, [encoded[i] for i in kept]
+
+
 # ---------------------------------------------------------------------------------------------
-# Loading and training helpers, the same text in every LM script (tests check the copies)
+# Data and models
 # ---------------------------------------------------------------------------------------------
 def load_rows(name, split, eval_size):
     """(train rows, eval rows) of a dataset: a hub id, a `save_to_disk` directory or a .json/.jsonl/.parquet
@@ -340,45 +664,29 @@ def load_rows(name, split, eval_size):
     return rows[n_eval:], rows[:n_eval]
 
 
-def get_lr(step, lr, warmup_steps, max_steps, decay):
-    """Learning rate of optimizer step `step` = 0, 1, ...: `lr` × a linear warmup min(1, (step + 1) / warmup_steps)
-    × a decay to 0 at `max_steps`: "linear", min(1, (max_steps − step) / (max_steps − warmup_steps)), flat through
-    the warmup; or "cosine", ½(1 + cos(π · step / max_steps)), over the whole run."""
-    warmup = min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
-    if decay == "linear":
-        return lr * warmup * min(1.0, max(0.0, (max_steps - step) / max(1, max_steps - warmup_steps)))
-    return lr * warmup * 0.5 * (1 + math.cos(math.pi * min(1.0, step / max_steps)))
+def load_data(args, kind, num_train, accepts, needs):
+    """(train rows, eval rows): the built-in task's rows of `kind` when no --dataset-name is given, else the
+    dataset's, which must have every column of one of the sets in `accepts` (`needs` says so in words)."""
+    if args.dataset_name is None:
+        return task_rows(args.seed, "train", num_train, kind), task_rows(args.seed, "eval", args.eval_size, kind)
+    train, evals = load_rows(args.dataset_name, args.dataset_split, args.eval_size)
+    columns = sorted(train[0]) if train else []
+    if not any(set(columns) >= set(accepted) for accepted in accepts):
+        sys.exit(f"error: dataset {args.dataset_name!r} has columns {columns}; {os.path.basename(__file__)} {needs}")
+    return train, evals
 
 
-def check_finite(step, **values):
-    """Stop the run with one line, before anything is saved, when a loss or gradient norm is NaN or inf."""
-    for name, value in values.items():
-        value = float(torch.as_tensor(value).detach())
-        if not math.isfinite(value):
-            sys.exit(f"error: {name} is {value} at step {step}; stopped, nothing saved "
-                     "(lower --lr; with a half-precision model, train without --bf16 to check)")
+def load_tokenizer(path, hint):
+    """The tokenizer of a hub id or local directory. A local path that does not exist, or a checkpoint that
+    cannot be read, is one line (`hint` says what to do about a missing directory)."""
+    from transformers import AutoTokenizer
 
-
-def save_atomically(model, tokenizer, args, output_dir):
-    """Save a Hugging Face model (the one inside any DDP wrapper) so that a crash never leaves a half-written
-    checkpoint: rank 0 writes to a temporary directory, then renames it. Every rank calls this: under FSDP
-    they first gather the full weights together, and all wait for the write to finish."""
-    state_dict = None
-    if any(isinstance(module, FSDPModule) for module in model.modules()):
-        state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
-        state_dict = {k: v for k, v in state_dict.items() if k in names}  # a tied weight once, under its first name
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        tmp_dir = f"{output_dir.rstrip('/')}.tmp-{os.getpid()}"
-        model.save_pretrained(tmp_dir, state_dict=state_dict)
-        tokenizer.save_pretrained(tmp_dir)
-        with open(os.path.join(tmp_dir, "training_args.json"), "w") as f:
-            json.dump(vars(args), f, indent=2)
-        if os.path.exists(output_dir):
-            shutil.rmtree(output_dir)
-        os.replace(tmp_dir, output_dir)
-    if dist.is_initialized():
-        dist.barrier()
+    if not os.path.isdir(path) and (path.startswith((".", "/", "~", "models/")) or path.count("/") > 1):
+        sys.exit(f"error: model directory {path!r} does not exist; {hint}")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: cannot load a tokenizer from {path!r}: {str(e).splitlines()[0]}")
 
 
 def dropout_off(config):
@@ -388,6 +696,67 @@ def dropout_off(config):
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
             setattr(config, key, 0.0)
     return config
+
+
+def load_config(path, head):
+    """A checkpoint's config with every dropout off, for models whose log-probs, values and scores must not be
+    random (Llama's attention dropout is a number each layer reads from it); head "score": one label."""
+    from transformers import AutoConfig
+
+    try:
+        return dropout_off(AutoConfig.from_pretrained(path, **({"num_labels": 1} if head == "score" else {})))
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: cannot load a model from {path!r}: {str(e).splitlines()[0]}")
+
+
+def load_model(path, head, dtype, config=None):
+    """A checkpoint as a causal LM (head "lm") or with a scalar head (head "score", with load_config's config:
+    a sequence classifier with one label, its head new when the checkpoint has none), its weights in `dtype`
+    whatever they were saved in. Trained models take float32 (master weights: in fp16 AdamW's eps underflows
+    to 0, in bf16 most small updates round away); --bf16 is the mixed-precision choice on top."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    try:
+        model_class = AutoModelForCausalLM if head == "lm" else AutoModelForSequenceClassification
+        return model_class.from_pretrained(path, config=config, dtype=dtype)
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: cannot load a model from {path!r}: {str(e).splitlines()[0]}")
+
+
+def prepare_models(tokenizer, stop_ids, device, models, frozen=()):
+    """Give the tokenizer a pad token (growing the models' embeddings if it needs a new id), tell every model
+    its id, and move them to the device; the `frozen` ones among them go to eval mode without gradients."""
+    add_pad_token(tokenizer, stop_ids, *models)
+    for model in models:
+        model.config.pad_token_id = tokenizer.pad_token_id
+        model.to(device)
+    for model in frozen:
+        model.eval().requires_grad_(False)
+
+
+def check_same_vocabulary(tokenizer, reward_tokenizer, stop_ids, message):
+    """A reward model must read the policy's tokens as the policy does: the same vocabulary, pad token
+    included (call after prepare_models gave the policy's tokenizer its pad token)."""
+    add_pad_token(reward_tokenizer, stop_ids)
+    if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
+        sys.exit(f"error: {message}")
+
+
+def model_positions(model):
+    """The longest sequence the model takes, or None when its config does not say."""
+    return getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward passes and sampling
+# ---------------------------------------------------------------------------------------------
+def collate(batch, pad_token_id):
+    """Right-pad a list of (input_ids, labels): (input_ids, attention_mask, labels) tensors, labels −100 on padding."""
+    width = max(len(ids) for ids, _ in batch)
+    input_ids = torch.tensor([ids + [pad_token_id] * (width - len(ids)) for ids, _ in batch])
+    attention_mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in batch])
+    labels = torch.tensor([labels + [-100] * (width - len(labels)) for _, labels in batch])
+    return input_ids, attention_mask, labels
 
 
 def token_logprobs(logits, tokens, with_entropy=False):
@@ -417,11 +786,31 @@ def last_token_index(attention_mask):
     return (positions * attention_mask).argmax(-1)
 
 
+def response_logprobs(model, sequences, attention_mask, context_length, temperature):
+    """log π(a_t | s_t) of each response token and the entropy of π(·|s_t), from one forward pass over
+    prompt + response. Logits are divided by the sampling temperature, as when sampling."""
+    logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_of(attention_mask)).logits
+    logits = logits[:, context_length - 1 : -1] / temperature  # position t predicts token t + 1
+    return token_logprobs(logits, sequences[:, context_length:], with_entropy=True)
+
+
 def token_scores(model, sequences, attention_mask):
     """The scalar head of a sequence-classification model on every position: [batch, length]."""
     hidden = model.base_model(input_ids=sequences, attention_mask=attention_mask,
                               position_ids=position_ids_of(attention_mask)).last_hidden_state
     return model.score(hidden).squeeze(-1).float()
+
+
+class TokenScorer(torch.nn.Module):
+    """token_scores as a module's forward. DDP and FSDP act in the forward of the module they wrap, so a
+    trained scalar head is wrapped in this: its forward, unlike the classifier's own, keeps every position."""
+
+    def __init__(self, classifier):
+        super().__init__()
+        self.classifier = classifier
+
+    def forward(self, sequences, attention_mask):
+        return token_scores(self.classifier, sequences, attention_mask)
 
 
 @torch.no_grad()
@@ -433,6 +822,14 @@ def score_responses(reward, sequences, attention_mask, response_mask, stop_ids, 
     responses = sequences[:, -response_mask.shape[1] :]
     has_stop = (torch.isin(responses, torch.tensor(stop_ids, device=responses.device)) & response_mask.bool()).any(1)
     return torch.where(has_stop, scores, torch.full_like(scores, missing_eos_penalty)), has_stop
+
+
+def forward_in_chunks(fn, size, *tensors):
+    """fn over the rows of `tensors`, `size` rows at a time, the outputs concatenated. In a rollout the chunks
+    are the update's micro-batches, so that they compute exactly what the update's forward passes will (the
+    first PPO ratio is exactly 1)."""
+    outs = [fn(*(t[i : i + size] for t in tensors)) for i in range(0, len(tensors[0]), size)]
+    return tuple(torch.cat(parts) for parts in zip(*outs)) if isinstance(outs[0], tuple) else torch.cat(outs)
 
 
 @torch.no_grad()
@@ -461,86 +858,20 @@ def sample(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperatur
     return (torch.cat([input_ids, responses], 1), torch.cat([attention_mask, response_mask], 1), width, response_mask)
 
 
+def sample_in_chunks(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature, size):
+    """`sample` in chunks of `size` prompts (the KV cache grows with it), the chunks left-padded to one width."""
+    chunks = [sample(model, prompt_ids[i : i + size], pad_token_id, stop_ids, max_new_tokens, temperature)
+              for i in range(0, len(prompt_ids), size)]
+    width = max(c[2] for c in chunks)  # the longest prompt: left-pad the other chunks to it
+    pad = lambda t, value: F.pad(t, (width - t.shape[1] + max_new_tokens, 0), value=value)  # noqa: E731
+    return (torch.cat([pad(c[0], pad_token_id) for c in chunks]), torch.cat([pad(c[1], 0) for c in chunks]),
+            width, torch.cat([c[3] for c in chunks]))
+
+
 def decode(tokenizer, sequences, context_length, response_mask):
     """The responses as text, up to their stop token, special tokens dropped."""
     return [tokenizer.decode([t for t, m in zip(row, mask) if m], skip_special_tokens=True)
             for row, mask in zip(sequences[:, context_length:].tolist(), response_mask.tolist())]
-
-
-def collate(batch, pad_token_id):
-    """Right-pad a list of (input_ids, labels): (input_ids, attention_mask, labels) tensors, labels −100 on padding."""
-    width = max(len(ids) for ids, _ in batch)
-    input_ids = torch.tensor([ids + [pad_token_id] * (width - len(ids)) for ids, _ in batch])
-    attention_mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in batch])
-    labels = torch.tensor([labels + [-100] * (width - len(labels)) for _, labels in batch])
-    return input_ids, attention_mask, labels
-
-
-@torch.no_grad()
-def response_logps(model, sequences, attention_mask, context_length, temperature):
-    """Σ_t log π(a_t | s_t) over each sampled response's valid tokens."""
-    logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_of(attention_mask)).logits
-    logits = logits[:, context_length - 1 : -1] / temperature
-    return (token_logprobs(logits, sequences[:, context_length:]) * attention_mask[:, context_length:]).sum(1)
-
-
-# ---------------------------------------------------------------------------------------------
-# Models and data; the evaluation is rlhf_ppo.py's (same tags, same definitions)
-# ---------------------------------------------------------------------------------------------
-def load_dpo_models(args, device):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-
-    path = args.model_name_or_path
-    if not os.path.isdir(path) and (path.startswith((".", "/", "~", "models/")) or path.count("/") > 1):
-        hint = "run `python sft.py` first" if path == "models/sft" else "pass an existing directory or a hub id"
-        sys.exit(f"error: model directory {path!r} does not exist; {hint}")
-    # The policy in float32 (master weights) whatever the checkpoint's dtype, the frozen models in the dtype
-    # they compute in; dropout off, also where it is a number read from the config (Llama's attention dropout)
-    frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        config = dropout_off(AutoConfig.from_pretrained(path))
-        policy = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32)
-        ref = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=frozen_dtype).eval().requires_grad_(False)
-        reward, reward_tokenizer = None, None
-        if args.reward_model_path and os.path.isdir(args.reward_model_path):
-            reward_tokenizer = AutoTokenizer.from_pretrained(args.reward_model_path)
-            rm_config = dropout_off(AutoConfig.from_pretrained(args.reward_model_path, num_labels=1))
-            reward = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, config=rm_config,
-                                                                        dtype=frozen_dtype).eval().requires_grad_(False)
-    except (OSError, ValueError) as e:
-        sys.exit(f"error: cannot load the models: {str(e).splitlines()[0]}")
-    stop_ids = stop_token_ids(tokenizer)
-    add_pad_token(tokenizer, stop_ids, *[m for m in (policy, ref, reward) if m is not None])
-    if reward is not None:
-        add_pad_token(reward_tokenizer, stop_ids)
-        if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
-            sys.exit(f"error: the reward model {args.reward_model_path!r} has another tokenizer than {path!r}; pass "
-                     "--reward-model-path of one trained from this model, or None")
-    for model in (policy, ref, reward):
-        if model is not None:
-            model.config.pad_token_id = tokenizer.pad_token_id
-            model.to(device)
-    return tokenizer, stop_ids, policy, ref, reward
-
-
-def load_pairs_and_prompts(args):
-    """(train rows, eval rows, eval prompts or None, eval targets or None). On the built-in task the eval
-    pairs are reward_model.py's and the eval prompts are those of sft.py and rlhf_ppo.py, so the sampled
-    evaluations of all three compare directly; with a dataset, the prompts of the eval pairs are sampled."""
-    if args.dataset_name is None:
-        def pairs(split, n):
-            rng = task_rng(args.seed, split)
-            return [dict(zip(("prompt", "chosen", "rejected", "target"), preference_pair(rng))) for _ in range(n)]
-        rng = task_rng(args.seed, "eval")
-        prompts = [make_prompt(rng) for _ in range(args.eval_size)]
-        return pairs("train", args.num_train_pairs), pairs("eval", args.eval_size), [p for p, _ in prompts], [t for _, t in prompts]
-    train, evals = load_rows(args.dataset_name, args.dataset_split, args.eval_size)
-    columns = sorted(train[0]) if train else []
-    if not {"chosen", "rejected"} <= set(columns):
-        sys.exit(f"error: dataset {args.dataset_name!r} has columns {columns}; dpo.py needs chosen and rejected "
-                 "(and optionally prompt)")
-    return train, evals, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -594,14 +925,15 @@ def shard(items, rank, world_size):
     return mine + items[:1] * padding, [1] * len(mine) + [0] * padding
 
 
-def all_reduce_sum(values, device):
-    """Each number summed over the ranks (the numbers themselves in one process): per-rank sums and counts
-    become global ones."""
-    if not dist.is_initialized():
-        return [float(v) for v in values]
-    total = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
-    dist.all_reduce(total)
-    return total.tolist()
+def all_reduce_sum(sums, device):
+    """{name: number} with each number summed over the ranks (the numbers themselves in one process), in one
+    all-reduce: per-rank sums and counts become global ones, read back by name."""
+    values = [float(v) for v in sums.values()]
+    if dist.is_initialized():
+        total = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(total)
+        values = total.tolist()
+    return dict(zip(sums, values))
 
 
 class NoWriter:
@@ -611,192 +943,56 @@ class NoWriter:
         return lambda *args, **kwargs: None
 
 
-def main(args: Args):
-    if args.loss_type not in ("sigmoid", "ipo", "hinge"):
-        sys.exit(f"error: --loss-type {args.loss_type!r}: choose sigmoid, ipo or hinge")
-    rank, world_size, device = setup_distributed(args.cuda)
-    if args.batch_size % (world_size * args.gradient_accumulation_steps):
-        sys.exit(f"error: --batch-size {args.batch_size} does not split into {world_size} rank(s) × "
-                 f"{args.gradient_accumulation_steps} micro-batches; make it a multiple of "
-                 f"{world_size * args.gradient_accumulation_steps}")
-    random.seed(args.seed)  # the data order: the same on every rank
-    torch.manual_seed(args.seed + rank)  # sampling: a stream of its own on each rank
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
-
-    train_rows, eval_rows, eval_prompts, eval_targets = load_pairs_and_prompts(args)
-    tokenizer, stop_ids, raw_policy, ref, reward = load_dpo_models(args, device)  # raw_policy: to sample and save
-    if args.gradient_checkpointing:
-        raw_policy.activation_checkpointing_enable({"use_reentrant": False})
-    # the trained policy is data-parallel; the frozen models are whole on every rank (in bf16 with --bf16, they
-    # take 2 bytes per parameter where the policy's weights, gradients and AdamW state take 16)
-    policy = wrap_model(raw_policy, device, args.fsdp)
-
-    def encode_pairs(rows, split):
-        """[((chosen ids, labels), (rejected ids, labels))] and the prompts' ids: a pair whose sides do not fit
-        --max-length, or are the same tokens, is dropped (and counted) rather than cut, so no fake EOS and no
-        zero-gradient pair is trained on."""
-        pairs, prompts, too_long, same = [], [], 0, 0
-        for row in rows:
-            prompt_ids, chosen_ids, rejected_ids = tokenize_preference(tokenizer, row, stop_ids)
-            if len(prompt_ids) + max(len(chosen_ids), len(rejected_ids)) > args.max_length:
-                too_long += 1
-            elif chosen_ids == rejected_ids:
-                same += 1
-            else:
-                masked = [-100] * len(prompt_ids)  # labels: the completion and its stop token only
-                pairs.append(((prompt_ids + chosen_ids, masked + chosen_ids), (prompt_ids + rejected_ids, masked + rejected_ids)))
-                prompts.append(prompt_ids)
-        if too_long or same:
-            print(f"{split}: dropped {too_long:,} of {len(rows):,} pairs longer than --max-length {args.max_length}, "
-                  f"{same:,} whose chosen and rejected are the same tokens")
-        if not pairs and split == "train":
-            sys.exit("error: no training pair is left (see above); raise --max-length or check the data")
-        return pairs, prompts
-
-    (train, _), (evals, eval_pair_prompts) = encode_pairs(train_rows, "train"), encode_pairs(eval_rows, "eval")
-    if eval_prompts is not None:
-        eval_ids = [encode_prompt(tokenizer, p) for p in eval_prompts]
-    else:  # each distinct, non-empty prompt of the eval pairs
-        eval_ids = [list(p) for p in dict.fromkeys(tuple(p) for p in eval_pair_prompts if p)]
-        eval_prompts = [tokenizer.decode(p, skip_special_tokens=True) for p in eval_ids]
-    positions = getattr(raw_policy.config, "max_position_embeddings", None) or getattr(raw_policy.config, "n_positions", None)
-    longest = max([args.max_length] + [len(p) + args.response_length for p in eval_ids])
-    if positions is not None and longest > positions:
-        sys.exit(f"error: sequences of {longest} tokens (--max-length, or an eval prompt + --response-length) exceed the "
-                 f"model's {positions} positions; lower them")
-
-    def logps_of(model, batch):
-        """Summed log-probs of the chosen and the rejected completions, in one forward pass."""
-        input_ids, attention_mask, labels = (t.to(device) for t in collate([c for c, _ in batch] + [r for _, r in batch],
-                                                                          tokenizer.pad_token_id))
-        with amp():
-            logps = sequence_logps(model, input_ids, attention_mask, labels)
-        return logps[: len(batch)], logps[len(batch) :]
-
-    @torch.no_grad()
-    def logps_in_chunks(model, pairs):
-        """logps_of over many pairs, --eval-batch-size at a time."""
-        parts = [logps_of(model, pairs[i : i + args.eval_batch_size]) for i in range(0, len(pairs), args.eval_batch_size)]
-        return torch.cat([c for c, _ in parts]), torch.cat([r for _, r in parts])
-
-    # The reference never changes: its log-probs are computed once, before training, each rank computing
-    # its shard of the pairs; the shards are then gathered, so that every rank has all of them.
-    ref_chosen, ref_rejected = logps_in_chunks(ref, shard(train, rank, world_size)[0])
-    if world_size > 1:  # rank r computed pairs r, r + N, r + 2N, ...: gather them, interleave, drop the padding
-        gathered = []
-        for local in (ref_chosen, ref_rejected):
-            parts = [torch.empty_like(local) for _ in range(world_size)]
-            dist.all_gather(parts, local)
-            gathered.append(torch.stack(parts, 1).flatten()[: len(train)])
-        ref_chosen, ref_rejected = gathered
-
-    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    writer = SummaryWriter(f"runs/{run_name}") if rank == 0 else NoWriter()
+def make_writer(args, rank):
+    """TensorBoard's writer for runs/<exp>__<seed>__<time> on rank 0 (a NoWriter elsewhere), the flags logged
+    as a table."""
+    writer = SummaryWriter(f"runs/{args.exp_name}__{args.seed}__{int(time.time())}") if rank == 0 else NoWriter()
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
+    return writer
 
-    def evaluate(step):
-        """Each rank evaluates its shard of the eval pairs and prompts; the sums are added up over the ranks."""
-        policy.eval()
-        line = f"step {step}:"
-        if evals:  # the preference metrics on held-out pairs
-            mine, weights = shard(evals, rank, world_size)
-            keep = torch.tensor(weights, device=device).bool()
-            chosen, rejected = (x[keep] for x in logps_in_chunks(policy, mine))
-            ref_c, ref_r = (x[keep] for x in logps_in_chunks(ref, mine))
-            loss, r_c, r_r = dpo_loss(chosen, rejected, ref_c, ref_r, args.beta, args.loss_type, args.label_smoothing)
-            loss, correct, n = all_reduce_sum([loss * len(r_c) if len(r_c) else 0.0, (r_c > r_r).sum(), len(r_c)], device)
-            writer.add_scalar("eval/loss", loss / n, step)
-            writer.add_scalar("eval/accuracy", correct / n, step)
-            line += f" eval/loss {loss / n:.4f}"
-        if eval_ids:  # the sampled evaluation of rlhf_ppo.py: completions at temperature 1 on the eval prompts
-            mine, weights = shard(list(range(len(eval_ids))), rank, world_size)
-            completions, kls, scores = [], [], []
-            for i in range(0, len(mine), args.eval_batch_size):
-                with torch.no_grad(), amp():
-                    sequences, attention_mask, context_length, response_mask = sample(
-                        raw_policy, [eval_ids[j] for j in mine[i : i + args.eval_batch_size]], tokenizer.pad_token_id,
-                        stop_ids, args.response_length, args.temperature)
-                    kls.append(response_logps(policy, sequences, attention_mask, context_length, args.temperature)
-                               - response_logps(ref, sequences, attention_mask, context_length, args.temperature))
-                    if reward is not None:
-                        scores.append(score_responses(reward, sequences, attention_mask, response_mask, stop_ids,
-                                                      args.missing_eos_penalty)[0])
-                completions += decode(tokenizer, sequences, context_length, response_mask)
-            w = torch.tensor(weights, device=device, dtype=torch.float)
-            sums = [(torch.cat(kls) * w).sum(), (torch.cat(scores) * w).sum() if reward is not None else 0.0, w.sum()]
-            if eval_targets is not None:
-                targets = [eval_targets[j] for j in mine]
-                sums += [sum(v * (c == t) for c, t, v in zip(completions, targets, weights)),
-                         sum(v * gold_score(c, t) for c, t, v in zip(completions, targets, weights))]
-            sums = all_reduce_sum(sums, device)
-            kl, score, n = sums[0] / sums[2], sums[1] / sums[2], sums[2]
-            if reward is not None:
-                writer.add_scalar("eval/score", score, step)
-                line += f", eval/score {score:.3f}"
-            writer.add_scalar("eval/kl", kl, step)
-            line += f", eval/kl {kl:.3f}"
-            if eval_targets is not None:
-                accuracy, gold = sums[3] / n, sums[4] / n
-                writer.add_scalar("eval/gold_accuracy", accuracy, step)
-                writer.add_scalar("eval/gold_score", gold, step)
-                line += f", eval/gold_accuracy {accuracy:.3f}, eval/gold_score {gold:.3f}"
-            samples = "\n".join(f"    {eval_prompts[j]} {c!r}" for j, c in zip(mine[:8], completions))
-            writer.add_text("eval/samples", samples, step)
-        print(line)
-        policy.train()
 
-    evaluate(0)
-    policy.train()
-    order, position = list(range(len(train))), len(train)
-    per_rank = args.batch_size // world_size
-    micro_size = per_rank // args.gradient_accumulation_steps
-    start_time = time.time()
-    for step in range(1, args.max_steps + 1):
-        if position + args.batch_size > len(order):
-            random.shuffle(order)
-            position = 0
-        idx = order[position : position + args.batch_size]
-        position += args.batch_size
-        lr = get_lr(step - 1, args.lr, args.warmup_steps, args.max_steps, "linear")
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        parts = []  # (loss, chosen, rejected, r_c, r_r) of each micro-batch
-        for m in range(rank * per_rank, (rank + 1) * per_rank, micro_size):  # this rank's share, in micro-batches
-            micro = idx[m : m + micro_size]
-            chosen, rejected = logps_of(policy, [train[i] for i in micro])
-            loss, r_c, r_r = dpo_loss(chosen, rejected, ref_chosen[micro], ref_rejected[micro], args.beta, args.loss_type,
-                                      args.label_smoothing)
-            # the mean over micro-batches = the rank's mean; DDP and FSDP average over the ranks
-            (loss / args.gradient_accumulation_steps).backward()
-            parts.append((loss.detach() / args.gradient_accumulation_steps, chosen.detach(), rejected.detach(), r_c, r_r))
-        loss = sum(p[0] for p in parts)
-        chosen, rejected, r_c, r_r = (torch.cat([p[k] for p in parts]) for k in range(1, 5))
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-        check_finite(step, loss=loss, grad_norm=grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+# ---------------------------------------------------------------------------------------------
+# Training and saving
+# ---------------------------------------------------------------------------------------------
+def get_lr(step, lr, warmup_steps, max_steps, decay):
+    """Learning rate of optimizer step `step` = 0, 1, ...: `lr` × a linear warmup min(1, (step + 1) / warmup_steps)
+    × a decay to 0 at `max_steps`: "linear", min(1, (max_steps − step) / (max_steps − warmup_steps)), flat through
+    the warmup; or "cosine", ½(1 + cos(π · step / max_steps)), over the whole run."""
+    warmup = min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+    if decay == "linear":
+        return lr * warmup * min(1.0, max(0.0, (max_steps - step) / max(1, max_steps - warmup_steps)))
+    return lr * warmup * 0.5 * (1 + math.cos(math.pi * min(1.0, step / max_steps)))
 
-        if step % 10 == 0:  # means over the whole batch: sums added up over the ranks, / batch size
-            sums = all_reduce_sum([loss * per_rank, r_c.sum(), r_r.sum(), (r_c > r_r).sum(), chosen.sum(), rejected.sum()],
-                                  device)
-            loss, r_c, r_r, correct, chosen, rejected = (s / args.batch_size for s in sums)
-            # the implicit rewards β log π/π_ref, under reward_model.py's tags (TRL: rewards/chosen, ...)
-            logs = {"losses/loss": loss, "train/grad_norm": grad_norm, "train/reward_chosen": r_c,
-                    "train/reward_rejected": r_r, "train/accuracy": correct,
-                    "train/margin": r_c - r_r, "train/logps_chosen": chosen, "train/logps_rejected": rejected,
-                    "charts/learning_rate": lr,
-                    "charts/samples_per_second": step * args.batch_size / (time.time() - start_time)}
-            for tag, value in logs.items():
-                writer.add_scalar(tag, float(value), step)
-        if step % args.eval_every == 0 or step == args.max_steps:
-            evaluate(step)
 
-    save_atomically(raw_policy, tokenizer, args, args.output_dir)
-    print(f"saved to {args.output_dir} after {time.time() - start_time:.0f} s")
-    writer.close()
+def check_finite(step, **values):
+    """Stop the run with one line, before anything is saved, when a loss or gradient norm is NaN or inf."""
+    for name, value in values.items():
+        value = float(torch.as_tensor(value).detach())
+        if not math.isfinite(value):
+            sys.exit(f"error: {name} is {value} at step {step}; stopped, nothing saved "
+                     "(lower --lr; with a half-precision model, train without --bf16 to check)")
+
+
+def save_atomically(model, tokenizer, args, output_dir):
+    """Save a Hugging Face model (the one inside any DDP wrapper) so that a crash never leaves a half-written
+    checkpoint: rank 0 writes to a temporary directory, then renames it. Every rank calls this: under FSDP
+    they first gather the full weights together, and all wait for the write to finish."""
+    state_dict = None
+    if any(isinstance(module, FSDPModule) for module in model.modules()):
+        state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+        state_dict = {k: v for k, v in state_dict.items() if k in names}  # a tied weight once, under its first name
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        tmp_dir = f"{output_dir.rstrip('/')}.tmp-{os.getpid()}"
+        model.save_pretrained(tmp_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(tmp_dir)
+        with open(os.path.join(tmp_dir, "training_args.json"), "w") as f:
+            json.dump(vars(args), f, indent=2)
+        if os.path.exists(output_dir):
+            shutil.rmtree(output_dir)
+        os.replace(tmp_dir, output_dir)
+    if dist.is_initialized():
+        dist.barrier()
 
 
 if __name__ == "__main__":

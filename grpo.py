@@ -63,8 +63,8 @@ class Args:
     output_dir: str = "models/grpo"
     """where the trained policy is saved as a Hugging Face checkpoint (atomically)"""
 
-    num_batches: int = 120
-    """rollout-then-update rounds (rlhf_ppo.py's --num-iterations; TRL's steps count optimizer steps instead)"""
+    num_iterations: int = 120
+    """rollout-then-update rounds, as in rlhf_ppo.py and CleanRL (TRL's max_steps counts optimizer steps instead)"""
     num_generations: int = 8
     """G: completions sampled per prompt; the group's rewards are each completion's baseline"""
     batch_size: int = 256
@@ -72,8 +72,8 @@ class Args:
     whole groups"""
     mini_batch_size: int = 64
     """completions per gradient step, over all ranks (each rank's share: mini_batch_size / N)"""
-    num_iterations: int = 2
-    """μ: passes over each rollout (TRL's num_iterations; rlhf_ppo.py's --ppo-epochs)"""
+    ppo_epochs: int = 2
+    """μ: passes over each rollout, as in rlhf_ppo.py (TRL: num_iterations; CleanRL: update_epochs)"""
     gradient_accumulation_steps: int = 1
     """split each rank's share of a minibatch into this many micro-batches (the same update, less memory); the
     rollout's forward passes run in micro-batches too, so that the first ratio stays exactly 1"""
@@ -84,7 +84,7 @@ class Args:
     lr: float = 1e-4
     """AdamW learning rate (a pretrained model wants ~1e-6; CleanRL, TRL: learning_rate)"""
     anneal_lr: bool = True
-    """linearly anneal the learning rate to 0 over the batches"""
+    """linearly anneal the learning rate to 0 over the iterations"""
     response_length: int = 12
     """new tokens sampled per completion (L_max of --loss-type dr_grpo)"""
     max_prompt_length: int = 64
@@ -117,83 +117,10 @@ class Args:
     max_grad_norm: float = 1.0
     """clip the global gradient norm to this"""
     eval_every: int = 20
-    """evaluate every this many batches (and before the first and after the last)"""
+    """evaluate every this many iterations (and before the first and after the last)"""
     eval_size: int = 512
     """eval prompts: the built-in task's are those of sft.py, rlhf_ppo.py and dpo.py; a dataset's are its `test`
     split, or else prompts held out from the training ones"""
-
-
-# ---------------------------------------------------------------------------------------------
-# The built-in task: sort the digits. Gold reward known exactly. (Each LM script has its own copy;
-# tests/test_copies.py checks the copies agree.)
-# ---------------------------------------------------------------------------------------------
-def levenshtein(a, b):
-    """Edit distance: insertions, deletions and substitutions, each of cost 1."""
-    prev = list(range(len(b) + 1))
-    for i, ca in enumerate(a, 1):
-        cur = [i]
-        for j, cb in enumerate(b, 1):
-            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
-        prev = cur
-    return prev[-1]
-
-
-def gold_score(completion, target):
-    """1 − min(1, levenshtein(completion, target) / len(target)): 1 for the exact answer."""
-    return 1.0 - min(1.0, levenshtein(completion, target) / len(target))
-
-
-def make_prompt(rng):
-    """`sort <n digits>:` with n uniform in [4, 8]; returns (prompt, target)."""
-    digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(4, 8)))
-    return f"sort {digits}:", "".join(sorted(digits))
-
-
-def corrupt(rng, s, kinds=("swap", "drop", "insert", "replace")):
-    """One random corruption of s; a swap exchanges two adjacent, unequal digits."""
-    while True:
-        kind, i = rng.choice(kinds), rng.randrange(len(s))
-        if kind == "swap":
-            pairs = [j for j in range(len(s) - 1) if s[j] != s[j + 1]]
-            if pairs:
-                j = rng.choice(pairs)
-                return s[:j] + s[j + 1] + s[j] + s[j + 2 :]
-            if kinds == ("swap",):
-                return s  # all digits equal: nothing to swap
-        elif kind == "drop":
-            return s[:i] + s[i + 1 :]
-        elif kind == "insert":
-            return s[:i] + rng.choice("0123456789") + s[i:]
-        elif kind == "replace":
-            return s[:i] + rng.choice([d for d in "0123456789" if d != s[i]]) + s[i + 1 :]
-
-
-def demonstration(rng, target):
-    """The sloppy demonstrator: the target, or with probability 0.5 the target with one adjacent swap."""
-    return target if rng.random() < 0.5 else corrupt(rng, target, ("swap",))
-
-
-def candidate(rng, target):
-    """A candidate for preference pairs: the target, or with probability 0.5 one or two corruptions."""
-    if rng.random() < 0.5:
-        return target
-    for _ in range(rng.randint(1, 2)):
-        target = corrupt(rng, target)
-    return target
-
-
-def preference_pair(rng):
-    """Two candidates for one prompt with different gold scores: (prompt, chosen, rejected, target)."""
-    prompt, target = make_prompt(rng)
-    while True:
-        a, b = candidate(rng, target), candidate(rng, target)
-        if gold_score(a, target) != gold_score(b, target):
-            return (prompt, a, b, target) if gold_score(a, target) > gold_score(b, target) else (prompt, b, a, target)
-
-
-def task_rng(seed, split):
-    """Train and eval data come from different random streams of the same seed."""
-    return random.Random(f"sort-task/{seed}/{split}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,11 +196,360 @@ def aggregate_loss(per_token_loss, mask, loss_type, num_sequences, num_tokens, m
     raise ValueError(f"unknown loss type {loss_type!r}")
 
 
+def check_args(args):
+    """Every flag checked before any work: one line that says what to change. Under torchrun each rank checks
+    the same flags and only rank 0 prints."""
+    world_size, G = int(os.environ.get("WORLD_SIZE", "1")), args.num_generations
+    for flag, value, choices in (("--reward", args.reward, ("gold", "gold-exact", "model")),
+                                 ("--advantage", args.advantage, ("grpo", "rloo")),
+                                 ("--loss-type", args.loss_type, ("grpo", "dapo", "dr_grpo"))):
+        if value not in choices:
+            sys.exit(f"error: {flag} {value!r}: choose one of {', '.join(choices)}")
+    if G < 2:
+        sys.exit(f"error: --num-generations {G}: a group needs at least 2 completions, its own baseline")
+    if args.batch_size % G:
+        sys.exit(f"error: --batch-size {args.batch_size} completions do not split into groups of --num-generations {G}")
+    if (args.batch_size // G) % world_size:
+        sys.exit(f"error: the {args.batch_size // G} prompts of --batch-size {args.batch_size} do not split over "
+                 f"{world_size} ranks (each rank samples whole groups)")
+    if args.batch_size % args.mini_batch_size:
+        sys.exit(f"error: --batch-size {args.batch_size} does not split into minibatches of {args.mini_batch_size}")
+    if args.mini_batch_size % (world_size * args.gradient_accumulation_steps):
+        sys.exit(f"error: --mini-batch-size {args.mini_batch_size} does not split into {world_size} rank(s) × "
+                 f"{args.gradient_accumulation_steps} micro-batches; make it a multiple of "
+                 f"{world_size * args.gradient_accumulation_steps}")
+
+
+def main(args: Args):
+    check_args(args)
+    rank, world_size, device = setup_distributed(args.cuda)
+    G = args.num_generations
+    prompts_per_rank = args.batch_size // G // world_size
+    per_rank, mini_per_rank = prompts_per_rank * G, args.mini_batch_size // world_size
+    micro_size = mini_per_rank // args.gradient_accumulation_steps
+    epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    random.seed(args.seed)  # the prompts drawn: the same on every rank, which each takes its share of
+    torch.manual_seed(args.seed + rank)  # sampling: a stream of its own on each rank
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
+
+    # Prompts, and the verifiable answers (`target`) that the gold rewards compare with
+    train_rows, eval_rows = load_data(args, "prompt", 50_000, [("prompt",)], "needs a `prompt` column")
+    columns = sorted(train_rows[0]) if train_rows else []
+    if args.reward != "model" and "target" not in columns:
+        sys.exit(f"error: --reward {args.reward} needs a `target` column (the verifiable answer), and dataset "
+                 f"{args.dataset_name!r} has columns {columns}; add one, or use --reward model")
+    has_targets = "target" in columns  # the gold score and accuracy are logged where the data has targets
+    if args.reward == "gold" and has_targets and any(str(row["target"]) == "" for row in train_rows + eval_rows):
+        sys.exit(f"error: dataset {args.dataset_name!r} has an empty `target`; the gold score (an edit distance "
+                 "relative to the target's length) needs one, or use --reward gold-exact")
+    train_prompts, eval_prompts = [row["prompt"] for row in train_rows], [row["prompt"] for row in eval_rows]
+    train_targets = [row["target"] for row in train_rows] if has_targets else None
+    eval_targets = [row["target"] for row in eval_rows] if has_targets else None
+    # The policy in float32 (master weights) whatever the checkpoint's dtype, the frozen models in the dtype they
+    # compute in; dropout off. The reference only when β > 0, a reward model only with --reward model.
+    tokenizer = load_tokenizer(args.sft_model_path, "run `python sft.py` first or pass a path")
+    if args.reward == "model":
+        reward_tokenizer = load_tokenizer(args.reward_model_path, "run `python reward_model.py` first or pass a path")
+    stop_ids = stop_token_ids(tokenizer)
+    frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32
+    config = load_config(args.sft_model_path, "lm")
+    raw_policy = load_model(args.sft_model_path, "lm", torch.float32, config)  # π_θ (raw: to sample and save)
+    ref = load_model(args.sft_model_path, "lm", frozen_dtype, config) if args.beta > 0 else None  # π_ref
+    reward = None
+    if args.reward == "model":
+        reward = load_model(args.reward_model_path, "score", frozen_dtype, load_config(args.reward_model_path, "score"))
+    frozen = [model for model in (ref, reward) if model is not None]
+    prepare_models(tokenizer, stop_ids, device, [raw_policy, *frozen], frozen)
+    if reward is not None:
+        check_same_vocabulary(tokenizer, reward_tokenizer, stop_ids,
+                              f"the reward model {args.reward_model_path!r} has another tokenizer than the SFT model "
+                              f"{args.sft_model_path!r}; train it from the SFT model with reward_model.py")
+    if args.gradient_checkpointing:
+        raw_policy.activation_checkpointing_enable({"use_reentrant": False})
+    policy = wrap_model(raw_policy, device, args.fsdp)  # data-parallel; the frozen models are whole on every rank
+
+    kept, train_ids = tokenize_prompts(tokenizer, train_prompts, args.max_prompt_length, "train")
+    if len(train_ids) < args.batch_size // G:
+        sys.exit(f"error: {len(train_ids)} training prompts fit --max-prompt-length, fewer than the "
+                 f"{args.batch_size // G} of a batch; lower --batch-size")
+    train_targets = [str(train_targets[i]) for i in kept] if train_targets is not None else None
+    kept, eval_ids = tokenize_prompts(tokenizer, eval_prompts, args.max_prompt_length, "eval")
+    eval_prompts = [eval_prompts[i] for i in kept]
+    eval_targets = [str(eval_targets[i]) for i in kept] if eval_targets is not None else None
+    positions, longest = model_positions(raw_policy), max(len(ids) for ids in train_ids + eval_ids)
+    if positions is not None and longest + args.response_length > positions:
+        sys.exit(f"error: the longest prompt ({longest} tokens) + --response-length {args.response_length} exceeds the "
+                 f"model's {positions} positions; lower --max-prompt-length or --response-length")
+
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr)
+    writer = make_writer(args, rank)
+    print(f"{1 + (ref is not None) + (reward is not None)} model(s) in memory: the policy"
+          + (", the reference" if ref is not None else "") + (", the reward model" if reward is not None else ""))
+
+    def rewards_of(sequences, attention_mask, context_length, response_mask, targets):
+        """One reward per completion: the gold score (or exact match) against its target, or the reward model's
+        score; `--missing-eos-penalty` instead for a completion that has no stop token."""
+        if args.reward == "model":
+            return forward_in_chunks(lambda s, a, m: score_responses(reward, s, a, m, stop_ids, args.missing_eos_penalty),
+                                     args.generation_batch_size, sequences, attention_mask, response_mask)
+        responses = sequences[:, context_length:]
+        has_stop = (torch.isin(responses, torch.tensor(stop_ids, device=device)) & response_mask.bool()).any(1)
+        completions = decode(tokenizer, sequences, context_length, response_mask)
+        gold = torch.tensor([float(c == t) if args.reward == "gold-exact" else gold_score(c, t)
+                             for c, t in zip(completions, targets)], device=device)
+        return torch.where(has_stop, gold, torch.full_like(gold, args.missing_eos_penalty)), has_stop
+
+    def evaluate(iteration):
+        """Each rank evaluates its shard of the eval prompts; the sums are added up over the ranks."""
+        if not eval_ids:
+            return
+        policy.eval()
+        size = args.generation_batch_size
+        mine, weights = shard(list(range(len(eval_ids))), rank, world_size)
+        w = torch.tensor(weights, device=device, dtype=torch.float)
+        with torch.no_grad(), amp():
+            sequences, attention_mask, context_length, response_mask = sample_in_chunks(
+                raw_policy, [eval_ids[j] for j in mine], tokenizer.pad_token_id, stop_ids, args.response_length,
+                args.temperature, args.generation_batch_size)
+            sums = {"n": w.sum()}
+            if ref is not None:  # eval/kl: Σ_t log π_θ − log π_ref over a completion, the mean over completions
+                logprobs, _ = forward_in_chunks(lambda s, a: response_logprobs(policy, s, a, context_length,
+                                                                               args.temperature),
+                                                size, sequences, attention_mask)
+                ref_logprobs, _ = forward_in_chunks(lambda s, a: response_logprobs(ref, s, a, context_length,
+                                                                                   args.temperature),
+                                                    size, sequences, attention_mask)
+                sums["kl"] = (((logprobs - ref_logprobs) * response_mask).sum(1) * w).sum()
+            if reward is not None:
+                scores, _ = forward_in_chunks(lambda s, a, m: score_responses(reward, s, a, m, stop_ids,
+                                                                              args.missing_eos_penalty),
+                                              size, sequences, attention_mask, response_mask)
+                sums["score"] = (scores * w).sum()
+        completions = decode(tokenizer, sequences, context_length, response_mask)
+        if eval_targets is not None:
+            targets = [eval_targets[j] for j in mine]
+            sums["correct"] = sum(v * (c == t) for c, t, v in zip(completions, targets, weights))
+            sums["gold"] = sum(v * gold_score(c, t) for c, t, v in zip(completions, targets, weights))
+        sums = all_reduce_sum(sums, device)
+        line = f"iteration {iteration}:"
+        for tag, name in (("eval/kl", "kl"), ("eval/score", "score"), ("eval/gold_accuracy", "correct"),
+                          ("eval/gold_score", "gold")):
+            if name in sums:
+                writer.add_scalar(tag, sums[name] / sums["n"], iteration)
+                line += f" {tag} {sums[name] / sums['n']:.3f}"
+        samples = "\n".join(f"    {eval_prompts[j]} {c!r}" for j, c in zip(mine[:8], completions))
+        writer.add_text("eval/samples", samples, iteration)
+        print(line)
+        policy.train()
+
+    evaluate(0)  # the SFT model, before any update
+    start_time = time.time()
+    rng = random.Random(args.seed)
+    for iteration in range(1, args.num_iterations + 1):
+        lr = get_lr(iteration - 1, args.lr, 0, args.num_iterations, "linear") if args.anneal_lr else args.lr
+        optimizer.param_groups[0]["lr"] = lr
+        # ---- rollout: G completions per prompt, their rewards, advantages within each group ----------
+        policy.eval()
+        chosen = rng.sample(range(len(train_ids)), args.batch_size // G)[rank * prompts_per_rank : (rank + 1) * prompts_per_rank]
+        prompt_ids = [train_ids[i] for i in chosen for _ in range(G)]  # each prompt G times, in adjacent rows
+        targets = [train_targets[i] for i in chosen for _ in range(G)] if train_targets is not None else None
+        with torch.no_grad(), amp():
+            sequences, attention_mask, context_length, mask = sample_in_chunks(
+                raw_policy, prompt_ids, tokenizer.pad_token_id, stop_ids, args.response_length, args.temperature,
+                args.generation_batch_size)
+            mask = mask.float()
+            rewards, has_stop = rewards_of(sequences, attention_mask, context_length, mask, targets)
+            if args.advantage == "rloo":
+                advantages = rloo_advantages(rewards, G)
+            else:
+                advantages = group_advantages(rewards, G, args.scale_rewards)
+            # in chunks of the update's micro-batches, so that they compute exactly what the update will
+            old_logprobs, entropy = forward_in_chunks(
+                lambda s, a: response_logprobs(policy, s, a, context_length, args.temperature), micro_size,
+                sequences, attention_mask)
+            ref_logprobs = old_logprobs  # β = 0: no reference (the KL terms below are 0 and not logged)
+            if ref is not None:
+                ref_logprobs, _ = forward_in_chunks(
+                    lambda s, a: response_logprobs(ref, s, a, context_length, args.temperature), micro_size,
+                    sequences, attention_mask)
+            k1, k3 = kl_estimators(old_logprobs, ref_logprobs, mask)
+
+        # ---- update: μ passes over the rollout in shuffled minibatches ---------------------------------
+        policy.train()
+        stats = {k: 0.0 for k in ("policy_loss", "kl_penalty", "clipped")}  # summed over micro-batches
+        for epoch in range(args.ppo_epochs):
+            # the first pass takes the rollout in order, so its first minibatch is exactly the rollout's first
+            # chunk; later passes reshuffle (whole groups need not stay together: advantages are computed)
+            order = torch.randperm(per_rank, device=device) if epoch > 0 else torch.arange(per_rank, device=device)
+            for start in range(0, per_rank, mini_per_rank):
+                mb = order[start : start + mini_per_rank]
+                num_tokens = all_reduce_sum({"tokens": mask[mb].sum()}, device)["tokens"]  # of the minibatch, all ranks
+                optimizer.zero_grad()
+                for micro in range(0, mini_per_rank, micro_size):
+                    idx = mb[micro : micro + micro_size]
+                    with amp():
+                        logprobs, _ = response_logprobs(policy, sequences[idx], attention_mask[idx], context_length,
+                                                        args.temperature)
+                    surrogate, ratio = clipped_surrogate(logprobs, old_logprobs[idx], advantages[idx], args.epsilon,
+                                                         epsilon_high)
+                    policy_loss = aggregate_loss(surrogate, mask[idx], args.loss_type, args.mini_batch_size, num_tokens,
+                                                 args.response_length)
+                    kl_penalty = torch.zeros((), device=device)
+                    if ref is not None:
+                        _, new_k3 = kl_estimators(logprobs, ref_logprobs[idx], mask[idx])
+                        kl_penalty = args.beta * aggregate_loss(new_k3, mask[idx], args.loss_type, args.mini_batch_size,
+                                                                num_tokens, args.response_length)
+                    # DDP and FSDP average the ranks' gradients; × world_size turns that into the minibatch's sum
+                    ((policy_loss + kl_penalty) * world_size).backward()
+                    with torch.no_grad():
+                        stats["policy_loss"] += policy_loss.item()
+                        stats["kl_penalty"] += kl_penalty.item()
+                        stats["clipped"] += (((ratio < 1 - args.epsilon) | (ratio > 1 + epsilon_high)) * mask[idx]).sum().item()
+                        if epoch == 0 and start == 0 and micro == 0:  # before any step, the ratio must be exactly 1
+                            first_ratio_error = (ratio - 1).abs().max()
+                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                check_finite(iteration, loss=policy_loss + kl_penalty, grad_norm=grad_norm)
+                optimizer.step()
+
+        # ---- log: statistics of the whole batch, sums added up over the ranks --------------------------
+        groups = rewards.view(-1, G)
+        sums = all_reduce_sum({"reward": rewards.sum(), "reward_std": groups.std(1).sum(),
+                               "zero_std": (groups.std(1) == 0).sum(), "tokens": mask.sum(), "k1": k1.sum(),
+                               "k3": k3.sum(), "entropy": (entropy * mask).sum(), "stops": has_stop.sum(), **stats},
+                              device)
+        if dist.is_initialized():
+            dist.all_reduce(first_ratio_error, op=dist.ReduceOp.MAX)  # the largest on any rank
+        B, num_groups = args.batch_size, args.batch_size // G
+        num_minibatches = args.ppo_epochs * B // args.mini_batch_size
+        logs = {
+            "objective/reward": sums["reward"] / B, "objective/reward_std": sums["reward_std"] / num_groups,
+            "objective/zero_std_fraction": sums["zero_std"] / num_groups, "objective/completion_length": sums["tokens"] / B,
+            "objective/kl": sums["k1"] / B, "objective/kl_k3": sums["k3"] / B, "objective/entropy": sums["entropy"] / B,
+            "objective/stop_fraction": sums["stops"] / B,
+            "losses/policy_loss": sums["policy_loss"] / num_minibatches,
+            "losses/kl_penalty": sums["kl_penalty"] / num_minibatches,
+            "policy/clipfrac": sums["clipped"] / (args.ppo_epochs * sums["tokens"]),
+            "policy/first_ratio_max_error": first_ratio_error,
+            "charts/learning_rate": lr, "charts/episodes_per_second": iteration * B / (time.time() - start_time),
+        }
+        if ref is None:  # no reference, no KL to it
+            del logs["objective/kl"], logs["objective/kl_k3"], logs["losses/kl_penalty"]
+        for tag, value in logs.items():
+            writer.add_scalar(tag, float(value), iteration)
+        if iteration % 10 == 0:
+            print(f"iteration {iteration}: reward {logs['objective/reward']:.3f}, reward std "
+                  f"{logs['objective/reward_std']:.3f}, kl {logs.get('objective/kl', 0.0):.3f}, "
+                  f"{time.time() - start_time:.0f} s")
+        # ---- evaluate ------------------------------------------------------------------------------
+        if iteration % args.eval_every == 0 or iteration == args.num_iterations:
+            evaluate(iteration)
+
+    save_atomically(raw_policy, tokenizer, args, args.output_dir)
+    print(f"saved to {args.output_dir} after {time.time() - start_time:.0f} s")
+    writer.close()
+
+
+# =============================================================================================
+# Plumbing. Everything below this line is the same text in sft.py, reward_model.py, dpo.py, rlhf_ppo.py
+# and grpo.py (tests/test_copies.py checks it byte for byte): the built-in task, tokenization, data and
+# model loading, forward passes, many processes, saving. A reader learning the algorithm can stop here.
+# =============================================================================================
+
+
 # ---------------------------------------------------------------------------------------------
-# Tokenization as the model expects it. The same text in sft.py, reward_model.py, rlhf_ppo.py, dpo.py
-# and grpo.py (tests check the copies), so that the reward model scores exactly the token sequences SFT
-# trained on and PPO, DPO and GRPO produce. Data rows are in TRL's formats: text, or conversations (lists of
-# {"role", "content"} messages) rendered by the tokenizer's chat template.
+# The built-in task: sort the digits. The gold reward is known exactly, so every stage is measured
+# against it: SFT learns from a sloppy demonstrator, the reward model from noisy preference pairs.
+# ---------------------------------------------------------------------------------------------
+def levenshtein(a, b):
+    """Edit distance: insertions, deletions and substitutions, each of cost 1."""
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i]
+        for j, cb in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
+        prev = cur
+    return prev[-1]
+
+
+def gold_score(completion, target):
+    """1 − min(1, levenshtein(completion, target) / len(target)): 1 for the exact answer."""
+    return 1.0 - min(1.0, levenshtein(completion, target) / len(target))
+
+
+def make_prompt(rng):
+    """`sort <n digits>:` with n uniform in [4, 8]; returns (prompt, target)."""
+    digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(4, 8)))
+    return f"sort {digits}:", "".join(sorted(digits))
+
+
+def corrupt(rng, s, kinds=("swap", "drop", "insert", "replace")):
+    """One random corruption of s; a swap exchanges two adjacent, unequal digits."""
+    while True:
+        kind, i = rng.choice(kinds), rng.randrange(len(s))
+        if kind == "swap":
+            pairs = [j for j in range(len(s) - 1) if s[j] != s[j + 1]]
+            if pairs:
+                j = rng.choice(pairs)
+                return s[:j] + s[j + 1] + s[j] + s[j + 2 :]
+            if kinds == ("swap",):
+                return s  # all digits equal: nothing to swap
+        elif kind == "drop":
+            return s[:i] + s[i + 1 :]
+        elif kind == "insert":
+            return s[:i] + rng.choice("0123456789") + s[i:]
+        elif kind == "replace":
+            return s[:i] + rng.choice([d for d in "0123456789" if d != s[i]]) + s[i + 1 :]
+
+
+def demonstration(rng, target):
+    """The sloppy demonstrator: the target, or with probability 0.5 the target with one adjacent swap."""
+    return target if rng.random() < 0.5 else corrupt(rng, target, ("swap",))
+
+
+def candidate(rng, target):
+    """A candidate for preference pairs: the target, or with probability 0.5 one or two corruptions."""
+    if rng.random() < 0.5:
+        return target
+    for _ in range(rng.randint(1, 2)):
+        target = corrupt(rng, target)
+    return target
+
+
+def preference_pair(rng):
+    """Two candidates for one prompt with different gold scores: (prompt, chosen, rejected, target)."""
+    prompt, target = make_prompt(rng)
+    while True:
+        a, b = candidate(rng, target), candidate(rng, target)
+        if gold_score(a, target) != gold_score(b, target):
+            return (prompt, a, b, target) if gold_score(a, target) > gold_score(b, target) else (prompt, b, a, target)
+
+
+def task_rng(seed, split):
+    """Train and eval data come from different random streams of the same seed."""
+    return random.Random(f"sort-task/{seed}/{split}")
+
+
+def task_rows(seed, split, n, kind):
+    """n rows of the built-in task in TRL's formats, each with its `target`: kind "demonstration" (prompt,
+    completion: the sloppy demonstrator's answer), "preference" (prompt, chosen, rejected) or "prompt"."""
+    rng, rows = task_rng(seed, split), []
+    for _ in range(n):
+        if kind == "preference":
+            rows.append(dict(zip(("prompt", "chosen", "rejected", "target"), preference_pair(rng))))
+            continue
+        prompt, target = make_prompt(rng)
+        rows.append({"prompt": prompt, "target": target})
+        if kind == "demonstration":
+            rows[-1]["completion"] = demonstration(rng, target)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenization as the model expects it, one text for every script, so that the reward model scores
+# exactly the token sequences SFT trained on and PPO, DPO and GRPO produce. Data rows are in TRL's
+# formats: text, or conversations (lists of {"role", "content"} messages) rendered by the chat template.
 # ---------------------------------------------------------------------------------------------
 def render_chat(tokenizer, messages, add_generation_prompt=False):
     """Token ids of a conversation rendered by the tokenizer's chat template."""
@@ -318,6 +594,23 @@ def stop_token_ids(tokenizer):
     return stops
 
 
+def tokenize_pair(tokenizer, prompt, completion, stop_ids):
+    """(prompt_ids, completion_ids), the completion ending with a stop token. A text completion is
+    tokenized on its own, EOS appended. A conversational one (assistant messages after a conversational
+    prompt) is what the chat template adds to the prompt's rendering, up to and including its first stop
+    token: what a template writes after it (a newline) is never sampled, so it is not trained on either."""
+    prompt_ids = encode_prompt(tokenizer, prompt)
+    if not isinstance(completion, list):
+        return prompt_ids, tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    full = render_chat(tokenizer, prompt + completion)
+    if full[: len(prompt_ids)] != prompt_ids:
+        sys.exit("error: the chat template renders a conversation's start differently once a reply follows, so "
+                 "prompt and completion tokens cannot be told apart; use text prompt/completion data")
+    completion_ids = full[len(prompt_ids) :]
+    ends = [i for i, t in enumerate(completion_ids) if t in stop_ids]
+    return prompt_ids, completion_ids[: ends[0] + 1] if ends else completion_ids + [tokenizer.eos_token_id]
+
+
 def add_pad_token(tokenizer, stop_ids, *models):
     """Make sure the tokenizer has a pad token that is no stop token, so that masking padding never masks
     an EOS the model must learn. Reuse an unused special token where the tokenizer has one (Llama 3's
@@ -335,8 +628,112 @@ def add_pad_token(tokenizer, stop_ids, *models):
             model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
 
 
+def tokenize(example, tokenizer, stop_ids):
+    """(input_ids, labels) of one example, labels −100 where no loss is taken:
+    prompt/completion (text or conversational): the loss on the completion and its stop token;
+    text: on every token, EOS appended; messages: on each assistant turn up to its stop token."""
+    if example.get("messages") is not None:
+        messages, ids, labels, stopped = example["messages"], [], [], True
+        for i, message in enumerate(messages):
+            renders = [render_chat(tokenizer, messages[: i + 1])]
+            if message["role"] == "assistant":  # the assistant header is prompt, not completion
+                renders.insert(0, render_chat(tokenizer, messages[:i], add_generation_prompt=True))
+            for full in renders:
+                # Each render must extend the previous one. Templates that re-render earlier turns once later
+                # ones exist (e.g. dropping past reasoning) break this, and the labels would be misplaced.
+                if full[: len(ids)] != ids:
+                    sys.exit("error: the chat template renders earlier turns differently once later turns exist (e.g. "
+                             "it drops past reasoning), so assistant turns cannot be labeled; split each conversation "
+                             "into prompt/completion rows, one per assistant turn")
+                new, ids = full[len(ids) :], full
+                if full is renders[-1] and message["role"] == "assistant":
+                    ends = [j for j, t in enumerate(new) if t in stop_ids]
+                    n, stopped = (ends[0] + 1, True) if ends else (len(new), False)
+                    labels += new[:n] + [-100] * (len(new) - n)
+                else:
+                    labels += [-100] * len(new)
+        if not stopped and messages[-1]["role"] == "assistant":  # a template with no end-of-turn token: EOS ends the reply
+            ids, labels = ids + [tokenizer.eos_token_id], labels + [tokenizer.eos_token_id]
+        return ids, labels
+    if example.get("prompt") is not None and example.get("completion") is not None:
+        prompt_ids, completion_ids = tokenize_pair(tokenizer, example["prompt"], example["completion"], stop_ids)
+        return prompt_ids + completion_ids, [-100] * len(prompt_ids) + completion_ids
+    ids = encode_prompt(tokenizer, example["text"]) + [tokenizer.eos_token_id]
+    return ids, list(ids)
+
+
+def tokenize_preference(tokenizer, row, stop_ids):
+    """(prompt_ids, chosen_ids, rejected_ids) of a preference row in any of TRL's formats: explicit
+    (`prompt`, `chosen`, `rejected`) or implicit (`chosen` and `rejected` each include the prompt), text or
+    conversational. An implicit prompt is what the two share at the start, as in TRL: whole messages of
+    a conversation, whole tokens of a text (so a word is never split and keeps its leading space)."""
+    prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
+    if not prompt and isinstance(chosen, list):
+        n = 0
+        while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+            n += 1
+        prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+    elif not prompt:
+        c, r = encode_prompt(tokenizer, chosen), encode_prompt(tokenizer, rejected)
+        n = len(os.path.commonprefix([c, r]))
+        return c[:n], c[n:] + [tokenizer.eos_token_id], r[n:] + [tokenizer.eos_token_id]
+    prompt_ids, chosen_ids = tokenize_pair(tokenizer, prompt, chosen, stop_ids)
+    return prompt_ids, chosen_ids, tokenize_pair(tokenizer, prompt, rejected, stop_ids)[1]
+
+
+def tokenize_examples(tokenizer, examples, stop_ids, max_length, split):
+    """[(input_ids, labels)] of the examples that fit `max_length` (a `text` example is cut to it); the others
+    are dropped and counted, as are examples with nothing to learn."""
+    kept, dropped = [], 0
+    for ex in examples:
+        ids, labels = tokenize(ex, tokenizer, stop_ids)
+        if ex.get("text") is not None and ex.get("messages") is None and ex.get("completion") is None:
+            ids, labels = ids[:max_length], labels[:max_length]
+        if len(ids) > max_length or all(label == -100 for label in labels[1:]):
+            dropped += 1
+        else:
+            kept.append((ids, labels))
+    if dropped:
+        print(f"{split}: dropped {dropped:,} of {len(examples):,} examples longer than --max-length {max_length} "
+              "or with nothing to learn")
+    if not kept and split == "train":
+        sys.exit(f"error: no training example fits --max-length {max_length} (see above); raise it")
+    return kept
+
+
+def tokenize_pairs(tokenizer, rows, stop_ids, max_length, split):
+    """[(prompt_ids, chosen_ids, rejected_ids, row)] of the preference rows that fit `max_length`: a pair whose
+    longer side does not fit, or whose sides are the same tokens, is dropped (and counted) rather than cut, so
+    no fake EOS and no zero-gradient pair is trained on."""
+    kept, too_long, same = [], 0, 0
+    for row in rows:
+        prompt_ids, chosen_ids, rejected_ids = tokenize_preference(tokenizer, row, stop_ids)
+        if len(prompt_ids) + max(len(chosen_ids), len(rejected_ids)) > max_length:
+            too_long += 1
+        elif chosen_ids == rejected_ids:
+            same += 1
+        else:
+            kept.append((prompt_ids, chosen_ids, rejected_ids, row))
+    if too_long or same:
+        print(f"{split}: dropped {too_long:,} of {len(rows):,} pairs longer than --max-length {max_length}, "
+              f"{same:,} whose chosen and rejected are the same tokens")
+    if not kept and split == "train":
+        sys.exit("error: no training pair is left (see above); raise --max-length or check the data")
+    return kept
+
+
+def tokenize_prompts(tokenizer, prompts, max_prompt_length, split):
+    """(indices kept, token ids) of the prompts that fit `max_prompt_length`; the others are dropped and counted."""
+    encoded = [encode_prompt(tokenizer, p) for p in prompts]
+    kept = [i for i, ids in enumerate(encoded) if 0 < len(ids) <= max_prompt_length]
+    if len(kept) < len(encoded):
+        print(f"{split}: dropped {len(encoded) - len(kept):,} of {len(encoded):,} prompts longer than "
+              f"--max-prompt-length {max_prompt_length} (or empty)")
+    return kept, [encoded[i] for i in kept]
+
+
 # ---------------------------------------------------------------------------------------------
-# Loading and training helpers, the same text in every LM script (tests check the copies)
+# Data and models
 # ---------------------------------------------------------------------------------------------
 def load_rows(name, split, eval_size):
     """(train rows, eval rows) of a dataset: a hub id, a `save_to_disk` directory or a .json/.jsonl/.parquet
@@ -364,45 +761,29 @@ def load_rows(name, split, eval_size):
     return rows[n_eval:], rows[:n_eval]
 
 
-def get_lr(step, lr, warmup_steps, max_steps, decay):
-    """Learning rate of optimizer step `step` = 0, 1, ...: `lr` × a linear warmup min(1, (step + 1) / warmup_steps)
-    × a decay to 0 at `max_steps`: "linear", min(1, (max_steps − step) / (max_steps − warmup_steps)), flat through
-    the warmup; or "cosine", ½(1 + cos(π · step / max_steps)), over the whole run."""
-    warmup = min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
-    if decay == "linear":
-        return lr * warmup * min(1.0, max(0.0, (max_steps - step) / max(1, max_steps - warmup_steps)))
-    return lr * warmup * 0.5 * (1 + math.cos(math.pi * min(1.0, step / max_steps)))
+def load_data(args, kind, num_train, accepts, needs):
+    """(train rows, eval rows): the built-in task's rows of `kind` when no --dataset-name is given, else the
+    dataset's, which must have every column of one of the sets in `accepts` (`needs` says so in words)."""
+    if args.dataset_name is None:
+        return task_rows(args.seed, "train", num_train, kind), task_rows(args.seed, "eval", args.eval_size, kind)
+    train, evals = load_rows(args.dataset_name, args.dataset_split, args.eval_size)
+    columns = sorted(train[0]) if train else []
+    if not any(set(columns) >= set(accepted) for accepted in accepts):
+        sys.exit(f"error: dataset {args.dataset_name!r} has columns {columns}; {os.path.basename(__file__)} {needs}")
+    return train, evals
 
 
-def check_finite(step, **values):
-    """Stop the run with one line, before anything is saved, when a loss or gradient norm is NaN or inf."""
-    for name, value in values.items():
-        value = float(torch.as_tensor(value).detach())
-        if not math.isfinite(value):
-            sys.exit(f"error: {name} is {value} at step {step}; stopped, nothing saved "
-                     "(lower --lr; with a half-precision model, train without --bf16 to check)")
+def load_tokenizer(path, hint):
+    """The tokenizer of a hub id or local directory. A local path that does not exist, or a checkpoint that
+    cannot be read, is one line (`hint` says what to do about a missing directory)."""
+    from transformers import AutoTokenizer
 
-
-def save_atomically(model, tokenizer, args, output_dir):
-    """Save a Hugging Face model (the one inside any DDP wrapper) so that a crash never leaves a half-written
-    checkpoint: rank 0 writes to a temporary directory, then renames it. Every rank calls this: under FSDP
-    they first gather the full weights together, and all wait for the write to finish."""
-    state_dict = None
-    if any(isinstance(module, FSDPModule) for module in model.modules()):
-        state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
-        state_dict = {k: v for k, v in state_dict.items() if k in names}  # a tied weight once, under its first name
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        tmp_dir = f"{output_dir.rstrip('/')}.tmp-{os.getpid()}"
-        model.save_pretrained(tmp_dir, state_dict=state_dict)
-        tokenizer.save_pretrained(tmp_dir)
-        with open(os.path.join(tmp_dir, "training_args.json"), "w") as f:
-            json.dump(vars(args), f, indent=2)
-        if os.path.exists(output_dir):
-            shutil.rmtree(output_dir)
-        os.replace(tmp_dir, output_dir)
-    if dist.is_initialized():
-        dist.barrier()
+    if not os.path.isdir(path) and (path.startswith((".", "/", "~", "models/")) or path.count("/") > 1):
+        sys.exit(f"error: model directory {path!r} does not exist; {hint}")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: cannot load a tokenizer from {path!r}: {str(e).splitlines()[0]}")
 
 
 def dropout_off(config):
@@ -412,6 +793,67 @@ def dropout_off(config):
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
             setattr(config, key, 0.0)
     return config
+
+
+def load_config(path, head):
+    """A checkpoint's config with every dropout off, for models whose log-probs, values and scores must not be
+    random (Llama's attention dropout is a number each layer reads from it); head "score": one label."""
+    from transformers import AutoConfig
+
+    try:
+        return dropout_off(AutoConfig.from_pretrained(path, **({"num_labels": 1} if head == "score" else {})))
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: cannot load a model from {path!r}: {str(e).splitlines()[0]}")
+
+
+def load_model(path, head, dtype, config=None):
+    """A checkpoint as a causal LM (head "lm") or with a scalar head (head "score", with load_config's config:
+    a sequence classifier with one label, its head new when the checkpoint has none), its weights in `dtype`
+    whatever they were saved in. Trained models take float32 (master weights: in fp16 AdamW's eps underflows
+    to 0, in bf16 most small updates round away); --bf16 is the mixed-precision choice on top."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    try:
+        model_class = AutoModelForCausalLM if head == "lm" else AutoModelForSequenceClassification
+        return model_class.from_pretrained(path, config=config, dtype=dtype)
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: cannot load a model from {path!r}: {str(e).splitlines()[0]}")
+
+
+def prepare_models(tokenizer, stop_ids, device, models, frozen=()):
+    """Give the tokenizer a pad token (growing the models' embeddings if it needs a new id), tell every model
+    its id, and move them to the device; the `frozen` ones among them go to eval mode without gradients."""
+    add_pad_token(tokenizer, stop_ids, *models)
+    for model in models:
+        model.config.pad_token_id = tokenizer.pad_token_id
+        model.to(device)
+    for model in frozen:
+        model.eval().requires_grad_(False)
+
+
+def check_same_vocabulary(tokenizer, reward_tokenizer, stop_ids, message):
+    """A reward model must read the policy's tokens as the policy does: the same vocabulary, pad token
+    included (call after prepare_models gave the policy's tokenizer its pad token)."""
+    add_pad_token(reward_tokenizer, stop_ids)
+    if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
+        sys.exit(f"error: {message}")
+
+
+def model_positions(model):
+    """The longest sequence the model takes, or None when its config does not say."""
+    return getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward passes and sampling
+# ---------------------------------------------------------------------------------------------
+def collate(batch, pad_token_id):
+    """Right-pad a list of (input_ids, labels): (input_ids, attention_mask, labels) tensors, labels −100 on padding."""
+    width = max(len(ids) for ids, _ in batch)
+    input_ids = torch.tensor([ids + [pad_token_id] * (width - len(ids)) for ids, _ in batch])
+    attention_mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in batch])
+    labels = torch.tensor([labels + [-100] * (width - len(labels)) for _, labels in batch])
+    return input_ids, attention_mask, labels
 
 
 def token_logprobs(logits, tokens, with_entropy=False):
@@ -441,11 +883,31 @@ def last_token_index(attention_mask):
     return (positions * attention_mask).argmax(-1)
 
 
+def response_logprobs(model, sequences, attention_mask, context_length, temperature):
+    """log π(a_t | s_t) of each response token and the entropy of π(·|s_t), from one forward pass over
+    prompt + response. Logits are divided by the sampling temperature, as when sampling."""
+    logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_of(attention_mask)).logits
+    logits = logits[:, context_length - 1 : -1] / temperature  # position t predicts token t + 1
+    return token_logprobs(logits, sequences[:, context_length:], with_entropy=True)
+
+
 def token_scores(model, sequences, attention_mask):
     """The scalar head of a sequence-classification model on every position: [batch, length]."""
     hidden = model.base_model(input_ids=sequences, attention_mask=attention_mask,
                               position_ids=position_ids_of(attention_mask)).last_hidden_state
     return model.score(hidden).squeeze(-1).float()
+
+
+class TokenScorer(torch.nn.Module):
+    """token_scores as a module's forward. DDP and FSDP act in the forward of the module they wrap, so a
+    trained scalar head is wrapped in this: its forward, unlike the classifier's own, keeps every position."""
+
+    def __init__(self, classifier):
+        super().__init__()
+        self.classifier = classifier
+
+    def forward(self, sequences, attention_mask):
+        return token_scores(self.classifier, sequences, attention_mask)
 
 
 @torch.no_grad()
@@ -457,6 +919,14 @@ def score_responses(reward, sequences, attention_mask, response_mask, stop_ids, 
     responses = sequences[:, -response_mask.shape[1] :]
     has_stop = (torch.isin(responses, torch.tensor(stop_ids, device=responses.device)) & response_mask.bool()).any(1)
     return torch.where(has_stop, scores, torch.full_like(scores, missing_eos_penalty)), has_stop
+
+
+def forward_in_chunks(fn, size, *tensors):
+    """fn over the rows of `tensors`, `size` rows at a time, the outputs concatenated. In a rollout the chunks
+    are the update's micro-batches, so that they compute exactly what the update's forward passes will (the
+    first PPO ratio is exactly 1)."""
+    outs = [fn(*(t[i : i + size] for t in tensors)) for i in range(0, len(tensors[0]), size)]
+    return tuple(torch.cat(parts) for parts in zip(*outs)) if isinstance(outs[0], tuple) else torch.cat(outs)
 
 
 @torch.no_grad()
@@ -485,87 +955,20 @@ def sample(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperatur
     return (torch.cat([input_ids, responses], 1), torch.cat([attention_mask, response_mask], 1), width, response_mask)
 
 
+def sample_in_chunks(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature, size):
+    """`sample` in chunks of `size` prompts (the KV cache grows with it), the chunks left-padded to one width."""
+    chunks = [sample(model, prompt_ids[i : i + size], pad_token_id, stop_ids, max_new_tokens, temperature)
+              for i in range(0, len(prompt_ids), size)]
+    width = max(c[2] for c in chunks)  # the longest prompt: left-pad the other chunks to it
+    pad = lambda t, value: F.pad(t, (width - t.shape[1] + max_new_tokens, 0), value=value)  # noqa: E731
+    return (torch.cat([pad(c[0], pad_token_id) for c in chunks]), torch.cat([pad(c[1], 0) for c in chunks]),
+            width, torch.cat([c[3] for c in chunks]))
+
+
 def decode(tokenizer, sequences, context_length, response_mask):
     """The responses as text, up to their stop token, special tokens dropped."""
     return [tokenizer.decode([t for t, m in zip(row, mask) if m], skip_special_tokens=True)
             for row, mask in zip(sequences[:, context_length:].tolist(), response_mask.tolist())]
-
-
-# ---------------------------------------------------------------------------------------------
-# Models, prompts and the forward passes
-# ---------------------------------------------------------------------------------------------
-def load_grpo_models(args, device):
-    """(tokenizer, stop_ids, policy, reference or None, reward model or None): the reference only when β > 0,
-    the reward model only with --reward model."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-
-    paths = [(args.sft_model_path, "sft.py")] + [(args.reward_model_path, "reward_model.py")] * (args.reward == "model")
-    for path, script in paths:
-        if not os.path.isdir(path) and (path.startswith((".", "/", "~", "models/")) or path.count("/") > 1):
-            sys.exit(f"error: model directory {path!r} does not exist; run `python {script}` first or pass a path")
-    # The policy in float32 (master weights) whatever the checkpoint's dtype, the frozen models in the dtype they
-    # compute in; dropout off, also where it is a number read from the config (Llama's attention dropout)
-    frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32
-    ref, reward, reward_tokenizer = None, None, None
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path)
-        config = dropout_off(AutoConfig.from_pretrained(args.sft_model_path))
-        policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, config=config, dtype=torch.float32)
-        if args.beta > 0:
-            ref = AutoModelForCausalLM.from_pretrained(args.sft_model_path, config=config, dtype=frozen_dtype)
-        if args.reward == "model":
-            reward_tokenizer = AutoTokenizer.from_pretrained(args.reward_model_path)
-            rm_config = dropout_off(AutoConfig.from_pretrained(args.reward_model_path, num_labels=1))
-            reward = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, config=rm_config,
-                                                                        dtype=frozen_dtype)
-    except (OSError, ValueError) as e:
-        sys.exit(f"error: cannot load the models: {str(e).splitlines()[0]}")
-    stop_ids = stop_token_ids(tokenizer)
-    add_pad_token(tokenizer, stop_ids, *[m for m in (policy, ref, reward) if m is not None])
-    if reward is not None:
-        add_pad_token(reward_tokenizer, stop_ids)
-        if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
-            sys.exit(f"error: the reward model {args.reward_model_path!r} has another tokenizer than the SFT model "
-                     f"{args.sft_model_path!r}; train it from the SFT model with reward_model.py")
-    for model in (policy, ref, reward):
-        if model is not None:
-            model.config.pad_token_id = tokenizer.pad_token_id
-            model.to(device)
-            if model is not policy:
-                model.eval().requires_grad_(False)
-    return tokenizer, stop_ids, policy, ref, reward
-
-
-def response_logprobs(model, sequences, attention_mask, context_length, temperature):
-    """log π(a_t | s_t) of each response token and the entropy of π(·|s_t), from one forward pass over
-    prompt + response. Logits are divided by the sampling temperature, as when sampling."""
-    logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_of(attention_mask)).logits
-    logits = logits[:, context_length - 1 : -1] / temperature  # position t predicts token t + 1
-    return token_logprobs(logits, sequences[:, context_length:], with_entropy=True)
-
-
-def load_prompts_and_targets(args):
-    """(train prompts, train targets, eval prompts, eval targets); a prompt is a text or a conversation, the
-    targets are None where the data has none (the gold rewards need them)."""
-    if args.dataset_name is None:
-        rng = task_rng(args.seed, "train")
-        train = [make_prompt(rng) for _ in range(50_000)]
-        rng = task_rng(args.seed, "eval")
-        evals = [make_prompt(rng) for _ in range(args.eval_size)]
-        return [p for p, _ in train], [t for _, t in train], [p for p, _ in evals], [t for _, t in evals]
-    train, evals = load_rows(args.dataset_name, args.dataset_split, args.eval_size)
-    columns = sorted(train[0]) if train else []
-    if "prompt" not in columns:
-        sys.exit(f"error: dataset {args.dataset_name!r} has columns {columns}; grpo.py needs a `prompt` column")
-    if args.reward != "model" and "target" not in columns:
-        sys.exit(f"error: --reward {args.reward} needs a `target` column (the verifiable answer), and dataset "
-                 f"{args.dataset_name!r} has columns {columns}; add one, or use --reward model")
-    targets = "target" in columns
-    if args.reward == "gold" and targets and any(str(row["target"]) == "" for row in train + evals):
-        sys.exit(f"error: dataset {args.dataset_name!r} has an empty `target`; the gold score (an edit distance "
-                 "relative to the target's length) needs one, or use --reward gold-exact")
-    return ([row["prompt"] for row in train], [row["target"] for row in train] if targets else None,
-            [row["prompt"] for row in evals], [row["target"] for row in evals] if targets else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -619,14 +1022,15 @@ def shard(items, rank, world_size):
     return mine + items[:1] * padding, [1] * len(mine) + [0] * padding
 
 
-def all_reduce_sum(values, device):
-    """Each number summed over the ranks (the numbers themselves in one process): per-rank sums and counts
-    become global ones."""
-    if not dist.is_initialized():
-        return [float(v) for v in values]
-    total = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
-    dist.all_reduce(total)
-    return total.tolist()
+def all_reduce_sum(sums, device):
+    """{name: number} with each number summed over the ranks (the numbers themselves in one process), in one
+    all-reduce: per-rank sums and counts become global ones, read back by name."""
+    values = [float(v) for v in sums.values()]
+    if dist.is_initialized():
+        total = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(total)
+        values = total.tolist()
+    return dict(zip(sums, values))
 
 
 class NoWriter:
@@ -636,246 +1040,56 @@ class NoWriter:
         return lambda *args, **kwargs: None
 
 
-def main(args: Args):
-    rank, world_size, device = setup_distributed(args.cuda)
-    G = args.num_generations
-    for flag, value, choices in (("--reward", args.reward, ("gold", "gold-exact", "model")),
-                                 ("--advantage", args.advantage, ("grpo", "rloo")),
-                                 ("--loss-type", args.loss_type, ("grpo", "dapo", "dr_grpo"))):
-        if value not in choices:
-            sys.exit(f"error: {flag} {value!r}: choose one of {', '.join(choices)}")
-    if G < 2:
-        sys.exit(f"error: --num-generations {G}: a group needs at least 2 completions, its own baseline")
-    if args.batch_size % G:
-        sys.exit(f"error: --batch-size {args.batch_size} completions do not split into groups of --num-generations {G}")
-    if (args.batch_size // G) % world_size:
-        sys.exit(f"error: the {args.batch_size // G} prompts of --batch-size {args.batch_size} do not split over "
-                 f"{world_size} ranks (each rank samples whole groups)")
-    if args.batch_size % args.mini_batch_size:
-        sys.exit(f"error: --batch-size {args.batch_size} does not split into minibatches of {args.mini_batch_size}")
-    if args.mini_batch_size % (world_size * args.gradient_accumulation_steps):
-        sys.exit(f"error: --mini-batch-size {args.mini_batch_size} does not split into {world_size} rank(s) × "
-                 f"{args.gradient_accumulation_steps} micro-batches; make it a multiple of "
-                 f"{world_size * args.gradient_accumulation_steps}")
-    prompts_per_rank = args.batch_size // G // world_size
-    per_rank, mini_per_rank = prompts_per_rank * G, args.mini_batch_size // world_size
-    micro_size = mini_per_rank // args.gradient_accumulation_steps
-    epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
-    random.seed(args.seed)  # the prompts drawn: the same on every rank, which each takes its share of
-    torch.manual_seed(args.seed + rank)  # sampling: a stream of its own on each rank
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
-
-    train_prompts, train_targets, eval_prompts, eval_targets = load_prompts_and_targets(args)
-    tokenizer, stop_ids, raw_policy, ref, reward = load_grpo_models(args, device)  # raw_policy: to sample and save
-    if args.gradient_checkpointing:
-        raw_policy.activation_checkpointing_enable({"use_reentrant": False})
-    # the trained policy is data-parallel; the frozen models are whole on every rank
-    policy = wrap_model(raw_policy, device, args.fsdp)
-
-    def encode_prompts(prompts, split):
-        """Token ids of the prompts that fit --max-prompt-length; the others are dropped and counted."""
-        encoded = [encode_prompt(tokenizer, p) for p in prompts]
-        kept = [i for i, ids in enumerate(encoded) if 0 < len(ids) <= args.max_prompt_length]
-        if len(kept) < len(encoded):
-            print(f"{split}: dropped {len(encoded) - len(kept):,} of {len(encoded):,} prompts longer than "
-                  f"--max-prompt-length {args.max_prompt_length} (or empty)")
-        return kept, [encoded[i] for i in kept]
-
-    kept, train_ids = encode_prompts(train_prompts, "train")
-    if len(train_ids) < args.batch_size // G:
-        sys.exit(f"error: {len(train_ids)} training prompts fit --max-prompt-length, fewer than the "
-                 f"{args.batch_size // G} of a batch; lower --batch-size")
-    train_targets = [str(train_targets[i]) for i in kept] if train_targets is not None else None
-    kept, eval_ids = encode_prompts(eval_prompts, "eval")
-    eval_prompts = [eval_prompts[i] for i in kept]
-    eval_targets = [str(eval_targets[i]) for i in kept] if eval_targets is not None else None
-    positions = getattr(raw_policy.config, "max_position_embeddings", None) or getattr(raw_policy.config, "n_positions", None)
-    longest = max(len(ids) for ids in train_ids + eval_ids)
-    if positions is not None and longest + args.response_length > positions:
-        sys.exit(f"error: the longest prompt ({longest} tokens) + --response-length {args.response_length} exceeds the "
-                 f"model's {positions} positions; lower --max-prompt-length or --response-length")
-
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr)
-    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    writer = SummaryWriter(f"runs/{run_name}") if rank == 0 else NoWriter()
+def make_writer(args, rank):
+    """TensorBoard's writer for runs/<exp>__<seed>__<time> on rank 0 (a NoWriter elsewhere), the flags logged
+    as a table."""
+    writer = SummaryWriter(f"runs/{args.exp_name}__{args.seed}__{int(time.time())}") if rank == 0 else NoWriter()
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
-    print(f"{1 + (ref is not None) + (reward is not None)} model(s) in memory: the policy"
-          + (", the reference" if ref is not None else "") + (", the reward model" if reward is not None else ""))
+    return writer
 
-    def forward_in_chunks(fn, *tensors, size=micro_size):
-        """Forward passes in chunks; in the rollout, chunks of the update's micro-batch size, so that they
-        compute exactly what the update's forward passes will (the ratio starts at exactly 1)."""
-        outs = [fn(*(t[i : i + size] for t in tensors)) for i in range(0, len(tensors[0]), size)]
-        return tuple(torch.cat(parts) for parts in zip(*outs)) if isinstance(outs[0], tuple) else torch.cat(outs)
 
-    def sample_in_chunks(prompt_ids):
-        """`sample` in chunks of --generation-batch-size, padded to one width."""
-        chunks = [sample(raw_policy, prompt_ids[i : i + args.generation_batch_size], tokenizer.pad_token_id, stop_ids,
-                         args.response_length, args.temperature)
-                  for i in range(0, len(prompt_ids), args.generation_batch_size)]
-        width = max(c[2] for c in chunks)  # the longest prompt: left-pad the other chunks to it
-        pad = lambda t, value: F.pad(t, (width - t.shape[1] + args.response_length, 0), value=value)  # noqa: E731
-        return (torch.cat([pad(c[0], tokenizer.pad_token_id) for c in chunks]), torch.cat([pad(c[1], 0) for c in chunks]),
-                width, torch.cat([c[3] for c in chunks]))
+# ---------------------------------------------------------------------------------------------
+# Training and saving
+# ---------------------------------------------------------------------------------------------
+def get_lr(step, lr, warmup_steps, max_steps, decay):
+    """Learning rate of optimizer step `step` = 0, 1, ...: `lr` × a linear warmup min(1, (step + 1) / warmup_steps)
+    × a decay to 0 at `max_steps`: "linear", min(1, (max_steps − step) / (max_steps − warmup_steps)), flat through
+    the warmup; or "cosine", ½(1 + cos(π · step / max_steps)), over the whole run."""
+    warmup = min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+    if decay == "linear":
+        return lr * warmup * min(1.0, max(0.0, (max_steps - step) / max(1, max_steps - warmup_steps)))
+    return lr * warmup * 0.5 * (1 + math.cos(math.pi * min(1.0, step / max_steps)))
 
-    def rewards_of(sequences, attention_mask, context_length, response_mask, targets):
-        """One reward per completion: the gold score (or exact match) against its target, or the reward model's
-        score; `--missing-eos-penalty` instead for a completion that has no stop token."""
-        if args.reward == "model":
-            return forward_in_chunks(lambda s, a, m: score_responses(reward, s, a, m, stop_ids, args.missing_eos_penalty),
-                                     sequences, attention_mask, response_mask, size=args.generation_batch_size)
-        responses = sequences[:, context_length:]
-        has_stop = (torch.isin(responses, torch.tensor(stop_ids, device=device)) & response_mask.bool()).any(1)
-        completions = decode(tokenizer, sequences, context_length, response_mask)
-        gold = torch.tensor([float(c == t) if args.reward == "gold-exact" else gold_score(c, t)
-                             for c, t in zip(completions, targets)], device=device)
-        return torch.where(has_stop, gold, torch.full_like(gold, args.missing_eos_penalty)), has_stop
 
-    def evaluate(step):
-        """Each rank evaluates its shard of the eval prompts; the sums are added up over the ranks."""
-        if not eval_ids:
-            return
-        policy.eval()
-        size = args.generation_batch_size
-        mine, weights = shard(list(range(len(eval_ids))), rank, world_size)
-        w = torch.tensor(weights, device=device, dtype=torch.float)
-        with torch.no_grad(), amp():
-            sequences, attention_mask, context_length, response_mask = sample_in_chunks([eval_ids[j] for j in mine])
-            sums = [w.sum(), 0.0, 0.0]
-            if ref is not None:  # eval/kl: Σ_t log π_θ − log π_ref over a completion, the mean over completions
-                logprobs, _ = forward_in_chunks(lambda s, a: response_logprobs(policy, s, a, context_length,
-                                                                               args.temperature),
-                                                sequences, attention_mask, size=size)
-                ref_logprobs, _ = forward_in_chunks(lambda s, a: response_logprobs(ref, s, a, context_length,
-                                                                                   args.temperature),
-                                                    sequences, attention_mask, size=size)
-                sums[1] = (((logprobs - ref_logprobs) * response_mask).sum(1) * w).sum()
-            if reward is not None:
-                scores, _ = forward_in_chunks(lambda s, a, m: score_responses(reward, s, a, m, stop_ids,
-                                                                              args.missing_eos_penalty),
-                                              sequences, attention_mask, response_mask, size=size)
-                sums[2] = (scores * w).sum()
-        completions = decode(tokenizer, sequences, context_length, response_mask)
-        if eval_targets is not None:
-            targets = [eval_targets[j] for j in mine]
-            sums += [sum(v * (c == t) for c, t, v in zip(completions, targets, weights)),
-                     sum(v * gold_score(c, t) for c, t, v in zip(completions, targets, weights))]
-        sums = all_reduce_sum(sums, device)
-        n, line = sums[0], f"batch {step}:"
-        if ref is not None:
-            writer.add_scalar("eval/kl", sums[1] / n, step)
-            line += f" eval/kl {sums[1] / n:.3f}"
-        if reward is not None:
-            writer.add_scalar("eval/score", sums[2] / n, step)
-            line += f" eval/score {sums[2] / n:.3f}"
-        if eval_targets is not None:
-            accuracy, gold = sums[3] / n, sums[4] / n
-            writer.add_scalar("eval/gold_accuracy", accuracy, step)
-            writer.add_scalar("eval/gold_score", gold, step)
-            line += f" eval/gold_accuracy {accuracy:.3f}, eval/gold_score {gold:.3f}"
-        samples = "\n".join(f"    {eval_prompts[j]} {c!r}" for j, c in zip(mine[:8], completions))
-        writer.add_text("eval/samples", samples, step)
-        print(line)
-        policy.train()
+def check_finite(step, **values):
+    """Stop the run with one line, before anything is saved, when a loss or gradient norm is NaN or inf."""
+    for name, value in values.items():
+        value = float(torch.as_tensor(value).detach())
+        if not math.isfinite(value):
+            sys.exit(f"error: {name} is {value} at step {step}; stopped, nothing saved "
+                     "(lower --lr; with a half-precision model, train without --bf16 to check)")
 
-    evaluate(0)  # the SFT model, before any update
-    start_time = time.time()
-    rng = random.Random(args.seed)
-    for step in range(1, args.num_batches + 1):
-        lr = get_lr(step - 1, args.lr, 0, args.num_batches, "linear") if args.anneal_lr else args.lr
-        optimizer.param_groups[0]["lr"] = lr
-        # ---- rollout: G completions per prompt, their rewards, advantages within each group ----------
-        policy.eval()
-        chosen = rng.sample(range(len(train_ids)), args.batch_size // G)[rank * prompts_per_rank : (rank + 1) * prompts_per_rank]
-        prompt_ids = [train_ids[i] for i in chosen for _ in range(G)]  # each prompt G times, in adjacent rows
-        targets = [train_targets[i] for i in chosen for _ in range(G)] if train_targets is not None else None
-        with torch.no_grad(), amp():
-            sequences, attention_mask, context_length, mask = sample_in_chunks(prompt_ids)
-            mask = mask.float()
-            rewards, has_stop = rewards_of(sequences, attention_mask, context_length, mask, targets)
-            if args.advantage == "rloo":
-                advantages = rloo_advantages(rewards, G)
-            else:
-                advantages = group_advantages(rewards, G, args.scale_rewards)
-            old_logprobs, entropy = forward_in_chunks(
-                lambda s, a: response_logprobs(policy, s, a, context_length, args.temperature), sequences, attention_mask)
-            ref_logprobs = old_logprobs  # β = 0: no reference (the KL terms below are 0 and not logged)
-            if ref is not None:
-                ref_logprobs, _ = forward_in_chunks(
-                    lambda s, a: response_logprobs(ref, s, a, context_length, args.temperature), sequences, attention_mask)
-            k1, k3 = kl_estimators(old_logprobs, ref_logprobs, mask)
 
-        # ---- update: μ passes over the rollout in shuffled minibatches ---------------------------------
-        policy.train()
-        stats = {k: 0.0 for k in ("policy_loss", "kl_penalty", "clipped")}  # summed over micro-batches
-        for iteration in range(args.num_iterations):
-            # the first pass takes the rollout in order, so its first minibatch is exactly the rollout's first
-            # chunk; later passes reshuffle (whole groups need not stay together: advantages are computed)
-            order = torch.randperm(per_rank, device=device) if iteration > 0 else torch.arange(per_rank, device=device)
-            for start in range(0, per_rank, mini_per_rank):
-                mb = order[start : start + mini_per_rank]
-                num_tokens = all_reduce_sum([mask[mb].sum()], device)[0]  # of the whole minibatch, all ranks
-                optimizer.zero_grad()
-                for micro in range(0, mini_per_rank, micro_size):
-                    idx = mb[micro : micro + micro_size]
-                    with amp():
-                        logprobs, _ = response_logprobs(policy, sequences[idx], attention_mask[idx], context_length,
-                                                        args.temperature)
-                    surrogate, ratio = clipped_surrogate(logprobs, old_logprobs[idx], advantages[idx], args.epsilon,
-                                                         epsilon_high)
-                    policy_loss = aggregate_loss(surrogate, mask[idx], args.loss_type, args.mini_batch_size, num_tokens,
-                                                 args.response_length)
-                    kl_penalty = torch.zeros((), device=device)
-                    if ref is not None:
-                        _, new_k3 = kl_estimators(logprobs, ref_logprobs[idx], mask[idx])
-                        kl_penalty = args.beta * aggregate_loss(new_k3, mask[idx], args.loss_type, args.mini_batch_size,
-                                                                num_tokens, args.response_length)
-                    # DDP and FSDP average the ranks' gradients; × world_size turns that into the minibatch's sum
-                    ((policy_loss + kl_penalty) * world_size).backward()
-                    with torch.no_grad():
-                        stats["policy_loss"] += policy_loss.item()
-                        stats["kl_penalty"] += kl_penalty.item()
-                        stats["clipped"] += (((ratio < 1 - args.epsilon) | (ratio > 1 + epsilon_high)) * mask[idx]).sum().item()
-                        if iteration == 0 and start == 0 and micro == 0:  # before any step, the ratio must be exactly 1
-                            first_ratio_error = (ratio - 1).abs().max()
-                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-                check_finite(step, loss=policy_loss + kl_penalty, grad_norm=grad_norm)
-                optimizer.step()
-
-        # ---- logs: statistics of the whole batch, sums added up over the ranks --------------------------
-        groups = rewards.view(-1, G)
-        num_minibatches = args.num_iterations * args.batch_size // args.mini_batch_size
-        sums = all_reduce_sum([rewards.sum(), groups.std(1).sum(), (groups.std(1) == 0).sum(), mask.sum(), k1.sum(),
-                               k3.sum(), (entropy * mask).sum(), has_stop.sum(), stats["policy_loss"],
-                               stats["kl_penalty"], stats["clipped"]], device)
-        if dist.is_initialized():
-            dist.all_reduce(first_ratio_error, op=dist.ReduceOp.MAX)  # the largest on any rank
-        B, num_groups = args.batch_size, args.batch_size // G
-        logs = {
-            "objective/reward": sums[0] / B, "objective/reward_std": sums[1] / num_groups,
-            "objective/zero_std_fraction": sums[2] / num_groups, "objective/completion_length": sums[3] / B,
-            "objective/kl": sums[4] / B, "objective/kl_k3": sums[5] / B, "objective/entropy": sums[6] / B,
-            "objective/stop_fraction": sums[7] / B,
-            "losses/policy_loss": sums[8] / num_minibatches, "losses/kl_penalty": sums[9] / num_minibatches,
-            "policy/clipfrac": sums[10] / (args.num_iterations * sums[3]),
-            "policy/first_ratio_max_error": first_ratio_error,
-            "charts/learning_rate": lr, "charts/episodes_per_second": step * B / (time.time() - start_time),
-        }
-        if ref is None:  # no reference, no KL to it
-            del logs["objective/kl"], logs["objective/kl_k3"], logs["losses/kl_penalty"]
-        for tag, value in logs.items():
-            writer.add_scalar(tag, float(value), step)
-        if step % 10 == 0:
-            print(f"batch {step}: reward {logs['objective/reward']:.3f}, reward std {logs['objective/reward_std']:.3f}, "
-                  f"kl {logs.get('objective/kl', 0.0):.3f}, {time.time() - start_time:.0f} s")
-        if step % args.eval_every == 0 or step == args.num_batches:
-            evaluate(step)
-
-    save_atomically(raw_policy, tokenizer, args, args.output_dir)
-    print(f"saved to {args.output_dir} after {time.time() - start_time:.0f} s")
-    writer.close()
+def save_atomically(model, tokenizer, args, output_dir):
+    """Save a Hugging Face model (the one inside any DDP wrapper) so that a crash never leaves a half-written
+    checkpoint: rank 0 writes to a temporary directory, then renames it. Every rank calls this: under FSDP
+    they first gather the full weights together, and all wait for the write to finish."""
+    state_dict = None
+    if any(isinstance(module, FSDPModule) for module in model.modules()):
+        state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+        state_dict = {k: v for k, v in state_dict.items() if k in names}  # a tied weight once, under its first name
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        tmp_dir = f"{output_dir.rstrip('/')}.tmp-{os.getpid()}"
+        model.save_pretrained(tmp_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(tmp_dir)
+        with open(os.path.join(tmp_dir, "training_args.json"), "w") as f:
+            json.dump(vars(args), f, indent=2)
+        if os.path.exists(output_dir):
+            shutil.rmtree(output_dir)
+        os.replace(tmp_dir, output_dir)
+    if dist.is_initialized():
+        dist.barrier()
 
 
 if __name__ == "__main__":

@@ -202,7 +202,7 @@ class RunningMeanStd:
 
 
 # ---------------------------------------------------------------------------------------------
-# Agent and environments
+# The agent, the argument checks, the evaluation
 # ---------------------------------------------------------------------------------------------
 def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
     torch.nn.init.orthogonal_(layer.weight, std)
@@ -278,65 +278,6 @@ def check_args(args):
         except ImportError:
             sys.exit("error: --capture-video needs moviepy: pip install moviepy")
     return batch_size, minibatch_size, num_iterations
-
-
-def make_envs(args):
-    """Vector envs that reset in the same step an episode ends (gymnasium >= 1.0's default would
-    instead emit one extra transition, belonging to no episode, after every episode end)."""
-    try:
-        return gym.vector.SyncVectorEnv(
-            [lambda: gym.make(args.env_id) for _ in range(args.num_envs)],
-            autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
-        )
-    except gym.error.Error as e:
-        sys.exit(f"error: cannot make env {args.env_id!r}: {e}")
-
-
-def check_env(envs, args, action_space):
-    """One-line errors for an environment this script cannot train on or (with --capture-video) film."""
-    if not isinstance(envs.single_action_space, action_space):
-        sys.exit(f"error: {args.env_id} has {envs.single_action_space} actions; this script needs {action_space.__name__} "
-                 "ones (ppo_clip.py and ppo_kl.py take Discrete actions, ppo_continuous.py Box ones)")
-    if not (isinstance(envs.single_observation_space, gym.spaces.Box) and len(envs.single_observation_space.shape) == 1):
-        sys.exit(f"error: {args.env_id} has {envs.single_observation_space} observations; this script needs a flat Box")
-    if args.capture_video:
-        try:
-            env = gym.make(args.env_id, render_mode="rgb_array")
-            env.reset(seed=args.seed)
-            env.render()
-            env.close()
-        except Exception as e:  # a missing renderer: pygame (classic control), OpenGL (MuJoCo)
-            sys.exit(f"error: --capture-video: {args.env_id} cannot render here ({str(e).splitlines()[0]}); classic "
-                     "control needs `pip install pygame`, MuJoCo without a display MUJOCO_GL=egl")
-
-
-def save_checkpoint(path, agent, args, obs_rms=None):
-    """The weights, the flags and, when observations are normalized, their running statistics, all as
-    tensors and plain types (so the safe `torch.load(path)` reads it); written to a temporary file
-    first, so a crash never leaves half a checkpoint."""
-    checkpoint = {"agent": agent.state_dict(), "args": vars(args)}
-    if obs_rms is not None:
-        checkpoint["obs_rms"] = {"mean": torch.as_tensor(obs_rms.mean), "var": torch.as_tensor(obs_rms.var),
-                                 "count": float(obs_rms.count)}
-    torch.save(checkpoint, path + ".tmp")
-    os.replace(path + ".tmp", path)
-
-
-def load_checkpoint(path, agent, args, obs_rms=None):
-    """Load a `save_checkpoint` file into `agent` (and `obs_rms`); a wrong file is a one-line error."""
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-        for flag in ("env_id", "norm_obs"):  # same sizes, other meaning: it would load, and be wrong
-            saved, given = checkpoint["args"].get(flag), getattr(args, flag, None)
-            if saved != given:
-                sys.exit(f"error: --load-model {path} was saved with {flag}={saved!r}, this run has {given!r}")
-        agent.load_state_dict(checkpoint["agent"])
-        if obs_rms is not None:
-            stats = checkpoint["obs_rms"]
-            obs_rms.mean, obs_rms.var, obs_rms.count = stats["mean"].numpy(), stats["var"].numpy(), stats["count"]
-    except Exception as e:  # not a checkpoint, another env's sizes, no statistics
-        sys.exit(f"error: --load-model {path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}; pass a .pt "
-                 "that --save-model of this script wrote for the same env and network")
 
 
 def evaluate(agent, obs_rms, args, device, video_folder=None):
@@ -520,6 +461,72 @@ def main(args: Args):
     envs.close()
     writer.close()
 
+
+
+# =============================================================================================
+# Plumbing. Everything below this line is the same text in ppo_clip.py, ppo_kl.py and ppo_continuous.py
+# (tests/test_copies.py checks it byte for byte): making and checking the environments, saving and
+# loading checkpoints. A reader learning the algorithm can stop here.
+# =============================================================================================
+
+
+def make_envs(args):
+    """Vector envs that reset in the same step an episode ends (gymnasium >= 1.0's default would
+    instead emit one extra transition, belonging to no episode, after every episode end)."""
+    try:
+        return gym.vector.SyncVectorEnv(
+            [lambda: gym.make(args.env_id) for _ in range(args.num_envs)],
+            autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
+        )
+    except gym.error.Error as e:
+        sys.exit(f"error: cannot make env {args.env_id!r}: {e}")
+
+
+def check_env(envs, args, action_space):
+    """One-line errors for an environment this script cannot train on or (with --capture-video) film."""
+    if not isinstance(envs.single_action_space, action_space):
+        sys.exit(f"error: {args.env_id} has {envs.single_action_space} actions; this script needs {action_space.__name__} "
+                 "ones (ppo_clip.py and ppo_kl.py take Discrete actions, ppo_continuous.py Box ones)")
+    if not (isinstance(envs.single_observation_space, gym.spaces.Box) and len(envs.single_observation_space.shape) == 1):
+        sys.exit(f"error: {args.env_id} has {envs.single_observation_space} observations; this script needs a flat Box")
+    if args.capture_video:
+        try:
+            env = gym.make(args.env_id, render_mode="rgb_array")
+            env.reset(seed=args.seed)
+            env.render()
+            env.close()
+        except Exception as e:  # a missing renderer: pygame (classic control), OpenGL (MuJoCo)
+            sys.exit(f"error: --capture-video: {args.env_id} cannot render here ({str(e).splitlines()[0]}); classic "
+                     "control needs `pip install pygame`, MuJoCo without a display MUJOCO_GL=egl")
+
+
+def save_checkpoint(path, agent, args, obs_rms=None):
+    """The weights, the flags and, when observations are normalized, their running statistics, all as
+    tensors and plain types (so the safe `torch.load(path)` reads it); written to a temporary file
+    first, so a crash never leaves half a checkpoint."""
+    checkpoint = {"agent": agent.state_dict(), "args": vars(args)}
+    if obs_rms is not None:
+        checkpoint["obs_rms"] = {"mean": torch.as_tensor(obs_rms.mean), "var": torch.as_tensor(obs_rms.var),
+                                 "count": float(obs_rms.count)}
+    torch.save(checkpoint, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def load_checkpoint(path, agent, args, obs_rms=None):
+    """Load a `save_checkpoint` file into `agent` (and `obs_rms`); a wrong file is a one-line error."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        for flag in ("env_id", "norm_obs"):  # same sizes, other meaning: it would load, and be wrong
+            saved, given = checkpoint["args"].get(flag), getattr(args, flag, None)
+            if saved != given:
+                sys.exit(f"error: --load-model {path} was saved with {flag}={saved!r}, this run has {given!r}")
+        agent.load_state_dict(checkpoint["agent"])
+        if obs_rms is not None:
+            stats = checkpoint["obs_rms"]
+            obs_rms.mean, obs_rms.var, obs_rms.count = stats["mean"].numpy(), stats["var"].numpy(), stats["count"]
+    except Exception as e:  # not a checkpoint, another env's sizes, no statistics
+        sys.exit(f"error: --load-model {path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}; pass a .pt "
+                 "that --save-model of this script wrote for the same env and network")
 
 if __name__ == "__main__":
     main(tyro.cli(Args, description=__doc__))

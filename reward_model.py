@@ -87,8 +87,196 @@ class Args:
 
 
 # ---------------------------------------------------------------------------------------------
-# The built-in task: sort the digits. Gold reward known exactly. (Each LM script has its own copy;
-# tests/test_copies.py checks the copies agree.)
+# The math: a pure function, checked against hand-computed values in tests/test_reward_model.py
+# ---------------------------------------------------------------------------------------------
+def bradley_terry_loss(rewards_chosen, rewards_rejected, margin=None, center_rewards_coefficient=None):
+    """Pairwise loss of the Bradley-Terry model P(y_c ≻ y_r) = σ(r_c − r_r):
+
+        L = mean( −log σ(r_c − r_r − m) )  [ + c · mean( (r_c + r_r)² ) ]
+
+    The margin m (a `margin` column) asks for a larger gap where the preference is stronger; the
+    centering term pins the free offset of the rewards near 0.
+    """
+    logits = rewards_chosen - rewards_rejected
+    if margin is not None:
+        logits = logits - margin
+    loss = -F.logsigmoid(logits).mean()
+    if center_rewards_coefficient:
+        loss = loss + center_rewards_coefficient * ((rewards_chosen + rewards_rejected) ** 2).mean()
+    return loss
+
+
+# ---------------------------------------------------------------------------------------------
+# The reward of a sequence: the scalar head at its last token
+# ---------------------------------------------------------------------------------------------
+def get_rewards(scorer, input_ids, attention_mask):
+    """One reward per sequence: the scalar head (a TokenScorer, or DDP/FSDP around one) at its last non-pad
+    token, the stop token."""
+    scores = scorer(input_ids, attention_mask)
+    return scores[torch.arange(len(scores), device=scores.device), last_token_index(attention_mask)]
+
+
+def batch_tensors(sequences, pad_token_id, device):
+    """Right-pad token lists: (input_ids, attention_mask)."""
+    width = max(len(s) for s in sequences)
+    input_ids = torch.tensor([s + [pad_token_id] * (width - len(s)) for s in sequences], device=device)
+    attention_mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences], device=device)
+    return input_ids, attention_mask
+
+
+def check_args(args):
+    """Every flag checked before any work: one line that says what to change. Under torchrun each rank checks
+    the same flags and only rank 0 prints."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.batch_size % (world_size * args.gradient_accumulation_steps):
+        sys.exit(f"error: --batch-size {args.batch_size} does not split into {world_size} rank(s) × "
+                 f"{args.gradient_accumulation_steps} micro-batches; make it a multiple of "
+                 f"{world_size * args.gradient_accumulation_steps}")
+
+
+def main(args: Args):
+    check_args(args)
+    rank, world_size, device = setup_distributed(args.cuda)
+    random.seed(args.seed)  # the data order: the same on every rank
+    torch.manual_seed(args.seed + rank)  # a stream of its own on each rank
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
+
+    # The tokenizer (fast, and it checks the model path) and the data come before the model
+    hint = "run `python sft.py` first" if args.model_name_or_path == "models/sft" else "pass an existing directory or a hub id"
+    tokenizer = load_tokenizer(args.model_name_or_path, hint)
+    stop_ids = stop_token_ids(tokenizer)
+    train_rows, eval_rows = load_data(args, "preference", args.num_train_pairs, [("chosen", "rejected")],
+                                      "needs chosen and rejected (and optionally prompt and margin)")
+    has_margin = any(row.get("margin") is not None for row in train_rows + eval_rows)
+    train_pairs = tokenize_pairs(tokenizer, train_rows, stop_ids, args.max_length, "train")
+    eval_pairs = tokenize_pairs(tokenizer, eval_rows, stop_ids, args.max_length, "eval")
+    # (chosen sequence, rejected sequence, margin): prompt + completion each, and 0 where a row has no margin
+    train = [(p + c, p + r, float(row.get("margin") or 0.0)) for p, c, r, row in train_pairs]
+    evals = [(p + c, p + r, float(row.get("margin") or 0.0)) for p, c, r, row in eval_pairs]
+    eval_rows = [row for _, _, _, row in eval_pairs]
+    raw_model = load_model(args.model_name_or_path, "score", torch.float32, load_config(args.model_name_or_path, "score"))
+    prepare_models(tokenizer, stop_ids, device, [raw_model])  # raw_model: the one to save
+    if args.gradient_checkpointing:
+        raw_model.activation_checkpointing_enable({"use_reentrant": False})
+    model = wrap_model(TokenScorer(raw_model), device, args.fsdp)  # forward and backward passes
+
+    def pair_rewards(batch):
+        """Chosen and rejected sequences in one forward pass: (r_chosen, r_rejected, margin or None)."""
+        input_ids, attention_mask = batch_tensors([c for c, _, _ in batch] + [r for _, r, _ in batch],
+                                                  tokenizer.pad_token_id, device)
+        with amp():
+            rewards = get_rewards(model, input_ids, attention_mask)
+        margin = torch.tensor([m for _, _, m in batch], device=device) if has_margin else None
+        return rewards[: len(batch)], rewards[len(batch) :], margin
+
+    writer = make_writer(args, rank)
+    print(f"{sum(p.numel() for p in raw_model.parameters()):,} parameters, {len(train):,} training pairs")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+
+    def evaluate(step):
+        """Each rank evaluates its shard of the eval pairs; the sums are added up over the ranks."""
+        if not evals:
+            return
+        model.eval()
+        mine, weights = shard(list(zip(evals, eval_rows)), rank, world_size)
+        chosen, rejected, margins = [], [], []
+        with torch.no_grad():
+            for i in range(0, len(mine), args.eval_batch_size):
+                r_c, r_r, margin = pair_rewards([pair for pair, _ in mine[i : i + args.eval_batch_size]])
+                chosen.append(r_c), rejected.append(r_r), margins.append(margin)
+        keep = torch.tensor(weights, device=device).bool()
+        chosen, rejected = torch.cat(chosen)[keep], torch.cat(rejected)[keep]
+        margin = torch.cat(margins)[keep] if has_margin else None
+        loss = bradley_terry_loss(chosen, rejected, margin).item() * len(chosen) if len(chosen) else 0.0
+        sums = all_reduce_sum({"loss": loss, "correct": (chosen > rejected).sum(), "n": len(chosen)}, device)
+        writer.add_scalar("eval/loss", sums["loss"] / sums["n"], step)
+        writer.add_scalar("eval/accuracy", sums["correct"] / sums["n"], step)
+        line = f"step {step}: eval/loss {sums['loss'] / sums['n']:.4f}, eval/accuracy {sums['correct'] / sums['n']:.3f}"
+        if args.dataset_name is None:
+            # how well the learned reward tracks the gold one, over every held-out candidate: Pearson's r,
+            # from sums that add up over the ranks
+            rows = [row for (_, row), w in zip(mine, weights) if w]
+            x = torch.cat([chosen, rejected]).double().cpu()
+            y = torch.tensor([gold_score(row[k], row["target"]) for k in ("chosen", "rejected") for row in rows]).double()
+            s = all_reduce_sum({"n": len(x), "x": x.sum(), "y": y.sum(), "xx": (x * x).sum(), "yy": (y * y).sum(),
+                                "xy": (x * y).sum()}, device)
+            correlation = ((s["n"] * s["xy"] - s["x"] * s["y"])
+                           / math.sqrt((s["n"] * s["xx"] - s["x"] ** 2) * (s["n"] * s["yy"] - s["y"] ** 2)))
+            writer.add_scalar("eval/gold_correlation", correlation, step)
+            line += f", eval/gold_correlation {correlation:.3f}"
+        print(line)
+        model.train()
+
+    model.train()
+    per_rank = args.batch_size // world_size
+    micro_size = per_rank // args.gradient_accumulation_steps
+    order, position = list(range(len(train))), len(train)
+    start_time, model_time, tokens_seen = time.time(), 0.0, 0
+    for step in range(1, args.max_steps + 1):
+        if position + args.batch_size > len(order):  # a new pass over the data, reshuffled
+            random.shuffle(order)
+            position = 0
+        batch = [train[i] for i in order[position : position + args.batch_size]]
+        position += args.batch_size
+        lr = get_lr(step - 1, args.lr, args.warmup_steps, args.max_steps, "linear")
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        # ---- update: this rank's share of the batch, in micro-batches -----------------------------
+        tick, parts = time.time(), []
+        for m in range(rank * per_rank, (rank + 1) * per_rank, micro_size):
+            r_c, r_r, margin = pair_rewards(batch[m : m + micro_size])
+            loss = bradley_terry_loss(r_c, r_r, margin, args.center_rewards_coefficient) / args.gradient_accumulation_steps
+            loss.backward()  # the mean over micro-batches = the rank's mean; DDP and FSDP average over the ranks
+            parts.append((loss.detach(), r_c.detach(), r_r.detach()))
+        loss = sum(p[0] for p in parts)
+        r_c, r_r = torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts])
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        check_finite(step, loss=loss, grad_norm=grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        model_time += time.time() - tick
+        tokens_seen += sum(len(c) + len(r) for c, r, _ in batch[rank * per_rank : (rank + 1) * per_rank])
+
+        # ---- log and evaluate: means over the whole batch, sums added up over the ranks -------------
+        if step % 10 == 0:
+            elapsed = time.time() - start_time
+            sums = all_reduce_sum({"loss": loss, "correct": (r_c > r_r).sum(), "chosen": r_c.sum(),
+                                   "rejected": r_r.sum(), "tokens": tokens_seen}, device)
+            writer.add_scalar("losses/loss", sums["loss"] / world_size, step)
+            writer.add_scalar("train/grad_norm", float(grad_norm), step)
+            writer.add_scalar("train/accuracy", sums["correct"] / args.batch_size, step)
+            writer.add_scalar("train/reward_chosen", sums["chosen"] / args.batch_size, step)
+            writer.add_scalar("train/reward_rejected", sums["rejected"] / args.batch_size, step)
+            writer.add_scalar("train/margin", (sums["chosen"] - sums["rejected"]) / args.batch_size, step)
+            writer.add_scalar("charts/learning_rate", lr, step)
+            writer.add_scalar("charts/samples_per_second", step * args.batch_size / elapsed, step)
+            writer.add_scalar("charts/tokens_per_second", sums["tokens"] / elapsed, step)
+            writer.add_scalar("charts/model_time_fraction", model_time / elapsed, step)
+        if step % args.eval_every == 0 or step == args.max_steps:
+            evaluate(step)
+
+    elapsed = time.time() - start_time
+    tokens_seen = all_reduce_sum({"tokens": tokens_seen}, device)["tokens"]
+    print(f"{args.max_steps * args.batch_size / elapsed:.0f} pairs/s, {tokens_seen / elapsed:.0f} tokens/s, "
+          f"{100 * model_time / elapsed:.0f}% of the time in forward/backward/optimizer, {elapsed:.0f} s in all")
+    save_atomically(raw_model, tokenizer, args, args.output_dir)
+    print(f"saved to {args.output_dir}")
+    writer.close()
+
+
+# =============================================================================================
+# Plumbing. Everything below this line is the same text in sft.py, reward_model.py, dpo.py, rlhf_ppo.py
+# and grpo.py (tests/test_copies.py checks it byte for byte): the built-in task, tokenization, data and
+# model loading, forward passes, many processes, saving. A reader learning the algorithm can stop here.
+# =============================================================================================
+
+
+# ---------------------------------------------------------------------------------------------
+# The built-in task: sort the digits. The gold reward is known exactly, so every stage is measured
+# against it: SFT learns from a sloppy demonstrator, the reward model from noisy preference pairs.
 # ---------------------------------------------------------------------------------------------
 def levenshtein(a, b):
     """Edit distance: insertions, deletions and substitutions, each of cost 1."""
@@ -159,31 +347,25 @@ def task_rng(seed, split):
     return random.Random(f"sort-task/{seed}/{split}")
 
 
-# ---------------------------------------------------------------------------------------------
-# The math: a pure function, checked against hand-computed values in tests/test_reward_model.py
-# ---------------------------------------------------------------------------------------------
-def bradley_terry_loss(rewards_chosen, rewards_rejected, margin=None, center_rewards_coefficient=None):
-    """Pairwise loss of the Bradley-Terry model P(y_c ≻ y_r) = σ(r_c − r_r):
-
-        L = mean( −log σ(r_c − r_r − m) )  [ + c · mean( (r_c + r_r)² ) ]
-
-    The margin m (a `margin` column) asks for a larger gap where the preference is stronger; the
-    centering term pins the free offset of the rewards near 0.
-    """
-    logits = rewards_chosen - rewards_rejected
-    if margin is not None:
-        logits = logits - margin
-    loss = -F.logsigmoid(logits).mean()
-    if center_rewards_coefficient:
-        loss = loss + center_rewards_coefficient * ((rewards_chosen + rewards_rejected) ** 2).mean()
-    return loss
+def task_rows(seed, split, n, kind):
+    """n rows of the built-in task in TRL's formats, each with its `target`: kind "demonstration" (prompt,
+    completion: the sloppy demonstrator's answer), "preference" (prompt, chosen, rejected) or "prompt"."""
+    rng, rows = task_rng(seed, split), []
+    for _ in range(n):
+        if kind == "preference":
+            rows.append(dict(zip(("prompt", "chosen", "rejected", "target"), preference_pair(rng))))
+            continue
+        prompt, target = make_prompt(rng)
+        rows.append({"prompt": prompt, "target": target})
+        if kind == "demonstration":
+            rows[-1]["completion"] = demonstration(rng, target)
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------
-# Tokenization as the model expects it. The same text in sft.py, reward_model.py, rlhf_ppo.py, dpo.py
-# and grpo.py (tests check the copies), so that the reward model scores exactly the token sequences SFT
-# trained on and PPO, DPO and GRPO produce. Data rows are in TRL's formats: text, or conversations (lists of
-# {"role", "content"} messages) rendered by the tokenizer's chat template.
+# Tokenization as the model expects it, one text for every script, so that the reward model scores
+# exactly the token sequences SFT trained on and PPO, DPO and GRPO produce. Data rows are in TRL's
+# formats: text, or conversations (lists of {"role", "content"} messages) rendered by the chat template.
 # ---------------------------------------------------------------------------------------------
 def render_chat(tokenizer, messages, add_generation_prompt=False):
     """Token ids of a conversation rendered by the tokenizer's chat template."""
@@ -262,6 +444,40 @@ def add_pad_token(tokenizer, stop_ids, *models):
             model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
 
 
+def tokenize(example, tokenizer, stop_ids):
+    """(input_ids, labels) of one example, labels −100 where no loss is taken:
+    prompt/completion (text or conversational): the loss on the completion and its stop token;
+    text: on every token, EOS appended; messages: on each assistant turn up to its stop token."""
+    if example.get("messages") is not None:
+        messages, ids, labels, stopped = example["messages"], [], [], True
+        for i, message in enumerate(messages):
+            renders = [render_chat(tokenizer, messages[: i + 1])]
+            if message["role"] == "assistant":  # the assistant header is prompt, not completion
+                renders.insert(0, render_chat(tokenizer, messages[:i], add_generation_prompt=True))
+            for full in renders:
+                # Each render must extend the previous one. Templates that re-render earlier turns once later
+                # ones exist (e.g. dropping past reasoning) break this, and the labels would be misplaced.
+                if full[: len(ids)] != ids:
+                    sys.exit("error: the chat template renders earlier turns differently once later turns exist (e.g. "
+                             "it drops past reasoning), so assistant turns cannot be labeled; split each conversation "
+                             "into prompt/completion rows, one per assistant turn")
+                new, ids = full[len(ids) :], full
+                if full is renders[-1] and message["role"] == "assistant":
+                    ends = [j for j, t in enumerate(new) if t in stop_ids]
+                    n, stopped = (ends[0] + 1, True) if ends else (len(new), False)
+                    labels += new[:n] + [-100] * (len(new) - n)
+                else:
+                    labels += [-100] * len(new)
+        if not stopped and messages[-1]["role"] == "assistant":  # a template with no end-of-turn token: EOS ends the reply
+            ids, labels = ids + [tokenizer.eos_token_id], labels + [tokenizer.eos_token_id]
+        return ids, labels
+    if example.get("prompt") is not None and example.get("completion") is not None:
+        prompt_ids, completion_ids = tokenize_pair(tokenizer, example["prompt"], example["completion"], stop_ids)
+        return prompt_ids + completion_ids, [-100] * len(prompt_ids) + completion_ids
+    ids = encode_prompt(tokenizer, example["text"]) + [tokenizer.eos_token_id]
+    return ids, list(ids)
+
+
 def tokenize_preference(tokenizer, row, stop_ids):
     """(prompt_ids, chosen_ids, rejected_ids) of a preference row in any of TRL's formats: explicit
     (`prompt`, `chosen`, `rejected`) or implicit (`chosen` and `rejected` each include the prompt), text or
@@ -281,8 +497,59 @@ def tokenize_preference(tokenizer, row, stop_ids):
     return prompt_ids, chosen_ids, tokenize_pair(tokenizer, prompt, rejected, stop_ids)[1]
 
 
+def tokenize_examples(tokenizer, examples, stop_ids, max_length, split):
+    """[(input_ids, labels)] of the examples that fit `max_length` (a `text` example is cut to it); the others
+    are dropped and counted, as are examples with nothing to learn."""
+    kept, dropped = [], 0
+    for ex in examples:
+        ids, labels = tokenize(ex, tokenizer, stop_ids)
+        if ex.get("text") is not None and ex.get("messages") is None and ex.get("completion") is None:
+            ids, labels = ids[:max_length], labels[:max_length]
+        if len(ids) > max_length or all(label == -100 for label in labels[1:]):
+            dropped += 1
+        else:
+            kept.append((ids, labels))
+    if dropped:
+        print(f"{split}: dropped {dropped:,} of {len(examples):,} examples longer than --max-length {max_length} "
+              "or with nothing to learn")
+    if not kept and split == "train":
+        sys.exit(f"error: no training example fits --max-length {max_length} (see above); raise it")
+    return kept
+
+
+def tokenize_pairs(tokenizer, rows, stop_ids, max_length, split):
+    """[(prompt_ids, chosen_ids, rejected_ids, row)] of the preference rows that fit `max_length`: a pair whose
+    longer side does not fit, or whose sides are the same tokens, is dropped (and counted) rather than cut, so
+    no fake EOS and no zero-gradient pair is trained on."""
+    kept, too_long, same = [], 0, 0
+    for row in rows:
+        prompt_ids, chosen_ids, rejected_ids = tokenize_preference(tokenizer, row, stop_ids)
+        if len(prompt_ids) + max(len(chosen_ids), len(rejected_ids)) > max_length:
+            too_long += 1
+        elif chosen_ids == rejected_ids:
+            same += 1
+        else:
+            kept.append((prompt_ids, chosen_ids, rejected_ids, row))
+    if too_long or same:
+        print(f"{split}: dropped {too_long:,} of {len(rows):,} pairs longer than --max-length {max_length}, "
+              f"{same:,} whose chosen and rejected are the same tokens")
+    if not kept and split == "train":
+        sys.exit("error: no training pair is left (see above); raise --max-length or check the data")
+    return kept
+
+
+def tokenize_prompts(tokenizer, prompts, max_prompt_length, split):
+    """(indices kept, token ids) of the prompts that fit `max_prompt_length`; the others are dropped and counted."""
+    encoded = [encode_prompt(tokenizer, p) for p in prompts]
+    kept = [i for i, ids in enumerate(encoded) if 0 < len(ids) <= max_prompt_length]
+    if len(kept) < len(encoded):
+        print(f"{split}: dropped {len(encoded) - len(kept):,} of {len(encoded):,} prompts longer than "
+              f"--max-prompt-length {max_prompt_length} (or empty)")
+    return kept, [encoded[i] for i in kept]
+
+
 # ---------------------------------------------------------------------------------------------
-# Loading and training helpers, the same text in every LM script (tests check the copies)
+# Data and models
 # ---------------------------------------------------------------------------------------------
 def load_rows(name, split, eval_size):
     """(train rows, eval rows) of a dataset: a hub id, a `save_to_disk` directory or a .json/.jsonl/.parquet
@@ -310,45 +577,29 @@ def load_rows(name, split, eval_size):
     return rows[n_eval:], rows[:n_eval]
 
 
-def get_lr(step, lr, warmup_steps, max_steps, decay):
-    """Learning rate of optimizer step `step` = 0, 1, ...: `lr` × a linear warmup min(1, (step + 1) / warmup_steps)
-    × a decay to 0 at `max_steps`: "linear", min(1, (max_steps − step) / (max_steps − warmup_steps)), flat through
-    the warmup; or "cosine", ½(1 + cos(π · step / max_steps)), over the whole run."""
-    warmup = min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
-    if decay == "linear":
-        return lr * warmup * min(1.0, max(0.0, (max_steps - step) / max(1, max_steps - warmup_steps)))
-    return lr * warmup * 0.5 * (1 + math.cos(math.pi * min(1.0, step / max_steps)))
+def load_data(args, kind, num_train, accepts, needs):
+    """(train rows, eval rows): the built-in task's rows of `kind` when no --dataset-name is given, else the
+    dataset's, which must have every column of one of the sets in `accepts` (`needs` says so in words)."""
+    if args.dataset_name is None:
+        return task_rows(args.seed, "train", num_train, kind), task_rows(args.seed, "eval", args.eval_size, kind)
+    train, evals = load_rows(args.dataset_name, args.dataset_split, args.eval_size)
+    columns = sorted(train[0]) if train else []
+    if not any(set(columns) >= set(accepted) for accepted in accepts):
+        sys.exit(f"error: dataset {args.dataset_name!r} has columns {columns}; {os.path.basename(__file__)} {needs}")
+    return train, evals
 
 
-def check_finite(step, **values):
-    """Stop the run with one line, before anything is saved, when a loss or gradient norm is NaN or inf."""
-    for name, value in values.items():
-        value = float(torch.as_tensor(value).detach())
-        if not math.isfinite(value):
-            sys.exit(f"error: {name} is {value} at step {step}; stopped, nothing saved "
-                     "(lower --lr; with a half-precision model, train without --bf16 to check)")
+def load_tokenizer(path, hint):
+    """The tokenizer of a hub id or local directory. A local path that does not exist, or a checkpoint that
+    cannot be read, is one line (`hint` says what to do about a missing directory)."""
+    from transformers import AutoTokenizer
 
-
-def save_atomically(model, tokenizer, args, output_dir):
-    """Save a Hugging Face model (the one inside any DDP wrapper) so that a crash never leaves a half-written
-    checkpoint: rank 0 writes to a temporary directory, then renames it. Every rank calls this: under FSDP
-    they first gather the full weights together, and all wait for the write to finish."""
-    state_dict = None
-    if any(isinstance(module, FSDPModule) for module in model.modules()):
-        state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
-        state_dict = {k: v for k, v in state_dict.items() if k in names}  # a tied weight once, under its first name
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        tmp_dir = f"{output_dir.rstrip('/')}.tmp-{os.getpid()}"
-        model.save_pretrained(tmp_dir, state_dict=state_dict)
-        tokenizer.save_pretrained(tmp_dir)
-        with open(os.path.join(tmp_dir, "training_args.json"), "w") as f:
-            json.dump(vars(args), f, indent=2)
-        if os.path.exists(output_dir):
-            shutil.rmtree(output_dir)
-        os.replace(tmp_dir, output_dir)
-    if dist.is_initialized():
-        dist.barrier()
+    if not os.path.isdir(path) and (path.startswith((".", "/", "~", "models/")) or path.count("/") > 1):
+        sys.exit(f"error: model directory {path!r} does not exist; {hint}")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: cannot load a tokenizer from {path!r}: {str(e).splitlines()[0]}")
 
 
 def dropout_off(config):
@@ -358,6 +609,82 @@ def dropout_off(config):
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
             setattr(config, key, 0.0)
     return config
+
+
+def load_config(path, head):
+    """A checkpoint's config with every dropout off, for models whose log-probs, values and scores must not be
+    random (Llama's attention dropout is a number each layer reads from it); head "score": one label."""
+    from transformers import AutoConfig
+
+    try:
+        return dropout_off(AutoConfig.from_pretrained(path, **({"num_labels": 1} if head == "score" else {})))
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: cannot load a model from {path!r}: {str(e).splitlines()[0]}")
+
+
+def load_model(path, head, dtype, config=None):
+    """A checkpoint as a causal LM (head "lm") or with a scalar head (head "score", with load_config's config:
+    a sequence classifier with one label, its head new when the checkpoint has none), its weights in `dtype`
+    whatever they were saved in. Trained models take float32 (master weights: in fp16 AdamW's eps underflows
+    to 0, in bf16 most small updates round away); --bf16 is the mixed-precision choice on top."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    try:
+        model_class = AutoModelForCausalLM if head == "lm" else AutoModelForSequenceClassification
+        return model_class.from_pretrained(path, config=config, dtype=dtype)
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: cannot load a model from {path!r}: {str(e).splitlines()[0]}")
+
+
+def prepare_models(tokenizer, stop_ids, device, models, frozen=()):
+    """Give the tokenizer a pad token (growing the models' embeddings if it needs a new id), tell every model
+    its id, and move them to the device; the `frozen` ones among them go to eval mode without gradients."""
+    add_pad_token(tokenizer, stop_ids, *models)
+    for model in models:
+        model.config.pad_token_id = tokenizer.pad_token_id
+        model.to(device)
+    for model in frozen:
+        model.eval().requires_grad_(False)
+
+
+def check_same_vocabulary(tokenizer, reward_tokenizer, stop_ids, message):
+    """A reward model must read the policy's tokens as the policy does: the same vocabulary, pad token
+    included (call after prepare_models gave the policy's tokenizer its pad token)."""
+    add_pad_token(reward_tokenizer, stop_ids)
+    if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
+        sys.exit(f"error: {message}")
+
+
+def model_positions(model):
+    """The longest sequence the model takes, or None when its config does not say."""
+    return getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward passes and sampling
+# ---------------------------------------------------------------------------------------------
+def collate(batch, pad_token_id):
+    """Right-pad a list of (input_ids, labels): (input_ids, attention_mask, labels) tensors, labels −100 on padding."""
+    width = max(len(ids) for ids, _ in batch)
+    input_ids = torch.tensor([ids + [pad_token_id] * (width - len(ids)) for ids, _ in batch])
+    attention_mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in batch])
+    labels = torch.tensor([labels + [-100] * (width - len(labels)) for _, labels in batch])
+    return input_ids, attention_mask, labels
+
+
+def token_logprobs(logits, tokens, with_entropy=False):
+    """log π(token) = logit(token) − logsumexp(logits) at each position, and optionally the entropy
+    H = logsumexp − Σ softmax · logits, one sequence at a time: no float32 copy of the whole
+    [batch, length, vocabulary] logits is made (at a 128k vocabulary that copy is the largest tensor)."""
+    logprobs, entropies = [], []
+    for row, row_tokens in zip(logits, tokens):
+        row = row.float()
+        logsumexp = torch.logsumexp(row, -1)
+        logprobs.append(row.gather(-1, row_tokens.unsqueeze(-1)).squeeze(-1) - logsumexp)
+        if with_entropy:
+            with torch.no_grad():
+                entropies.append(logsumexp - (torch.softmax(row, -1) * row).sum(-1))
+    return (torch.stack(logprobs), torch.stack(entropies)) if with_entropy else torch.stack(logprobs)
 
 
 def position_ids_of(attention_mask):
@@ -370,6 +697,14 @@ def last_token_index(attention_mask):
     whose mask is 1 (for right padding, the number of tokens − 1)."""
     positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
     return (positions * attention_mask).argmax(-1)
+
+
+def response_logprobs(model, sequences, attention_mask, context_length, temperature):
+    """log π(a_t | s_t) of each response token and the entropy of π(·|s_t), from one forward pass over
+    prompt + response. Logits are divided by the sampling temperature, as when sampling."""
+    logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_of(attention_mask)).logits
+    logits = logits[:, context_length - 1 : -1] / temperature  # position t predicts token t + 1
+    return token_logprobs(logits, sequences[:, context_length:], with_entropy=True)
 
 
 def token_scores(model, sequences, attention_mask):
@@ -391,65 +726,65 @@ class TokenScorer(torch.nn.Module):
         return token_scores(self.classifier, sequences, attention_mask)
 
 
-def get_rewards(scorer, input_ids, attention_mask):
-    """One reward per sequence: the scalar head (a TokenScorer, or DDP/FSDP around one) at its last non-pad
-    token, the stop token."""
-    scores = scorer(input_ids, attention_mask)
-    return scores[torch.arange(len(scores), device=scores.device), last_token_index(attention_mask)]
+@torch.no_grad()
+def score_responses(reward, sequences, attention_mask, response_mask, stop_ids, missing_eos_penalty):
+    """The reward model's score at each response's last token, its stop token; `missing_eos_penalty`
+    instead for a response with no stop token in the length sampled (an unfinished answer is not scored).
+    Returns (scores, has_stop)."""
+    scores = token_scores(reward, sequences, attention_mask)[torch.arange(len(sequences)), last_token_index(attention_mask)]
+    responses = sequences[:, -response_mask.shape[1] :]
+    has_stop = (torch.isin(responses, torch.tensor(stop_ids, device=responses.device)) & response_mask.bool()).any(1)
+    return torch.where(has_stop, scores, torch.full_like(scores, missing_eos_penalty)), has_stop
 
 
-def batch_tensors(sequences, pad_token_id, device):
-    """Right-pad token lists: (input_ids, attention_mask)."""
-    width = max(len(s) for s in sequences)
-    input_ids = torch.tensor([s + [pad_token_id] * (width - len(s)) for s in sequences], device=device)
-    attention_mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences], device=device)
-    return input_ids, attention_mask
+def forward_in_chunks(fn, size, *tensors):
+    """fn over the rows of `tensors`, `size` rows at a time, the outputs concatenated. In a rollout the chunks
+    are the update's micro-batches, so that they compute exactly what the update's forward passes will (the
+    first PPO ratio is exactly 1)."""
+    outs = [fn(*(t[i : i + size] for t in tensors)) for i in range(0, len(tensors[0]), size)]
+    return tuple(torch.cat(parts) for parts in zip(*outs)) if isinstance(outs[0], tuple) else torch.cat(outs)
 
 
-# ---------------------------------------------------------------------------------------------
-# Model and data
-# ---------------------------------------------------------------------------------------------
-def load_tokenizer(path, hint):
-    """The tokenizer of a hub id or local directory. A local path that does not exist, or a checkpoint that
-    cannot be read, is one line (`hint` says what to do about a missing directory)."""
-    from transformers import AutoTokenizer
+@torch.no_grad()
+def sample(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature=1.0, greedy=False):
+    """Complete each prompt (lists of token ids, left-padded here) and cut each response after its first
+    stop token. Returns (sequences, attention_mask, context_length, response_mask), response_mask 1 on
+    response tokens up to and including the first stop token. Every sampling setting is explicit: the
+    checkpoint's generation_config.json (repetition_penalty, min_new_tokens, top_k, ...) would otherwise
+    fill the unset ones and sample from another distribution than the one whose log-probs are trained."""
+    from transformers import GenerationConfig
 
-    if not os.path.isdir(path) and (path.startswith((".", "/", "~", "models/")) or path.count("/") > 1):
-        sys.exit(f"error: model directory {path!r} does not exist; {hint}")
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        sys.exit(f"error: cannot load a tokenizer from {path!r}: {str(e).splitlines()[0]}")
-
-
-def load_reward_model(args, tokenizer, stop_ids, device):
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-
-    try:
-        config = dropout_off(AutoConfig.from_pretrained(args.model_name_or_path, num_labels=1))
-        # float32 master weights whatever the checkpoint's dtype (--bf16 is the mixed-precision choice)
-        model = AutoModelForSequenceClassification.from_pretrained(args.model_name_or_path, config=config,
-                                                                   dtype=torch.float32)
-    except (OSError, ValueError) as e:
-        sys.exit(f"error: cannot load a model from {args.model_name_or_path!r}: {str(e).splitlines()[0]}")
-    add_pad_token(tokenizer, stop_ids, model)
-    model.config.pad_token_id = tokenizer.pad_token_id
-    return model.to(device)
+    width = max(len(p) for p in prompt_ids)
+    input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompt_ids], device=model.device)
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=model.device)
+    model.generation_config = GenerationConfig(eos_token_id=stop_ids, pad_token_id=pad_token_id)
+    config = GenerationConfig(do_sample=not greedy, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+                              eos_token_id=stop_ids, pad_token_id=pad_token_id)
+    # under torchrun every rank keeps stepping until all are done: a sharded model needs all ranks in each step
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                         synced_gpus=dist.is_initialized())
+    responses = F.pad(out[:, width:], (0, max_new_tokens - (out.shape[1] - width)), value=pad_token_id)
+    is_stop = torch.isin(responses, torch.tensor(stop_ids, device=responses.device))
+    # 1 up to and including the first stop token: a token is valid while no stop token came strictly before it
+    response_mask = ((is_stop.cumsum(1) - is_stop.long()) == 0).long()
+    responses = responses.masked_fill(response_mask == 0, pad_token_id)
+    return (torch.cat([input_ids, responses], 1), torch.cat([attention_mask, response_mask], 1), width, response_mask)
 
 
-def load_pairs(args):
-    """(train, eval) lists of preference rows: dicts with chosen, rejected, optionally prompt, margin, target."""
-    if args.dataset_name is None:
-        def pairs(split, n):
-            rng = task_rng(args.seed, split)
-            return [dict(zip(("prompt", "chosen", "rejected", "target"), preference_pair(rng))) for _ in range(n)]
-        return pairs("train", args.num_train_pairs), pairs("eval", args.eval_size)
-    train, evals = load_rows(args.dataset_name, args.dataset_split, args.eval_size)
-    columns = sorted(train[0]) if train else []
-    if not {"chosen", "rejected"} <= set(columns):
-        sys.exit(f"error: dataset {args.dataset_name!r} has columns {columns}; reward_model.py needs chosen and "
-                 "rejected (and optionally prompt and margin)")
-    return train, evals
+def sample_in_chunks(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature, size):
+    """`sample` in chunks of `size` prompts (the KV cache grows with it), the chunks left-padded to one width."""
+    chunks = [sample(model, prompt_ids[i : i + size], pad_token_id, stop_ids, max_new_tokens, temperature)
+              for i in range(0, len(prompt_ids), size)]
+    width = max(c[2] for c in chunks)  # the longest prompt: left-pad the other chunks to it
+    pad = lambda t, value: F.pad(t, (width - t.shape[1] + max_new_tokens, 0), value=value)  # noqa: E731
+    return (torch.cat([pad(c[0], pad_token_id) for c in chunks]), torch.cat([pad(c[1], 0) for c in chunks]),
+            width, torch.cat([c[3] for c in chunks]))
+
+
+def decode(tokenizer, sequences, context_length, response_mask):
+    """The responses as text, up to their stop token, special tokens dropped."""
+    return [tokenizer.decode([t for t, m in zip(row, mask) if m], skip_special_tokens=True)
+            for row, mask in zip(sequences[:, context_length:].tolist(), response_mask.tolist())]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -503,14 +838,15 @@ def shard(items, rank, world_size):
     return mine + items[:1] * padding, [1] * len(mine) + [0] * padding
 
 
-def all_reduce_sum(values, device):
-    """Each number summed over the ranks (the numbers themselves in one process): per-rank sums and counts
-    become global ones."""
-    if not dist.is_initialized():
-        return [float(v) for v in values]
-    total = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
-    dist.all_reduce(total)
-    return total.tolist()
+def all_reduce_sum(sums, device):
+    """{name: number} with each number summed over the ranks (the numbers themselves in one process), in one
+    all-reduce: per-rank sums and counts become global ones, read back by name."""
+    values = [float(v) for v in sums.values()]
+    if dist.is_initialized():
+        total = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(total)
+        values = total.tolist()
+    return dict(zip(sums, values))
 
 
 class NoWriter:
@@ -520,154 +856,56 @@ class NoWriter:
         return lambda *args, **kwargs: None
 
 
-def main(args: Args):
-    rank, world_size, device = setup_distributed(args.cuda)
-    if args.batch_size % (world_size * args.gradient_accumulation_steps):
-        sys.exit(f"error: --batch-size {args.batch_size} does not split into {world_size} rank(s) × "
-                 f"{args.gradient_accumulation_steps} micro-batches; make it a multiple of "
-                 f"{world_size * args.gradient_accumulation_steps}")
-    random.seed(args.seed)  # the data order: the same on every rank
-    torch.manual_seed(args.seed + rank)  # a stream of its own on each rank
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
-
-    # The tokenizer (fast, and it checks the model path) and the data come before the model
-    hint = "run `python sft.py` first" if args.model_name_or_path == "models/sft" else "pass an existing directory or a hub id"
-    tokenizer = load_tokenizer(args.model_name_or_path, hint)
-    stop_ids = stop_token_ids(tokenizer)
-    train_rows, eval_rows = load_pairs(args)
-    has_margin = any(row.get("margin") is not None for row in train_rows + eval_rows)
-
-    def encode_pairs(rows, split):
-        """[(chosen ids, rejected ids, margin)] and the rows kept: a pair whose sides do not fit --max-length, or
-        are the same tokens, is dropped (and counted) rather than cut, so no fake EOS and no zero-gradient pair."""
-        pairs, kept, too_long, same = [], [], 0, 0
-        for row in rows:
-            prompt_ids, chosen_ids, rejected_ids = tokenize_preference(tokenizer, row, stop_ids)
-            chosen, rejected = prompt_ids + chosen_ids, prompt_ids + rejected_ids
-            if max(len(chosen), len(rejected)) > args.max_length:
-                too_long += 1
-            elif chosen == rejected:
-                same += 1
-            else:
-                pairs.append((chosen, rejected, float(row.get("margin") or 0.0)))  # no margin given: 0
-                kept.append(row)
-        if too_long or same:
-            print(f"{split}: dropped {too_long:,} of {len(rows):,} pairs longer than --max-length {args.max_length}, "
-                  f"{same:,} whose chosen and rejected are the same tokens")
-        if not pairs and split == "train":
-            sys.exit("error: no training pair is left (see above); raise --max-length or check the data")
-        return pairs, kept
-
-    (train, _), (evals, eval_rows) = encode_pairs(train_rows, "train"), encode_pairs(eval_rows, "eval")
-    raw_model = load_reward_model(args, tokenizer, stop_ids, device)  # the Hugging Face model, to save
-    if args.gradient_checkpointing:
-        raw_model.activation_checkpointing_enable({"use_reentrant": False})
-    model = wrap_model(TokenScorer(raw_model), device, args.fsdp)  # forward and backward passes
-
-    def rewards_of(batch):
-        """Chosen and rejected sequences in one forward pass: (r_chosen, r_rejected, margin or None)."""
-        input_ids, attention_mask = batch_tensors([c for c, _, _ in batch] + [r for _, r, _ in batch],
-                                                  tokenizer.pad_token_id, device)
-        with amp():
-            rewards = get_rewards(model, input_ids, attention_mask)
-        margin = torch.tensor([m for _, _, m in batch], device=device) if has_margin else None
-        return rewards[: len(batch)], rewards[len(batch) :], margin
-
-    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    writer = SummaryWriter(f"runs/{run_name}") if rank == 0 else NoWriter()
+def make_writer(args, rank):
+    """TensorBoard's writer for runs/<exp>__<seed>__<time> on rank 0 (a NoWriter elsewhere), the flags logged
+    as a table."""
+    writer = SummaryWriter(f"runs/{args.exp_name}__{args.seed}__{int(time.time())}") if rank == 0 else NoWriter()
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
-    print(f"{sum(p.numel() for p in raw_model.parameters()):,} parameters, {len(train):,} training pairs")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    return writer
 
-    def evaluate(step):
-        """Each rank evaluates its shard of the eval pairs; the sums are added up over the ranks."""
-        if not evals:
-            return
-        model.eval()
-        mine, weights = shard(list(zip(evals, eval_rows)), rank, world_size)
-        chosen, rejected, margins = [], [], []
-        with torch.no_grad():
-            for i in range(0, len(mine), args.eval_batch_size):
-                r_c, r_r, margin = rewards_of([pair for pair, _ in mine[i : i + args.eval_batch_size]])
-                chosen.append(r_c), rejected.append(r_r), margins.append(margin)
-        keep = torch.tensor(weights, device=device).bool()
-        chosen, rejected = torch.cat(chosen)[keep], torch.cat(rejected)[keep]
-        margin = torch.cat(margins)[keep] if has_margin else None
-        loss = bradley_terry_loss(chosen, rejected, margin).item() * len(chosen) if len(chosen) else 0.0
-        loss, correct, n = all_reduce_sum([loss, (chosen > rejected).sum(), len(chosen)], device)
-        writer.add_scalar("eval/loss", loss / n, step)
-        writer.add_scalar("eval/accuracy", correct / n, step)
-        line = f"step {step}: eval/loss {loss / n:.4f}, eval/accuracy {correct / n:.3f}"
-        if args.dataset_name is None:
-            # how well the learned reward tracks the gold one, over every held-out candidate: Pearson's r,
-            # from sums that add up over the ranks
-            rows = [row for (_, row), w in zip(mine, weights) if w]
-            x = torch.cat([chosen, rejected]).double().cpu()
-            y = torch.tensor([gold_score(row[k], row["target"]) for k in ("chosen", "rejected") for row in rows]).double()
-            n, sx, sy, sxx, syy, sxy = all_reduce_sum([len(x), x.sum(), y.sum(), (x * x).sum(), (y * y).sum(),
-                                                       (x * y).sum()], device)
-            correlation = (n * sxy - sx * sy) / math.sqrt((n * sxx - sx**2) * (n * syy - sy**2))
-            writer.add_scalar("eval/gold_correlation", correlation, step)
-            line += f", eval/gold_correlation {correlation:.3f}"
-        print(line)
-        model.train()
 
-    model.train()
-    per_rank = args.batch_size // world_size
-    micro_size = per_rank // args.gradient_accumulation_steps
-    order, position = list(range(len(train))), len(train)
-    start_time, model_time, tokens_seen = time.time(), 0.0, 0
-    for step in range(1, args.max_steps + 1):
-        if position + args.batch_size > len(order):
-            random.shuffle(order)
-            position = 0
-        batch = [train[i] for i in order[position : position + args.batch_size]]
-        position += args.batch_size
-        lr = get_lr(step - 1, args.lr, args.warmup_steps, args.max_steps, "linear")
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+# ---------------------------------------------------------------------------------------------
+# Training and saving
+# ---------------------------------------------------------------------------------------------
+def get_lr(step, lr, warmup_steps, max_steps, decay):
+    """Learning rate of optimizer step `step` = 0, 1, ...: `lr` × a linear warmup min(1, (step + 1) / warmup_steps)
+    × a decay to 0 at `max_steps`: "linear", min(1, (max_steps − step) / (max_steps − warmup_steps)), flat through
+    the warmup; or "cosine", ½(1 + cos(π · step / max_steps)), over the whole run."""
+    warmup = min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+    if decay == "linear":
+        return lr * warmup * min(1.0, max(0.0, (max_steps - step) / max(1, max_steps - warmup_steps)))
+    return lr * warmup * 0.5 * (1 + math.cos(math.pi * min(1.0, step / max_steps)))
 
-        tick, parts = time.time(), []
-        for m in range(rank * per_rank, (rank + 1) * per_rank, micro_size):  # this rank's share, in micro-batches
-            r_c, r_r, margin = rewards_of(batch[m : m + micro_size])
-            loss = bradley_terry_loss(r_c, r_r, margin, args.center_rewards_coefficient) / args.gradient_accumulation_steps
-            loss.backward()  # the mean over micro-batches = the rank's mean; DDP and FSDP average over the ranks
-            parts.append((loss.detach(), r_c.detach(), r_r.detach()))
-        loss = sum(p[0] for p in parts)
-        r_c, r_r = torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts])
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        check_finite(step, loss=loss, grad_norm=grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        model_time += time.time() - tick
-        tokens_seen += sum(len(c) + len(r) for c, r, _ in batch[rank * per_rank : (rank + 1) * per_rank])
 
-        if step % 10 == 0:
-            elapsed = time.time() - start_time
-            loss, correct, sum_chosen, sum_rejected, all_tokens = all_reduce_sum(
-                [loss, (r_c > r_r).sum(), r_c.sum(), r_r.sum(), tokens_seen], device)
-            writer.add_scalar("losses/loss", loss / world_size, step)
-            writer.add_scalar("train/grad_norm", float(grad_norm), step)
-            writer.add_scalar("train/accuracy", correct / args.batch_size, step)
-            writer.add_scalar("train/reward_chosen", sum_chosen / args.batch_size, step)
-            writer.add_scalar("train/reward_rejected", sum_rejected / args.batch_size, step)
-            writer.add_scalar("train/margin", (sum_chosen - sum_rejected) / args.batch_size, step)
-            writer.add_scalar("charts/learning_rate", lr, step)
-            writer.add_scalar("charts/samples_per_second", step * args.batch_size / elapsed, step)
-            writer.add_scalar("charts/tokens_per_second", all_tokens / elapsed, step)
-            writer.add_scalar("charts/model_time_fraction", model_time / elapsed, step)
-        if step % args.eval_every == 0 or step == args.max_steps:
-            evaluate(step)
+def check_finite(step, **values):
+    """Stop the run with one line, before anything is saved, when a loss or gradient norm is NaN or inf."""
+    for name, value in values.items():
+        value = float(torch.as_tensor(value).detach())
+        if not math.isfinite(value):
+            sys.exit(f"error: {name} is {value} at step {step}; stopped, nothing saved "
+                     "(lower --lr; with a half-precision model, train without --bf16 to check)")
 
-    elapsed = time.time() - start_time
-    tokens_seen = all_reduce_sum([tokens_seen], device)[0]
-    print(f"{args.max_steps * args.batch_size / elapsed:.0f} pairs/s, {tokens_seen / elapsed:.0f} tokens/s, "
-          f"{100 * model_time / elapsed:.0f}% of the time in forward/backward/optimizer, {elapsed:.0f} s in all")
-    save_atomically(raw_model, tokenizer, args, args.output_dir)
-    print(f"saved to {args.output_dir}")
-    writer.close()
+
+def save_atomically(model, tokenizer, args, output_dir):
+    """Save a Hugging Face model (the one inside any DDP wrapper) so that a crash never leaves a half-written
+    checkpoint: rank 0 writes to a temporary directory, then renames it. Every rank calls this: under FSDP
+    they first gather the full weights together, and all wait for the write to finish."""
+    state_dict = None
+    if any(isinstance(module, FSDPModule) for module in model.modules()):
+        state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+        state_dict = {k: v for k, v in state_dict.items() if k in names}  # a tied weight once, under its first name
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        tmp_dir = f"{output_dir.rstrip('/')}.tmp-{os.getpid()}"
+        model.save_pretrained(tmp_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(tmp_dir)
+        with open(os.path.join(tmp_dir, "training_args.json"), "w") as f:
+            json.dump(vars(args), f, indent=2)
+        if os.path.exists(output_dir):
+            shutil.rmtree(output_dir)
+        os.replace(tmp_dir, output_dir)
+    if dist.is_initialized():
+        dist.barrier()
 
 
 if __name__ == "__main__":

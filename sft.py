@@ -95,8 +95,185 @@ class Args:
 
 
 # ---------------------------------------------------------------------------------------------
-# The built-in task: sort the digits. Gold reward known exactly. (Each LM script has its own copy;
-# tests/test_copies.py checks the copies agree.)
+# The math: the loss, a pure function checked against hand-computed values in tests/test_sft.py
+# ---------------------------------------------------------------------------------------------
+def sft_loss(logits, labels, num_items=None):
+    """Cross-entropy of the next-token predictions on the labeled tokens (completion and its stop token;
+    the prompt and the padding carry the label −100):
+
+        L = −(1/N) Σ_{t: y_t ≠ −100} log p_θ(y_t | x_<t)
+
+    N is the number of labeled tokens in the whole batch: pass it as `num_items` when the batch is
+    split into micro-batches, so that every token weighs the same whatever micro-batch it is in.
+    """
+    shift_logits, shift_labels = logits[:, :-1], labels[:, 1:]
+    nll = F.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)).float(), shift_labels.reshape(-1),
+                          ignore_index=-100, reduction="sum")
+    return nll / (num_items if num_items is not None else (shift_labels != -100).sum())
+
+
+def check_args(args):
+    """Every flag checked before any work: one line that says what to change. Under torchrun each rank checks
+    the same flags and only rank 0 prints."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.batch_size % (world_size * args.gradient_accumulation_steps):
+        sys.exit(f"error: --batch-size {args.batch_size} does not split into {world_size} rank(s) × "
+                 f"{args.gradient_accumulation_steps} micro-batches; make it a multiple of "
+                 f"{world_size * args.gradient_accumulation_steps}")
+
+
+def main(args: Args):
+    check_args(args)
+    rank, world_size, device = setup_distributed(args.cuda)
+    random.seed(args.seed)  # the data order: the same on every rank
+    torch.manual_seed(args.seed + rank)  # sampling: a stream of its own on each rank
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
+
+    # The tokenizer (fast, and it checks the model path), then the data, tokenized and checked before the model
+    if args.model_name_or_path is None:
+        from transformers import ByT5Tokenizer
+
+        tokenizer = ByT5Tokenizer()  # a byte-level tokenizer needs no files; pad (0) differs from EOS (1)
+    else:
+        tokenizer = load_tokenizer(args.model_name_or_path, "pass an existing directory or a hub id")
+    stop_ids = stop_token_ids(tokenizer)
+    train_examples, eval_examples = load_data(args, "demonstration", args.num_train_examples,
+                                              [("prompt", "completion"), ("text",), ("messages",)],
+                                              "accepts prompt+completion, text, or messages")
+    train = tokenize_examples(tokenizer, train_examples, stop_ids, args.max_length, "train")
+    evals = tokenize_examples(tokenizer, eval_examples, stop_ids, args.max_length, "eval")
+    builtin = args.dataset_name is None
+    if args.model_name_or_path is None:  # the tiny GPT-2 of the built-in task, from scratch
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        # 256 positions: room for longer prompts and responses in the later stages than --max-length here
+        config = GPT2Config(vocab_size=len(tokenizer), n_positions=max(256, args.max_length), n_embd=args.n_embd,
+                            n_layer=args.n_layer, n_head=args.n_head, resid_pdrop=0.0, embd_pdrop=0.0,
+                            attn_pdrop=0.0, bos_token_id=tokenizer.eos_token_id,
+                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        raw_model = GPT2LMHeadModel(config)
+    else:
+        raw_model = load_model(args.model_name_or_path, "lm", torch.float32)  # dropout as the checkpoint has it
+    prepare_models(tokenizer, stop_ids, device, [raw_model])  # raw_model: to sample and save
+    if args.gradient_checkpointing:
+        raw_model.activation_checkpointing_enable({"use_reentrant": False})
+    model = wrap_model(raw_model, device, args.fsdp)  # forward and backward passes
+
+    writer = make_writer(args, rank)
+    print(f"{sum(p.numel() for p in raw_model.parameters()):,} parameters, {len(train):,} training examples")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    per_rank = args.batch_size // world_size
+    micro_size = per_rank // args.gradient_accumulation_steps
+
+    def evaluate(step):
+        """Each rank evaluates its shard of the eval set; the sums are added up over the ranks."""
+        model.eval()
+        line = f"step {step}:"
+        if evals:  # the loss on held-out examples
+            mine, weights = shard(evals, rank, world_size)
+            mine = [(ids, labels if w else [-100] * len(labels)) for (ids, labels), w in zip(mine, weights)]
+            total, count = 0.0, 0
+            with torch.no_grad(), amp():
+                for i in range(0, len(mine), args.eval_batch_size):
+                    batch = mine[i : i + args.eval_batch_size]
+                    input_ids, attention_mask, labels = (t.to(device) for t in collate(batch, tokenizer.pad_token_id))
+                    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+                    total += sft_loss(logits, labels, num_items=1).item()  # the summed NLL of the batch
+                    count += (labels[:, 1:] != -100).sum().item()
+            sums = all_reduce_sum({"nll": total, "tokens": count}, device)
+            writer.add_scalar("eval/loss", sums["nll"] / sums["tokens"], step)
+            line += f" eval/loss {sums['nll'] / sums['tokens']:.4f}"
+        if builtin:  # the gold reward of sampled and greedy completions
+            mine, weights = shard(eval_examples, rank, world_size)
+            prompts, targets = [ex["prompt"] for ex in mine], [ex["target"] for ex in mine]
+            prompt_ids = [encode_prompt(tokenizer, p) for p in prompts]
+            for name, greedy in (("", False), ("_greedy", True)):
+                completions = []
+                for i in range(0, len(prompt_ids), args.eval_batch_size):
+                    with amp():
+                        sequences, _, width, response_mask = sample(raw_model, prompt_ids[i : i + args.eval_batch_size],
+                                                                    tokenizer.pad_token_id, stop_ids, args.max_new_tokens,
+                                                                    greedy=greedy)
+                    completions += decode(tokenizer, sequences, width, response_mask)
+                if not greedy:
+                    sampled = completions
+                sums = all_reduce_sum({"correct": sum(w * (c == t) for c, t, w in zip(completions, targets, weights)),
+                                       "gold": sum(w * gold_score(c, t) for c, t, w in zip(completions, targets, weights)),
+                                       "n": sum(weights)}, device)
+                accuracy, score = sums["correct"] / sums["n"], sums["gold"] / sums["n"]
+                writer.add_scalar(f"eval/gold_accuracy{name}", accuracy, step)
+                writer.add_scalar(f"eval/gold_score{name}", score, step)
+                line += f", gold_accuracy{name} {accuracy:.3f}, gold_score{name} {score:.3f}"
+            samples = "\n".join(f"    {p} {c!r} (target {t})" for p, c, t in zip(prompts[:8], sampled, targets))
+            writer.add_text("eval/samples", samples, step)
+        print(line)
+        model.train()
+
+    model.train()
+    order, position = list(range(len(train))), len(train)
+    start_time, model_time, tokens_seen = time.time(), 0.0, 0
+    for step in range(1, args.max_steps + 1):
+        if position + args.batch_size > len(order):  # a new pass over the data, reshuffled
+            random.shuffle(order)
+            position = 0
+        batch = [train[i] for i in order[position : position + args.batch_size]]
+        position += args.batch_size
+        num_items = sum(sum(label != -100 for label in labels[1:]) for _, labels in batch)
+        lr = get_lr(step - 1, args.lr, args.warmup_steps, args.max_steps, "cosine")
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        # ---- update: this rank's share of the batch, in micro-batches -----------------------------
+        tick, batch_loss = time.time(), 0.0
+        for m in range(rank * per_rank, (rank + 1) * per_rank, micro_size):
+            input_ids, attention_mask, labels = (t.to(device) for t in collate(batch[m : m + micro_size], tokenizer.pad_token_id))
+            with amp():
+                logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+            loss = sft_loss(logits, labels, num_items)
+            # DDP and FSDP average the ranks' gradients; × world_size turns that into the sum over the whole batch
+            (loss * world_size).backward()
+            batch_loss += loss.item()
+            tokens_seen += int(attention_mask.sum())
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        check_finite(step, loss=batch_loss, grad_norm=grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        model_time += time.time() - tick
+
+        # ---- log and evaluate -----------------------------------------------------------------------
+        if step % 10 == 0:
+            elapsed = time.time() - start_time
+            sums = all_reduce_sum({"loss": batch_loss, "tokens": tokens_seen}, device)
+            writer.add_scalar("losses/loss", sums["loss"], step)
+            writer.add_scalar("train/grad_norm", float(grad_norm), step)
+            writer.add_scalar("charts/learning_rate", lr, step)
+            writer.add_scalar("charts/samples_per_second", step * args.batch_size / elapsed, step)
+            writer.add_scalar("charts/tokens_per_second", sums["tokens"] / elapsed, step)
+            writer.add_scalar("charts/model_time_fraction", model_time / elapsed, step)
+        if step % args.eval_every == 0 or step == args.max_steps:
+            evaluate(step)
+
+    elapsed = time.time() - start_time
+    tokens_seen = all_reduce_sum({"tokens": tokens_seen}, device)["tokens"]
+    print(f"{args.max_steps * args.batch_size / elapsed:.0f} samples/s, {tokens_seen / elapsed:.0f} tokens/s, "
+          f"{100 * model_time / elapsed:.0f}% of the time in forward/backward/optimizer, {elapsed:.0f} s in all")
+    save_atomically(raw_model, tokenizer, args, args.output_dir)
+    print(f"saved to {args.output_dir}")
+    writer.close()
+
+
+# =============================================================================================
+# Plumbing. Everything below this line is the same text in sft.py, reward_model.py, dpo.py, rlhf_ppo.py
+# and grpo.py (tests/test_copies.py checks it byte for byte): the built-in task, tokenization, data and
+# model loading, forward passes, many processes, saving. A reader learning the algorithm can stop here.
+# =============================================================================================
+
+
+# ---------------------------------------------------------------------------------------------
+# The built-in task: sort the digits. The gold reward is known exactly, so every stage is measured
+# against it: SFT learns from a sloppy demonstrator, the reward model from noisy preference pairs.
 # ---------------------------------------------------------------------------------------------
 def levenshtein(a, b):
     """Edit distance: insertions, deletions and substitutions, each of cost 1."""
@@ -167,29 +344,25 @@ def task_rng(seed, split):
     return random.Random(f"sort-task/{seed}/{split}")
 
 
-# ---------------------------------------------------------------------------------------------
-# The loss: a pure function, checked against hand-computed values in tests/test_sft.py
-# ---------------------------------------------------------------------------------------------
-def sft_loss(logits, labels, num_items=None):
-    """Cross-entropy of the next-token predictions on the labeled tokens (completion and its stop token;
-    the prompt and the padding carry the label −100):
-
-        L = −(1/N) Σ_{t: y_t ≠ −100} log p_θ(y_t | x_<t)
-
-    N is the number of labeled tokens in the whole batch: pass it as `num_items` when the batch is
-    split into micro-batches, so that every token weighs the same whatever micro-batch it is in.
-    """
-    shift_logits, shift_labels = logits[:, :-1], labels[:, 1:]
-    nll = F.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)).float(), shift_labels.reshape(-1),
-                          ignore_index=-100, reduction="sum")
-    return nll / (num_items if num_items is not None else (shift_labels != -100).sum())
+def task_rows(seed, split, n, kind):
+    """n rows of the built-in task in TRL's formats, each with its `target`: kind "demonstration" (prompt,
+    completion: the sloppy demonstrator's answer), "preference" (prompt, chosen, rejected) or "prompt"."""
+    rng, rows = task_rng(seed, split), []
+    for _ in range(n):
+        if kind == "preference":
+            rows.append(dict(zip(("prompt", "chosen", "rejected", "target"), preference_pair(rng))))
+            continue
+        prompt, target = make_prompt(rng)
+        rows.append({"prompt": prompt, "target": target})
+        if kind == "demonstration":
+            rows[-1]["completion"] = demonstration(rng, target)
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------
-# Tokenization as the model expects it. The same text in sft.py, reward_model.py, rlhf_ppo.py, dpo.py
-# and grpo.py (tests check the copies), so that the reward model scores exactly the token sequences SFT
-# trained on and PPO, DPO and GRPO produce. Data rows are in TRL's formats: text, or conversations (lists of
-# {"role", "content"} messages) rendered by the tokenizer's chat template.
+# Tokenization as the model expects it, one text for every script, so that the reward model scores
+# exactly the token sequences SFT trained on and PPO, DPO and GRPO produce. Data rows are in TRL's
+# formats: text, or conversations (lists of {"role", "content"} messages) rendered by the chat template.
 # ---------------------------------------------------------------------------------------------
 def render_chat(tokenizer, messages, add_generation_prompt=False):
     """Token ids of a conversation rendered by the tokenizer's chat template."""
@@ -302,8 +475,78 @@ def tokenize(example, tokenizer, stop_ids):
     return ids, list(ids)
 
 
+def tokenize_preference(tokenizer, row, stop_ids):
+    """(prompt_ids, chosen_ids, rejected_ids) of a preference row in any of TRL's formats: explicit
+    (`prompt`, `chosen`, `rejected`) or implicit (`chosen` and `rejected` each include the prompt), text or
+    conversational. An implicit prompt is what the two share at the start, as in TRL: whole messages of
+    a conversation, whole tokens of a text (so a word is never split and keeps its leading space)."""
+    prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
+    if not prompt and isinstance(chosen, list):
+        n = 0
+        while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+            n += 1
+        prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+    elif not prompt:
+        c, r = encode_prompt(tokenizer, chosen), encode_prompt(tokenizer, rejected)
+        n = len(os.path.commonprefix([c, r]))
+        return c[:n], c[n:] + [tokenizer.eos_token_id], r[n:] + [tokenizer.eos_token_id]
+    prompt_ids, chosen_ids = tokenize_pair(tokenizer, prompt, chosen, stop_ids)
+    return prompt_ids, chosen_ids, tokenize_pair(tokenizer, prompt, rejected, stop_ids)[1]
+
+
+def tokenize_examples(tokenizer, examples, stop_ids, max_length, split):
+    """[(input_ids, labels)] of the examples that fit `max_length` (a `text` example is cut to it); the others
+    are dropped and counted, as are examples with nothing to learn."""
+    kept, dropped = [], 0
+    for ex in examples:
+        ids, labels = tokenize(ex, tokenizer, stop_ids)
+        if ex.get("text") is not None and ex.get("messages") is None and ex.get("completion") is None:
+            ids, labels = ids[:max_length], labels[:max_length]
+        if len(ids) > max_length or all(label == -100 for label in labels[1:]):
+            dropped += 1
+        else:
+            kept.append((ids, labels))
+    if dropped:
+        print(f"{split}: dropped {dropped:,} of {len(examples):,} examples longer than --max-length {max_length} "
+              "or with nothing to learn")
+    if not kept and split == "train":
+        sys.exit(f"error: no training example fits --max-length {max_length} (see above); raise it")
+    return kept
+
+
+def tokenize_pairs(tokenizer, rows, stop_ids, max_length, split):
+    """[(prompt_ids, chosen_ids, rejected_ids, row)] of the preference rows that fit `max_length`: a pair whose
+    longer side does not fit, or whose sides are the same tokens, is dropped (and counted) rather than cut, so
+    no fake EOS and no zero-gradient pair is trained on."""
+    kept, too_long, same = [], 0, 0
+    for row in rows:
+        prompt_ids, chosen_ids, rejected_ids = tokenize_preference(tokenizer, row, stop_ids)
+        if len(prompt_ids) + max(len(chosen_ids), len(rejected_ids)) > max_length:
+            too_long += 1
+        elif chosen_ids == rejected_ids:
+            same += 1
+        else:
+            kept.append((prompt_ids, chosen_ids, rejected_ids, row))
+    if too_long or same:
+        print(f"{split}: dropped {too_long:,} of {len(rows):,} pairs longer than --max-length {max_length}, "
+              f"{same:,} whose chosen and rejected are the same tokens")
+    if not kept and split == "train":
+        sys.exit("error: no training pair is left (see above); raise --max-length or check the data")
+    return kept
+
+
+def tokenize_prompts(tokenizer, prompts, max_prompt_length, split):
+    """(indices kept, token ids) of the prompts that fit `max_prompt_length`; the others are dropped and counted."""
+    encoded = [encode_prompt(tokenizer, p) for p in prompts]
+    kept = [i for i, ids in enumerate(encoded) if 0 < len(ids) <= max_prompt_length]
+    if len(kept) < len(encoded):
+        print(f"{split}: dropped {len(encoded) - len(kept):,} of {len(encoded):,} prompts longer than "
+              f"--max-prompt-length {max_prompt_length} (or empty)")
+    return kept, [encoded[i] for i in kept]
+
+
 # ---------------------------------------------------------------------------------------------
-# Loading and training helpers, the same text in every LM script (tests check the copies)
+# Data and models
 # ---------------------------------------------------------------------------------------------
 def load_rows(name, split, eval_size):
     """(train rows, eval rows) of a dataset: a hub id, a `save_to_disk` directory or a .json/.jsonl/.parquet
@@ -331,47 +574,92 @@ def load_rows(name, split, eval_size):
     return rows[n_eval:], rows[:n_eval]
 
 
-def get_lr(step, lr, warmup_steps, max_steps, decay):
-    """Learning rate of optimizer step `step` = 0, 1, ...: `lr` × a linear warmup min(1, (step + 1) / warmup_steps)
-    × a decay to 0 at `max_steps`: "linear", min(1, (max_steps − step) / (max_steps − warmup_steps)), flat through
-    the warmup; or "cosine", ½(1 + cos(π · step / max_steps)), over the whole run."""
-    warmup = min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
-    if decay == "linear":
-        return lr * warmup * min(1.0, max(0.0, (max_steps - step) / max(1, max_steps - warmup_steps)))
-    return lr * warmup * 0.5 * (1 + math.cos(math.pi * min(1.0, step / max_steps)))
+def load_data(args, kind, num_train, accepts, needs):
+    """(train rows, eval rows): the built-in task's rows of `kind` when no --dataset-name is given, else the
+    dataset's, which must have every column of one of the sets in `accepts` (`needs` says so in words)."""
+    if args.dataset_name is None:
+        return task_rows(args.seed, "train", num_train, kind), task_rows(args.seed, "eval", args.eval_size, kind)
+    train, evals = load_rows(args.dataset_name, args.dataset_split, args.eval_size)
+    columns = sorted(train[0]) if train else []
+    if not any(set(columns) >= set(accepted) for accepted in accepts):
+        sys.exit(f"error: dataset {args.dataset_name!r} has columns {columns}; {os.path.basename(__file__)} {needs}")
+    return train, evals
 
 
-def check_finite(step, **values):
-    """Stop the run with one line, before anything is saved, when a loss or gradient norm is NaN or inf."""
-    for name, value in values.items():
-        value = float(torch.as_tensor(value).detach())
-        if not math.isfinite(value):
-            sys.exit(f"error: {name} is {value} at step {step}; stopped, nothing saved "
-                     "(lower --lr; with a half-precision model, train without --bf16 to check)")
+def load_tokenizer(path, hint):
+    """The tokenizer of a hub id or local directory. A local path that does not exist, or a checkpoint that
+    cannot be read, is one line (`hint` says what to do about a missing directory)."""
+    from transformers import AutoTokenizer
+
+    if not os.path.isdir(path) and (path.startswith((".", "/", "~", "models/")) or path.count("/") > 1):
+        sys.exit(f"error: model directory {path!r} does not exist; {hint}")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: cannot load a tokenizer from {path!r}: {str(e).splitlines()[0]}")
 
 
-def save_atomically(model, tokenizer, args, output_dir):
-    """Save a Hugging Face model (the one inside any DDP wrapper) so that a crash never leaves a half-written
-    checkpoint: rank 0 writes to a temporary directory, then renames it. Every rank calls this: under FSDP
-    they first gather the full weights together, and all wait for the write to finish."""
-    state_dict = None
-    if any(isinstance(module, FSDPModule) for module in model.modules()):
-        state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
-        state_dict = {k: v for k, v in state_dict.items() if k in names}  # a tied weight once, under its first name
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        tmp_dir = f"{output_dir.rstrip('/')}.tmp-{os.getpid()}"
-        model.save_pretrained(tmp_dir, state_dict=state_dict)
-        tokenizer.save_pretrained(tmp_dir)
-        with open(os.path.join(tmp_dir, "training_args.json"), "w") as f:
-            json.dump(vars(args), f, indent=2)
-        if os.path.exists(output_dir):
-            shutil.rmtree(output_dir)
-        os.replace(tmp_dir, output_dir)
-    if dist.is_initialized():
-        dist.barrier()
+def dropout_off(config):
+    """Every dropout probability of a transformers config set to 0, before the model is built: Llama's and
+    Qwen2's attention dropout is no nn.Dropout module but a number each layer reads from the config."""
+    for key, value in list(vars(config).items()):
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            setattr(config, key, 0.0)
+    return config
 
 
+def load_config(path, head):
+    """A checkpoint's config with every dropout off, for models whose log-probs, values and scores must not be
+    random (Llama's attention dropout is a number each layer reads from it); head "score": one label."""
+    from transformers import AutoConfig
+
+    try:
+        return dropout_off(AutoConfig.from_pretrained(path, **({"num_labels": 1} if head == "score" else {})))
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: cannot load a model from {path!r}: {str(e).splitlines()[0]}")
+
+
+def load_model(path, head, dtype, config=None):
+    """A checkpoint as a causal LM (head "lm") or with a scalar head (head "score", with load_config's config:
+    a sequence classifier with one label, its head new when the checkpoint has none), its weights in `dtype`
+    whatever they were saved in. Trained models take float32 (master weights: in fp16 AdamW's eps underflows
+    to 0, in bf16 most small updates round away); --bf16 is the mixed-precision choice on top."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    try:
+        model_class = AutoModelForCausalLM if head == "lm" else AutoModelForSequenceClassification
+        return model_class.from_pretrained(path, config=config, dtype=dtype)
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: cannot load a model from {path!r}: {str(e).splitlines()[0]}")
+
+
+def prepare_models(tokenizer, stop_ids, device, models, frozen=()):
+    """Give the tokenizer a pad token (growing the models' embeddings if it needs a new id), tell every model
+    its id, and move them to the device; the `frozen` ones among them go to eval mode without gradients."""
+    add_pad_token(tokenizer, stop_ids, *models)
+    for model in models:
+        model.config.pad_token_id = tokenizer.pad_token_id
+        model.to(device)
+    for model in frozen:
+        model.eval().requires_grad_(False)
+
+
+def check_same_vocabulary(tokenizer, reward_tokenizer, stop_ids, message):
+    """A reward model must read the policy's tokens as the policy does: the same vocabulary, pad token
+    included (call after prepare_models gave the policy's tokenizer its pad token)."""
+    add_pad_token(reward_tokenizer, stop_ids)
+    if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
+        sys.exit(f"error: {message}")
+
+
+def model_positions(model):
+    """The longest sequence the model takes, or None when its config does not say."""
+    return getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward passes and sampling
+# ---------------------------------------------------------------------------------------------
 def collate(batch, pad_token_id):
     """Right-pad a list of (input_ids, labels): (input_ids, attention_mask, labels) tensors, labels −100 on padding."""
     width = max(len(ids) for ids, _ in batch)
@@ -379,6 +667,79 @@ def collate(batch, pad_token_id):
     attention_mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in batch])
     labels = torch.tensor([labels + [-100] * (width - len(labels)) for _, labels in batch])
     return input_ids, attention_mask, labels
+
+
+def token_logprobs(logits, tokens, with_entropy=False):
+    """log π(token) = logit(token) − logsumexp(logits) at each position, and optionally the entropy
+    H = logsumexp − Σ softmax · logits, one sequence at a time: no float32 copy of the whole
+    [batch, length, vocabulary] logits is made (at a 128k vocabulary that copy is the largest tensor)."""
+    logprobs, entropies = [], []
+    for row, row_tokens in zip(logits, tokens):
+        row = row.float()
+        logsumexp = torch.logsumexp(row, -1)
+        logprobs.append(row.gather(-1, row_tokens.unsqueeze(-1)).squeeze(-1) - logsumexp)
+        if with_entropy:
+            with torch.no_grad():
+                entropies.append(logsumexp - (torch.softmax(row, -1) * row).sum(-1))
+    return (torch.stack(logprobs), torch.stack(entropies)) if with_entropy else torch.stack(logprobs)
+
+
+def position_ids_of(attention_mask):
+    """Positions count real tokens only, so left padding does not shift them."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def last_token_index(attention_mask):
+    """Index of the last non-pad token of each row, under left or right padding: the largest position
+    whose mask is 1 (for right padding, the number of tokens − 1)."""
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return (positions * attention_mask).argmax(-1)
+
+
+def response_logprobs(model, sequences, attention_mask, context_length, temperature):
+    """log π(a_t | s_t) of each response token and the entropy of π(·|s_t), from one forward pass over
+    prompt + response. Logits are divided by the sampling temperature, as when sampling."""
+    logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_of(attention_mask)).logits
+    logits = logits[:, context_length - 1 : -1] / temperature  # position t predicts token t + 1
+    return token_logprobs(logits, sequences[:, context_length:], with_entropy=True)
+
+
+def token_scores(model, sequences, attention_mask):
+    """The scalar head of a sequence-classification model on every position: [batch, length]."""
+    hidden = model.base_model(input_ids=sequences, attention_mask=attention_mask,
+                              position_ids=position_ids_of(attention_mask)).last_hidden_state
+    return model.score(hidden).squeeze(-1).float()
+
+
+class TokenScorer(torch.nn.Module):
+    """token_scores as a module's forward. DDP and FSDP act in the forward of the module they wrap, so a
+    trained scalar head is wrapped in this: its forward, unlike the classifier's own, keeps every position."""
+
+    def __init__(self, classifier):
+        super().__init__()
+        self.classifier = classifier
+
+    def forward(self, sequences, attention_mask):
+        return token_scores(self.classifier, sequences, attention_mask)
+
+
+@torch.no_grad()
+def score_responses(reward, sequences, attention_mask, response_mask, stop_ids, missing_eos_penalty):
+    """The reward model's score at each response's last token, its stop token; `missing_eos_penalty`
+    instead for a response with no stop token in the length sampled (an unfinished answer is not scored).
+    Returns (scores, has_stop)."""
+    scores = token_scores(reward, sequences, attention_mask)[torch.arange(len(sequences)), last_token_index(attention_mask)]
+    responses = sequences[:, -response_mask.shape[1] :]
+    has_stop = (torch.isin(responses, torch.tensor(stop_ids, device=responses.device)) & response_mask.bool()).any(1)
+    return torch.where(has_stop, scores, torch.full_like(scores, missing_eos_penalty)), has_stop
+
+
+def forward_in_chunks(fn, size, *tensors):
+    """fn over the rows of `tensors`, `size` rows at a time, the outputs concatenated. In a rollout the chunks
+    are the update's micro-batches, so that they compute exactly what the update's forward passes will (the
+    first PPO ratio is exactly 1)."""
+    outs = [fn(*(t[i : i + size] for t in tensors)) for i in range(0, len(tensors[0]), size)]
+    return tuple(torch.cat(parts) for parts in zip(*outs)) if isinstance(outs[0], tuple) else torch.cat(outs)
 
 
 @torch.no_grad()
@@ -407,69 +768,20 @@ def sample(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperatur
     return (torch.cat([input_ids, responses], 1), torch.cat([attention_mask, response_mask], 1), width, response_mask)
 
 
+def sample_in_chunks(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature, size):
+    """`sample` in chunks of `size` prompts (the KV cache grows with it), the chunks left-padded to one width."""
+    chunks = [sample(model, prompt_ids[i : i + size], pad_token_id, stop_ids, max_new_tokens, temperature)
+              for i in range(0, len(prompt_ids), size)]
+    width = max(c[2] for c in chunks)  # the longest prompt: left-pad the other chunks to it
+    pad = lambda t, value: F.pad(t, (width - t.shape[1] + max_new_tokens, 0), value=value)  # noqa: E731
+    return (torch.cat([pad(c[0], pad_token_id) for c in chunks]), torch.cat([pad(c[1], 0) for c in chunks]),
+            width, torch.cat([c[3] for c in chunks]))
+
+
 def decode(tokenizer, sequences, context_length, response_mask):
     """The responses as text, up to their stop token, special tokens dropped."""
     return [tokenizer.decode([t for t, m in zip(row, mask) if m], skip_special_tokens=True)
             for row, mask in zip(sequences[:, context_length:].tolist(), response_mask.tolist())]
-
-
-# ---------------------------------------------------------------------------------------------
-# Model, tokenizer, data
-# ---------------------------------------------------------------------------------------------
-def load_tokenizer(path, hint):
-    """The tokenizer of a hub id or local directory. A local path that does not exist, or a checkpoint that
-    cannot be read, is one line (`hint` says what to do about a missing directory)."""
-    from transformers import AutoTokenizer
-
-    if not os.path.isdir(path) and (path.startswith((".", "/", "~", "models/")) or path.count("/") > 1):
-        sys.exit(f"error: model directory {path!r} does not exist; {hint}")
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        sys.exit(f"error: cannot load a tokenizer from {path!r}: {str(e).splitlines()[0]}")
-
-
-def load_causal_lm(args, tokenizer, stop_ids, device):
-    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
-
-    if args.model_name_or_path is None:
-        # 256 positions: room for longer prompts and responses in the later stages than --max-length here
-        config = GPT2Config(vocab_size=len(tokenizer), n_positions=max(256, args.max_length), n_embd=args.n_embd,
-                            n_layer=args.n_layer, n_head=args.n_head, resid_pdrop=0.0, embd_pdrop=0.0,
-                            attn_pdrop=0.0, bos_token_id=tokenizer.eos_token_id,
-                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        return GPT2LMHeadModel(config).to(device)
-    try:
-        # float32 master weights, whatever the checkpoint's dtype: in fp16 AdamW's eps underflows to 0, in
-        # bf16 most small updates round away. --bf16 is the mixed-precision choice on top of this.
-        model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
-    except (OSError, ValueError) as e:
-        sys.exit(f"error: cannot load a causal LM from {args.model_name_or_path!r}: {str(e).splitlines()[0]}")
-    add_pad_token(tokenizer, stop_ids, model)
-    model.config.pad_token_id = tokenizer.pad_token_id
-    return model.to(device)
-
-
-def load_examples(args):
-    """(train, eval) lists of examples in one of TRL's formats: dicts with prompt/completion, text, or messages."""
-    if args.dataset_name is None:
-        rng = task_rng(args.seed, "train")
-        train = []
-        for _ in range(args.num_train_examples):
-            prompt, target = make_prompt(rng)
-            train.append({"prompt": prompt, "completion": demonstration(rng, target)})
-        rng = task_rng(args.seed, "eval")
-        evals = []
-        for _ in range(args.eval_size):
-            prompt, target = make_prompt(rng)
-            evals.append({"prompt": prompt, "completion": demonstration(rng, target), "target": target})
-        return train, evals
-    train, evals = load_rows(args.dataset_name, args.dataset_split, args.eval_size)
-    columns = sorted(train[0]) if train else []
-    if not ({"prompt", "completion"} <= set(columns) or "text" in columns or "messages" in columns):
-        sys.exit(f"error: dataset {args.dataset_name!r} has columns {columns}; sft.py accepts prompt+completion, "
-                 "text, or messages")
-    return train, evals
 
 
 # ---------------------------------------------------------------------------------------------
@@ -523,14 +835,15 @@ def shard(items, rank, world_size):
     return mine + items[:1] * padding, [1] * len(mine) + [0] * padding
 
 
-def all_reduce_sum(values, device):
-    """Each number summed over the ranks (the numbers themselves in one process): per-rank sums and counts
-    become global ones."""
-    if not dist.is_initialized():
-        return [float(v) for v in values]
-    total = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
-    dist.all_reduce(total)
-    return total.tolist()
+def all_reduce_sum(sums, device):
+    """{name: number} with each number summed over the ranks (the numbers themselves in one process), in one
+    all-reduce: per-rank sums and counts become global ones, read back by name."""
+    values = [float(v) for v in sums.values()]
+    if dist.is_initialized():
+        total = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(total)
+        values = total.tolist()
+    return dict(zip(sums, values))
 
 
 class NoWriter:
@@ -540,155 +853,56 @@ class NoWriter:
         return lambda *args, **kwargs: None
 
 
-def main(args: Args):
-    rank, world_size, device = setup_distributed(args.cuda)
-    if args.batch_size % (world_size * args.gradient_accumulation_steps):
-        sys.exit(f"error: --batch-size {args.batch_size} does not split into {world_size} rank(s) × "
-                 f"{args.gradient_accumulation_steps} micro-batches; make it a multiple of "
-                 f"{world_size * args.gradient_accumulation_steps}")
-    random.seed(args.seed)  # the data order: the same on every rank
-    torch.manual_seed(args.seed + rank)  # sampling: a stream of its own on each rank
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
-
-    # The tokenizer (fast, and it checks the model path), then the data, tokenized and checked before the model
-    if args.model_name_or_path is None:
-        from transformers import ByT5Tokenizer
-
-        tokenizer = ByT5Tokenizer()  # a byte-level tokenizer needs no files; pad (0) differs from EOS (1)
-    else:
-        tokenizer = load_tokenizer(args.model_name_or_path, "pass an existing directory or a hub id")
-    stop_ids = stop_token_ids(tokenizer)
-    train_examples, eval_examples = load_examples(args)
-
-    def tokenize_all(examples, split):
-        """Examples that fit --max-length (a `text` example is cut to it); the others are dropped and counted."""
-        kept, dropped = [], 0
-        for ex in examples:
-            ids, labels = tokenize(ex, tokenizer, stop_ids)
-            if ex.get("text") is not None and ex.get("messages") is None and ex.get("completion") is None:
-                ids, labels = ids[: args.max_length], labels[: args.max_length]
-            if len(ids) > args.max_length or all(label == -100 for label in labels[1:]):
-                dropped += 1
-            else:
-                kept.append((ids, labels))
-        if dropped:
-            print(f"{split}: dropped {dropped:,} of {len(examples):,} examples longer than --max-length {args.max_length} "
-                  "or with nothing to learn")
-        if not kept and split == "train":
-            sys.exit(f"error: no training example fits --max-length {args.max_length} (see above); raise it")
-        return kept
-
-    train, evals = tokenize_all(train_examples, "train"), tokenize_all(eval_examples, "eval")
-    builtin = args.dataset_name is None
-    raw_model = load_causal_lm(args, tokenizer, stop_ids, device)  # the Hugging Face model: generate, save
-    if args.gradient_checkpointing:
-        raw_model.activation_checkpointing_enable({"use_reentrant": False})
-    model = wrap_model(raw_model, device, args.fsdp)  # forward and backward passes
-
-    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    writer = SummaryWriter(f"runs/{run_name}") if rank == 0 else NoWriter()
+def make_writer(args, rank):
+    """TensorBoard's writer for runs/<exp>__<seed>__<time> on rank 0 (a NoWriter elsewhere), the flags logged
+    as a table."""
+    writer = SummaryWriter(f"runs/{args.exp_name}__{args.seed}__{int(time.time())}") if rank == 0 else NoWriter()
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
-    print(f"{sum(p.numel() for p in raw_model.parameters()):,} parameters, {len(train):,} training examples")
+    return writer
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    per_rank = args.batch_size // world_size
-    micro_size = per_rank // args.gradient_accumulation_steps
 
-    def evaluate(step):
-        """Each rank evaluates its shard of the eval set; the sums are added up over the ranks."""
-        model.eval()
-        line = f"step {step}:"
-        if evals:
-            mine, weights = shard(evals, rank, world_size)
-            mine = [(ids, labels if w else [-100] * len(labels)) for (ids, labels), w in zip(mine, weights)]
-            total, count = 0.0, 0
-            with torch.no_grad(), amp():
-                for i in range(0, len(mine), args.eval_batch_size):
-                    batch = mine[i : i + args.eval_batch_size]
-                    input_ids, attention_mask, labels = (t.to(device) for t in collate(batch, tokenizer.pad_token_id))
-                    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-                    total += sft_loss(logits, labels, num_items=1).item()  # the summed NLL of the batch
-                    count += (labels[:, 1:] != -100).sum().item()
-            total, count = all_reduce_sum([total, count], device)
-            writer.add_scalar("eval/loss", total / count, step)
-            line += f" eval/loss {total / count:.4f}"
-        if builtin:
-            mine, weights = shard(eval_examples, rank, world_size)
-            prompts, targets = [ex["prompt"] for ex in mine], [ex["target"] for ex in mine]
-            prompt_ids = [encode_prompt(tokenizer, p) for p in prompts]
-            for name, greedy in (("", False), ("_greedy", True)):
-                completions = []
-                for i in range(0, len(prompt_ids), args.eval_batch_size):
-                    with amp():
-                        sequences, _, width, response_mask = sample(raw_model, prompt_ids[i : i + args.eval_batch_size],
-                                                                    tokenizer.pad_token_id, stop_ids, args.max_new_tokens,
-                                                                    greedy=greedy)
-                    completions += decode(tokenizer, sequences, width, response_mask)
-                if not greedy:
-                    sampled = completions
-                correct, score, n = all_reduce_sum([sum(w * (c == t) for c, t, w in zip(completions, targets, weights)),
-                                                    sum(w * gold_score(c, t) for c, t, w in zip(completions, targets, weights)),
-                                                    sum(weights)], device)
-                accuracy, score = correct / n, score / n
-                writer.add_scalar(f"eval/gold_accuracy{name}", accuracy, step)
-                writer.add_scalar(f"eval/gold_score{name}", score, step)
-                line += f", gold_accuracy{name} {accuracy:.3f}, gold_score{name} {score:.3f}"
-            samples = "\n".join(f"    {p} {c!r} (target {t})" for p, c, t in zip(prompts[:8], sampled, targets))
-            writer.add_text("eval/samples", samples, step)
-        print(line)
-        model.train()
+# ---------------------------------------------------------------------------------------------
+# Training and saving
+# ---------------------------------------------------------------------------------------------
+def get_lr(step, lr, warmup_steps, max_steps, decay):
+    """Learning rate of optimizer step `step` = 0, 1, ...: `lr` × a linear warmup min(1, (step + 1) / warmup_steps)
+    × a decay to 0 at `max_steps`: "linear", min(1, (max_steps − step) / (max_steps − warmup_steps)), flat through
+    the warmup; or "cosine", ½(1 + cos(π · step / max_steps)), over the whole run."""
+    warmup = min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+    if decay == "linear":
+        return lr * warmup * min(1.0, max(0.0, (max_steps - step) / max(1, max_steps - warmup_steps)))
+    return lr * warmup * 0.5 * (1 + math.cos(math.pi * min(1.0, step / max_steps)))
 
-    model.train()
-    order, position = list(range(len(train))), len(train)
-    start_time, model_time, tokens_seen = time.time(), 0.0, 0
-    for step in range(1, args.max_steps + 1):
-        if position + args.batch_size > len(order):  # a new pass over the data, reshuffled
-            random.shuffle(order)
-            position = 0
-        batch = [train[i] for i in order[position : position + args.batch_size]]
-        position += args.batch_size
-        num_items = sum(sum(label != -100 for label in labels[1:]) for _, labels in batch)
-        lr = get_lr(step - 1, args.lr, args.warmup_steps, args.max_steps, "cosine")
-        for group in optimizer.param_groups:
-            group["lr"] = lr
 
-        tick, batch_loss = time.time(), 0.0
-        for m in range(rank * per_rank, (rank + 1) * per_rank, micro_size):  # this rank's share, in micro-batches
-            input_ids, attention_mask, labels = (t.to(device) for t in collate(batch[m : m + micro_size], tokenizer.pad_token_id))
-            with amp():
-                logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-            loss = sft_loss(logits, labels, num_items)
-            # DDP and FSDP average the ranks' gradients; × world_size turns that into the sum over the whole batch
-            (loss * world_size).backward()
-            batch_loss += loss.item()
-            tokens_seen += int(attention_mask.sum())
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        check_finite(step, loss=batch_loss, grad_norm=grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        model_time += time.time() - tick
+def check_finite(step, **values):
+    """Stop the run with one line, before anything is saved, when a loss or gradient norm is NaN or inf."""
+    for name, value in values.items():
+        value = float(torch.as_tensor(value).detach())
+        if not math.isfinite(value):
+            sys.exit(f"error: {name} is {value} at step {step}; stopped, nothing saved "
+                     "(lower --lr; with a half-precision model, train without --bf16 to check)")
 
-        if step % 10 == 0:
-            elapsed = time.time() - start_time
-            batch_loss, all_tokens = all_reduce_sum([batch_loss, tokens_seen], device)
-            writer.add_scalar("losses/loss", batch_loss, step)
-            writer.add_scalar("train/grad_norm", float(grad_norm), step)
-            writer.add_scalar("charts/learning_rate", lr, step)
-            writer.add_scalar("charts/samples_per_second", step * args.batch_size / elapsed, step)
-            writer.add_scalar("charts/tokens_per_second", all_tokens / elapsed, step)
-            writer.add_scalar("charts/model_time_fraction", model_time / elapsed, step)
-        if step % args.eval_every == 0 or step == args.max_steps:
-            evaluate(step)
 
-    elapsed = time.time() - start_time
-    tokens_seen = all_reduce_sum([tokens_seen], device)[0]
-    print(f"{args.max_steps * args.batch_size / elapsed:.0f} samples/s, {tokens_seen / elapsed:.0f} tokens/s, "
-          f"{100 * model_time / elapsed:.0f}% of the time in forward/backward/optimizer, {elapsed:.0f} s in all")
-    save_atomically(raw_model, tokenizer, args, args.output_dir)
-    print(f"saved to {args.output_dir}")
-    writer.close()
+def save_atomically(model, tokenizer, args, output_dir):
+    """Save a Hugging Face model (the one inside any DDP wrapper) so that a crash never leaves a half-written
+    checkpoint: rank 0 writes to a temporary directory, then renames it. Every rank calls this: under FSDP
+    they first gather the full weights together, and all wait for the write to finish."""
+    state_dict = None
+    if any(isinstance(module, FSDPModule) for module in model.modules()):
+        state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+        state_dict = {k: v for k, v in state_dict.items() if k in names}  # a tied weight once, under its first name
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        tmp_dir = f"{output_dir.rstrip('/')}.tmp-{os.getpid()}"
+        model.save_pretrained(tmp_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(tmp_dir)
+        with open(os.path.join(tmp_dir, "training_args.json"), "w") as f:
+            json.dump(vars(args), f, indent=2)
+        if os.path.exists(output_dir):
+            shutil.rmtree(output_dir)
+        os.replace(tmp_dir, output_dir)
+    if dist.is_initialized():
+        dist.barrier()
 
 
 if __name__ == "__main__":

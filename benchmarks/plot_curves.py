@@ -78,7 +78,7 @@ def check(run_dir, scalars, args, rl):
         if int(args["eval_episodes"]) > 0 and "eval/episodic_return" not in scalars:
             sys.exit(f"error: {name} has no eval/episodic_return (killed before its evaluation?)")
     else:
-        length = next(key for key in ("num_batches", "num_iterations", "max_steps") if key in args)  # grpo, ppo, rest
+        length = next(key for key in ("num_batches", "num_iterations", "max_steps") if key in args)  # old grpo runs (whose num_iterations was μ), ppo and grpo, the rest
         last = int(args[length])
         evals = [tag for tag in scalars if tag.startswith("eval/")]
         if not evals or max(scalars[evals[0]])[0] != last:

@@ -1,8 +1,10 @@
-"""Scripts share nothing, so a helper several scripts need is pasted into each: one canonical text
-under one name. These tests keep the copies identical, and the copies of the built-in task
-making the same data."""
+"""Scripts share nothing, so what several scripts need is pasted into each. The LM scripts end with one
+plumbing block, the RL scripts with another, each below a banner; these tests keep each block the same
+text, byte for byte, in every script of its family, and a helper above the banner that two scripts both
+define the same text in both."""
 import importlib
 import inspect
+import os
 
 import pytest
 
@@ -15,54 +17,79 @@ import reward_model
 import rlhf_ppo
 import sft
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RL_SCRIPTS = [ppo_clip, ppo_kl, ppo_continuous]
-LM_SCRIPTS = [sft, reward_model, rlhf_ppo, dpo, grpo]
+LM_SCRIPTS = [sft, reward_model, dpo, rlhf_ppo, grpo]
+BANNER = "# Plumbing. Everything below this line is the same text in "
 
-# Same job, same text. Not in these lists on purpose: each script's Args, Agent, evaluate and main,
-# whose differences are the point of the script (ppo_continuous.py's evaluate normalizes observations
-# and clips actions; ppo_kl.py's Agent also returns the logits).
-RL_SHARED = ["compute_gae", "clipped_policy_loss", "categorical_kl", "value_loss", "layer_init", "check_args", "make_envs", "check_env",
-             "save_checkpoint", "load_checkpoint"]
-LM_SHARED = ["render_chat", "encode_prompt", "stop_token_ids", "tokenize_pair", "add_pad_token", "tokenize_preference",
-             "load_rows", "load_tokenizer", "dropout_off", "get_lr", "check_finite", "save_atomically", "collate",
-             "sample", "decode", "token_logprobs", "position_ids_of", "last_token_index", "token_scores",
-             "score_responses", "TokenScorer", "setup_distributed", "wrap_model", "shard", "all_reduce_sum", "NoWriter",
-             "kl_estimators", "response_logprobs"]
+# Above the banner, the same name is the same text too, except for what is each script's own: its Args, Agent,
+# argument checks (the LM scripts'), evaluation and main.
+RL_SHARED = ["compute_gae", "clipped_policy_loss", "categorical_kl", "value_loss", "layer_init", "check_args"]
+LM_SHARED = ["kl_estimators"]
+OWN = {"rl": {"Args", "Agent", "evaluate", "main"}, "lm": {"Args", "evaluate", "main", "check_args"}}
 
 
-def assert_identical_copies(scripts, name):
-    copies = {script.__name__: inspect.getsource(getattr(script, name)) for script in scripts if hasattr(script, name)}
-    assert len(copies) >= 2, copies.keys()
-    first = next(iter(copies.values()))
-    assert all(text == first for text in copies.values()), [k for k, v in copies.items() if v != first]
+def below_banner(text):
+    """The plumbing block: the text from the banner's first line to the end of the file."""
+    start = text.index(BANNER)
+    return text[text.rindex("\n# ====", 0, start) + 1 :]
 
 
-@pytest.mark.parametrize("name", RL_SHARED)
-def test_rl_helpers_are_identical_copies(name):
-    assert_identical_copies(RL_SCRIPTS, name)
+def read(script):
+    with open(os.path.join(ROOT, f"{script.__name__}.py"), encoding="utf-8") as f:
+        return f.read()
 
 
-@pytest.mark.parametrize("name", LM_SHARED)
-def test_lm_helpers_are_identical_copies(name):
-    assert_identical_copies(LM_SCRIPTS, name)
+def differing_blocks(texts):
+    """The names of the scripts whose block differs from the first script's, and that block's line count."""
+    blocks = {name: below_banner(text) for name, text in texts.items()}
+    first = next(iter(blocks.values()))
+    return [name for name, block in blocks.items() if block != first], first.count("\n")
 
 
-def test_every_helper_with_a_shared_name_is_in_the_lists():
-    # a helper of the same name in two scripts is either one canonical copy or a bug waiting to drift
-    for scripts, listed in ((RL_SCRIPTS, RL_SHARED), (LM_SCRIPTS, LM_SHARED + ["levenshtein", "gold_score",
-                            "make_prompt", "corrupt", "demonstration", "candidate", "preference_pair", "task_rng"])):
-        names = {}
-        for script in scripts:
-            for name, obj in vars(script).items():
-                if (inspect.isfunction(obj) or inspect.isclass(obj)) and obj.__module__ == script.__name__:
-                    names.setdefault(name, []).append(script.__name__)
-        shared = {name for name, where in names.items() if len(where) >= 2}
-        assert shared - set(listed) - {"Args", "Agent", "evaluate", "main"} == set()
+@pytest.mark.parametrize("family", ["rl", "lm"])
+def test_the_block_below_the_banner_is_identical(family):
+    scripts = RL_SCRIPTS if family == "rl" else LM_SCRIPTS
+    differing, lines = differing_blocks({s.__name__: read(s) for s in scripts})
+    assert differing == [] and lines > (40 if family == "rl" else 400)
+
+
+def test_one_character_changed_below_the_banner_in_any_script_is_caught():
+    texts = {s.__name__: read(s) for s in LM_SCRIPTS + RL_SCRIPTS}
+    for family in (RL_SCRIPTS, LM_SCRIPTS):
+        for script in family:
+            changed = {s.__name__: texts[s.__name__] for s in family}
+            text = changed[script.__name__]
+            at = text.index("def save_") + 4  # one character of a function name, deep in the block
+            changed[script.__name__] = text[:at] + text[at].upper() + text[at + 1 :]
+            assert differing_blocks(changed)[0] != [], script.__name__
+
+
+def above_banner_names(script):
+    """Functions and classes a script defines above its banner."""
+    block = below_banner(read(script))
+    return {name for name, obj in vars(script).items()
+            if (inspect.isfunction(obj) or inspect.isclass(obj)) and obj.__module__ == script.__name__
+            and f"\ndef {name}(" not in block and f"\nclass {name}" not in block}
+
+
+@pytest.mark.parametrize("family", ["rl", "lm"])
+def test_a_name_above_the_banner_in_two_scripts_is_one_text(family):
+    scripts, listed = (RL_SCRIPTS, RL_SHARED) if family == "rl" else (LM_SCRIPTS, LM_SHARED)
+    where = {}
+    for script in scripts:
+        for name in above_banner_names(script):
+            where.setdefault(name, []).append(script)
+    shared = {name for name, found in where.items() if len(found) >= 2}
+    assert shared - OWN[family] == set(listed)
+    for name in listed:
+        copies = {s.__name__: inspect.getsource(getattr(s, name)) for s in where[name]}
+        assert len(set(copies.values())) == 1, copies.keys()
 
 
 def test_no_script_imports_another():
     for script in RL_SCRIPTS + LM_SCRIPTS:
-        source = inspect.getsource(script)
+        source = read(script)
         for other in RL_SCRIPTS + LM_SCRIPTS:
             assert f"import {other.__name__}\n" not in source and f"from {other.__name__} " not in source
 
@@ -78,8 +105,7 @@ def task_data(module, seed):
     return data
 
 
-@pytest.mark.parametrize("name", ["reward_model", "dpo", "rlhf_ppo", "grpo"])
-def test_task_copies_agree(name):
-    sft_module, other = importlib.import_module("sft"), importlib.import_module(name)
-    assert task_data(sft_module, 7) == task_data(other, 7)
-    assert task_data(sft_module, 7) != task_data(sft_module, 8)
+def test_the_task_depends_on_the_seed_and_its_splits_differ():
+    assert task_data(sft, 7) == task_data(importlib.import_module("grpo"), 7)
+    assert task_data(sft, 7) != task_data(sft, 8)
+    assert sft.task_rows(7, "train", 5, "prompt") != sft.task_rows(7, "eval", 5, "prompt")

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, TINY_LM, read_scalars, run_in_process, save_checkpoint
+from conftest import ROOT, TINY_LM, read_scalars, run_in_process
+from lm_models import save_checkpoint
 from test_real_models import state, write_data
 
 import rlhf_ppo
@@ -115,7 +116,7 @@ def test_rlhf_ppo_under_torchrun(tiny_checkpoints, tmp_path, fsdp):
 def test_grpo_under_torchrun(tiny_checkpoints, tmp_path):
     """2 ranks, each sampling whole groups: one run directory, one checkpoint, the first ratio exactly 1."""
     models = tiny_checkpoints["cwd"] / "models"
-    torchrun("grpo.py", "--sft-model-path", str(models / "sft"), "--num-batches", "2", "--batch-size", "16",
+    torchrun("grpo.py", "--sft-model-path", str(models / "sft"), "--num-iterations", "2", "--batch-size", "16",
              "--num-generations", "4", "--mini-batch-size", "8", "--eval-size", "9", "--eval-every", "1", cwd=tmp_path)
     run_dirs = glob.glob(str(tmp_path / "runs" / "*"))
     assert len(run_dirs) == 1, run_dirs

@@ -3,7 +3,8 @@ import math
 
 import pytest
 import torch
-from conftest import PositionLogits, by_hand, read_scalars, run_script, same_seed_scalars
+from conftest import read_scalars, run_script, same_seed_scalars
+from lm_models import PositionLogits, by_hand
 
 import dpo
 

@@ -5,8 +5,8 @@ import math
 
 import pytest
 import torch
-from conftest import (PositionLogits, assert_one_line_error, by_hand, read_scalars, run_in_process, run_script,
-                      same_seed_scalars)
+from conftest import assert_one_line_error, read_scalars, run_in_process, run_script, same_seed_scalars
+from lm_models import PositionLogits, by_hand
 
 import grpo
 
@@ -78,7 +78,7 @@ def test_grpo_smoke_gold_reward_first_ratio_is_exactly_one(tiny_checkpoints, tmp
     """Built-in task, gold reward: runs, logs the tags, the ratio is exactly 1 on the first minibatch of each
     batch, the checkpoint loads; two models in memory."""
     models = tiny_checkpoints["cwd"] / "models"
-    proc = run_script("grpo.py", "--sft-model-path", str(models / "sft"), "--num-batches", "2", "--batch-size", "16",
+    proc = run_script("grpo.py", "--sft-model-path", str(models / "sft"), "--num-iterations", "2", "--batch-size", "16",
                       "--num-generations", "4", "--mini-batch-size", "8", "--gradient-accumulation-steps", "2",
                       "--eval-size", "8", "--eval-every", "1", cwd=tmp_path)
     assert "2 model(s) in memory" in proc.stdout
@@ -100,7 +100,7 @@ def test_grpo_reward_model_and_rloo_without_reference(tiny_checkpoints, tmp_path
     models = tiny_checkpoints["cwd"] / "models"
     proc = run_script("grpo.py", "--sft-model-path", str(models / "sft"), "--reward", "model", "--reward-model-path",
                       str(models / "reward_model"), "--advantage", "rloo", "--beta", "0", "--loss-type", "dapo",
-                      "--num-batches", "2", "--batch-size", "8", "--num-generations", "2", "--mini-batch-size", "8",
+                      "--num-iterations", "2", "--batch-size", "8", "--num-generations", "2", "--mini-batch-size", "8",
                       "--eval-size", "8", cwd=tmp_path)
     assert "2 model(s) in memory: the policy, the reward model" in proc.stdout
     logs = read_run(tmp_path, "grpo")
@@ -116,7 +116,7 @@ def test_grpo_on_a_dataset_with_targets(tiny_checkpoints, tmp_path):
     (tmp_path / "math.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     models = tiny_checkpoints["cwd"] / "models"
     run_in_process("grpo.py", "--sft-model-path", str(models / "sft"), "--dataset-name", "math.jsonl", "--reward",
-                   "gold-exact", "--num-batches", "2", "--batch-size", "8", "--num-generations", "4",
+                   "gold-exact", "--num-iterations", "2", "--batch-size", "8", "--num-generations", "4",
                    "--mini-batch-size", "8", "--eval-size", "4", cwd=tmp_path)
     logs = read_run(tmp_path, "grpo")
     assert all(-1.0 <= v <= 1.0 for _, v in logs["objective/reward"])
@@ -128,7 +128,7 @@ def test_a_completion_without_a_stop_token_gets_the_penalty_not_its_gold_score(t
     gold score would be ≥ 0; the reward is the penalty, exactly, for every completion."""
     models = tiny_checkpoints["cwd"] / "models"
     run_in_process("grpo.py", "--sft-model-path", str(models / "sft"), "--response-length", "1", "--missing-eos-penalty",
-                   "-0.7", "--num-batches", "2", "--batch-size", "8", "--num-generations", "4", "--mini-batch-size", "8",
+                   "-0.7", "--num-iterations", "2", "--batch-size", "8", "--num-generations", "4", "--mini-batch-size", "8",
                    "--eval-size", "4", cwd=tmp_path)
     logs = read_run(tmp_path, "grpo")
     assert [v for _, v in logs["objective/stop_fraction"]] == [0.0, 0.0]
@@ -177,7 +177,7 @@ def test_response_logprobs_are_those_of_the_token_after_each_position():
 
 def test_same_seed_same_logs_and_weights(tiny_checkpoints, tmp_path):
     models = tiny_checkpoints["cwd"] / "models"
-    flags = ["--sft-model-path", str(models / "sft"), "--num-batches", "2", "--batch-size", "16", "--num-generations",
+    flags = ["--sft-model-path", str(models / "sft"), "--num-iterations", "2", "--batch-size", "16", "--num-generations",
              "4", "--mini-batch-size", "8", "--eval-size", "8", "--eval-every", "1", "--output-dir", "models/m"]
     (logs_a, saved_a), (logs_b, saved_b) = same_seed_scalars("grpo.py", flags, tmp_path)
     assert [tag for tag in logs_a if logs_a[tag] != logs_b.get(tag)] == [] and len(logs_a) >= 5

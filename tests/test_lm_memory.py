@@ -2,7 +2,8 @@
 log-softmax, gradient checkpointing, gradient accumulation, evaluation in micro-batches."""
 import pytest
 import torch
-from conftest import make_model, read_scalars, run_in_process, save_checkpoint
+from conftest import read_scalars, run_in_process
+from lm_models import make_model, save_checkpoint
 from test_real_models import state, write_data
 
 import dpo
@@ -114,7 +115,7 @@ def test_rollout_forward_passes_use_the_update_micro_batch_size(tiny_checkpoints
     GPT2LMHeadModel.forward = forward
     try:
         flags = (["--reward-model-path", str(models / "reward_model"), "--num-iterations", "1"] if script == "rlhf_ppo.py"
-                 else ["--num-batches", "1", "--num-generations", "4"])
+                 else ["--num-iterations", "1", "--num-generations", "4"])
         run_in_process(script, "--sft-model-path", str(models / "sft"), *flags, "--batch-size", "16", "--mini-batch-size",
                        "8", "--gradient-accumulation-steps", "2", "--eval-size", "6", "--generation-batch-size", "6",
                        "--response-length", "14", "--output-dir", "out", cwd=tmp_path)

@@ -6,8 +6,8 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import (CountingEnv, assert_one_line_error, first_gae_inputs, only_run_dir, read_scalars, run_script,
-                      same_seed_scalars)
+from conftest import assert_one_line_error, only_run_dir, read_scalars, run_script, same_seed_scalars
+from rl_envs import CountingEnv, first_gae_inputs
 
 import ppo_kl
 

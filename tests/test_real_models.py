@@ -1,14 +1,14 @@
 """The LM scripts on the path users take: pretrained checkpoints of real architectures (saved in float32,
 bf16 or fp16), BPE tokenizers with BOS / no pad / pad == EOS / a chat template, and data in TRL's formats.
-Every model and tokenizer is built here (tests/conftest.py), nothing is downloaded."""
+Every model and tokenizer is built here (tests/lm_models.py), nothing is downloaded."""
 import json
 import math
 import os
 
 import pytest
 import torch
-from conftest import (TOKENIZER_KINDS, assert_one_line_error, make_model, make_tokenizer, read_scalars, run_in_process,
-                      run_script, save_checkpoint)
+from conftest import assert_one_line_error, read_scalars, run_in_process, run_script
+from lm_models import TOKENIZER_KINDS, make_model, make_tokenizer, save_checkpoint
 
 import dpo
 import grpo
@@ -109,7 +109,7 @@ def test_pipeline_on_a_pretrained_checkpoint(tmp_path, arch, dtype, kind):
     run_in_process("dpo.py", "--model-name-or-path", "sft", "--reward-model-path", "rm", "--dataset-name", pref_data,
                    "--response-length", "8", "--lr", "3e-3", "--output-dir", "dpo", *common, cwd=tmp_path)
     run_in_process("grpo.py", "--sft-model-path", "sft", "--reward", "model", "--reward-model-path", "rm",
-                   "--dataset-name", prompt_data, "--num-batches", "2", "--batch-size", "8", "--num-generations", "4",
+                   "--dataset-name", prompt_data, "--num-iterations", "2", "--batch-size", "8", "--num-generations", "4",
                    "--mini-batch-size", "4", "--response-length", "8", "--eval-every", "1", "--lr", "3e-3",
                    "--output-dir", "grpo", cwd=tmp_path)
 
@@ -455,10 +455,12 @@ def test_dropout_is_off_also_where_it_is_a_config_number(tmp_path):
         rm_path = str(tmp_path / f"{arch}_rm")
         AutoModelForSequenceClassification.from_pretrained(base, num_labels=1).save_pretrained(rm_path)
         make_tokenizer("bos").save_pretrained(rm_path)
-        tokenizer, _, policy, ref, reward = dpo.load_dpo_models(dpo.Args(model_name_or_path=base, reward_model_path=rm_path), "cpu")
-        _, _, actor, _, _, critic = rlhf_ppo.load_rlhf_models(rlhf_ppo.Args(sft_model_path=base, reward_model_path=rm_path), "cpu")
-        tok = reward_model.load_tokenizer(rm_path, "")
-        trained_rm = reward_model.load_reward_model(reward_model.Args(model_name_or_path=rm_path), tok, [tok.eos_token_id], "cpu")
+        tokenizer = dpo.load_tokenizer(base, "")
+        # what dpo, rlhf_ppo and grpo load as the policy and the critic, and reward_model.py as the model it trains
+        policy = dpo.load_model(base, "lm", torch.float32, dpo.load_config(base, "lm"))
+        actor = rlhf_ppo.load_model(base, "lm", torch.float32, rlhf_ppo.load_config(base, "lm"))
+        critic = rlhf_ppo.load_model(rm_path, "score", torch.float32, rlhf_ppo.load_config(rm_path, "score"))
+        trained_rm = reward_model.load_model(rm_path, "score", torch.float32, reward_model.load_config(rm_path, "score"))
         ids = torch.tensor([tokenizer("sort 3 1 2: 1 2 3")["input_ids"] * 4])
         for model in (policy, actor, critic, trained_rm):
             model.train()
@@ -501,8 +503,10 @@ def test_mixed_margins_and_held_out_prompts(tiny_checkpoints, tmp_path):
     run_in_process("reward_model.py", "--model-name-or-path", str(tiny_checkpoints["sft"]), "--dataset-name",
                    "prefs.jsonl", "--max-steps", "2", "--batch-size", "4", "--output-dir", "rm", cwd=tmp_path)
     (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": f"sort {i}:"}) for i in range(100)))
-    train, evals, targets = rlhf_ppo.load_prompts(rlhf_ppo.Args(dataset_name=str(tmp_path / "prompts.jsonl")))
-    assert len(evals) == 10 and not set(train) & set(evals) and len(train) == 90 and targets is None
+    train, evals = rlhf_ppo.load_data(rlhf_ppo.Args(dataset_name=str(tmp_path / "prompts.jsonl")), "prompt", 50_000,
+                                      [("prompt",)], "needs a `prompt` column")
+    train, evals = [row["prompt"] for row in train], [row["prompt"] for row in evals]
+    assert len(evals) == 10 and not set(train) & set(evals) and len(train) == 90
 
 
 def test_pad_token_reuses_an_unused_special_token_and_never_shrinks_the_vocabulary():

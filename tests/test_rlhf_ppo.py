@@ -4,7 +4,8 @@ import os
 
 import pytest
 import torch
-from conftest import PositionLogits, assert_one_line_error, by_hand, read_scalars, run_script, same_seed_scalars
+from conftest import assert_one_line_error, read_scalars, run_script, same_seed_scalars
+from lm_models import PositionLogits, by_hand
 
 import rlhf_ppo
 

@@ -1,0 +1,90 @@
+"""Small environments whose right answers are known, and spies on the RL scripts, for their wiring tests."""
+import gymnasium as gym
+import numpy as np
+
+
+class CountingEnv(gym.Env):
+    """Random rewards, random terminations, a time limit of 7 (registered below); it records the
+    true return of every finished episode and counts every step it is asked to take."""
+
+    finished_returns: list = []
+    steps_taken = 0
+    observation_space = gym.spaces.Box(-1.0, 1.0, (3,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        if getattr(self, "episode_steps", 0) > 0:
+            CountingEnv.finished_returns.append(self.episode_return)
+        self.episode_return, self.episode_steps = 0.0, 0
+        return self.np_random.uniform(-1, 1, 3).astype(np.float32), {}
+
+    def step(self, action):
+        CountingEnv.steps_taken += 1
+        reward = float(self.np_random.uniform(0, 1)) + float(action)
+        self.episode_return += reward
+        self.episode_steps += 1
+        terminated = bool(self.np_random.uniform() < 0.15)
+        return self.np_random.uniform(-1, 1, 3).astype(np.float32), reward, terminated, False, {}
+
+
+class ClockEnv(gym.Env):
+    """The observation is (t / 10, 0.5) at step t of the episode; reward 1 per step. Episodes of even
+    number terminate after 2 steps; the others run until the time limit of 3 (registered below) cuts
+    them. So a truncation's real final observation is (0.3, 0.5), while the reset one is (0, 0.5)."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    actions_received: list = []
+
+    def __init__(self, continuous=False, render_mode=None):
+        self.action_space = gym.spaces.Box(-2.0, 2.0, (1,), np.float32) if continuous else gym.spaces.Discrete(2)
+        self.episode = -1
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t, self.episode = 0, self.episode + 1
+        return np.array([0.0, 0.5], dtype=np.float32), {}
+
+    def step(self, action):
+        ClockEnv.actions_received.append(action)
+        self.t += 1
+        terminated = self.episode % 2 == 0 and self.t == 2
+        return np.array([self.t / 10, 0.5], dtype=np.float32), 1.0, terminated, False, {}
+
+
+gym.register("CountingEnv-v0", entry_point=CountingEnv, max_episode_steps=7)
+gym.register("Clock-v0", entry_point=ClockEnv, max_episode_steps=3)
+gym.register("ClockBox-v0", entry_point=ClockEnv, kwargs={"continuous": True}, max_episode_steps=3)
+
+
+def record_agents(module, monkeypatch):
+    """Replace `module.Agent` by a subclass that remembers its instances; returns the list."""
+    agents = []
+
+    class RecordedAgent(module.Agent):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            agents.append(self)
+
+    monkeypatch.setattr(module, "Agent", RecordedAgent)
+    return agents
+
+
+def first_gae_inputs(module, monkeypatch):
+    """Wrap `module.compute_gae` to keep the inputs of its first call, together with the values the
+    agent gives then to the observations (t/10, 0.5), t = 0..3; returns the dict it fills."""
+    import torch
+
+    agents, seen = record_agents(module, monkeypatch), {}
+    real = module.compute_gae
+
+    def spy(rewards, values, last_value, terminations, truncations, final_values, gamma, gae_lambda):
+        if not seen:
+            clock = torch.tensor([[t / 10, 0.5] for t in range(4)])
+            with torch.no_grad():
+                seen.update(rewards=rewards.copy(), terminations=terminations.copy(), truncations=truncations.copy(),
+                            final_values=final_values.copy(), clock_values=agents[0].get_value(clock).numpy())
+        return real(rewards, values, last_value, terminations, truncations, final_values, gamma, gae_lambda)
+
+    monkeypatch.setattr(module, "compute_gae", spy)
+    return seen
