@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # grpo.py on the built-in task from models/sft (run sft.py and reward_model.py first): the default and the
 # variants of the README, each timed, then the README tables. Run it on an otherwise idle machine.
-#   bash benchmarks/grpo.sh
+#   bash benchmarks/grpo_variants.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 for cmd in "grpo.py" \

@@ -1,6 +1,6 @@
 """Plot the adaptive β of ppo_kl.py runs (log scale) and the KL of each update, as an SVG.
 
-    python benchmarks/plot_beta.py benchmarks/runs docs/ppo_kl_beta.svg
+    python benchmarks/plot_ppo_kl_beta.py benchmarks/runs docs/ppo_kl_beta.svg
 Plain SVG so that no plotting package is needed. Also prints, per run, what docs/rl_notes.md quotes: the 5th
 and 95th percentiles of the KL per update, the share of updates below d_targ/1.5 (after which β halves),
 how many updates doubled β, and the first update from which β stays below 1e-6.

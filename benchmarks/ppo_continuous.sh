@@ -2,7 +2,7 @@
 # Benchmarks of ppo_continuous.py at 1M steps: 3 seeds each on HalfCheetah-v5, Hopper-v5 and Walker2d-v5
 # with the defaults, two runs at a time (one per core, about 10 minutes per run alone here). Writes
 # TensorBoard runs to benchmarks/runs/, then prints the README table and draws the curves.
-#   bash benchmarks/continuous.sh
+#   bash benchmarks/ppo_continuous.sh
 set -euo pipefail
 cd "$(dirname "$0")"
 for seed in 1 2 3; do
@@ -12,5 +12,5 @@ for seed in 1 2 3; do
   done
 done
 wait
-python summarize.py runs
+python summarize_ppo.py runs
 (cd .. && python benchmarks/plot_curves.py)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Benchmarks of ppo_clip.py and ppo_kl.py: 3 seeds each, two runs at a time (one per core).
 # Writes TensorBoard runs to benchmarks/runs/, then prints the README table and draws the curves.
-#   bash benchmarks/discrete.sh
+#   bash benchmarks/ppo_discrete.sh
 set -euo pipefail
 cd "$(dirname "$0")"
 for job in "ppo_clip.py --env-id CartPole-v1" "ppo_clip.py --env-id Acrobot-v1" "ppo_kl.py --env-id CartPole-v1"; do
@@ -13,6 +13,6 @@ for job in "ppo_clip.py --env-id CartPole-v1" "ppo_clip.py --env-id Acrobot-v1" 
 done
 wait
 python ../ppo_kl.py --env-id CartPole-v1 --kl-target 0.001 --exp-name ppo_kl_dtarg0.001 --seed 1 > /dev/null
-python summarize.py runs
-python plot_beta.py runs ../docs/ppo_kl_beta.svg
+python summarize_ppo.py runs
+python plot_ppo_kl_beta.py runs ../docs/ppo_kl_beta.svg
 (cd .. && python benchmarks/plot_curves.py)

@@ -1,7 +1,7 @@
 """Where the time of a classic PPO script goes: cProfile over its main(), grouped into the parts of the loop.
 
-    python benchmarks/rl_profile.py ppo_clip.py --total-timesteps 102400
-    python benchmarks/rl_profile.py ppo_continuous.py --total-timesteps 20480
+    python benchmarks/ppo_profile.py ppo_clip.py --total-timesteps 102400
+    python benchmarks/ppo_profile.py ppo_continuous.py --total-timesteps 20480
 
 Prints each part's seconds and share of main's time (cumulative, so a part includes what it calls; cProfile's own
 overhead inflates the Python-heavy parts, so compare shares between versions, not with wall time).

@@ -2,7 +2,7 @@
 # Throughput of ppo_clip.py and ppo_continuous.py as a ratio to the usual single-file PPO, side by side:
 # each pair runs one after the other, alternating, on an otherwise idle machine, with each program's own
 # defaults (the same network sizes and hyperparameters). Prints each run's final steps/s and the ratios.
-#   bash benchmarks/rl_speed.sh BASELINE_DIR [REPEATS]
+#   bash benchmarks/ppo_speed.sh BASELINE_DIR [REPEATS]
 # BASELINE_DIR holds cleanrl_ppo.py and cleanrl_ppo_continuous_action.py: CleanRL's ppo.py and
 # ppo_continuous_action.py ported to gymnasium 1.x (kept outside this repo; how to make them: docs/rl_notes.md).
 # CartPole-v1 runs the default 500k steps; HalfCheetah-v5 102,400 steps (50 updates; its steps/s is flat after

@@ -1,7 +1,7 @@
 """The trust-region table and figure (PPO paper, Table 1, on discrete tasks): what clipping and the KL
-penalty do in a regime where unconstrained updates overshoot. Reads the runs of trust_region.sh.
+penalty do in a regime where unconstrained updates overshoot. Reads the runs of ppo_trust_region.sh.
 
-    python benchmarks/trust_region.py benchmarks/trust_region/runs docs/curves/trust_region.svg
+    python benchmarks/ppo_trust_region.py benchmarks/trust_region/runs docs/curves/trust_region.svg
 
 Prints, per variant and env, the mean ± std over seeds of: the mean return of the last 100 training
 episodes (the paper's measure), and the learning curve's mean height (the last-100-episode return
@@ -41,7 +41,7 @@ def main(root, out_path):
             for exp, _ in VARIANTS}
     envs = [env for env in ENVS if any(runs[(env, exp)] for exp, _ in VARIANTS)]
     if not envs:
-        sys.exit(f"error: no runs of benchmarks/trust_region.sh in {root}")
+        sys.exit(f"error: no runs of benchmarks/ppo_trust_region.sh in {root}")
     print("| variant | " + " | ".join(f"{env}: final return | curve mean | median KL per update" for env in envs) + " |")
     print("|-|" + "-|-|-|" * len(envs))
     for exp, label in VARIANTS:

@@ -3,7 +3,7 @@
 # in a regime where unconstrained updates overshoot (lr 1e-3 without annealing, 10 epochs; the defaults are
 # 2.5e-4 annealed, 4 epochs). 8 variants × 2 envs × 3 seeds, 200k steps each, JOBS runs at a time (default 2).
 # Writes TensorBoard runs to benchmarks/trust_region/runs/, then prints the table and draws the figure.
-#   bash benchmarks/trust_region.sh
+#   bash benchmarks/ppo_trust_region.sh
 set -euo pipefail
 cd "$(dirname "$0")"
 mkdir -p trust_region && cd trust_region
@@ -26,4 +26,4 @@ for seed in 1 2 3; do
   done
 done
 wait
-cd ../.. && python benchmarks/trust_region.py benchmarks/trust_region/runs docs/curves/trust_region.svg
+cd ../.. && python benchmarks/ppo_trust_region.py benchmarks/trust_region/runs docs/curves/trust_region.svg

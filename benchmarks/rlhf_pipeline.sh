@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The RLHF pipeline on the built-in task with every default, timed, then the README table.
 # Run it on an otherwise idle machine: the times are part of what it measures.
-#   bash benchmarks/rlhf.sh
+#   bash benchmarks/rlhf_pipeline.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 for cmd in "sft.py" "reward_model.py" "rlhf_ppo.py" "dpo.py" \

@@ -1,6 +1,6 @@
 """Summarize benchmark runs: mean ± std over seeds of the mean return of the last 100 training episodes.
 
-    python benchmarks/summarize.py benchmarks/runs
+    python benchmarks/summarize_ppo.py benchmarks/runs
 Groups run directories named <env>__<exp>__<seed>__<time> by (env, exp).
 """
 import collections
