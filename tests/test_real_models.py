@@ -466,6 +466,16 @@ def test_dropout_is_off_also_where_it_is_a_config_number(tmp_path):
             model.train()
             outputs = [model(input_ids=ids).logits for _ in range(2)]
             assert torch.equal(*outputs), (arch, type(model).__name__)
+    # and what main loads: the update runs in train mode, so its first ratio is exactly 1 only without dropout
+    prompts = write_data(tmp_path / "prompts.jsonl", "text_prompts")
+    base, rm_path = str(tmp_path / "llama"), str(tmp_path / "llama_rm")
+    common = ["--sft-model-path", base, "--reward-model-path", rm_path, "--dataset-name", prompts, "--num-iterations",
+              "1", "--batch-size", "8", "--mini-batch-size", "8", "--response-length", "4", "--eval-size", "2"]
+    run_in_process("rlhf_ppo.py", *common, "--output-dir", "ppo", cwd=tmp_path)
+    run_in_process("grpo.py", *common, "--reward", "model", "--num-generations", "4", "--output-dir", "grpo", cwd=tmp_path)
+    for name in ("rlhf_ppo", "grpo"):
+        scalars = read_scalars(str(next((tmp_path / "runs").glob(f"{name}__*"))))
+        assert scalars["policy/first_ratio_max_error"] == [(1, 0.0)], name
 
 
 def test_get_lr_by_hand():
