@@ -14,6 +14,7 @@ policy is fit to preference pairs directly (eq. 7):
 Datasets in TRL's preference formats, text or conversational: `prompt`/`chosen`/`rejected`, or
 `chosen`/`rejected` with the prompt inside each.
 """
+import datetime
 import gc
 import json
 import math
@@ -30,8 +31,10 @@ import torch.nn.functional as F
 import transformers
 import tyro
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
 from torch.utils.tensorboard import SummaryWriter
 
 
@@ -49,10 +52,14 @@ class Args:
     """a reward model used only to report eval/score (skipped when None or missing; must share the SFT tokenizer)"""
     dataset_name: str | None = None
     """hub id, local dataset directory, or .json/.jsonl/.parquet file in TRL's preference format; None: built-in task"""
+    dataset_config: str | None = None
+    """config name of a hub dataset that has several (gsm8k: main)"""
     dataset_split: str = "train"
     """split of --dataset-name to train on (its `test` split, if any, is the eval set)"""
     output_dir: str = "models/dpo"
     """where the trained policy is saved as a Hugging Face checkpoint (atomically)"""
+    save_dtype: str | None = None
+    """dtype of the saved weights (float32, bfloat16, float16); None: that of --model-name-or-path"""
 
     loss_type: str = "sigmoid"
     """sigmoid (DPO), ipo (Azar et al. 2023; on summed log-probs as in the paper, where TRL averages them per
@@ -70,8 +77,8 @@ class Args:
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass (less memory, one more forward pass of compute)"""
     eval_batch_size: int = 128
-    """pairs or prompts per forward pass (and per generate call) in evaluation and in the reference's precompute,
-    on each rank"""
+    """prompts per generate call in evaluation, on each rank (the forward passes of evaluation and of the
+    reference's precompute run in micro-batches of training's size: what fits with gradients fits without)"""
     lr: float = 1e-4
     """peak learning rate of AdamW (a pretrained model wants ~5e-7 to 1e-6; TRL: learning_rate)"""
     warmup_steps: int = 30
@@ -81,11 +88,12 @@ class Args:
     max_length: int = 64
     """longest prompt + completion in tokens: pairs with a longer side are dropped (and counted)"""
     bf16: bool = False
-    """mixed precision: forward and backward autocast to bfloat16 (CUDA or CPU); the policy's weights and AdamW
-    state stay float32, the frozen reference and reward model are held in bfloat16"""
+    """mixed precision: compute in bfloat16 (autocast; FSDP2's MixedPrecisionPolicy under --fsdp), the policy's
+    weights and AdamW state float32. The reference is held and computed exactly as the policy (at the start the
+    margin is exactly 0); the reward model is held in bfloat16"""
     fsdp: bool = False
-    """under torchrun, shard the policy, its gradients and AdamW state across the ranks (FSDP2) instead of a full
-    copy on each (DDP): for models whose training state does not fit one device (the frozen models stay whole)"""
+    """under torchrun, shard the policy, its gradients and AdamW state, and the frozen models, across the ranks
+    (FSDP2) instead of a full copy on each (DDP): for models that do not fit one device"""
     num_train_pairs: int = 20_000
     """size of the built-in task's training set"""
     eval_every: int = 100
@@ -142,9 +150,11 @@ def sequence_logps(model, input_ids, attention_mask, labels):
 @torch.no_grad()
 def response_logps(model, sequences, attention_mask, context_length, temperature):
     """Σ_t log π(a_t | s_t) over each sampled response's valid tokens."""
-    logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_of(attention_mask)).logits
-    logits = logits[:, context_length - 1 : -1] / temperature
-    return (token_logprobs(logits, sequences[:, context_length:]) * attention_mask[:, context_length:]).sum(1)
+    scored = sequences.shape[1] - context_length + 1  # the logits of the response positions only
+    logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_of(attention_mask),
+                   logits_to_keep=scored).logits[:, :-1]
+    logprobs = token_logprobs(logits, sequences[:, context_length:], temperature=temperature)
+    return (logprobs * attention_mask[:, context_length:]).sum(1)
 
 
 def check_args(args):
@@ -166,7 +176,9 @@ def main(args: Args):
     torch.manual_seed(args.seed + rank)  # sampling: a stream of its own on each rank
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
+    amp = lambda: autocast(device, args)  # noqa: E731  --bf16 without FSDP
+    per_rank = args.batch_size // world_size
+    micro_size = per_rank // args.gradient_accumulation_steps
 
     # Preference pairs; on the built-in task, the eval prompts of sft.py and rlhf_ppo.py too, so that the sampled
     # evaluations of all three compare directly (with a dataset, the prompts of the eval pairs are sampled)
@@ -185,24 +197,27 @@ def main(args: Args):
     if has_reward:
         reward_tokenizer = load_tokenizer(args.reward_model_path, "pass an existing directory")
     stop_ids = stop_token_ids(tokenizer)
-    frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32
+    save_dtype = save_dtype_of(args, path)
     config = load_config(path, "lm")
     raw_policy = load_model(path, "lm", torch.float32, config)  # π_θ (raw: to sample and save)
-    ref = load_model(path, "lm", frozen_dtype, config)  # π_ref
+    ref = load_model(path, "lm", torch.float32, config)  # π_ref: held and computed as π_θ, so that they agree at step 0
     reward = None
-    if has_reward:
-        reward = load_model(args.reward_model_path, "score", frozen_dtype, load_config(args.reward_model_path, "score"))
+    if has_reward:  # only scored, never compared with the policy: bfloat16 under --bf16
+        reward = load_model(args.reward_model_path, "score", torch.bfloat16 if args.bf16 else torch.float32,
+                            load_config(args.reward_model_path, "score"))
     frozen = [model for model in (ref, reward) if model is not None]
-    prepare_models(tokenizer, stop_ids, device, [raw_policy, *frozen], frozen)
+    prepare_models(tokenizer, stop_ids, [raw_policy, *frozen], frozen)
     if reward is not None:
         check_same_vocabulary(tokenizer, reward_tokenizer, stop_ids,
                               f"the reward model {args.reward_model_path!r} has another tokenizer than {path!r}; pass "
                               "--reward-model-path of one trained from this model, or None")
     if args.gradient_checkpointing:
         raw_policy.activation_checkpointing_enable({"use_reentrant": False})
-    # the trained policy is data-parallel; the frozen models are whole on every rank (in bf16 with --bf16, they
-    # take 2 bytes per parameter where the policy's weights, gradients and AdamW state take 16)
-    policy = wrap_model(raw_policy, device, args.fsdp)
+    # the trained policy is data-parallel; the frozen models are whole on every rank, or sharded with --fsdp
+    policy = place_model(raw_policy, device, args)
+    ref = place_model(ref, device, args, trained=False)
+    if reward is not None:
+        reward = place_model(TokenScorer(reward), device, args, trained=False)  # its forward: a score per position
 
     # each pair: ((chosen ids, labels), (rejected ids, labels)), the labels on the completion and its stop token only
     train, evals, eval_pair_prompts = [], [], []
@@ -232,8 +247,8 @@ def main(args: Args):
 
     @torch.no_grad()
     def logps_in_chunks(model, pairs):
-        """logps_of over many pairs, --eval-batch-size at a time."""
-        parts = [logps_of(model, pairs[i : i + args.eval_batch_size]) for i in range(0, len(pairs), args.eval_batch_size)]
+        """logps_of over many pairs, a training micro-batch at a time (what fits with gradients fits without)."""
+        parts = [logps_of(model, pairs[i : i + micro_size]) for i in range(0, len(pairs), micro_size)]
         return torch.cat([c for c, _ in parts]), torch.cat([r for _, r in parts])
 
     # The reference never changes: its log-probs are computed once, before training, each rank computing
@@ -301,8 +316,6 @@ def main(args: Args):
     evaluate(0)
     policy.train()
     order, position = list(range(len(train))), len(train)
-    per_rank = args.batch_size // world_size
-    micro_size = per_rank // args.gradient_accumulation_steps
     start_time = time.time()
     for step in range(1, args.max_steps + 1):
         if position + args.batch_size > len(order):  # a new pass over the data, reshuffled
@@ -318,6 +331,7 @@ def main(args: Args):
         parts = []  # (loss, chosen, rejected, r_c, r_r) of each micro-batch
         for m in range(rank * per_rank, (rank + 1) * per_rank, micro_size):
             micro = idx[m : m + micro_size]
+            gradient_sync(policy, m + micro_size == (rank + 1) * per_rank)  # once per step, with the last micro-batch
             chosen, rejected = logps_of(policy, [train[i] for i in micro])
             loss, r_c, r_r = dpo_loss(chosen, rejected, ref_chosen[micro], ref_rejected[micro], args.beta, args.loss_type,
                                       args.label_smoothing)
@@ -332,7 +346,7 @@ def main(args: Args):
         optimizer.zero_grad(set_to_none=True)
 
         # ---- log and evaluate: means over the whole batch, sums added up over the ranks -------------
-        if step % 10 == 0:
+        if step % 10 == 0 or step == 1:  # step 1: the batch as the reference saw it (margin exactly 0)
             sums = all_reduce_sum({"loss": loss * per_rank, "reward_chosen": r_c.sum(), "reward_rejected": r_r.sum(),
                                    "correct": (r_c > r_r).sum(), "logps_chosen": chosen.sum(),
                                    "logps_rejected": rejected.sum()}, device)
@@ -349,7 +363,7 @@ def main(args: Args):
         if step % args.eval_every == 0 or step == args.max_steps:
             evaluate(step)
 
-    save_atomically(raw_policy, tokenizer, args, args.output_dir)
+    save_atomically(raw_policy, tokenizer, args, args.output_dir, save_dtype)
     print(f"saved to {args.output_dir} after {time.time() - start_time:.0f} s")
     writer.close()
 
@@ -638,9 +652,10 @@ def tokenize_prompts(tokenizer, prompts, max_prompt_length, split):
 # ---------------------------------------------------------------------------------------------
 # Data and models
 # ---------------------------------------------------------------------------------------------
-def load_rows(name, split, eval_size):
-    """(train rows, eval rows) of a dataset: a hub id, a `save_to_disk` directory or a .json/.jsonl/.parquet
-    file. The eval rows are its `test` split, or else the first rows of `split` (at most a tenth), held out."""
+def load_rows(name, config, split, eval_size):
+    """(train rows, eval rows) of a dataset: a hub id (with its config name, if it has several: gsm8k "main"),
+    a `save_to_disk` directory or a .json/.jsonl/.parquet file. The eval rows are its `test` split, or else
+    the first rows of `split` (at most a tenth), held out."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -652,7 +667,7 @@ def load_rows(name, split, eval_size):
         elif os.path.isdir(name) and os.path.exists(os.path.join(name, "dataset_dict.json")):
             data = datasets.load_from_disk(name)
         else:
-            data = datasets.load_dataset(name)
+            data = datasets.load_dataset(name, config)
     except Exception as e:  # noqa: BLE001  any loading failure becomes one line
         sys.exit(f"error: cannot load dataset {name!r}: {str(e).splitlines()[0]}")
     if split not in data:
@@ -669,7 +684,7 @@ def load_data(args, kind, num_train, accepts, needs):
     dataset's, which must have every column of one of the sets in `accepts` (`needs` says so in words)."""
     if args.dataset_name is None:
         return task_rows(args.seed, "train", num_train, kind), task_rows(args.seed, "eval", args.eval_size, kind)
-    train, evals = load_rows(args.dataset_name, args.dataset_split, args.eval_size)
+    train, evals = load_rows(args.dataset_name, args.dataset_config, args.dataset_split, args.eval_size)
     columns = sorted(train[0]) if train else []
     if not any(set(columns) >= set(accepted) for accepted in accepts):
         sys.exit(f"error: dataset {args.dataset_name!r} has columns {columns}; {os.path.basename(__file__)} {needs}")
@@ -723,15 +738,28 @@ def load_model(path, head, dtype, config=None):
         sys.exit(f"error: cannot load a model from {path!r}: {str(e).splitlines()[0]}")
 
 
-def prepare_models(tokenizer, stop_ids, device, models, frozen=()):
-    """Give the tokenizer a pad token (growing the models' embeddings if it needs a new id), tell every model
-    its id, and move them to the device; the `frozen` ones among them go to eval mode without gradients."""
+def prepare_models(tokenizer, stop_ids, models, frozen=()):
+    """Give the tokenizer a pad token (growing the models' embeddings if it needs a new id) and tell every
+    model its id; the `frozen` ones among them go to eval mode without gradients. The models stay on the CPU:
+    place_model puts them on the device, whole or sharded."""
     add_pad_token(tokenizer, stop_ids, *models)
     for model in models:
         model.config.pad_token_id = tokenizer.pad_token_id
-        model.to(device)
     for model in frozen:
         model.eval().requires_grad_(False)
+
+
+def save_dtype_of(args, path):
+    """The dtype a trained model is saved in: --save-dtype, or else that of the checkpoint at `path` (float32
+    for a model built from scratch), so that a bf16 checkpoint comes back in bf16, not twice its size."""
+    from transformers import AutoConfig
+
+    if args.save_dtype is not None:
+        if args.save_dtype not in ("float32", "bfloat16", "float16"):
+            sys.exit(f"error: --save-dtype {args.save_dtype!r}: choose float32, bfloat16 or float16")
+        return getattr(torch, args.save_dtype)
+    dtype = AutoConfig.from_pretrained(path).dtype if path is not None else None
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype or torch.float32
 
 
 def check_same_vocabulary(tokenizer, reward_tokenizer, stop_ids, message):
@@ -759,19 +787,33 @@ def collate(batch, pad_token_id):
     return input_ids, attention_mask, labels
 
 
-def token_logprobs(logits, tokens, with_entropy=False):
-    """log π(token) = logit(token) − logsumexp(logits) at each position, and optionally the entropy
-    H = logsumexp − Σ softmax · logits, one sequence at a time: no float32 copy of the whole
-    [batch, length, vocabulary] logits is made (at a 128k vocabulary that copy is the largest tensor)."""
-    logprobs, entropies = [], []
-    for row, row_tokens in zip(logits, tokens):
-        row = row.float()
-        logsumexp = torch.logsumexp(row, -1)
-        logprobs.append(row.gather(-1, row_tokens.unsqueeze(-1)).squeeze(-1) - logsumexp)
-        if with_entropy:
-            with torch.no_grad():
-                entropies.append(logsumexp - (torch.softmax(row, -1) * row).sum(-1))
-    return (torch.stack(logprobs), torch.stack(entropies)) if with_entropy else torch.stack(logprobs)
+def rowwise(fn, *tensors):
+    """fn over one row (sequence) of `tensors` at a time, the results stacked. With gradients on, each row's
+    forward is recomputed in the backward pass (activation checkpointing), so that the float32 intermediates
+    of a row of logits ([length, vocabulary], 0.5 GB at 1,024 tokens and 128k) exist one row at a time and
+    only the logits themselves, as the model returned them, are kept for the backward pass."""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return torch.stack([checkpoint(fn, *row, use_reentrant=False) if grad else fn(*row) for row in zip(*tensors)])
+
+
+def token_logprobs(logits, tokens, with_entropy=False, temperature=1.0):
+    """log π(token) = z(token) − logsumexp(z) at each position, z = logits / temperature in float32 (as
+    `generate` samples: its logits are float32 before the temperature divides them), and optionally the
+    entropy H = logsumexp(z) − Σ softmax(z)·z. Row by row (see rowwise): no float32 [batch, length,
+    vocabulary] tensor is made or kept."""
+    def row_logprobs(row, row_tokens):
+        z = row.float() / temperature
+        return z.gather(-1, row_tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, -1)
+
+    def row_entropy(row):
+        z = row.float() / temperature
+        return torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
+
+    logprobs = rowwise(row_logprobs, logits, tokens)
+    if not with_entropy:
+        return logprobs
+    with torch.no_grad():
+        return logprobs, rowwise(row_entropy, logits)
 
 
 def position_ids_of(attention_mask):
@@ -788,17 +830,22 @@ def last_token_index(attention_mask):
 
 def response_logprobs(model, sequences, attention_mask, context_length, temperature):
     """log π(a_t | s_t) of each response token and the entropy of π(·|s_t), from one forward pass over
-    prompt + response. Logits are divided by the sampling temperature, as when sampling."""
-    logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_of(attention_mask)).logits
-    logits = logits[:, context_length - 1 : -1] / temperature  # position t predicts token t + 1
-    return token_logprobs(logits, sequences[:, context_length:], with_entropy=True)
+    prompt + response, with the logits of the scored positions only (not of every prompt position), divided
+    by the sampling temperature in float32 as when sampling."""
+    scored = sequences.shape[1] - context_length + 1  # position t predicts token t + 1: context_length − 1 onwards
+    logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_of(attention_mask),
+                   logits_to_keep=scored).logits[:, :-1]
+    return token_logprobs(logits, sequences[:, context_length:], with_entropy=True, temperature=temperature)
 
 
 def token_scores(model, sequences, attention_mask):
-    """The scalar head of a sequence-classification model on every position: [batch, length]."""
+    """The scalar head of a sequence-classification model on every position: [batch, length], computed in
+    float32 (a value or reward is one number: it gets float32's precision, not bfloat16's 3 digits)."""
     hidden = model.base_model(input_ids=sequences, attention_mask=attention_mask,
                               position_ids=position_ids_of(attention_mask)).last_hidden_state
-    return model.score(hidden).squeeze(-1).float()
+    head = model.score
+    with torch.autocast(hidden.device.type, enabled=False):
+        return F.linear(hidden.float(), head.weight.float(), None if head.bias is None else head.bias.float()).squeeze(-1)
 
 
 class TokenScorer(torch.nn.Module):
@@ -815,10 +862,10 @@ class TokenScorer(torch.nn.Module):
 
 @torch.no_grad()
 def score_responses(reward, sequences, attention_mask, response_mask, stop_ids, missing_eos_penalty):
-    """The reward model's score at each response's last token, its stop token; `missing_eos_penalty`
-    instead for a response with no stop token in the length sampled (an unfinished answer is not scored).
-    Returns (scores, has_stop)."""
-    scores = token_scores(reward, sequences, attention_mask)[torch.arange(len(sequences)), last_token_index(attention_mask)]
+    """The reward model's score (`reward`: a TokenScorer, or FSDP around one) at each response's last token, its
+    stop token; `missing_eos_penalty` instead for a response with no stop token in the length sampled (an
+    unfinished answer is not scored). Returns (scores, has_stop)."""
+    scores = reward(sequences, attention_mask)[torch.arange(len(sequences)), last_token_index(attention_mask)]
     responses = sequences[:, -response_mask.shape[1] :]
     has_stop = (torch.isin(responses, torch.tensor(stop_ids, device=responses.device)) & response_mask.bool()).any(1)
     return torch.where(has_stop, scores, torch.full_like(scores, missing_eos_penalty)), has_stop
@@ -844,12 +891,22 @@ def sample(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperatur
     width = max(len(p) for p in prompt_ids)
     input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompt_ids], device=model.device)
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=model.device)
-    model.generation_config = GenerationConfig(eos_token_id=stop_ids, pad_token_id=pad_token_id)
     config = GenerationConfig(do_sample=not greedy, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
                               eos_token_id=stop_ids, pad_token_id=pad_token_id)
-    # under torchrun every rank keeps stepping until all are done: a sharded model needs all ranks in each step
-    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
-                         synced_gpus=dist.is_initialized())
+    checkpoint_config, model.generation_config = model.generation_config, GenerationConfig()  # its defaults unset
+    # Under FSDP: every block gathered once for the whole generate call, not once per token
+    sharded = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    for module in sharded:
+        module.unshard()
+        module.set_reshard_after_forward(False, recurse=False)
+    try:  # under torchrun every rank keeps stepping until all are done: a sharded model needs all ranks in each step
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                             synced_gpus=dist.is_initialized())
+    finally:
+        model.generation_config = checkpoint_config  # saved with the model as it came
+        for module in sharded:
+            module.reshard()
+            module.set_reshard_after_forward(module is not model, recurse=False)  # fully_shard's default
     responses = F.pad(out[:, width:], (0, max_new_tokens - (out.shape[1] - width)), value=pad_token_id)
     is_stop = torch.isin(responses, torch.tensor(stop_ids, device=responses.device))
     # 1 up to and including the first stop token: a token is valid while no stop token came strictly before it
@@ -879,6 +936,11 @@ def decode(tokenizer, sequences, context_length, response_mask):
 # its share of every batch, and the gradients are averaged. Under plain `python X.py` these helpers
 # change nothing.
 # ---------------------------------------------------------------------------------------------
+# How long a rank waits in a collective for the others: long enough for rank 0 to gather and write a
+# checkpoint of an 8B model (16-32 GB) while the others wait at the barrier after it (NCCL's default is 10 min).
+PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=60)
+
+
 def setup_distributed(cuda):
     """(rank, world_size, device). Under torchrun, which sets RANK, WORLD_SIZE and LOCAL_RANK, join the
     process group: NCCL with one GPU per process, or gloo on the CPU. Ranks other than 0 print nothing
@@ -888,32 +950,64 @@ def setup_distributed(cuda):
     if torch.cuda.is_available() and cuda:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, timeout=PROCESS_GROUP_TIMEOUT)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
     if dist.get_rank() != 0:
         sys.stdout = open(os.devnull, "w")
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def wrap_model(model, device, fsdp):
-    """A trained model made data-parallel (the model itself in one process). Every rank first takes rank 0's
-    weights: a model built from scratch, or a new scalar head, starts from other random values on each.
-    Then DDP, a full copy per rank with the gradients averaged during the backward pass; or, with --fsdp,
-    FSDP2: parameters, gradients and AdamW state sharded across the ranks, each transformer block gathered
-    only while it computes. Build the optimizer after this (FSDP2 replaces the parameters)."""
+def autocast(device, args):
+    """--bf16 as torch.autocast: matrix products in bfloat16 over float32 weights. Off under FSDP, whose
+    MixedPrecisionPolicy (place_model) casts the weights themselves: autocast there would keep a bfloat16
+    copy of every gathered weight, the full-size copy that sharding is there to avoid."""
+    enabled = args.bf16 and not (args.fsdp and dist.is_initialized())
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
+def place_model(model, device, args, trained=True):
+    """Put a model on the device. In one process: moved there whole. Under torchrun every rank first takes rank
+    0's weights (a model built from scratch, or a new scalar head, starts from other random values on each),
+    one tensor at a time through the device. Then without --fsdp: a full copy per rank, and a trained model
+    in DDP (gradients averaged in the backward pass). With --fsdp: FSDP2 shards the model while it is still
+    on the CPU, so that each rank's device receives only its shard of every weight (and one block whole
+    while it is cut); each transformer block is gathered only while it computes. Trained and frozen models
+    alike: the frozen ones are what --fsdp is for too at 7-8B. With --bf16, FSDP's MixedPrecisionPolicy:
+    the weights are gathered and computed with in bfloat16 and the gradients reduced in float32, the kept
+    weights and AdamW state float32. Build the optimizer after this (FSDP2 replaces the parameters)."""
     if not dist.is_initialized():
-        return model
+        return model.to(device)
     for tensor in model.state_dict().values():
-        dist.broadcast(tensor, src=0)
-    if not fsdp:
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        moved = tensor.to(device)
+        dist.broadcast(moved, src=0)
+        tensor.copy_(moved)
+    if not args.fsdp:
+        model.to(device)
+        if not trained:
+            return model
+        config = next(m.config for m in model.modules() if hasattr(m, "config"))
+        # a mixture of experts routes each batch to some experts only: the others get no gradient this step
+        moe = any(getattr(config, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                       find_unused_parameters=moe)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else MixedPrecisionPolicy()
     block_names = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or []}
     for module in model.modules():
         if type(module).__name__ in block_names:
-            fully_shard(module)
-    return fully_shard(model)
+            fully_shard(module, mesh=mesh, mp_policy=policy)
+    return fully_shard(model, mesh=mesh, mp_policy=policy).to(device)
+
+
+def gradient_sync(model, enabled):
+    """Whether the next backward passes of a DDP model average the gradients over the ranks: off for every
+    micro-batch of an optimizer step but the last, so that the gradients cross the network once per step.
+    FSDP2 keeps reducing every micro-batch: each rank holds only its shard of the gradients, where skipping
+    the reduction would hold the whole float32 gradient (32 GB at 8B) on every rank until the last one."""
+    if isinstance(model, DistributedDataParallel):
+        model.require_backward_grad_sync = enabled
 
 
 def shard(items, rank, world_size):
@@ -973,33 +1067,54 @@ def check_finite(step, **values):
                      "(lower --lr; with a half-precision model, train without --bf16 to check)")
 
 
-def save_atomically(model, tokenizer, args, output_dir):
-    """Save a Hugging Face model (the one inside any DDP wrapper) so that a crash never leaves a half-written
-    checkpoint: rank 0 writes to a temporary directory, then renames it. Every rank calls this: under FSDP
-    they first gather the full weights together, and all wait for the write to finish."""
-    state_dict = None
+def save_atomically(model, tokenizer, args, output_dir, dtype):
+    """Save a Hugging Face model (the one inside any DDP wrapper), its weights in `dtype` (save_dtype_of), so
+    that a crash never leaves a half-written checkpoint: rank 0 writes to a temporary directory, then renames
+    it. Every rank calls this: under FSDP they first gather the full weights (to rank 0's CPU memory), and all
+    learn whether the write worked: if not, every node says so in one line and nothing is left half-written.
+    On several nodes without a shared filesystem the checkpoint is on the first node only: the others say so."""
     if any(isinstance(module, FSDPModule) for module in model.modules()):
         state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
-        state_dict = {k: v for k, v in state_dict.items() if k in names}  # a tied weight once, under its first name
+    else:
+        state_dict = model.state_dict()
+    names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+    problem = None
     if not dist.is_initialized() or dist.get_rank() == 0:
+        # a tied weight once, under its first name; floating-point weights in the dtype asked for
+        state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items() if k in names}
         tmp_dir = f"{output_dir.rstrip('/')}.tmp-{os.getpid()}"
-        model.save_pretrained(tmp_dir, state_dict=state_dict)
-        tokenizer.save_pretrained(tmp_dir)
-        with open(os.path.join(tmp_dir, "training_args.json"), "w") as f:
-            json.dump(vars(args), f, indent=2)
-        if os.path.exists(output_dir):
-            shutil.rmtree(output_dir)
-        os.replace(tmp_dir, output_dir)
+        try:
+            model.save_pretrained(tmp_dir, state_dict=state_dict)
+            with open(os.path.join(tmp_dir, "config.json")) as f:
+                config = json.load(f)
+            with open(os.path.join(tmp_dir, "config.json"), "w") as f:  # the dtype the weights are saved in
+                json.dump({**config, "dtype": str(dtype).removeprefix("torch.")}, f, indent=2)
+            tokenizer.save_pretrained(tmp_dir)
+            with open(os.path.join(tmp_dir, "training_args.json"), "w") as f:
+                json.dump(vars(args), f, indent=2)
+            if os.path.exists(output_dir):
+                shutil.rmtree(output_dir)
+            os.replace(tmp_dir, output_dir)
+        except OSError as e:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            problem = f"error: cannot write the checkpoint to {output_dir!r}: {e}; nothing was saved"
     if dist.is_initialized():
-        dist.barrier()
+        failed = torch.tensor([float(problem is not None)], device=next(model.parameters()).device)
+        dist.all_reduce(failed)  # rank 0's outcome, known to every rank
+        if failed.item() and problem is None:
+            problem = f"error: rank 0 could not write the checkpoint to {output_dir!r} (its line says why); nothing was saved"
+    if problem is not None:
+        sys.exit(problem)
+    if os.environ.get("LOCAL_RANK", "0") == "0" and not os.path.isdir(output_dir):
+        print(f"note: the checkpoint {output_dir!r} is on the first node only (this node does not share its "
+              "filesystem): copy it from there", file=sys.stderr)
 
 
 if __name__ == "__main__":
     try:
         main(tyro.cli(Args, description=__doc__))
-    except SystemExit as e:  # under torchrun every rank stops on the same bad input: rank 0 alone says so
-        if isinstance(e.code, str) and os.environ.get("RANK", "0") != "0":
+    except SystemExit as e:  # under torchrun every rank stops on the same bad input: one line per node says so
+        if isinstance(e.code, str) and os.environ.get("LOCAL_RANK", "0") != "0":
             sys.exit(1)
         raise
     if dist.is_initialized():

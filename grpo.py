@@ -19,6 +19,7 @@ scaling (--no-scale-rewards, Dr. GRPO), the loss over all tokens (--loss-type da
     python grpo.py --advantage rloo                      # RLOO
     python grpo.py --sft-model-path my-sft --dataset-name math.jsonl --reward gold-exact --lr 1e-6 --bf16
 """
+import datetime
 import gc
 import json
 import math
@@ -35,8 +36,10 @@ import torch.nn.functional as F
 import transformers
 import tyro
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
 from torch.utils.tensorboard import SummaryWriter
 
 
@@ -58,10 +61,14 @@ class Args:
     dataset_name: str | None = None
     """hub id, local dataset directory, or .json/.jsonl/.parquet file with a `prompt` column (text or
     conversational), and a `target` column for the gold rewards; None: built-in task"""
+    dataset_config: str | None = None
+    """config name of a hub dataset that has several (gsm8k: main)"""
     dataset_split: str = "train"
     """split of --dataset-name to draw prompts from"""
     output_dir: str = "models/grpo"
     """where the trained policy is saved as a Hugging Face checkpoint (atomically)"""
+    save_dtype: str | None = None
+    """dtype of the saved weights (float32, bfloat16, float16); None: that of --sft-model-path"""
 
     num_iterations: int = 120
     """rollout-then-update rounds, as in rlhf_ppo.py and CleanRL (TRL's max_steps counts optimizer steps instead)"""
@@ -80,7 +87,7 @@ class Args:
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass (less memory, one more forward pass of compute)"""
     generation_batch_size: int = 256
-    """prompts per generate call and per forward pass in evaluation, on each rank (the KV cache grows with it)"""
+    """prompts per generate call, on each rank (the KV cache grows with it; forward passes run in micro-batches)"""
     lr: float = 1e-4
     """AdamW learning rate (a pretrained model wants ~1e-6; CleanRL, TRL: learning_rate)"""
     anneal_lr: bool = True
@@ -90,11 +97,12 @@ class Args:
     max_prompt_length: int = 64
     """prompts longer than this many tokens are dropped (and counted), never cut"""
     bf16: bool = False
-    """mixed precision: forward and backward autocast to bfloat16 (CUDA or CPU); the policy's weights and AdamW
-    state stay float32, the frozen reference and reward model are held in bfloat16"""
+    """mixed precision: compute in bfloat16 (autocast; FSDP2's MixedPrecisionPolicy under --fsdp), the policy's
+    weights and AdamW state float32. The reference is held and computed exactly as the policy (before the first
+    update the KL is exactly 0); the reward model is held in bfloat16"""
     fsdp: bool = False
-    """under torchrun, shard the policy, its gradients and AdamW state across the ranks (FSDP2) instead of a full
-    copy on each (DDP): for models whose training state does not fit one device (the frozen models stay whole)"""
+    """under torchrun, shard the policy, its gradients and AdamW state, and the frozen models, across the ranks
+    (FSDP2) instead of a full copy on each (DDP): for models that do not fit one device"""
     temperature: float = 1.0
     """sampling temperature; the log-probs of training divide the logits by it too"""
     advantage: str = "grpo"
@@ -176,6 +184,13 @@ def clipped_surrogate(logprobs, old_logprobs, advantages, epsilon_low, epsilon_h
     return -torch.min(ratio * advantages, torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * advantages), ratio
 
 
+def clipped_tokens(ratio, advantages, epsilon_low, epsilon_high):
+    """1 where the clip is active, the token's gradient cut off: ρ_t below 1 − ε_low with Â < 0, or above
+    1 + ε_high with Â > 0 (out of the band on the other side, min() keeps the unclipped term). As TRL counts it."""
+    advantages = advantages.unsqueeze(1)
+    return ((ratio < 1 - epsilon_low) & (advantages < 0)) | ((ratio > 1 + epsilon_high) & (advantages > 0))
+
+
 def aggregate_loss(per_token_loss, mask, loss_type, num_sequences, num_tokens, max_completion_length):
     """The per-token losses l_it of a (micro-)batch as one number. The normalizers are those of the whole
     minibatch, so that the losses of its micro-batches (and ranks) add up to its loss:
@@ -232,7 +247,7 @@ def main(args: Args):
     torch.manual_seed(args.seed + rank)  # sampling: a stream of its own on each rank
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
+    amp = lambda: autocast(device, args)  # noqa: E731  --bf16 without FSDP
 
     # Prompts, and the verifiable answers (`target`) that the gold rewards compare with
     train_rows, eval_rows = load_data(args, "prompt", 50_000, [("prompt",)], "needs a `prompt` column")
@@ -253,22 +268,29 @@ def main(args: Args):
     if args.reward == "model":
         reward_tokenizer = load_tokenizer(args.reward_model_path, "run `python reward_model.py` first or pass a path")
     stop_ids = stop_token_ids(tokenizer)
-    frozen_dtype = torch.bfloat16 if args.bf16 else torch.float32
+    save_dtype = save_dtype_of(args, args.sft_model_path)
     config = load_config(args.sft_model_path, "lm")
     raw_policy = load_model(args.sft_model_path, "lm", torch.float32, config)  # π_θ (raw: to sample and save)
-    ref = load_model(args.sft_model_path, "lm", frozen_dtype, config) if args.beta > 0 else None  # π_ref
+    # π_ref: held and computed exactly as π_θ, so that before the first update the KL is exactly 0
+    ref = load_model(args.sft_model_path, "lm", torch.float32, config) if args.beta > 0 else None
     reward = None
-    if args.reward == "model":
-        reward = load_model(args.reward_model_path, "score", frozen_dtype, load_config(args.reward_model_path, "score"))
+    if args.reward == "model":  # only scored, never compared with the policy: bfloat16 under --bf16
+        reward = load_model(args.reward_model_path, "score", torch.bfloat16 if args.bf16 else torch.float32,
+                            load_config(args.reward_model_path, "score"))
     frozen = [model for model in (ref, reward) if model is not None]
-    prepare_models(tokenizer, stop_ids, device, [raw_policy, *frozen], frozen)
+    prepare_models(tokenizer, stop_ids, [raw_policy, *frozen], frozen)
     if reward is not None:
         check_same_vocabulary(tokenizer, reward_tokenizer, stop_ids,
                               f"the reward model {args.reward_model_path!r} has another tokenizer than the SFT model "
                               f"{args.sft_model_path!r}; train it from the SFT model with reward_model.py")
     if args.gradient_checkpointing:
         raw_policy.activation_checkpointing_enable({"use_reentrant": False})
-    policy = wrap_model(raw_policy, device, args.fsdp)  # data-parallel; the frozen models are whole on every rank
+    # the trained policy is data-parallel; the frozen models are whole on every rank, or sharded with --fsdp
+    policy = place_model(raw_policy, device, args)
+    if ref is not None:
+        ref = place_model(ref, device, args, trained=False)
+    if reward is not None:
+        reward = place_model(TokenScorer(reward), device, args, trained=False)  # its forward: a score per position
 
     kept, train_ids = tokenize_prompts(tokenizer, train_prompts, args.max_prompt_length, "train")
     if len(train_ids) < args.batch_size // G:
@@ -293,7 +315,7 @@ def main(args: Args):
         score; `--missing-eos-penalty` instead for a completion that has no stop token."""
         if args.reward == "model":
             return forward_in_chunks(lambda s, a, m: score_responses(reward, s, a, m, stop_ids, args.missing_eos_penalty),
-                                     args.generation_batch_size, sequences, attention_mask, response_mask)
+                                     micro_size, sequences, attention_mask, response_mask)
         responses = sequences[:, context_length:]
         has_stop = (torch.isin(responses, torch.tensor(stop_ids, device=device)) & response_mask.bool()).any(1)
         completions = decode(tokenizer, sequences, context_length, response_mask)
@@ -306,7 +328,7 @@ def main(args: Args):
         if not eval_ids:
             return
         policy.eval()
-        size = args.generation_batch_size
+        size = micro_size  # forward passes: what fits with gradients fits without
         mine, weights = shard(list(range(len(eval_ids))), rank, world_size)
         w = torch.tensor(weights, device=device, dtype=torch.float)
         with torch.no_grad(), amp():
@@ -389,6 +411,7 @@ def main(args: Args):
                 optimizer.zero_grad()
                 for micro in range(0, mini_per_rank, micro_size):
                     idx = mb[micro : micro + micro_size]
+                    gradient_sync(policy, micro + micro_size == mini_per_rank)  # once per step, with the last micro-batch
                     with amp():
                         logprobs, _ = response_logprobs(policy, sequences[idx], attention_mask[idx], context_length,
                                                         args.temperature)
@@ -406,7 +429,8 @@ def main(args: Args):
                     with torch.no_grad():
                         stats["policy_loss"] += policy_loss.item()
                         stats["kl_penalty"] += kl_penalty.item()
-                        stats["clipped"] += (((ratio < 1 - args.epsilon) | (ratio > 1 + epsilon_high)) * mask[idx]).sum().item()
+                        clipped = clipped_tokens(ratio, advantages[idx], args.epsilon, epsilon_high)
+                        stats["clipped"] += (clipped * mask[idx]).sum().item()
                         if epoch == 0 and start == 0 and micro == 0:  # before any step, the ratio must be exactly 1
                             first_ratio_error = (ratio - 1).abs().max()
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
@@ -446,7 +470,7 @@ def main(args: Args):
         if iteration % args.eval_every == 0 or iteration == args.num_iterations:
             evaluate(iteration)
 
-    save_atomically(raw_policy, tokenizer, args, args.output_dir)
+    save_atomically(raw_policy, tokenizer, args, args.output_dir, save_dtype)
     print(f"saved to {args.output_dir} after {time.time() - start_time:.0f} s")
     writer.close()
 
@@ -735,9 +759,10 @@ def tokenize_prompts(tokenizer, prompts, max_prompt_length, split):
 # ---------------------------------------------------------------------------------------------
 # Data and models
 # ---------------------------------------------------------------------------------------------
-def load_rows(name, split, eval_size):
-    """(train rows, eval rows) of a dataset: a hub id, a `save_to_disk` directory or a .json/.jsonl/.parquet
-    file. The eval rows are its `test` split, or else the first rows of `split` (at most a tenth), held out."""
+def load_rows(name, config, split, eval_size):
+    """(train rows, eval rows) of a dataset: a hub id (with its config name, if it has several: gsm8k "main"),
+    a `save_to_disk` directory or a .json/.jsonl/.parquet file. The eval rows are its `test` split, or else
+    the first rows of `split` (at most a tenth), held out."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -749,7 +774,7 @@ def load_rows(name, split, eval_size):
         elif os.path.isdir(name) and os.path.exists(os.path.join(name, "dataset_dict.json")):
             data = datasets.load_from_disk(name)
         else:
-            data = datasets.load_dataset(name)
+            data = datasets.load_dataset(name, config)
     except Exception as e:  # noqa: BLE001  any loading failure becomes one line
         sys.exit(f"error: cannot load dataset {name!r}: {str(e).splitlines()[0]}")
     if split not in data:
@@ -766,7 +791,7 @@ def load_data(args, kind, num_train, accepts, needs):
     dataset's, which must have every column of one of the sets in `accepts` (`needs` says so in words)."""
     if args.dataset_name is None:
         return task_rows(args.seed, "train", num_train, kind), task_rows(args.seed, "eval", args.eval_size, kind)
-    train, evals = load_rows(args.dataset_name, args.dataset_split, args.eval_size)
+    train, evals = load_rows(args.dataset_name, args.dataset_config, args.dataset_split, args.eval_size)
     columns = sorted(train[0]) if train else []
     if not any(set(columns) >= set(accepted) for accepted in accepts):
         sys.exit(f"error: dataset {args.dataset_name!r} has columns {columns}; {os.path.basename(__file__)} {needs}")
@@ -820,15 +845,28 @@ def load_model(path, head, dtype, config=None):
         sys.exit(f"error: cannot load a model from {path!r}: {str(e).splitlines()[0]}")
 
 
-def prepare_models(tokenizer, stop_ids, device, models, frozen=()):
-    """Give the tokenizer a pad token (growing the models' embeddings if it needs a new id), tell every model
-    its id, and move them to the device; the `frozen` ones among them go to eval mode without gradients."""
+def prepare_models(tokenizer, stop_ids, models, frozen=()):
+    """Give the tokenizer a pad token (growing the models' embeddings if it needs a new id) and tell every
+    model its id; the `frozen` ones among them go to eval mode without gradients. The models stay on the CPU:
+    place_model puts them on the device, whole or sharded."""
     add_pad_token(tokenizer, stop_ids, *models)
     for model in models:
         model.config.pad_token_id = tokenizer.pad_token_id
-        model.to(device)
     for model in frozen:
         model.eval().requires_grad_(False)
+
+
+def save_dtype_of(args, path):
+    """The dtype a trained model is saved in: --save-dtype, or else that of the checkpoint at `path` (float32
+    for a model built from scratch), so that a bf16 checkpoint comes back in bf16, not twice its size."""
+    from transformers import AutoConfig
+
+    if args.save_dtype is not None:
+        if args.save_dtype not in ("float32", "bfloat16", "float16"):
+            sys.exit(f"error: --save-dtype {args.save_dtype!r}: choose float32, bfloat16 or float16")
+        return getattr(torch, args.save_dtype)
+    dtype = AutoConfig.from_pretrained(path).dtype if path is not None else None
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype or torch.float32
 
 
 def check_same_vocabulary(tokenizer, reward_tokenizer, stop_ids, message):
@@ -856,19 +894,33 @@ def collate(batch, pad_token_id):
     return input_ids, attention_mask, labels
 
 
-def token_logprobs(logits, tokens, with_entropy=False):
-    """log π(token) = logit(token) − logsumexp(logits) at each position, and optionally the entropy
-    H = logsumexp − Σ softmax · logits, one sequence at a time: no float32 copy of the whole
-    [batch, length, vocabulary] logits is made (at a 128k vocabulary that copy is the largest tensor)."""
-    logprobs, entropies = [], []
-    for row, row_tokens in zip(logits, tokens):
-        row = row.float()
-        logsumexp = torch.logsumexp(row, -1)
-        logprobs.append(row.gather(-1, row_tokens.unsqueeze(-1)).squeeze(-1) - logsumexp)
-        if with_entropy:
-            with torch.no_grad():
-                entropies.append(logsumexp - (torch.softmax(row, -1) * row).sum(-1))
-    return (torch.stack(logprobs), torch.stack(entropies)) if with_entropy else torch.stack(logprobs)
+def rowwise(fn, *tensors):
+    """fn over one row (sequence) of `tensors` at a time, the results stacked. With gradients on, each row's
+    forward is recomputed in the backward pass (activation checkpointing), so that the float32 intermediates
+    of a row of logits ([length, vocabulary], 0.5 GB at 1,024 tokens and 128k) exist one row at a time and
+    only the logits themselves, as the model returned them, are kept for the backward pass."""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return torch.stack([checkpoint(fn, *row, use_reentrant=False) if grad else fn(*row) for row in zip(*tensors)])
+
+
+def token_logprobs(logits, tokens, with_entropy=False, temperature=1.0):
+    """log π(token) = z(token) − logsumexp(z) at each position, z = logits / temperature in float32 (as
+    `generate` samples: its logits are float32 before the temperature divides them), and optionally the
+    entropy H = logsumexp(z) − Σ softmax(z)·z. Row by row (see rowwise): no float32 [batch, length,
+    vocabulary] tensor is made or kept."""
+    def row_logprobs(row, row_tokens):
+        z = row.float() / temperature
+        return z.gather(-1, row_tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, -1)
+
+    def row_entropy(row):
+        z = row.float() / temperature
+        return torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
+
+    logprobs = rowwise(row_logprobs, logits, tokens)
+    if not with_entropy:
+        return logprobs
+    with torch.no_grad():
+        return logprobs, rowwise(row_entropy, logits)
 
 
 def position_ids_of(attention_mask):
@@ -885,17 +937,22 @@ def last_token_index(attention_mask):
 
 def response_logprobs(model, sequences, attention_mask, context_length, temperature):
     """log π(a_t | s_t) of each response token and the entropy of π(·|s_t), from one forward pass over
-    prompt + response. Logits are divided by the sampling temperature, as when sampling."""
-    logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_of(attention_mask)).logits
-    logits = logits[:, context_length - 1 : -1] / temperature  # position t predicts token t + 1
-    return token_logprobs(logits, sequences[:, context_length:], with_entropy=True)
+    prompt + response, with the logits of the scored positions only (not of every prompt position), divided
+    by the sampling temperature in float32 as when sampling."""
+    scored = sequences.shape[1] - context_length + 1  # position t predicts token t + 1: context_length − 1 onwards
+    logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_of(attention_mask),
+                   logits_to_keep=scored).logits[:, :-1]
+    return token_logprobs(logits, sequences[:, context_length:], with_entropy=True, temperature=temperature)
 
 
 def token_scores(model, sequences, attention_mask):
-    """The scalar head of a sequence-classification model on every position: [batch, length]."""
+    """The scalar head of a sequence-classification model on every position: [batch, length], computed in
+    float32 (a value or reward is one number: it gets float32's precision, not bfloat16's 3 digits)."""
     hidden = model.base_model(input_ids=sequences, attention_mask=attention_mask,
                               position_ids=position_ids_of(attention_mask)).last_hidden_state
-    return model.score(hidden).squeeze(-1).float()
+    head = model.score
+    with torch.autocast(hidden.device.type, enabled=False):
+        return F.linear(hidden.float(), head.weight.float(), None if head.bias is None else head.bias.float()).squeeze(-1)
 
 
 class TokenScorer(torch.nn.Module):
@@ -912,10 +969,10 @@ class TokenScorer(torch.nn.Module):
 
 @torch.no_grad()
 def score_responses(reward, sequences, attention_mask, response_mask, stop_ids, missing_eos_penalty):
-    """The reward model's score at each response's last token, its stop token; `missing_eos_penalty`
-    instead for a response with no stop token in the length sampled (an unfinished answer is not scored).
-    Returns (scores, has_stop)."""
-    scores = token_scores(reward, sequences, attention_mask)[torch.arange(len(sequences)), last_token_index(attention_mask)]
+    """The reward model's score (`reward`: a TokenScorer, or FSDP around one) at each response's last token, its
+    stop token; `missing_eos_penalty` instead for a response with no stop token in the length sampled (an
+    unfinished answer is not scored). Returns (scores, has_stop)."""
+    scores = reward(sequences, attention_mask)[torch.arange(len(sequences)), last_token_index(attention_mask)]
     responses = sequences[:, -response_mask.shape[1] :]
     has_stop = (torch.isin(responses, torch.tensor(stop_ids, device=responses.device)) & response_mask.bool()).any(1)
     return torch.where(has_stop, scores, torch.full_like(scores, missing_eos_penalty)), has_stop
@@ -941,12 +998,22 @@ def sample(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperatur
     width = max(len(p) for p in prompt_ids)
     input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompt_ids], device=model.device)
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=model.device)
-    model.generation_config = GenerationConfig(eos_token_id=stop_ids, pad_token_id=pad_token_id)
     config = GenerationConfig(do_sample=not greedy, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
                               eos_token_id=stop_ids, pad_token_id=pad_token_id)
-    # under torchrun every rank keeps stepping until all are done: a sharded model needs all ranks in each step
-    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
-                         synced_gpus=dist.is_initialized())
+    checkpoint_config, model.generation_config = model.generation_config, GenerationConfig()  # its defaults unset
+    # Under FSDP: every block gathered once for the whole generate call, not once per token
+    sharded = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    for module in sharded:
+        module.unshard()
+        module.set_reshard_after_forward(False, recurse=False)
+    try:  # under torchrun every rank keeps stepping until all are done: a sharded model needs all ranks in each step
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                             synced_gpus=dist.is_initialized())
+    finally:
+        model.generation_config = checkpoint_config  # saved with the model as it came
+        for module in sharded:
+            module.reshard()
+            module.set_reshard_after_forward(module is not model, recurse=False)  # fully_shard's default
     responses = F.pad(out[:, width:], (0, max_new_tokens - (out.shape[1] - width)), value=pad_token_id)
     is_stop = torch.isin(responses, torch.tensor(stop_ids, device=responses.device))
     # 1 up to and including the first stop token: a token is valid while no stop token came strictly before it
@@ -976,6 +1043,11 @@ def decode(tokenizer, sequences, context_length, response_mask):
 # its share of every batch, and the gradients are averaged. Under plain `python X.py` these helpers
 # change nothing.
 # ---------------------------------------------------------------------------------------------
+# How long a rank waits in a collective for the others: long enough for rank 0 to gather and write a
+# checkpoint of an 8B model (16-32 GB) while the others wait at the barrier after it (NCCL's default is 10 min).
+PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=60)
+
+
 def setup_distributed(cuda):
     """(rank, world_size, device). Under torchrun, which sets RANK, WORLD_SIZE and LOCAL_RANK, join the
     process group: NCCL with one GPU per process, or gloo on the CPU. Ranks other than 0 print nothing
@@ -985,32 +1057,64 @@ def setup_distributed(cuda):
     if torch.cuda.is_available() and cuda:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, timeout=PROCESS_GROUP_TIMEOUT)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
     if dist.get_rank() != 0:
         sys.stdout = open(os.devnull, "w")
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def wrap_model(model, device, fsdp):
-    """A trained model made data-parallel (the model itself in one process). Every rank first takes rank 0's
-    weights: a model built from scratch, or a new scalar head, starts from other random values on each.
-    Then DDP, a full copy per rank with the gradients averaged during the backward pass; or, with --fsdp,
-    FSDP2: parameters, gradients and AdamW state sharded across the ranks, each transformer block gathered
-    only while it computes. Build the optimizer after this (FSDP2 replaces the parameters)."""
+def autocast(device, args):
+    """--bf16 as torch.autocast: matrix products in bfloat16 over float32 weights. Off under FSDP, whose
+    MixedPrecisionPolicy (place_model) casts the weights themselves: autocast there would keep a bfloat16
+    copy of every gathered weight, the full-size copy that sharding is there to avoid."""
+    enabled = args.bf16 and not (args.fsdp and dist.is_initialized())
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
+def place_model(model, device, args, trained=True):
+    """Put a model on the device. In one process: moved there whole. Under torchrun every rank first takes rank
+    0's weights (a model built from scratch, or a new scalar head, starts from other random values on each),
+    one tensor at a time through the device. Then without --fsdp: a full copy per rank, and a trained model
+    in DDP (gradients averaged in the backward pass). With --fsdp: FSDP2 shards the model while it is still
+    on the CPU, so that each rank's device receives only its shard of every weight (and one block whole
+    while it is cut); each transformer block is gathered only while it computes. Trained and frozen models
+    alike: the frozen ones are what --fsdp is for too at 7-8B. With --bf16, FSDP's MixedPrecisionPolicy:
+    the weights are gathered and computed with in bfloat16 and the gradients reduced in float32, the kept
+    weights and AdamW state float32. Build the optimizer after this (FSDP2 replaces the parameters)."""
     if not dist.is_initialized():
-        return model
+        return model.to(device)
     for tensor in model.state_dict().values():
-        dist.broadcast(tensor, src=0)
-    if not fsdp:
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        moved = tensor.to(device)
+        dist.broadcast(moved, src=0)
+        tensor.copy_(moved)
+    if not args.fsdp:
+        model.to(device)
+        if not trained:
+            return model
+        config = next(m.config for m in model.modules() if hasattr(m, "config"))
+        # a mixture of experts routes each batch to some experts only: the others get no gradient this step
+        moe = any(getattr(config, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                       find_unused_parameters=moe)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else MixedPrecisionPolicy()
     block_names = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or []}
     for module in model.modules():
         if type(module).__name__ in block_names:
-            fully_shard(module)
-    return fully_shard(model)
+            fully_shard(module, mesh=mesh, mp_policy=policy)
+    return fully_shard(model, mesh=mesh, mp_policy=policy).to(device)
+
+
+def gradient_sync(model, enabled):
+    """Whether the next backward passes of a DDP model average the gradients over the ranks: off for every
+    micro-batch of an optimizer step but the last, so that the gradients cross the network once per step.
+    FSDP2 keeps reducing every micro-batch: each rank holds only its shard of the gradients, where skipping
+    the reduction would hold the whole float32 gradient (32 GB at 8B) on every rank until the last one."""
+    if isinstance(model, DistributedDataParallel):
+        model.require_backward_grad_sync = enabled
 
 
 def shard(items, rank, world_size):
@@ -1070,33 +1174,54 @@ def check_finite(step, **values):
                      "(lower --lr; with a half-precision model, train without --bf16 to check)")
 
 
-def save_atomically(model, tokenizer, args, output_dir):
-    """Save a Hugging Face model (the one inside any DDP wrapper) so that a crash never leaves a half-written
-    checkpoint: rank 0 writes to a temporary directory, then renames it. Every rank calls this: under FSDP
-    they first gather the full weights together, and all wait for the write to finish."""
-    state_dict = None
+def save_atomically(model, tokenizer, args, output_dir, dtype):
+    """Save a Hugging Face model (the one inside any DDP wrapper), its weights in `dtype` (save_dtype_of), so
+    that a crash never leaves a half-written checkpoint: rank 0 writes to a temporary directory, then renames
+    it. Every rank calls this: under FSDP they first gather the full weights (to rank 0's CPU memory), and all
+    learn whether the write worked: if not, every node says so in one line and nothing is left half-written.
+    On several nodes without a shared filesystem the checkpoint is on the first node only: the others say so."""
     if any(isinstance(module, FSDPModule) for module in model.modules()):
         state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
-        state_dict = {k: v for k, v in state_dict.items() if k in names}  # a tied weight once, under its first name
+    else:
+        state_dict = model.state_dict()
+    names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+    problem = None
     if not dist.is_initialized() or dist.get_rank() == 0:
+        # a tied weight once, under its first name; floating-point weights in the dtype asked for
+        state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items() if k in names}
         tmp_dir = f"{output_dir.rstrip('/')}.tmp-{os.getpid()}"
-        model.save_pretrained(tmp_dir, state_dict=state_dict)
-        tokenizer.save_pretrained(tmp_dir)
-        with open(os.path.join(tmp_dir, "training_args.json"), "w") as f:
-            json.dump(vars(args), f, indent=2)
-        if os.path.exists(output_dir):
-            shutil.rmtree(output_dir)
-        os.replace(tmp_dir, output_dir)
+        try:
+            model.save_pretrained(tmp_dir, state_dict=state_dict)
+            with open(os.path.join(tmp_dir, "config.json")) as f:
+                config = json.load(f)
+            with open(os.path.join(tmp_dir, "config.json"), "w") as f:  # the dtype the weights are saved in
+                json.dump({**config, "dtype": str(dtype).removeprefix("torch.")}, f, indent=2)
+            tokenizer.save_pretrained(tmp_dir)
+            with open(os.path.join(tmp_dir, "training_args.json"), "w") as f:
+                json.dump(vars(args), f, indent=2)
+            if os.path.exists(output_dir):
+                shutil.rmtree(output_dir)
+            os.replace(tmp_dir, output_dir)
+        except OSError as e:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            problem = f"error: cannot write the checkpoint to {output_dir!r}: {e}; nothing was saved"
     if dist.is_initialized():
-        dist.barrier()
+        failed = torch.tensor([float(problem is not None)], device=next(model.parameters()).device)
+        dist.all_reduce(failed)  # rank 0's outcome, known to every rank
+        if failed.item() and problem is None:
+            problem = f"error: rank 0 could not write the checkpoint to {output_dir!r} (its line says why); nothing was saved"
+    if problem is not None:
+        sys.exit(problem)
+    if os.environ.get("LOCAL_RANK", "0") == "0" and not os.path.isdir(output_dir):
+        print(f"note: the checkpoint {output_dir!r} is on the first node only (this node does not share its "
+              "filesystem): copy it from there", file=sys.stderr)
 
 
 if __name__ == "__main__":
     try:
         main(tyro.cli(Args, description=__doc__))
-    except SystemExit as e:  # under torchrun every rank stops on the same bad input: rank 0 alone says so
-        if isinstance(e.code, str) and os.environ.get("RANK", "0") != "0":
+    except SystemExit as e:  # under torchrun every rank stops on the same bad input: one line per node says so
+        if isinstance(e.code, str) and os.environ.get("LOCAL_RANK", "0") != "0":
             sys.exit(1)
         raise
     if dist.is_initialized():

@@ -13,6 +13,7 @@ Terry 1952):
 Datasets in TRL's preference formats, text or conversational: `prompt`/`chosen`/`rejected`, or
 `chosen`/`rejected` with the prompt inside each; an optional `margin` column. Dropout is off, as in TRL.
 """
+import datetime
 import gc
 import json
 import math
@@ -29,8 +30,10 @@ import torch.nn.functional as F
 import transformers
 import tyro
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
 from torch.utils.tensorboard import SummaryWriter
 
 
@@ -46,10 +49,14 @@ class Args:
     """hub id or local directory of the model to start from (sft.py's output by default)"""
     dataset_name: str | None = None
     """hub id, local dataset directory, or a .json/.jsonl/.parquet file; None uses the built-in sort task"""
+    dataset_config: str | None = None
+    """config name of a hub dataset that has several (gsm8k: main)"""
     dataset_split: str = "train"
     """split of --dataset-name to train on (its `test` split, if any, is the eval set)"""
     output_dir: str = "models/reward_model"
     """where the Hugging Face checkpoint is saved (written to a temporary directory, then renamed)"""
+    save_dtype: str | None = None
+    """dtype of the saved weights (float32, bfloat16, float16); None: that of --model-name-or-path"""
 
     max_steps: int = 600
     """optimizer steps (the data is cycled, reshuffled each pass)"""
@@ -72,7 +79,8 @@ class Args:
     max_length: int = 64
     """longest prompt + completion in tokens: pairs with a longer side are dropped (and counted)"""
     bf16: bool = False
-    """mixed precision: forward and backward autocast to bfloat16 (CUDA or CPU); weights and AdamW state stay float32"""
+    """mixed precision: compute in bfloat16 (autocast; FSDP2's MixedPrecisionPolicy under --fsdp), weights and
+    AdamW state float32; the scalar head computes in float32"""
     fsdp: bool = False
     """under torchrun, shard the model, its gradients and AdamW state across the ranks (FSDP2) instead of a full
     copy on each (DDP): for models whose training state does not fit one device"""
@@ -141,12 +149,13 @@ def main(args: Args):
     torch.manual_seed(args.seed + rank)  # a stream of its own on each rank
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
+    amp = lambda: autocast(device, args)  # noqa: E731  --bf16 without FSDP
 
     # The tokenizer (fast, and it checks the model path) and the data come before the model
     hint = "run `python sft.py` first" if args.model_name_or_path == "models/sft" else "pass an existing directory or a hub id"
     tokenizer = load_tokenizer(args.model_name_or_path, hint)
     stop_ids = stop_token_ids(tokenizer)
+    save_dtype = save_dtype_of(args, args.model_name_or_path)
     train_rows, eval_rows = load_data(args, "preference", args.num_train_pairs, [("chosen", "rejected")],
                                       "needs chosen and rejected (and optionally prompt and margin)")
     has_margin = any(row.get("margin") is not None for row in train_rows + eval_rows)
@@ -157,10 +166,10 @@ def main(args: Args):
     evals = [(p + c, p + r, float(row.get("margin") or 0.0)) for p, c, r, row in eval_pairs]
     eval_rows = [row for _, _, _, row in eval_pairs]
     raw_model = load_model(args.model_name_or_path, "score", torch.float32, load_config(args.model_name_or_path, "score"))
-    prepare_models(tokenizer, stop_ids, device, [raw_model])  # raw_model: the one to save
+    prepare_models(tokenizer, stop_ids, [raw_model])  # raw_model: the one to save
     if args.gradient_checkpointing:
         raw_model.activation_checkpointing_enable({"use_reentrant": False})
-    model = wrap_model(TokenScorer(raw_model), device, args.fsdp)  # forward and backward passes
+    model = place_model(TokenScorer(raw_model), device, args)  # forward and backward passes
 
     def pair_rewards(batch):
         """Chosen and rejected sequences in one forward pass: (r_chosen, r_rejected, margin or None)."""
@@ -227,6 +236,7 @@ def main(args: Args):
         # ---- update: this rank's share of the batch, in micro-batches -----------------------------
         tick, parts = time.time(), []
         for m in range(rank * per_rank, (rank + 1) * per_rank, micro_size):
+            gradient_sync(model, m + micro_size == (rank + 1) * per_rank)  # once per step, with the last micro-batch
             r_c, r_r, margin = pair_rewards(batch[m : m + micro_size])
             loss = bradley_terry_loss(r_c, r_r, margin, args.center_rewards_coefficient) / args.gradient_accumulation_steps
             loss.backward()  # the mean over micro-batches = the rank's mean; DDP and FSDP average over the ranks
@@ -262,7 +272,7 @@ def main(args: Args):
     tokens_seen = all_reduce_sum({"tokens": tokens_seen}, device)["tokens"]
     print(f"{args.max_steps * args.batch_size / elapsed:.0f} pairs/s, {tokens_seen / elapsed:.0f} tokens/s, "
           f"{100 * model_time / elapsed:.0f}% of the time in forward/backward/optimizer, {elapsed:.0f} s in all")
-    save_atomically(raw_model, tokenizer, args, args.output_dir)
+    save_atomically(raw_model, tokenizer, args, args.output_dir, save_dtype)
     print(f"saved to {args.output_dir}")
     writer.close()
 
@@ -551,9 +561,10 @@ def tokenize_prompts(tokenizer, prompts, max_prompt_length, split):
 # ---------------------------------------------------------------------------------------------
 # Data and models
 # ---------------------------------------------------------------------------------------------
-def load_rows(name, split, eval_size):
-    """(train rows, eval rows) of a dataset: a hub id, a `save_to_disk` directory or a .json/.jsonl/.parquet
-    file. The eval rows are its `test` split, or else the first rows of `split` (at most a tenth), held out."""
+def load_rows(name, config, split, eval_size):
+    """(train rows, eval rows) of a dataset: a hub id (with its config name, if it has several: gsm8k "main"),
+    a `save_to_disk` directory or a .json/.jsonl/.parquet file. The eval rows are its `test` split, or else
+    the first rows of `split` (at most a tenth), held out."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -565,7 +576,7 @@ def load_rows(name, split, eval_size):
         elif os.path.isdir(name) and os.path.exists(os.path.join(name, "dataset_dict.json")):
             data = datasets.load_from_disk(name)
         else:
-            data = datasets.load_dataset(name)
+            data = datasets.load_dataset(name, config)
     except Exception as e:  # noqa: BLE001  any loading failure becomes one line
         sys.exit(f"error: cannot load dataset {name!r}: {str(e).splitlines()[0]}")
     if split not in data:
@@ -582,7 +593,7 @@ def load_data(args, kind, num_train, accepts, needs):
     dataset's, which must have every column of one of the sets in `accepts` (`needs` says so in words)."""
     if args.dataset_name is None:
         return task_rows(args.seed, "train", num_train, kind), task_rows(args.seed, "eval", args.eval_size, kind)
-    train, evals = load_rows(args.dataset_name, args.dataset_split, args.eval_size)
+    train, evals = load_rows(args.dataset_name, args.dataset_config, args.dataset_split, args.eval_size)
     columns = sorted(train[0]) if train else []
     if not any(set(columns) >= set(accepted) for accepted in accepts):
         sys.exit(f"error: dataset {args.dataset_name!r} has columns {columns}; {os.path.basename(__file__)} {needs}")
@@ -636,15 +647,28 @@ def load_model(path, head, dtype, config=None):
         sys.exit(f"error: cannot load a model from {path!r}: {str(e).splitlines()[0]}")
 
 
-def prepare_models(tokenizer, stop_ids, device, models, frozen=()):
-    """Give the tokenizer a pad token (growing the models' embeddings if it needs a new id), tell every model
-    its id, and move them to the device; the `frozen` ones among them go to eval mode without gradients."""
+def prepare_models(tokenizer, stop_ids, models, frozen=()):
+    """Give the tokenizer a pad token (growing the models' embeddings if it needs a new id) and tell every
+    model its id; the `frozen` ones among them go to eval mode without gradients. The models stay on the CPU:
+    place_model puts them on the device, whole or sharded."""
     add_pad_token(tokenizer, stop_ids, *models)
     for model in models:
         model.config.pad_token_id = tokenizer.pad_token_id
-        model.to(device)
     for model in frozen:
         model.eval().requires_grad_(False)
+
+
+def save_dtype_of(args, path):
+    """The dtype a trained model is saved in: --save-dtype, or else that of the checkpoint at `path` (float32
+    for a model built from scratch), so that a bf16 checkpoint comes back in bf16, not twice its size."""
+    from transformers import AutoConfig
+
+    if args.save_dtype is not None:
+        if args.save_dtype not in ("float32", "bfloat16", "float16"):
+            sys.exit(f"error: --save-dtype {args.save_dtype!r}: choose float32, bfloat16 or float16")
+        return getattr(torch, args.save_dtype)
+    dtype = AutoConfig.from_pretrained(path).dtype if path is not None else None
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype or torch.float32
 
 
 def check_same_vocabulary(tokenizer, reward_tokenizer, stop_ids, message):
@@ -672,19 +696,33 @@ def collate(batch, pad_token_id):
     return input_ids, attention_mask, labels
 
 
-def token_logprobs(logits, tokens, with_entropy=False):
-    """log π(token) = logit(token) − logsumexp(logits) at each position, and optionally the entropy
-    H = logsumexp − Σ softmax · logits, one sequence at a time: no float32 copy of the whole
-    [batch, length, vocabulary] logits is made (at a 128k vocabulary that copy is the largest tensor)."""
-    logprobs, entropies = [], []
-    for row, row_tokens in zip(logits, tokens):
-        row = row.float()
-        logsumexp = torch.logsumexp(row, -1)
-        logprobs.append(row.gather(-1, row_tokens.unsqueeze(-1)).squeeze(-1) - logsumexp)
-        if with_entropy:
-            with torch.no_grad():
-                entropies.append(logsumexp - (torch.softmax(row, -1) * row).sum(-1))
-    return (torch.stack(logprobs), torch.stack(entropies)) if with_entropy else torch.stack(logprobs)
+def rowwise(fn, *tensors):
+    """fn over one row (sequence) of `tensors` at a time, the results stacked. With gradients on, each row's
+    forward is recomputed in the backward pass (activation checkpointing), so that the float32 intermediates
+    of a row of logits ([length, vocabulary], 0.5 GB at 1,024 tokens and 128k) exist one row at a time and
+    only the logits themselves, as the model returned them, are kept for the backward pass."""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return torch.stack([checkpoint(fn, *row, use_reentrant=False) if grad else fn(*row) for row in zip(*tensors)])
+
+
+def token_logprobs(logits, tokens, with_entropy=False, temperature=1.0):
+    """log π(token) = z(token) − logsumexp(z) at each position, z = logits / temperature in float32 (as
+    `generate` samples: its logits are float32 before the temperature divides them), and optionally the
+    entropy H = logsumexp(z) − Σ softmax(z)·z. Row by row (see rowwise): no float32 [batch, length,
+    vocabulary] tensor is made or kept."""
+    def row_logprobs(row, row_tokens):
+        z = row.float() / temperature
+        return z.gather(-1, row_tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, -1)
+
+    def row_entropy(row):
+        z = row.float() / temperature
+        return torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
+
+    logprobs = rowwise(row_logprobs, logits, tokens)
+    if not with_entropy:
+        return logprobs
+    with torch.no_grad():
+        return logprobs, rowwise(row_entropy, logits)
 
 
 def position_ids_of(attention_mask):
@@ -701,17 +739,22 @@ def last_token_index(attention_mask):
 
 def response_logprobs(model, sequences, attention_mask, context_length, temperature):
     """log π(a_t | s_t) of each response token and the entropy of π(·|s_t), from one forward pass over
-    prompt + response. Logits are divided by the sampling temperature, as when sampling."""
-    logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_of(attention_mask)).logits
-    logits = logits[:, context_length - 1 : -1] / temperature  # position t predicts token t + 1
-    return token_logprobs(logits, sequences[:, context_length:], with_entropy=True)
+    prompt + response, with the logits of the scored positions only (not of every prompt position), divided
+    by the sampling temperature in float32 as when sampling."""
+    scored = sequences.shape[1] - context_length + 1  # position t predicts token t + 1: context_length − 1 onwards
+    logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_of(attention_mask),
+                   logits_to_keep=scored).logits[:, :-1]
+    return token_logprobs(logits, sequences[:, context_length:], with_entropy=True, temperature=temperature)
 
 
 def token_scores(model, sequences, attention_mask):
-    """The scalar head of a sequence-classification model on every position: [batch, length]."""
+    """The scalar head of a sequence-classification model on every position: [batch, length], computed in
+    float32 (a value or reward is one number: it gets float32's precision, not bfloat16's 3 digits)."""
     hidden = model.base_model(input_ids=sequences, attention_mask=attention_mask,
                               position_ids=position_ids_of(attention_mask)).last_hidden_state
-    return model.score(hidden).squeeze(-1).float()
+    head = model.score
+    with torch.autocast(hidden.device.type, enabled=False):
+        return F.linear(hidden.float(), head.weight.float(), None if head.bias is None else head.bias.float()).squeeze(-1)
 
 
 class TokenScorer(torch.nn.Module):
@@ -728,10 +771,10 @@ class TokenScorer(torch.nn.Module):
 
 @torch.no_grad()
 def score_responses(reward, sequences, attention_mask, response_mask, stop_ids, missing_eos_penalty):
-    """The reward model's score at each response's last token, its stop token; `missing_eos_penalty`
-    instead for a response with no stop token in the length sampled (an unfinished answer is not scored).
-    Returns (scores, has_stop)."""
-    scores = token_scores(reward, sequences, attention_mask)[torch.arange(len(sequences)), last_token_index(attention_mask)]
+    """The reward model's score (`reward`: a TokenScorer, or FSDP around one) at each response's last token, its
+    stop token; `missing_eos_penalty` instead for a response with no stop token in the length sampled (an
+    unfinished answer is not scored). Returns (scores, has_stop)."""
+    scores = reward(sequences, attention_mask)[torch.arange(len(sequences)), last_token_index(attention_mask)]
     responses = sequences[:, -response_mask.shape[1] :]
     has_stop = (torch.isin(responses, torch.tensor(stop_ids, device=responses.device)) & response_mask.bool()).any(1)
     return torch.where(has_stop, scores, torch.full_like(scores, missing_eos_penalty)), has_stop
@@ -757,12 +800,22 @@ def sample(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperatur
     width = max(len(p) for p in prompt_ids)
     input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompt_ids], device=model.device)
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=model.device)
-    model.generation_config = GenerationConfig(eos_token_id=stop_ids, pad_token_id=pad_token_id)
     config = GenerationConfig(do_sample=not greedy, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
                               eos_token_id=stop_ids, pad_token_id=pad_token_id)
-    # under torchrun every rank keeps stepping until all are done: a sharded model needs all ranks in each step
-    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
-                         synced_gpus=dist.is_initialized())
+    checkpoint_config, model.generation_config = model.generation_config, GenerationConfig()  # its defaults unset
+    # Under FSDP: every block gathered once for the whole generate call, not once per token
+    sharded = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    for module in sharded:
+        module.unshard()
+        module.set_reshard_after_forward(False, recurse=False)
+    try:  # under torchrun every rank keeps stepping until all are done: a sharded model needs all ranks in each step
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                             synced_gpus=dist.is_initialized())
+    finally:
+        model.generation_config = checkpoint_config  # saved with the model as it came
+        for module in sharded:
+            module.reshard()
+            module.set_reshard_after_forward(module is not model, recurse=False)  # fully_shard's default
     responses = F.pad(out[:, width:], (0, max_new_tokens - (out.shape[1] - width)), value=pad_token_id)
     is_stop = torch.isin(responses, torch.tensor(stop_ids, device=responses.device))
     # 1 up to and including the first stop token: a token is valid while no stop token came strictly before it
@@ -792,6 +845,11 @@ def decode(tokenizer, sequences, context_length, response_mask):
 # its share of every batch, and the gradients are averaged. Under plain `python X.py` these helpers
 # change nothing.
 # ---------------------------------------------------------------------------------------------
+# How long a rank waits in a collective for the others: long enough for rank 0 to gather and write a
+# checkpoint of an 8B model (16-32 GB) while the others wait at the barrier after it (NCCL's default is 10 min).
+PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=60)
+
+
 def setup_distributed(cuda):
     """(rank, world_size, device). Under torchrun, which sets RANK, WORLD_SIZE and LOCAL_RANK, join the
     process group: NCCL with one GPU per process, or gloo on the CPU. Ranks other than 0 print nothing
@@ -801,32 +859,64 @@ def setup_distributed(cuda):
     if torch.cuda.is_available() and cuda:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, timeout=PROCESS_GROUP_TIMEOUT)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
     if dist.get_rank() != 0:
         sys.stdout = open(os.devnull, "w")
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def wrap_model(model, device, fsdp):
-    """A trained model made data-parallel (the model itself in one process). Every rank first takes rank 0's
-    weights: a model built from scratch, or a new scalar head, starts from other random values on each.
-    Then DDP, a full copy per rank with the gradients averaged during the backward pass; or, with --fsdp,
-    FSDP2: parameters, gradients and AdamW state sharded across the ranks, each transformer block gathered
-    only while it computes. Build the optimizer after this (FSDP2 replaces the parameters)."""
+def autocast(device, args):
+    """--bf16 as torch.autocast: matrix products in bfloat16 over float32 weights. Off under FSDP, whose
+    MixedPrecisionPolicy (place_model) casts the weights themselves: autocast there would keep a bfloat16
+    copy of every gathered weight, the full-size copy that sharding is there to avoid."""
+    enabled = args.bf16 and not (args.fsdp and dist.is_initialized())
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
+def place_model(model, device, args, trained=True):
+    """Put a model on the device. In one process: moved there whole. Under torchrun every rank first takes rank
+    0's weights (a model built from scratch, or a new scalar head, starts from other random values on each),
+    one tensor at a time through the device. Then without --fsdp: a full copy per rank, and a trained model
+    in DDP (gradients averaged in the backward pass). With --fsdp: FSDP2 shards the model while it is still
+    on the CPU, so that each rank's device receives only its shard of every weight (and one block whole
+    while it is cut); each transformer block is gathered only while it computes. Trained and frozen models
+    alike: the frozen ones are what --fsdp is for too at 7-8B. With --bf16, FSDP's MixedPrecisionPolicy:
+    the weights are gathered and computed with in bfloat16 and the gradients reduced in float32, the kept
+    weights and AdamW state float32. Build the optimizer after this (FSDP2 replaces the parameters)."""
     if not dist.is_initialized():
-        return model
+        return model.to(device)
     for tensor in model.state_dict().values():
-        dist.broadcast(tensor, src=0)
-    if not fsdp:
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        moved = tensor.to(device)
+        dist.broadcast(moved, src=0)
+        tensor.copy_(moved)
+    if not args.fsdp:
+        model.to(device)
+        if not trained:
+            return model
+        config = next(m.config for m in model.modules() if hasattr(m, "config"))
+        # a mixture of experts routes each batch to some experts only: the others get no gradient this step
+        moe = any(getattr(config, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                       find_unused_parameters=moe)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else MixedPrecisionPolicy()
     block_names = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or []}
     for module in model.modules():
         if type(module).__name__ in block_names:
-            fully_shard(module)
-    return fully_shard(model)
+            fully_shard(module, mesh=mesh, mp_policy=policy)
+    return fully_shard(model, mesh=mesh, mp_policy=policy).to(device)
+
+
+def gradient_sync(model, enabled):
+    """Whether the next backward passes of a DDP model average the gradients over the ranks: off for every
+    micro-batch of an optimizer step but the last, so that the gradients cross the network once per step.
+    FSDP2 keeps reducing every micro-batch: each rank holds only its shard of the gradients, where skipping
+    the reduction would hold the whole float32 gradient (32 GB at 8B) on every rank until the last one."""
+    if isinstance(model, DistributedDataParallel):
+        model.require_backward_grad_sync = enabled
 
 
 def shard(items, rank, world_size):
@@ -886,33 +976,54 @@ def check_finite(step, **values):
                      "(lower --lr; with a half-precision model, train without --bf16 to check)")
 
 
-def save_atomically(model, tokenizer, args, output_dir):
-    """Save a Hugging Face model (the one inside any DDP wrapper) so that a crash never leaves a half-written
-    checkpoint: rank 0 writes to a temporary directory, then renames it. Every rank calls this: under FSDP
-    they first gather the full weights together, and all wait for the write to finish."""
-    state_dict = None
+def save_atomically(model, tokenizer, args, output_dir, dtype):
+    """Save a Hugging Face model (the one inside any DDP wrapper), its weights in `dtype` (save_dtype_of), so
+    that a crash never leaves a half-written checkpoint: rank 0 writes to a temporary directory, then renames
+    it. Every rank calls this: under FSDP they first gather the full weights (to rank 0's CPU memory), and all
+    learn whether the write worked: if not, every node says so in one line and nothing is left half-written.
+    On several nodes without a shared filesystem the checkpoint is on the first node only: the others say so."""
     if any(isinstance(module, FSDPModule) for module in model.modules()):
         state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
-        state_dict = {k: v for k, v in state_dict.items() if k in names}  # a tied weight once, under its first name
+    else:
+        state_dict = model.state_dict()
+    names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+    problem = None
     if not dist.is_initialized() or dist.get_rank() == 0:
+        # a tied weight once, under its first name; floating-point weights in the dtype asked for
+        state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items() if k in names}
         tmp_dir = f"{output_dir.rstrip('/')}.tmp-{os.getpid()}"
-        model.save_pretrained(tmp_dir, state_dict=state_dict)
-        tokenizer.save_pretrained(tmp_dir)
-        with open(os.path.join(tmp_dir, "training_args.json"), "w") as f:
-            json.dump(vars(args), f, indent=2)
-        if os.path.exists(output_dir):
-            shutil.rmtree(output_dir)
-        os.replace(tmp_dir, output_dir)
+        try:
+            model.save_pretrained(tmp_dir, state_dict=state_dict)
+            with open(os.path.join(tmp_dir, "config.json")) as f:
+                config = json.load(f)
+            with open(os.path.join(tmp_dir, "config.json"), "w") as f:  # the dtype the weights are saved in
+                json.dump({**config, "dtype": str(dtype).removeprefix("torch.")}, f, indent=2)
+            tokenizer.save_pretrained(tmp_dir)
+            with open(os.path.join(tmp_dir, "training_args.json"), "w") as f:
+                json.dump(vars(args), f, indent=2)
+            if os.path.exists(output_dir):
+                shutil.rmtree(output_dir)
+            os.replace(tmp_dir, output_dir)
+        except OSError as e:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            problem = f"error: cannot write the checkpoint to {output_dir!r}: {e}; nothing was saved"
     if dist.is_initialized():
-        dist.barrier()
+        failed = torch.tensor([float(problem is not None)], device=next(model.parameters()).device)
+        dist.all_reduce(failed)  # rank 0's outcome, known to every rank
+        if failed.item() and problem is None:
+            problem = f"error: rank 0 could not write the checkpoint to {output_dir!r} (its line says why); nothing was saved"
+    if problem is not None:
+        sys.exit(problem)
+    if os.environ.get("LOCAL_RANK", "0") == "0" and not os.path.isdir(output_dir):
+        print(f"note: the checkpoint {output_dir!r} is on the first node only (this node does not share its "
+              "filesystem): copy it from there", file=sys.stderr)
 
 
 if __name__ == "__main__":
     try:
         main(tyro.cli(Args, description=__doc__))
-    except SystemExit as e:  # under torchrun every rank stops on the same bad input: rank 0 alone says so
-        if isinstance(e.code, str) and os.environ.get("RANK", "0") != "0":
+    except SystemExit as e:  # under torchrun every rank stops on the same bad input: one line per node says so
+        if isinstance(e.code, str) and os.environ.get("LOCAL_RANK", "0") != "0":
             sys.exit(1)
         raise
     if dist.is_initialized():

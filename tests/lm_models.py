@@ -99,11 +99,12 @@ class PositionLogits(torch.nn.Module):
 
     vocab = 11
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None):
+    def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep=0):
         from types import SimpleNamespace
 
         b, t, v = (torch.arange(n).float() for n in (*input_ids.shape, self.vocab))
-        return SimpleNamespace(logits=3 * torch.sin(1 + 0.7 * t.view(1, -1, 1) + 1.3 * v.view(1, 1, -1) + b.view(-1, 1, 1)))
+        logits = 3 * torch.sin(1 + 0.7 * t.view(1, -1, 1) + 1.3 * v.view(1, 1, -1) + b.view(-1, 1, 1))
+        return SimpleNamespace(logits=logits[:, -logits_to_keep:])  # as transformers: the last k positions (0: all)
 
 
 def by_hand(logits, sequences, positions):

@@ -124,4 +124,4 @@ def test_rollout_forward_passes_use_the_update_micro_batch_size(tiny_checkpoints
     update = {size for grad, size in sizes if grad}
     no_grad = {size for grad, size in sizes if not grad}
     assert update == {4}  # minibatch 8 in 2 micro-batches
-    assert no_grad == {4, 6}  # the rollout's passes (actor, reference) in micro-batches, the evaluation's in 6s
+    assert no_grad == {4, 2}  # the rollout's and the evaluation's passes in micro-batches of 4 (6 = 4 + 2)

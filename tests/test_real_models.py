@@ -99,15 +99,16 @@ def test_pipeline_on_a_pretrained_checkpoint(tmp_path, arch, dtype, kind):
     pref_data = write_data(tmp_path / "pref.jsonl", fmt["preference"])
     prompt_data = write_data(tmp_path / "prompts.jsonl", f"{fmt['prompts']}_prompts")
     common = ["--warmup-steps", "0", "--eval-every", "2", "--max-steps", "4", "--batch-size", "8"]
+    # saved in float32 (not the checkpoint's own dtype, the default): the reloaded models must give the logged losses
     run_in_process("sft.py", "--model-name-or-path", base, "--dataset-name", sft_data, "--lr", "3e-3",
-                   "--output-dir", "sft", *common, cwd=tmp_path)
+                   "--output-dir", "sft", "--save-dtype", "float32", *common, cwd=tmp_path)
     run_in_process("reward_model.py", "--model-name-or-path", "sft", "--dataset-name", pref_data, "--lr", "3e-3",
-                   "--output-dir", "rm", *common, cwd=tmp_path)
+                   "--output-dir", "rm", "--save-dtype", "float32", *common, cwd=tmp_path)
     run_in_process("rlhf_ppo.py", "--sft-model-path", "sft", "--reward-model-path", "rm", "--dataset-name", prompt_data,
                    "--num-iterations", "2", "--batch-size", "8", "--mini-batch-size", "4", "--ppo-epochs", "2",
                    "--response-length", "8", "--eval-every", "1", "--lr", "3e-3", "--output-dir", "ppo", cwd=tmp_path)
     run_in_process("dpo.py", "--model-name-or-path", "sft", "--reward-model-path", "rm", "--dataset-name", pref_data,
-                   "--response-length", "8", "--lr", "3e-3", "--output-dir", "dpo", *common, cwd=tmp_path)
+                   "--response-length", "8", "--lr", "3e-3", "--output-dir", "dpo", "--save-dtype", "float32", *common, cwd=tmp_path)
     run_in_process("grpo.py", "--sft-model-path", "sft", "--reward", "model", "--reward-model-path", "rm",
                    "--dataset-name", prompt_data, "--num-iterations", "2", "--batch-size", "8", "--num-generations", "4",
                    "--mini-batch-size", "4", "--response-length", "8", "--eval-every", "1", "--lr", "3e-3",
@@ -207,7 +208,8 @@ def test_half_precision_checkpoints_are_trained_in_float32(tmp_path, dtype):
     base = save_checkpoint(str(tmp_path / "base"), "llama", "bos", dtype)
     data = write_data(tmp_path / "d.jsonl", "prompt_completion")
     run_in_process("sft.py", "--model-name-or-path", base, "--dataset-name", data, "--lr", "2e-5", "--max-steps", "2",
-                   "--warmup-steps", "1", "--batch-size", "8", "--eval-every", "2", "--output-dir", "out", cwd=tmp_path)
+                   "--warmup-steps", "1", "--batch-size", "8", "--eval-every", "2", "--output-dir", "out", "--save-dtype", "float32",
+                   cwd=tmp_path)  # saved as trained (by default it would go back to the checkpoint's dtype)
     model, trained = state(tmp_path / "out")
     assert model.dtype == torch.float32
     assert all(torch.isfinite(v).all() for v in trained.values())
@@ -226,7 +228,7 @@ def test_bf16_mixed_precision_trains_with_float32_master_weights(tmp_path):
                    *common, cwd=tmp_path)
     run_in_process("rlhf_ppo.py", "--sft-model-path", "sft", "--reward-model-path", "rm", "--dataset-name", prompts,
                    "--num-iterations", "1", "--batch-size", "8", "--mini-batch-size", "4", "--response-length", "6",
-                   "--bf16", "--output-dir", "ppo", cwd=tmp_path)
+                   "--bf16", "--output-dir", "ppo", "--save-dtype", "float32", cwd=tmp_path)
     scalars = read_scalars(str(next((tmp_path / "runs").glob("rlhf_ppo__*"))))
     assert scalars["policy/first_ratio_max_error"][0][1] == 0.0
     assert state(tmp_path / "ppo")[0].dtype == torch.float32
@@ -352,6 +354,7 @@ def test_sampling_and_scoring_stop_at_the_end_of_turn_token():
 
     class FixedModel(torch.nn.Module):  # generate returns the prompt + fixed responses
         device = torch.device("cpu")
+        generation_config = None
 
         def generate(self, input_ids, attention_mask, generation_config, synced_gpus):
             assert generation_config.eos_token_id == stop_ids and generation_config.top_k == 0
@@ -364,7 +367,7 @@ def test_sampling_and_scoring_stop_at_the_end_of_turn_token():
         assert sequences[:, width:].tolist() == [[5, eot, pad, pad], [5, 6, 6, 6]]
         reward = AutoModelForSequenceClassification.from_config(GPT2Config(vocab_size=10, n_embd=8, n_layer=1, n_head=2,
                                                                            num_labels=1, pad_token_id=pad)).eval()
-        scores, has_stop = script.score_responses(reward, sequences, attention_mask, mask, stop_ids, -7.0)
+        scores, has_stop = script.score_responses(script.TokenScorer(reward), sequences, attention_mask, mask, stop_ids, -7.0)
         assert has_stop.tolist() == [True, False] and scores[1].item() == -7.0
         expected = script.token_scores(reward, sequences[:1, :4], attention_mask[:1, :4])[0, -1]  # at the eot
         assert scores[0].item() == pytest.approx(expected.item(), abs=1e-6)

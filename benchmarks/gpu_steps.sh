@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# A --bf16 step and a --fsdp --bf16 step (torchrun, 1 rank) of every LM script on a random Qwen2 of
+# Qwen2.5-0.5B's shape (24 layers, 896 wide, 151,936-token vocabulary: 494M parameters), with its wall time
+# and peak torch.cuda.max_memory_allocated (benchmarks/gpu_step.py). Needs a GPU; writes JSON lines to $1.
+#   bash benchmarks/gpu_steps.sh results.jsonl
+set -euo pipefail
+out=${1:-gpu_steps.jsonl}
+work=$(mktemp -d)
+python - "$work" <<'EOF'
+import json, random, sys
+sys.path.insert(0, "tests")
+import torch
+from lm_models import make_tokenizer
+from transformers import Qwen2Config, Qwen2ForCausalLM
+work = sys.argv[1]
+tokenizer = make_tokenizer("pad_is_eos")  # a small trained tokenizer; the model's 151,936 rows as Qwen2.5's
+torch.manual_seed(0)
+model = Qwen2ForCausalLM(Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                     num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=2048,
+                                     tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                                     pad_token_id=tokenizer.pad_token_id))
+model.to(torch.bfloat16).save_pretrained(f"{work}/base")
+tokenizer.save_pretrained(f"{work}/base")
+rng = random.Random(0)
+words = "sort the digits cat sat on mat hello world what is the answer it is 42".split()
+text = lambda n: " ".join(rng.choice(words) for _ in range(n))  # noqa: E731
+with open(f"{work}/sft.jsonl", "w") as f, open(f"{work}/pref.jsonl", "w") as g, open(f"{work}/prompts.jsonl", "w") as h:
+    for _ in range(256):
+        p = text(120)
+        f.write(json.dumps({"prompt": p, "completion": text(120)}) + "\n")
+        g.write(json.dumps({"prompt": p, "chosen": text(120), "rejected": text(110)}) + "\n")
+        h.write(json.dumps({"prompt": p, "target": "1 2 3"}) + "\n")
+EOF
+run() {  # run NAME CMD...: one JSON line, the script's last lines on failure
+  if ! "$@" > "$work/log" 2>&1; then tail -20 "$work/log"; exit 1; fi
+  grep '^{"script"' "$work/log" | tail -1 >> "$out"; tail -1 "$out"
+}
+common="--bf16 --exp-name gpu"
+sft="--model-name-or-path $work/base --dataset-name $work/sft.jsonl --max-length 512 --batch-size 8 --max-steps 10 --warmup-steps 1 --eval-every 10 --eval-size 16"
+rm_="--model-name-or-path $work/sft --dataset-name $work/pref.jsonl --max-length 512 --batch-size 8 --max-steps 10 --warmup-steps 1 --eval-every 10 --eval-size 16"
+dpo="--model-name-or-path $work/sft --dataset-name $work/pref.jsonl --max-length 512 --batch-size 8 --max-steps 10 --warmup-steps 1 --eval-every 10 --eval-size 16 --reward-model-path None"
+ppo="--sft-model-path $work/sft --reward-model-path $work/rm --dataset-name $work/prompts.jsonl --max-prompt-length 256 --response-length 128 --batch-size 32 --mini-batch-size 8 --num-iterations 2 --eval-every 2 --eval-size 16"
+grpo="--sft-model-path $work/sft --dataset-name $work/prompts.jsonl --reward gold-exact --max-prompt-length 256 --response-length 128 --batch-size 32 --num-generations 8 --mini-batch-size 8 --num-iterations 2 --eval-every 2 --eval-size 16"
+run python benchmarks/gpu_step.py sft.py $sft $common --output-dir $work/sft
+run python benchmarks/gpu_step.py reward_model.py $rm_ $common --output-dir $work/rm
+step() {  # step LAUNCH: a step of each script (FSDP: under torchrun)
+  local extra=""; [ "$1" = python ] || extra="--fsdp"
+  for name in ${SCRIPTS:-sft reward_model dpo rlhf_ppo grpo}; do
+    local flags; case $name in sft) flags="$sft";; reward_model) flags="$rm_";; dpo) flags="$dpo";; rlhf_ppo) flags="$ppo";; grpo) flags="$grpo";; esac
+    run $1 benchmarks/gpu_step.py $name.py $flags $common $extra --output-dir $work/out-$name
+  done
+}
+[ -n "${FSDP_ONLY:-}" ] || step python
+step "torchrun --nproc-per-node 1"   # FSDP_ONLY=1 SCRIPTS="rlhf_ppo grpo" bash ...: those alone

@@ -1,0 +1,261 @@
+"""The GPU path, checked on the CPU: one precision path for the policy and its reference (under --bf16 the KL
+and DPO's margin are exactly 0 before the first update), the temperature and log-probs in float32, no float32
+copy of the logits kept, one gradient all-reduce per optimizer step, the saved dtype, and the smaller points."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, assert_one_line_error, read_scalars, run_in_process, run_script
+from lm_models import save_checkpoint
+from test_real_models import state, write_data
+
+import dpo
+import grpo
+import rlhf_ppo
+import sft
+
+
+def scalars_of(cwd, name):
+    return read_scalars(str(next((cwd / "runs").glob(f"{name}__*"))))
+
+
+# ------------------------------------------------------------------------------------------------
+# One precision path: under --bf16 the reference computes exactly what the policy computes
+# ------------------------------------------------------------------------------------------------
+def test_bf16_kl_is_exactly_zero_before_the_first_update(tiny_checkpoints, tmp_path):
+    """The reference was held in bf16 while the policy ran fp32 weights under autocast: per-token |Δ log p| up to
+    0.2 before any update. Now held and computed as the policy: rlhf_ppo's and grpo's KL (k1 and k3) of the first
+    rollout and eval/kl before training are exactly 0, and the first ratio exactly 1."""
+    models = tiny_checkpoints["cwd"] / "models"
+    run_in_process("rlhf_ppo.py", "--sft-model-path", str(models / "sft"), "--reward-model-path",
+                   str(models / "reward_model"), "--num-iterations", "1", "--batch-size", "16", "--mini-batch-size", "8",
+                   "--eval-size", "16", "--bf16", "--temperature", "0.7", "--output-dir", "ppo", cwd=tmp_path)
+    run_in_process("grpo.py", "--sft-model-path", str(models / "sft"), "--num-iterations", "1", "--batch-size", "16",
+                   "--num-generations", "4", "--mini-batch-size", "8", "--eval-size", "16", "--bf16", "--temperature",
+                   "0.7", "--output-dir", "grpo", cwd=tmp_path)
+    for name in ("rlhf_ppo", "grpo"):
+        logs = scalars_of(tmp_path, name)
+        assert logs["objective/kl"][0] == (1, 0.0), name
+        assert logs["objective/kl_k3"][0] == (1, 0.0), name
+        assert logs["eval/kl"][0] == (0, 0.0), name
+        assert logs["policy/first_ratio_max_error"][0] == (1, 0.0), name
+
+
+def test_bf16_dpo_margin_is_exactly_zero_before_the_first_update(tiny_checkpoints, tmp_path):
+    """DPO's implicit reward margin β(log π/π_ref(y_w) − log π/π_ref(y_l)) on the first batch (logged at step 1,
+    computed before its update) and eval/kl before training: exactly 0 under --bf16; the loss exactly log 2."""
+    models = tiny_checkpoints["cwd"] / "models"
+    run_in_process("dpo.py", "--model-name-or-path", str(models / "sft"), "--reward-model-path", "None",
+                   "--max-steps", "1", "--batch-size", "8", "--eval-size", "16", "--bf16", "--output-dir", "dpo",
+                   cwd=tmp_path)
+    logs = scalars_of(tmp_path, "dpo")
+    assert logs["train/margin"][0] == (1, 0.0)
+    assert logs["train/reward_chosen"][0] == (1, 0.0)
+    assert logs["losses/loss"][0][1] == pytest.approx(math.log(2), abs=1e-7)
+    assert logs["eval/kl"][0] == (0, 0.0)
+
+
+@pytest.mark.parametrize("script", [rlhf_ppo, grpo, dpo])
+def test_the_temperature_divides_float32_logits(script):
+    """generate divides float32 logits by T; training divided bf16 logits (0.028 per token apart at T = 0.7).
+    The log-probs of bf16 logits are those of their float32 values divided by T in float32."""
+    torch.manual_seed(0)
+    logits = (4 * torch.randn(3, 6, 50)).bfloat16()
+    tokens = torch.randint(0, 50, (3, 6))
+    expected = torch.log_softmax(logits.float() / 0.7, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    in_bf16 = torch.log_softmax((logits / 0.7).float(), -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    assert (in_bf16 - expected).abs().max() > 1e-3  # the old way is measurably off
+    torch.testing.assert_close(script.token_logprobs(logits, tokens, temperature=0.7), expected, atol=2e-6, rtol=0)
+
+
+def saved_bytes(fn, *args):
+    """Bytes of every tensor autograd saves for the backward pass of fn(*args) (each storage counted once)."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args)
+    return sum(storages.values()), out
+
+
+@pytest.mark.parametrize("what", ["token_logprobs", "sft_loss"])
+def test_no_float32_copy_of_the_logits_is_kept_for_backward(what):
+    """token_logprobs kept each row's float32 copy for backward (31.3 MiB saved for bf16 logits of 15.6 MiB at
+    [4, 64, 32000]); sft_loss a float32 copy and a float32 log-softmax. Now only the logits themselves (and
+    the small per-token tensors), and the gradients are those of the full log-softmax."""
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(4, 64, 32000)).bfloat16().requires_grad_()
+    tokens = torch.randint(0, 32000, (4, 64))
+    if what == "token_logprobs":
+        fn = lambda: sft.token_logprobs(logits, tokens, temperature=0.7).sum()  # noqa: E731
+        reference = lambda: torch.log_softmax(logits.float() / 0.7, -1).gather(-1, tokens.unsqueeze(-1)).sum()  # noqa: E731
+    else:
+        fn = lambda: sft.sft_loss(logits, tokens)  # noqa: E731
+        reference = lambda: torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, 32000),  # noqa: E731
+                                                              tokens[:, 1:].reshape(-1))
+    kept, out = saved_bytes(fn)
+    logits_bytes = logits.numel() * 2
+    assert kept < logits_bytes * 1.05, (kept, logits_bytes)  # measured before: 2.00× and 1.97×; now 1.0001×
+    grad, = torch.autograd.grad(out, logits)
+    expected, = torch.autograd.grad(reference(), logits)
+    torch.testing.assert_close(grad.float(), expected.float(), atol=1e-6, rtol=1e-2)  # bf16 gradients: 1 ulp
+
+
+# ------------------------------------------------------------------------------------------------
+# One gradient all-reduce per optimizer step (DDP: no synchronization on the micro-batches before the last)
+# ------------------------------------------------------------------------------------------------
+COUNTING = """
+import json, os, sys
+sys.path.insert(0, {root!r})
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+import {script} as script
+
+count = [0]
+
+class Counting(script.DistributedDataParallel):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        def hook(state, bucket):
+            count[0] += 1
+            return allreduce_hook(dist.group.WORLD, bucket)
+        self.register_comm_hook(None, hook)
+
+script.DistributedDataParallel = Counting
+script.main(script.tyro.cli(script.Args, args=sys.argv[1:]))
+with open(f"count.{{os.environ['RANK']}}", "w") as f:
+    json.dump(count[0], f)
+"""
+
+
+@pytest.mark.parametrize("script,flags", [
+    ("sft", ["--max-steps", "2", "--batch-size", "8", "--eval-size", "2", "--num-train-examples", "64"]),
+    ("rlhf_ppo", ["--num-iterations", "1", "--batch-size", "16", "--mini-batch-size", "8", "--ppo-epochs", "1",
+                  "--eval-size", "2"]),
+])
+def test_one_gradient_all_reduce_per_optimizer_step(tiny_checkpoints, tmp_path, script, flags):
+    """2 ranks, 4 micro-batches per optimizer step: the DDP communication hook runs as often as with 1 micro-batch
+    per step (it ran 4 times as often when every micro-batch synchronized)."""
+    if script == "rlhf_ppo":
+        models = tiny_checkpoints["cwd"] / "models"
+        flags = [*flags, "--sft-model-path", str(models / "sft"), "--reward-model-path", str(models / "reward_model")]
+    (tmp_path / "counting.py").write_text(COUNTING.format(root=ROOT, script=script))
+    counts = []
+    for accumulation in ("1", "2"):
+        cwd = tmp_path / accumulation
+        cwd.mkdir()
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               str(tmp_path / "counting.py"), *flags, "--gradient-accumulation-steps", accumulation,
+                               "--output-dir", "out"], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        counts.append([json.load(open(cwd / f"count.{rank}")) for rank in (0, 1)])
+    assert counts[0][0] > 0 and counts[1] == counts[0], counts
+
+
+# ------------------------------------------------------------------------------------------------
+# Saving: the checkpoint's own dtype by default, --save-dtype, one line when it cannot be written
+# ------------------------------------------------------------------------------------------------
+def test_a_bf16_checkpoint_is_saved_in_bf16_and_save_dtype_overrides(tmp_path):
+    base = save_checkpoint(str(tmp_path / "base"), "llama", "bos", "bfloat16")
+    data = write_data(tmp_path / "d.jsonl", "prompt_completion")
+    common = ["--model-name-or-path", base, "--dataset-name", data, "--max-steps", "1", "--batch-size", "4",
+              "--eval-every", "1", "--warmup-steps", "0"]
+    run_in_process("sft.py", *common, "--output-dir", "own", cwd=tmp_path)
+    run_in_process("sft.py", *common, "--output-dir", "fp32", "--save-dtype", "float32", cwd=tmp_path)
+    from safetensors import safe_open
+
+    for name, dtype in (("own", torch.bfloat16), ("fp32", torch.float32)):
+        with safe_open(str(tmp_path / name / "model.safetensors"), "pt") as f:
+            assert {f.get_tensor(k).dtype for k in f.keys()} == {dtype}, name
+        assert json.load(open(tmp_path / name / "config.json"))["dtype"] == str(dtype).split(".")[1]
+    assert_one_line_error(run_script("sft.py", *common, "--save-dtype", "int8", cwd=tmp_path, check=False),
+                          "--save-dtype", "bfloat16")
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_line(tmp_path):
+    (tmp_path / "blocker").write_text("a file where the output's parent directory should be")
+    proc = run_script("sft.py", "--max-steps", "1", "--eval-size", "2", "--num-train-examples", "64",
+                      "--output-dir", "blocker/sft", cwd=tmp_path, check=False)
+    assert_one_line_error(proc, "cannot write the checkpoint", "blocker/sft", "nothing was saved")
+    assert not list(tmp_path.glob("blocker*.tmp-*"))
+
+
+# ------------------------------------------------------------------------------------------------
+# The smaller points
+# ------------------------------------------------------------------------------------------------
+def test_grpo_clipfrac_counts_only_where_the_clip_is_active():
+    """Ratios out of the band count only on the side the advantage pushes them (TRL's is_low/high_clipped)."""
+    ratio = torch.tensor([[0.5, 1.0, 1.5], [0.5, 1.0, 1.5]])
+    advantages = torch.tensor([1.0, -1.0])  # row 0 pushes the ratio up, row 1 down
+    clipped = grpo.clipped_tokens(ratio, advantages, 0.2, 0.28)
+    assert clipped.tolist() == [[False, False, True], [True, False, False]]
+    assert grpo.clipped_tokens(torch.tensor([[1.25]]), torch.tensor([1.0]), 0.2, 0.28).tolist() == [[False]]  # < 1 + ε_high
+
+
+def test_sampling_keeps_the_models_generation_config(tmp_path):
+    """sample replaced model.generation_config, so a saved policy lost the base model's (its top_p, its eos)."""
+    path = save_checkpoint(str(tmp_path / "m"), "llama", "bos", "float32", generation={"top_p": 0.8, "do_sample": True})
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    before = model.generation_config.to_dict()
+    sequences, _, width, mask = rlhf_ppo.sample(model, [[1, 5, 6]], 0, [2], 4, temperature=0.7)
+    assert model.generation_config.to_dict() == before and before["top_p"] == 0.8
+    assert sequences.shape == (1, width + 4)
+
+
+def test_heads_compute_in_float32_under_autocast():
+    """A value or a reward under --bf16 was a bf16 number (3 significant digits); now float32, from the same
+    bf16 hidden states."""
+    from transformers import AutoModelForSequenceClassification, LlamaConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(LlamaConfig(
+        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, num_labels=1, pad_token_id=0))
+    ids = torch.randint(1, 50, (2, 7))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        scores = rlhf_ppo.token_scores(model, ids, torch.ones_like(ids))
+        hidden = model.base_model(input_ids=ids).last_hidden_state
+    assert scores.dtype == torch.float32
+    torch.testing.assert_close(scores, (hidden.float() @ model.score.weight.T).squeeze(-1), atol=1e-6, rtol=0)
+    assert (scores - scores.bfloat16().float()).abs().max() > 0  # more digits than bf16 holds
+
+
+def test_a_hub_dataset_config_name_reaches_the_loader(tmp_path):
+    """--dataset-config picks one of a dataset's configs (gsm8k "main"): a local dataset repository with two."""
+    repo = tmp_path / "repo"
+    for config, completion in (("main", "4"), ("socratic", "two plus two is 4")):
+        (repo / config).mkdir(parents=True)
+        (repo / config / "train.jsonl").write_text(
+            "".join(json.dumps({"prompt": f"2+2 #{i}", "completion": completion}) + "\n" for i in range(20)))
+    (repo / "README.md").write_text("---\nconfigs:\n- config_name: main\n  data_files: main/train.jsonl\n"
+                                    "- config_name: socratic\n  data_files: socratic/train.jsonl\n---\n")
+    train, _ = sft.load_rows(str(repo), "socratic", "train", 2)
+    assert {row["completion"] for row in train} == {"two plus two is 4"}
+    train, _ = sft.load_rows(str(repo), "main", "train", 2)
+    assert {row["completion"] for row in train} == {"4"}
+
+
+def test_fsdp_bf16_mixed_precision_policy_keeps_the_kl_exactly_zero(tiny_checkpoints, tmp_path):
+    """2 ranks, --fsdp --bf16: FSDP2's MixedPrecisionPolicy (no autocast) on the actor and critic, the reference
+    and reward model sharded too; the KL before the first update is exactly 0 and the first ratio exactly 1."""
+    from test_distributed import torchrun
+
+    models = tiny_checkpoints["cwd"] / "models"
+    torchrun("rlhf_ppo.py", "--sft-model-path", str(models / "sft"), "--reward-model-path", str(models / "reward_model"),
+             "--num-iterations", "1", "--batch-size", "16", "--mini-batch-size", "8", "--gradient-accumulation-steps",
+             "2", "--eval-size", "9", "--generation-batch-size", "3", "--fsdp", "--bf16", cwd=tmp_path)
+    logs = scalars_of(tmp_path, "rlhf_ppo")
+    assert logs["objective/kl"][0] == (1, 0.0) and logs["objective/kl_k3"][0] == (1, 0.0)
+    assert logs["eval/kl"][0] == (0, 0.0)
+    assert logs["policy/first_ratio_max_error"][0] == (1, 0.0)
+    state(tmp_path / "models" / "rlhf_ppo")
