@@ -89,8 +89,8 @@ class Args:
     """longest prompt + completion in tokens: pairs with a longer side are dropped (and counted)"""
     bf16: bool = False
     """mixed precision: compute in bfloat16 (autocast; FSDP2's MixedPrecisionPolicy under --fsdp), the policy's
-    weights and AdamW state float32. The reference is held and computed exactly as the policy (at the start the
-    margin is exactly 0); the reward model is held in bfloat16"""
+    weights and AdamW state float32. The reference is held and computed as the policy (at the start the margin
+    is 0, up to the rounding of its precompute's other batch shapes); the reward model is held in bfloat16"""
     fsdp: bool = False
     """under torchrun, shard the policy, its gradients and AdamW state, and the frozen models, across the ranks
     (FSDP2) instead of a full copy on each (DDP): for models that do not fit one device"""
@@ -188,8 +188,9 @@ def main(args: Args):
     if args.dataset_name is None:
         prompt_rows = task_rows(args.seed, "eval", args.eval_size, "prompt")
         eval_prompts, eval_targets = [row["prompt"] for row in prompt_rows], [row["target"] for row in prompt_rows]
-    # The policy in float32 (master weights) whatever the checkpoint's dtype, the frozen models in the dtype they
-    # compute in; dropout off. The reward model, when there is one, only reports eval/score.
+    # The policy in float32 (master weights) whatever the checkpoint's dtype, the reference as the policy, the
+    # reward model in the dtype it computes in; dropout off. The reward model, when there is one, only reports
+    # eval/score.
     path = args.model_name_or_path
     tokenizer = load_tokenizer(path, "run `python sft.py` first" if path == "models/sft" else
                                "pass an existing directory or a hub id")
@@ -346,7 +347,7 @@ def main(args: Args):
         optimizer.zero_grad(set_to_none=True)
 
         # ---- log and evaluate: means over the whole batch, sums added up over the ranks -------------
-        if step % 10 == 0 or step == 1:  # step 1: the batch as the reference saw it (margin exactly 0)
+        if step % 10 == 0 or step == 1:  # step 1: before any update (the margin is 0 but for rounding)
             sums = all_reduce_sum({"loss": loss * per_rank, "reward_chosen": r_c.sum(), "reward_rejected": r_r.sum(),
                                    "correct": (r_c > r_r).sum(), "logps_chosen": chosen.sum(),
                                    "logps_rejected": rejected.sum()}, device)
@@ -937,14 +938,14 @@ def decode(tokenizer, sequences, context_length, response_mask):
 # change nothing.
 # ---------------------------------------------------------------------------------------------
 # How long a rank waits in a collective for the others: long enough for rank 0 to gather and write a
-# checkpoint of an 8B model (16-32 GB) while the others wait at the barrier after it (NCCL's default is 10 min).
+# checkpoint of an 8B model (16-32 GB) while the others wait to hear whether it worked (NCCL's default: 10 min).
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=60)
 
 
 def setup_distributed(cuda):
     """(rank, world_size, device). Under torchrun, which sets RANK, WORLD_SIZE and LOCAL_RANK, join the
-    process group: NCCL with one GPU per process, or gloo on the CPU. Ranks other than 0 print nothing
-    (their errors still reach stderr)."""
+    process group: NCCL with one GPU per process, or gloo on the CPU. Ranks other than 0 print nothing (an
+    error that stops the run is one line from the first rank of each node)."""
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() and cuda else "cpu")
     if torch.cuda.is_available() and cuda:

@@ -845,14 +845,14 @@ def decode(tokenizer, sequences, context_length, response_mask):
 # change nothing.
 # ---------------------------------------------------------------------------------------------
 # How long a rank waits in a collective for the others: long enough for rank 0 to gather and write a
-# checkpoint of an 8B model (16-32 GB) while the others wait at the barrier after it (NCCL's default is 10 min).
+# checkpoint of an 8B model (16-32 GB) while the others wait to hear whether it worked (NCCL's default: 10 min).
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=60)
 
 
 def setup_distributed(cuda):
     """(rank, world_size, device). Under torchrun, which sets RANK, WORLD_SIZE and LOCAL_RANK, join the
-    process group: NCCL with one GPU per process, or gloo on the CPU. Ranks other than 0 print nothing
-    (their errors still reach stderr)."""
+    process group: NCCL with one GPU per process, or gloo on the CPU. Ranks other than 0 print nothing (an
+    error that stops the run is one line from the first rank of each node)."""
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() and cuda else "cpu")
     if torch.cuda.is_available() and cuda:
