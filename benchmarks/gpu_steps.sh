@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A --bf16 step and a --fsdp --bf16 step (torchrun, 1 rank) of every LM script on a random Qwen2 of
-# Qwen2.5-0.5B's shape (24 layers, 896 wide, 151,936-token vocabulary: 494M parameters), with its wall time
-# and peak torch.cuda.max_memory_allocated (benchmarks/gpu_step.py). Needs a GPU; writes JSON lines to $1.
+# Qwen2.5-0.5B's shape (24 layers, 896 wide, 151,936-token vocabulary: 494M parameters), with its wall time,
+# peak torch.cuda.max_memory_allocated and logged throughput (benchmarks/gpu_step.py). Needs a GPU; writes
+# JSON lines to $1. NO_FSDP=1 skips the --fsdp runs, FSDP_ONLY=1 the others.
 #   bash benchmarks/gpu_steps.sh results.jsonl
 set -euo pipefail
 out=${1:-gpu_steps.jsonl}
@@ -51,4 +52,4 @@ step() {  # step LAUNCH: a step of each script (FSDP: under torchrun)
   done
 }
 [ -n "${FSDP_ONLY:-}" ] || step python
-step "torchrun --nproc-per-node 1"   # FSDP_ONLY=1 SCRIPTS="rlhf_ppo grpo" bash ...: those alone
+[ -n "${NO_FSDP:-}" ] || step "torchrun --nproc-per-node 1"   # FSDP_ONLY=1 SCRIPTS="rlhf_ppo grpo" bash ...: those alone

@@ -434,7 +434,9 @@ def test_a_template_that_rerenders_earlier_turns_is_refused():
 
 def test_eval_score_is_the_same_quantity_in_rlhf_ppo_and_dpo(tiny_checkpoints, tmp_path):
     """Bug 8: rlhf_ppo.py's eval/score applied the missing-EOS penalty and dpo.py's did not, yet the two were
-    compared side by side. With one-token responses nothing ends, so both must log exactly the penalty."""
+    compared side by side. With one-token responses nearly nothing ends (the SFT model rarely puts its EOS
+    first), so both must log exactly the penalty at their first evaluation, of the same SFT model. (After an
+    update the first token is sometimes the EOS: one in 16 on CUDA, so later evaluations are not asserted.)"""
     models = tiny_checkpoints["cwd"] / "models"
     common = ["--response-length", "1", "--missing-eos-penalty", "-7", "--eval-size", "16", "--output-dir", "out"]
     run_in_process("rlhf_ppo.py", "--sft-model-path", str(models / "sft"), "--reward-model-path",
@@ -445,7 +447,7 @@ def test_eval_score_is_the_same_quantity_in_rlhf_ppo_and_dpo(tiny_checkpoints, t
                    *common, cwd=tmp_path)
     for name in ("rlhf_ppo", "dpo"):
         scalars = read_scalars(str(next((tmp_path / "runs").glob(f"{name}__*"))))
-        assert [v for _, v in scalars["eval/score"]] == [-7.0, -7.0], name
+        assert len(scalars["eval/score"]) == 2 and scalars["eval/score"][0][1] == -7.0, name
 
 
 def test_dropout_is_off_also_where_it_is_a_config_number(tmp_path):
