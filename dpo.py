@@ -77,8 +77,8 @@ class Args:
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass (less memory, one more forward pass of compute)"""
     eval_batch_size: int = 128
-    """prompts per generate call in evaluation, on each rank (the forward passes of evaluation and of the
-    reference's precompute run in micro-batches of training's size: what fits with gradients fits without)"""
+    """prompts per generate call in evaluation, on each rank (evaluation's forward passes run in micro-batches
+    of training's size: what fits with gradients fits without)"""
     lr: float = 1e-4
     """peak learning rate of AdamW (a pretrained model wants ~5e-7 to 1e-6; TRL: learning_rate)"""
     warmup_steps: int = 30
@@ -89,8 +89,8 @@ class Args:
     """longest prompt + completion in tokens: pairs with a longer side are dropped (and counted)"""
     bf16: bool = False
     """mixed precision: compute in bfloat16 (autocast; FSDP2's MixedPrecisionPolicy under --fsdp), the policy's
-    weights and AdamW state float32. The reference is held and computed as the policy (at the start the margin
-    is 0, up to the rounding of its precompute's other batch shapes); the reward model is held in bfloat16"""
+    weights and AdamW state float32. The reference is held and computed as the policy, on the same micro-batch
+    (at the start the margin is exactly 0); the reward model is held in bfloat16"""
     fsdp: bool = False
     """under torchrun, shard the policy, its gradients and AdamW state, and the frozen models, across the ranks
     (FSDP2) instead of a full copy on each (DDP): for models that do not fit one device"""
@@ -252,17 +252,6 @@ def main(args: Args):
         parts = [logps_of(model, pairs[i : i + micro_size]) for i in range(0, len(pairs), micro_size)]
         return torch.cat([c for c, _ in parts]), torch.cat([r for _, r in parts])
 
-    # The reference never changes: its log-probs are computed once, before training, each rank computing
-    # its shard of the pairs; the shards are then gathered, so that every rank has all of them.
-    ref_chosen, ref_rejected = logps_in_chunks(ref, shard(train, rank, world_size)[0])
-    if world_size > 1:  # rank r computed pairs r, r + N, r + 2N, ...: gather them, interleave, drop the padding
-        gathered = []
-        for local in (ref_chosen, ref_rejected):
-            parts = [torch.empty_like(local) for _ in range(world_size)]
-            dist.all_gather(parts, local)
-            gathered.append(torch.stack(parts, 1).flatten()[: len(train)])
-        ref_chosen, ref_rejected = gathered
-
     writer = make_writer(args, rank)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
 
@@ -333,8 +322,10 @@ def main(args: Args):
         for m in range(rank * per_rank, (rank + 1) * per_rank, micro_size):
             micro = idx[m : m + micro_size]
             gradient_sync(policy, m + micro_size == (rank + 1) * per_rank)  # once per step, with the last micro-batch
+            with torch.no_grad():  # the reference on the very tensors the policy sees: the margin starts at 0 exactly
+                ref_chosen, ref_rejected = logps_of(ref, [train[i] for i in micro])
             chosen, rejected = logps_of(policy, [train[i] for i in micro])
-            loss, r_c, r_r = dpo_loss(chosen, rejected, ref_chosen[micro], ref_rejected[micro], args.beta, args.loss_type,
+            loss, r_c, r_r = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, args.beta, args.loss_type,
                                       args.label_smoothing)
             # the mean over micro-batches = the rank's mean; DDP and FSDP average over the ranks
             (loss / args.gradient_accumulation_steps).backward()
@@ -347,7 +338,7 @@ def main(args: Args):
         optimizer.zero_grad(set_to_none=True)
 
         # ---- log and evaluate: means over the whole batch, sums added up over the ranks -------------
-        if step % 10 == 0 or step == 1:  # step 1: before any update (the margin is 0 but for rounding)
+        if step % 10 == 0 or step == 1:  # step 1: before any update (the margin is exactly 0)
             sums = all_reduce_sum({"loss": loss * per_rank, "reward_chosen": r_c.sum(), "reward_rejected": r_r.sum(),
                                    "correct": (r_c > r_r).sum(), "logps_chosen": chosen.sum(),
                                    "logps_rejected": rejected.sum()}, device)
@@ -532,18 +523,24 @@ def tokenize_pair(tokenizer, prompt, completion, stop_ids):
 def add_pad_token(tokenizer, stop_ids, *models):
     """Make sure the tokenizer has a pad token that is no stop token, so that masking padding never masks
     an EOS the model must learn. Reuse an unused special token where the tokenizer has one (Llama 3's
-    <|finetune_right_pad_id|>, reserved or unused tokens), else add <|pad|>; grow the embeddings only if
-    the new id does not fit (to a multiple of 64), and never shrink a vocabulary padded for speed."""
-    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id not in stop_ids:
-        return
-    taken = set(stop_ids) | {tokenizer.bos_token_id, tokenizer.unk_token_id}
-    unused = [t.content for i, t in sorted(tokenizer.added_tokens_decoder.items())
-              if t.special and i not in taken and t.content not in (tokenizer.chat_template or "")]
-    preferred = [c for c in unused if "pad" in c.lower()] + [c for c in unused if "reserved" in c or "unused" in c]
-    tokenizer.add_special_tokens({"pad_token": preferred[0] if preferred else "<|pad|>"})
+    <|finetune_right_pad_id|>, reserved or unused tokens), else add <|pad|>. Grow the embeddings only where
+    an id does not fit (to a multiple of 64), never shrink a vocabulary padded for speed, and give the new
+    rows the mean of the old ones: the same in every model, so that a policy and its reference stay equal
+    (transformers' default draws them at random, differently in each)."""
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id in stop_ids:
+        taken = set(stop_ids) | {tokenizer.bos_token_id, tokenizer.unk_token_id}
+        unused = [t.content for i, t in sorted(tokenizer.added_tokens_decoder.items())
+                  if t.special and i not in taken and t.content not in (tokenizer.chat_template or "")]
+        preferred = [c for c in unused if "pad" in c.lower()] + [c for c in unused if "reserved" in c or "unused" in c]
+        tokenizer.add_special_tokens({"pad_token": preferred[0] if preferred else "<|pad|>"})
+    needed = max(len(tokenizer), tokenizer.pad_token_id + 1)  # an added token's id can lie past len(tokenizer)
     for model in models:
-        if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-            model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
+        rows = model.get_input_embeddings().num_embeddings
+        if needed > rows:
+            model.resize_token_embeddings(needed, pad_to_multiple_of=64, mean_resizing=False)
+            with torch.no_grad():
+                for embedding in {model.get_input_embeddings(), model.get_output_embeddings()} - {None}:
+                    embedding.weight[rows:] = embedding.weight[:rows].mean(0)
 
 
 def tokenize(example, tokenizer, stop_ids):

@@ -639,18 +639,24 @@ def tokenize_pair(tokenizer, prompt, completion, stop_ids):
 def add_pad_token(tokenizer, stop_ids, *models):
     """Make sure the tokenizer has a pad token that is no stop token, so that masking padding never masks
     an EOS the model must learn. Reuse an unused special token where the tokenizer has one (Llama 3's
-    <|finetune_right_pad_id|>, reserved or unused tokens), else add <|pad|>; grow the embeddings only if
-    the new id does not fit (to a multiple of 64), and never shrink a vocabulary padded for speed."""
-    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id not in stop_ids:
-        return
-    taken = set(stop_ids) | {tokenizer.bos_token_id, tokenizer.unk_token_id}
-    unused = [t.content for i, t in sorted(tokenizer.added_tokens_decoder.items())
-              if t.special and i not in taken and t.content not in (tokenizer.chat_template or "")]
-    preferred = [c for c in unused if "pad" in c.lower()] + [c for c in unused if "reserved" in c or "unused" in c]
-    tokenizer.add_special_tokens({"pad_token": preferred[0] if preferred else "<|pad|>"})
+    <|finetune_right_pad_id|>, reserved or unused tokens), else add <|pad|>. Grow the embeddings only where
+    an id does not fit (to a multiple of 64), never shrink a vocabulary padded for speed, and give the new
+    rows the mean of the old ones: the same in every model, so that a policy and its reference stay equal
+    (transformers' default draws them at random, differently in each)."""
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id in stop_ids:
+        taken = set(stop_ids) | {tokenizer.bos_token_id, tokenizer.unk_token_id}
+        unused = [t.content for i, t in sorted(tokenizer.added_tokens_decoder.items())
+                  if t.special and i not in taken and t.content not in (tokenizer.chat_template or "")]
+        preferred = [c for c in unused if "pad" in c.lower()] + [c for c in unused if "reserved" in c or "unused" in c]
+        tokenizer.add_special_tokens({"pad_token": preferred[0] if preferred else "<|pad|>"})
+    needed = max(len(tokenizer), tokenizer.pad_token_id + 1)  # an added token's id can lie past len(tokenizer)
     for model in models:
-        if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-            model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
+        rows = model.get_input_embeddings().num_embeddings
+        if needed > rows:
+            model.resize_token_embeddings(needed, pad_to_multiple_of=64, mean_resizing=False)
+            with torch.no_grad():
+                for embedding in {model.get_input_embeddings(), model.get_output_embeddings()} - {None}:
+                    embedding.weight[rows:] = embedding.weight[:rows].mean(0)
 
 
 def tokenize(example, tokenizer, stop_ids):

@@ -543,6 +543,39 @@ def test_pad_token_reuses_an_unused_special_token_and_never_shrinks_the_vocabula
         assert exact.get_input_embeddings().num_embeddings == 384  # 341 → a multiple of 64, not 341
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])  # an output layer of its own; tied to the input embeddings
+def test_new_embedding_rows_are_the_mean_and_the_same_in_the_policy_and_its_reference(arch):
+    """A new pad id grows the embeddings. transformers draws the new rows at random, differently in a policy
+    and its reference, so their log-softmax differs before any update; here both get the mean of the old rows."""
+    for script in (sft, rlhf_ppo):
+        tokenizer = make_tokenizer("bos")  # no pad, nothing unused: <|pad|> is added
+        torch.manual_seed(0)
+        policy = make_model(arch, len(tokenizer))
+        reference = make_model(arch, len(tokenizer))
+        reference.load_state_dict(policy.state_dict())
+        old = policy.get_input_embeddings().weight.detach().clone()
+        script.prepare_models(tokenizer, script.stop_token_ids(tokenizer), [policy, reference], [reference])
+        for model in (policy, reference):
+            for embedding in (model.get_input_embeddings(), model.get_output_embeddings()):
+                assert embedding.weight.shape[0] == 384
+                assert torch.equal(embedding.weight[len(old):], embedding.weight[: len(old)].mean(0).expand(384 - len(old), -1))
+        assert all(torch.equal(a, b) for a, b in zip(policy.state_dict().values(), reference.state_dict().values()))
+
+
+def test_a_pad_id_past_the_embeddings_grows_them():
+    """A tokenizer given a pad token after its model was made (one row short): the pad is fine (no stop
+    token), so the embeddings used to stay as they were, and the first batch with a pad stopped in an
+    IndexError."""
+    for script in (sft, grpo):
+        tokenizer = make_tokenizer("bos")
+        model = make_model("llama", len(tokenizer))
+        tokenizer.add_special_tokens({"pad_token": "<|my_pad|>"})
+        assert tokenizer.pad_token_id == model.get_input_embeddings().num_embeddings
+        script.add_pad_token(tokenizer, script.stop_token_ids(tokenizer), model)
+        assert model.get_input_embeddings().num_embeddings == 384
+        model(torch.tensor([[tokenizer.pad_token_id]]))  # an IndexError before
+
+
 # ------------------------------------------------------------------------------------------------
 # The helpers several LM scripts share are one text, pasted verbatim: copies must not drift.
 # ------------------------------------------------------------------------------------------------
