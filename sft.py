@@ -116,8 +116,8 @@ def sft_loss(logits, labels, num_items=None):
     split into micro-batches, so that every token weighs the same whatever micro-batch it is in.
     """
     shift_logits, shift_labels = logits[:, :-1], labels[:, 1:]
-    # one sequence at a time, in float32 (rowwise: no float32 copy of the whole [batch, length, vocabulary])
-    nll = rowwise(lambda z, y: F.cross_entropy(z.float(), y, ignore_index=-100, reduction="sum"),
+    # a few sequences at a time, in float32 (rowwise: no float32 copy of the whole [batch, length, vocabulary])
+    nll = rowwise(lambda z, y: F.cross_entropy(z.float().transpose(1, 2), y, ignore_index=-100, reduction="none"),
                   shift_logits, shift_labels).sum()
     return nll / (num_items if num_items is not None else (shift_labels != -100).sum())
 
@@ -701,19 +701,26 @@ def collate(batch, pad_token_id):
     return input_ids, attention_mask, labels
 
 
+ROW_CHUNK_ELEMENTS = 2**22  # float32 elements of logits processed at once: 16 MiB
+
+
 def rowwise(fn, *tensors):
-    """fn over one row (sequence) of `tensors` at a time, the results stacked. With gradients on, each row's
-    forward is recomputed in the backward pass (activation checkpointing), so that the float32 intermediates
-    of a row of logits ([length, vocabulary], 0.5 GB at 1,024 tokens and 128k) exist one row at a time and
-    only the logits themselves, as the model returned them, are kept for the backward pass."""
+    """fn over a few rows (sequences) of `tensors` at a time, as many as keep a chunk of logits within
+    ROW_CHUNK_ELEMENTS (one row at 1,024 tokens and a 128k vocabulary; the whole batch on the built-in task),
+    the results concatenated. With gradients on, each chunk's forward is recomputed in the backward pass
+    (activation checkpointing), so that the float32 intermediates ([length, vocabulary] per row: 0.5 GB at
+    1,024 tokens and 128k) exist one chunk at a time and only the logits themselves, as the model returned
+    them, are kept for the backward pass."""
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    return torch.stack([checkpoint(fn, *row, use_reentrant=False) if grad else fn(*row) for row in zip(*tensors)])
+    rows = max(1, ROW_CHUNK_ELEMENTS // max(1, tensors[0][0].numel()))
+    chunks = zip(*(t.split(rows) for t in tensors))
+    return torch.cat([checkpoint(fn, *chunk, use_reentrant=False) if grad else fn(*chunk) for chunk in chunks])
 
 
 def token_logprobs(logits, tokens, with_entropy=False, temperature=1.0):
     """log π(token) = z(token) − logsumexp(z) at each position, z = logits / temperature in float32 (as
     `generate` samples: its logits are float32 before the temperature divides them), and optionally the
-    entropy H = logsumexp(z) − Σ softmax(z)·z. Row by row (see rowwise): no float32 [batch, length,
+    entropy H = logsumexp(z) − Σ softmax(z)·z. A few rows at a time (rowwise): no float32 [batch, length,
     vocabulary] tensor is made or kept."""
     def row_logprobs(row, row_tokens):
         z = row.float() / temperature
