@@ -4,7 +4,7 @@ import os
 
 import pytest
 import torch
-from conftest import assert_one_line_error, read_scalars, run_script, same_seed_scalars
+from conftest import assert_one_line_error, read_scalars, run_in_process, run_script, same_seed_scalars
 from lm_models import PositionLogits, by_hand
 
 import rlhf_ppo
@@ -142,11 +142,11 @@ def test_real_data_paths_with_local_files(tiny_checkpoints, tmp_path):
     (tmp_path / "prefs.jsonl").write_text("\n".join(
         json.dumps({"chosen": f"sort {i}9:{i}9", "rejected": f"sort {i}9:9{i}"}) for i in range(40)))
     models = tiny_checkpoints["cwd"] / "models"
-    run_script("rlhf_ppo.py", *PPO_TINY, "--dataset-name", "prompts.jsonl", "--sft-model-path", str(models / "sft"),
-               "--reward-model-path", str(models / "reward_model"), "--output-dir", "ppo", cwd=tmp_path)
-    run_script("dpo.py", "--dataset-name", "prefs.jsonl", "--model-name-or-path", str(models / "sft"),
-               "--reward-model-path", str(models / "reward_model"), "--max-steps", "4", "--batch-size", "4",
-               "--eval-every", "2", "--warmup-steps", "1", "--output-dir", "dpo", cwd=tmp_path)
+    run_in_process("rlhf_ppo.py", *PPO_TINY, "--dataset-name", "prompts.jsonl", "--sft-model-path", str(models / "sft"),
+                   "--reward-model-path", str(models / "reward_model"), "--output-dir", "ppo", cwd=tmp_path)
+    run_in_process("dpo.py", "--dataset-name", "prefs.jsonl", "--model-name-or-path", str(models / "sft"),
+                   "--reward-model-path", str(models / "reward_model"), "--max-steps", "4", "--batch-size", "4",
+                   "--eval-every", "2", "--warmup-steps", "1", "--output-dir", "dpo", cwd=tmp_path)
     for name in ("rlhf_ppo", "dpo"):
         scalars = read_scalars(str(sorted(tmp_path.glob(f"runs/{name}__*"))[-1]))
         assert "eval/kl" in scalars and "eval/score" in scalars and "eval/gold_accuracy" not in scalars
