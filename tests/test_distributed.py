@@ -192,8 +192,8 @@ def test_a_mixture_of_experts_trains_under_ddp(tmp_path):
     MixtralForCausalLM(config).save_pretrained(tmp_path / "base")
     tokenizer.save_pretrained(tmp_path / "base")
     torchrun("sft.py", "--model-name-or-path", str(tmp_path / "base"), "--dataset-name",
-             write_data(tmp_path / "d.jsonl", "prompt_completion"), "--max-steps", "3", "--batch-size", "4", "--lr", "1e-2", "--warmup-steps", "0",
-             "--eval-every", "3", "--eval-size", "4", "--output-dir", "moe", cwd=tmp_path)
+             write_data(tmp_path / "d.jsonl", "prompt_completion"), "--max-steps", "3", "--batch-size", "4", "--lr", "1e-2",
+             "--warmup-steps", "0", "--eval-every", "3", "--eval-size", "4", "--output-dir", "moe", cwd=tmp_path)
     start, end = state(tmp_path / "base")[1], state(tmp_path / "moe")[1]
     for key in ("model.layers.1.mlp.gate.weight", "model.layers.1.mlp.experts.gate_up_proj"):
         assert (end[key] - start[key]).abs().max() > 1e-3, key
