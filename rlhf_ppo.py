@@ -878,19 +878,19 @@ def token_logprobs(logits, tokens, with_entropy=False, temperature=1.0):
     `generate` samples: its logits are float32 before the temperature divides them), and optionally the
     entropy H = logsumexp(z) − Σ softmax(z)·z. A few rows at a time (rowwise): no float32 [batch, length,
     vocabulary] tensor is made or kept."""
-    def row_logprobs(row, row_tokens):
-        z = row.float() / temperature
+    def chunk_logprobs(rows, row_tokens):
+        z = rows.float() / temperature
         return z.gather(-1, row_tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, -1)
 
-    def row_entropy(row):
-        z = row.float() / temperature
+    def chunk_entropy(rows):
+        z = rows.float() / temperature
         return torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
 
-    logprobs = rowwise(row_logprobs, logits, tokens)
+    logprobs = rowwise(chunk_logprobs, logits, tokens)
     if not with_entropy:
         return logprobs
     with torch.no_grad():
-        return logprobs, rowwise(row_entropy, logits)
+        return logprobs, rowwise(chunk_entropy, logits)
 
 
 def position_ids_of(attention_mask):
@@ -1065,7 +1065,8 @@ def place_model(model, device, args, trained=True):
         if not trained:
             return model
         config = next(m.config for m in model.modules() if hasattr(m, "config"))
-        # a mixture of experts routes each batch to some experts only: the others get no gradient this step
+        # a mixture of experts routes each batch to some experts only: where each expert is a module of its
+        # own, the others get no gradient this step (transformers 5.23 fuses a layer's experts: not needed there)
         moe = any(getattr(config, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                        find_unused_parameters=moe)
