@@ -19,17 +19,23 @@ import json
 import math
 import os
 import random
+import re
+import shlex
 import shutil
+import signal
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 import transformers
 import tyro
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -94,6 +100,14 @@ class Args:
     """tokens sampled per completion in evaluation"""
     num_train_examples: int = 100_000
     """size of the built-in task's training set"""
+    save_every: int = 0
+    """write a checkpoint to resume from every this many steps, to runs/<run>/checkpoint-<step> (0: none; SIGTERM
+    always writes one, then ends the run)"""
+    keep_checkpoints: int = 2
+    """keep the last this many checkpoints, deleting older ones"""
+    resume: str | None = None
+    """resume from this checkpoint-<step> directory, or from the latest in this runs/<run> directory; the other
+    flags must be those of the run it continues"""
 
     n_layer: int = 3
     """tiny model (when no --model-name-or-path): transformer blocks"""
@@ -130,10 +144,13 @@ def check_args(args):
         sys.exit(f"error: --batch-size {args.batch_size} does not split into {world_size} rank(s) × "
                  f"{args.gradient_accumulation_steps} micro-batches; make it a multiple of "
                  f"{world_size * args.gradient_accumulation_steps}")
+    if args.save_every < 0 or args.keep_checkpoints < 1:
+        sys.exit("error: --save-every must be ≥ 0 and --keep-checkpoints ≥ 1")
 
 
 def main(args: Args):
     check_args(args)
+    checkpoint = find_checkpoint(args, int(os.environ.get("WORLD_SIZE", "1")))  # --resume: checked before any work
     rank, world_size, device = setup_distributed(args.cuda)
     random.seed(args.seed)  # the data order: the same on every rank
     torch.manual_seed(args.seed + rank)  # sampling: a stream of its own on each rank
@@ -172,7 +189,8 @@ def main(args: Args):
         raw_model.activation_checkpointing_enable({"use_reentrant": False})
     model = place_model(raw_model, device, args)  # forward and backward passes
 
-    writer = make_writer(args, rank)
+    run_dir = run_directory(args, checkpoint)
+    writer = make_writer(args, rank, run_dir, checkpoint["step"] if checkpoint else 0)
     print(f"{sum(p.numel() for p in raw_model.parameters()):,} parameters, {len(train):,} training examples")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     per_rank = args.batch_size // world_size
@@ -224,8 +242,14 @@ def main(args: Args):
 
     model.train()
     order, position = list(range(len(train))), len(train)
-    start_time, model_time, tokens_seen = time.time(), 0.0, 0
-    for step in range(1, args.max_steps + 1):
+    first_step, elapsed, model_time, tokens_seen = 1, 0.0, 0.0, 0
+    if checkpoint is not None:  # the weights, AdamW, every random stream, and where the loop was
+        loop = load_checkpoint(checkpoint, model, optimizer)
+        first_step, order, position = loop["step"] + 1, loop["order"], loop["position"]
+        elapsed, model_time, tokens_seen = loop["elapsed"], loop["model_time"], loop["tokens_seen"]
+    preemption = Preemption()
+    start_time = time.time() - elapsed  # the speeds count the time before a resume
+    for step in range(first_step, args.max_steps + 1):
         if position + args.batch_size > len(order):  # a new pass over the data, reshuffled
             random.shuffle(order)
             position = 0
@@ -266,6 +290,15 @@ def main(args: Args):
             writer.add_scalar("charts/model_time_fraction", model_time / elapsed, step)
         if step % args.eval_every == 0 or step == args.max_steps:
             evaluate(step)
+
+        # ---- checkpoint: every --save-every steps, and at SIGTERM, which then ends the run (exit code 0) -----
+        sigterm = preemption.requested(device)
+        if sigterm or (args.save_every and step % args.save_every == 0):
+            save_checkpoint(run_dir, step, model, optimizer, args, {
+                "order": order, "position": position, "elapsed": time.time() - start_time, "model_time": model_time,
+                "tokens_seen": tokens_seen}, sigterm)
+        if sigterm:
+            return writer.close()
 
     elapsed = time.time() - start_time
     tokens_seen = all_reduce_sum({"tokens": tokens_seen}, device)["tokens"]
@@ -959,12 +992,27 @@ class NoWriter:
         return lambda *args, **kwargs: None
 
 
-def make_writer(args, rank):
-    """TensorBoard's writer for runs/<exp>__<seed>__<time> on rank 0 (a NoWriter elsewhere), the flags logged
-    as a table."""
-    writer = SummaryWriter(f"runs/{args.exp_name}__{args.seed}__{int(time.time())}") if rank == 0 else NoWriter()
-    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+def make_writer(args, rank, run_dir, start_step=0):
+    """TensorBoard's writer for run_dir on rank 0 (a NoWriter elsewhere), the flags logged as a table. A resumed
+    run (start_step > 0) appends to its run's logs and drops what they hold after start_step (purge_step): the
+    steps a preempted run took after its last checkpoint are taken again."""
+    if rank != 0:
+        return NoWriter()
+    writer = SummaryWriter(run_dir, purge_step=start_step + 1 if start_step else None)
+    if not start_step:
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
     return writer
+
+
+def run_directory(args, checkpoint):
+    """runs/<exp>__<seed>__<time> (rank 0's clock, on every rank), or the run directory of the checkpoint
+    that --resume continues."""
+    if checkpoint is not None:
+        return os.path.dirname(checkpoint["path"])
+    name = [f"runs/{args.exp_name}__{args.seed}__{int(time.time())}"]
+    if dist.is_initialized():
+        dist.broadcast_object_list(name, src=0)
+    return name[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1030,6 +1078,158 @@ def save_atomically(model, tokenizer, args, output_dir, dtype):
     if os.environ.get("LOCAL_RANK", "0") == "0" and not os.path.isdir(output_dir):
         print(f"note: the checkpoint {output_dir!r} is on the first node only (this node does not share its "
               "filesystem): copy it from there", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------------
+# Long runs: checkpoints that resume exactly, and SIGTERM. A checkpoint is the directory
+# runs/<run>/checkpoint-<step>: the trained weights and AdamW state (torch.distributed.checkpoint: under
+# --fsdp each rank writes and reads its own shards, nothing is gathered), each rank's random streams and
+# the loop's state (rank<r>.pt), and checkpoint.json (script, step, ranks, flags).
+# ---------------------------------------------------------------------------------------------
+# The flags a resumed run may change: where things go, not what is computed
+CHANGEABLE_ON_RESUME = ("exp_name", "output_dir", "resume", "save_every", "keep_checkpoints")
+# Frozen weights are not saved (they are reloaded from the model path): with LoRA a checkpoint is the adapters
+CHECKPOINT_OPTIONS = StateDictOptions(ignore_frozen_params=True)
+
+
+def find_checkpoint(args, world_size):
+    """The checkpoint --resume names (a checkpoint-<step> directory, or a run directory: its latest), checked
+    before any work: one of this script, saved with the same flags and as many ranks. Returns its
+    checkpoint.json with its "path", or None without --resume."""
+    if args.resume is None:
+        return None
+    path = args.resume.rstrip("/")
+    if not os.path.isfile(os.path.join(path, "checkpoint.json")):
+        steps = [int(name[len("checkpoint-") :]) for name in (os.listdir(path) if os.path.isdir(path) else [])
+                 if re.fullmatch(r"checkpoint-\d+", name) and os.path.isfile(os.path.join(path, name, "checkpoint.json"))]
+        if not steps:
+            sys.exit(f"error: --resume {args.resume}: no checkpoint there; pass a runs/<run> directory that holds "
+                     "checkpoint-<step> directories (written with --save-every, or at SIGTERM), or one of them")
+        path = os.path.join(path, f"checkpoint-{max(steps)}")
+    with open(os.path.join(path, "checkpoint.json")) as f:
+        saved = json.load(f)
+    script = os.path.basename(__file__)
+    if saved["script"] != script:
+        sys.exit(f"error: --resume {path} is a checkpoint of {saved['script']}; resume it with that script, not {script}")
+    now = json.loads(json.dumps(vars(args)))  # as checkpoint.json holds them (tuples as lists)
+    for name, value in now.items():
+        if name not in CHANGEABLE_ON_RESUME and saved["args"].get(name) != value:
+            sys.exit(f"error: --{name.replace('_', '-')} is {value} here but {saved['args'].get(name)} in {path}; a "
+                     "resumed run takes the flags of the run it continues (only --save-every, --keep-checkpoints, "
+                     "--output-dir and --exp-name may change)")
+    if saved["world_size"] != world_size:
+        sys.exit(f"error: {path} was saved by {saved['world_size']} rank(s) and this run has {world_size}; resume with "
+                 f"{saved['world_size']} (each rank's random streams and share of every batch are part of the checkpoint)")
+    return {**saved, "path": path}
+
+
+def random_streams():
+    """This rank's random streams: python's, numpy's, torch's on the CPU and on this rank's GPU."""
+    name, keys, position, has_gauss, gauss = np.random.get_state()
+    return {"python": random.getstate(), "numpy": (name, keys.tolist(), position, has_gauss, gauss),
+            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}
+
+
+def set_random_streams(streams):
+    random.setstate(streams["python"])
+    name, keys, position, has_gauss, gauss = streams["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), position, has_gauss, gauss))
+    torch.set_rng_state(streams["torch"])
+    if streams["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(streams["cuda"])
+
+
+def save_checkpoint(run_dir, step, trained, optimizer, args, loop_state, sigterm=False):
+    """Write runs/<run>/checkpoint-<step> atomically: every rank writes into checkpoint-<step>.tmp, then rank 0
+    renames it and deletes all but the last --keep-checkpoints; a crash mid-write leaves the earlier ones as
+    they were. `trained`: the module (as placed: DDP or FSDP) whose trained weights `optimizer` updates;
+    `loop_state`: what the loop needs to go on (data position, controllers, counters), with `step`. Every
+    rank calls this. A multi-node run needs a filesystem that every node shares (each writes its shards)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    path = os.path.join(run_dir, f"checkpoint-{step}")
+    tmp = f"{path}.tmp"
+
+    def write(part):
+        """Run part() on every rank; if it fails on any (a full disk, a permission), every rank stops with one line."""
+        problem = None
+        try:
+            part()
+        except Exception as e:  # noqa: BLE001
+            problem = f"error: cannot write the checkpoint {path}: {(str(e).splitlines() or [type(e).__name__])[0]}"
+        if all_reduce_sum({"failed": problem is not None}, next(trained.parameters()).device)["failed"]:
+            sys.exit(problem or f"error: another rank could not write the checkpoint {path} (rank 0's line says why)")
+
+    def make_directory():
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # what a crash during an earlier write left
+            os.makedirs(tmp)
+
+    def write_state():
+        model_state, optimizer_state = get_state_dict(trained, optimizer, options=CHECKPOINT_OPTIONS)
+        with warnings.catch_warnings():  # in one process DCP warns at every call that it assumes one process
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)  # collective
+        torch.save({"random": random_streams(), "loop": {**loop_state, "step": step}}, os.path.join(tmp, f"rank{rank}.pt"))
+        if rank == 0:
+            with open(os.path.join(tmp, "checkpoint.json"), "w") as f:
+                json.dump({"script": os.path.basename(__file__), "step": step, "args": vars(args),
+                           "world_size": dist.get_world_size() if dist.is_initialized() else 1}, f, indent=2)
+
+    write(make_directory)
+    write(write_state)
+    if rank == 0:  # every rank has written its part: the checkpoint is complete once it has its name
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+        steps = sorted(int(name[len("checkpoint-") :]) for name in os.listdir(run_dir) if re.fullmatch(r"checkpoint-\d+", name))
+        for old in steps[: -args.keep_checkpoints]:
+            shutil.rmtree(os.path.join(run_dir, f"checkpoint-{old}"))
+    if dist.is_initialized():
+        dist.barrier()  # the checkpoint is complete before any rank goes on (or exits)
+    if sigterm:
+        argv = sys.argv[1:]  # the same command, --resume pointing at this run
+        flags = [a for i, a in enumerate(argv) if not a.startswith("--resume") and (i == 0 or argv[i - 1] != "--resume")]
+        launcher = f"torchrun --nproc-per-node {dist.get_world_size()}" if dist.is_initialized() else "python"
+        print(f"SIGTERM: stopped after step {step}, checkpoint saved; resume with:\n"
+              f"    {launcher} {shlex.join([sys.argv[0], *flags, '--resume', run_dir])}")
+
+
+def load_checkpoint(checkpoint, trained, optimizer):
+    """Restore a checkpoint (find_checkpoint's) into the trained module and its optimizer, placed as they were
+    when it was saved, and this rank's random streams; returns the loop's state. Call it right before the
+    loop: the random streams go on from here."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    model_state, optimizer_state = get_state_dict(trained, optimizer, options=CHECKPOINT_OPTIONS)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=checkpoint["path"])
+    except Exception as e:  # noqa: BLE001  another model's weights: missing names, other shapes
+        sys.exit(f"error: {checkpoint['path']} does not fit this model ({str(e).splitlines()[0][:200]}); resume with "
+                 "the model it was saved from")
+    set_state_dict(trained, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=CHECKPOINT_OPTIONS)
+    saved = torch.load(os.path.join(checkpoint["path"], f"rank{rank}.pt"), weights_only=True)
+    set_random_streams(saved["random"])
+    print(f"resumed from {checkpoint['path']} (step {saved['loop']['step']})")
+    return saved["loop"]
+
+
+class Preemption:
+    """SIGTERM, which Slurm, Kubernetes and cloud schedulers send before they stop a job, noted when it arrives and
+    acted on at the next step boundary: the run saves a checkpoint there and exits 0 (torchrun passes the signal
+    to every rank; a scheduler's grace period must cover one step and one checkpoint)."""
+
+    def __init__(self):
+        self.received = False
+        signal.signal(signal.SIGTERM, self.note)
+
+    def note(self, signum, frame):
+        self.received = True
+
+    def requested(self, device):
+        """Whether any rank has received SIGTERM, so that all ranks stop after the same step."""
+        return bool(all_reduce_sum({"sigterm": self.received}, device)["sigterm"])
 
 
 if __name__ == "__main__":

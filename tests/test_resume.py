@@ -1,0 +1,188 @@
+"""Long runs: a run of 2N steps and a run resumed from its checkpoint at step N give bitwise the same weights and
+the same logged scalars after step N; SIGTERM leaves a checkpoint and exit code 0; a crash while writing one
+leaves the previous one loadable; bad --resume input is one line."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import ROOT, TINY_LM, assert_one_line_error, only_run_dir, read_scalars, run_script
+from test_distributed import torchrun
+
+CLOCK_TAGS = ("per_second", "time_fraction")  # wall-clock speeds: never the same twice
+
+
+def scalars_and_weights(cwd):
+    """The logged scalars (without wall-clock speeds) and the bytes of every weight file under models/."""
+    scalars = {tag: values for tag, values in read_scalars(only_run_dir(cwd)).items()
+               if not any(word in tag for word in CLOCK_TAGS)}
+    weights = {str(p.relative_to(cwd)): p.read_bytes() for p in sorted(cwd.glob("models/**/*.safetensors"))}
+    return scalars, weights
+
+
+def check_exact_resume(script, flags, n, tmp_path, run=run_script):
+    """Three runs of the same flags: `full` straight through; `saver` with --save-every n; `resumed`, in a fresh
+    directory that holds only saver's checkpoint at step n, with --resume. Resumed must end with full's weights,
+    byte for byte, and log full's scalars after step n, and nothing at or before it."""
+    dirs = {name: tmp_path / name for name in ("full", "saver", "resumed")}
+    for d in dirs.values():
+        os.makedirs(d)
+    run(script, *flags, cwd=dirs["full"])
+    run(script, *flags, "--save-every", str(n), cwd=dirs["saver"])
+    run_dir = only_run_dir(dirs["saver"])
+    copy = dirs["resumed"] / "runs" / os.path.basename(run_dir)
+    shutil.copytree(os.path.join(run_dir, f"checkpoint-{n}"), copy / f"checkpoint-{n}")
+    run(script, *flags, "--resume", str(copy), cwd=dirs["resumed"])
+    (full, full_weights), (resumed, resumed_weights) = scalars_and_weights(dirs["full"]), scalars_and_weights(dirs["resumed"])
+    assert full_weights == resumed_weights and len(full_weights) == 1
+    after = {tag: [(s, v) for s, v in values if s > n] for tag, values in full.items()}
+    assert {tag: values for tag, values in after.items() if values} == resumed
+    assert sum(len(values) for values in resumed.values()) >= 5
+
+
+def lm_flags(script, models):
+    """(flags, N) of a short run of each LM script from the tiny checkpoints: 2N steps or iterations."""
+    sft, rm = str(models / "sft"), str(models / "reward_model")
+    if script == "sft.py":
+        return [*TINY_LM, "--max-steps", "20", "--eval-every", "5", "--num-train-examples", "300", "--eval-size", "8",
+                "--batch-size", "8", "--warmup-steps", "3", "--output-dir", "models/m"], 10
+    if script == "reward_model.py":
+        return ["--model-name-or-path", sft, "--max-steps", "20", "--eval-every", "5", "--num-train-pairs", "200",
+                "--eval-size", "8", "--batch-size", "8", "--output-dir", "models/m"], 10
+    if script == "dpo.py":
+        return ["--model-name-or-path", sft, "--reward-model-path", rm, "--max-steps", "20", "--batch-size", "4",
+                "--num-train-pairs", "100", "--eval-size", "8", "--eval-every", "5", "--warmup-steps", "2",
+                "--output-dir", "models/m"], 10
+    if script == "rlhf_ppo.py":  # the adaptive KL controller on: its coefficient is part of what is restored
+        return ["--sft-model-path", sft, "--reward-model-path", rm, "--num-iterations", "4", "--batch-size", "16",
+                "--mini-batch-size", "8", "--ppo-epochs", "2", "--eval-size", "8", "--eval-every", "2",
+                "--kl-target", "0.001", "--kl-horizon", "100", "--output-dir", "models/m"], 2
+    return ["--sft-model-path", sft, "--num-iterations", "4", "--batch-size", "16", "--num-generations", "4",
+            "--mini-batch-size", "8", "--eval-size", "8", "--eval-every", "2", "--output-dir", "models/m"], 2
+
+
+@pytest.mark.parametrize("script", ["sft.py", "reward_model.py", "dpo.py", "rlhf_ppo.py", "grpo.py"])
+def test_exact_resume_one_process(tiny_checkpoints, tmp_path, script):
+    flags, n = lm_flags(script, tiny_checkpoints["cwd"] / "models")
+    check_exact_resume(script, flags, n, tmp_path)
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+@pytest.mark.parametrize("script", ["sft.py", "rlhf_ppo.py"])
+def test_exact_resume_two_ranks(tiny_checkpoints, tmp_path, script, fsdp):
+    """torchrun, 2 gloo ranks: under --fsdp each rank saves and loads its own shards (torch.distributed.checkpoint)."""
+    flags, n = lm_flags(script, tiny_checkpoints["cwd"] / "models")
+    check_exact_resume(script, flags + ["--fsdp"] * fsdp, n, tmp_path, run=torchrun)
+
+
+def test_the_checkpoint_holds_what_resuming_needs(tiny_checkpoints, tmp_path):
+    """rlhf_ppo: the actor and the critic's weights and head (not the frozen reference and reward model), AdamW's
+    moments, each rank's random streams, the prompt sampler and the adaptive KL coefficient; the last
+    --keep-checkpoints are kept."""
+    import torch
+
+    flags, _ = lm_flags("rlhf_ppo.py", tiny_checkpoints["cwd"] / "models")
+    run_script("rlhf_ppo.py", *flags, "--save-every", "1", "--keep-checkpoints", "2", cwd=tmp_path)
+    run_dir = only_run_dir(tmp_path)
+    assert sorted(name for name in os.listdir(run_dir) if name.startswith("checkpoint")) == ["checkpoint-3", "checkpoint-4"]
+    path = os.path.join(run_dir, "checkpoint-4")
+    meta = json.load(open(os.path.join(path, "checkpoint.json")))
+    assert (meta["script"], meta["step"], meta["world_size"], meta["args"]["kl_target"]) == ("rlhf_ppo.py", 4, 1, 0.001)
+    rank0 = torch.load(os.path.join(path, "rank0.pt"), weights_only=True)
+    assert set(rank0["random"]) == {"python", "numpy", "torch", "cuda"}
+    assert rank0["loop"]["step"] == 4 and rank0["loop"]["kl_coef"] != 0.05 and len(rank0["loop"]["rng"][1]) == 625
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(path).read_metadata().state_dict_metadata.keys()
+    assert any(k.startswith("model.0.") for k in keys) and any(k.startswith("model.1.classifier.score.") for k in keys)
+    assert any(k.startswith("optimizer.state.") and k.endswith("exp_avg_sq") for k in keys)
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_0_then_resume_finishes(tmp_path):
+    """SIGTERM in the middle of training: exit code 0, a checkpoint at the step it stopped after, no final model,
+    and the command to resume, which finishes the run."""
+    flags = [*TINY_LM, "--max-steps", "600", "--num-train-examples", "300", "--eval-size", "8", "--batch-size", "8",
+             "--eval-every", "1000", "--output-dir", "models/m"]
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "sft.py"), *flags], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for _ in range(600):  # wait until it trains: the run directory appears right before the loop
+        if (tmp_path / "runs").exists() and os.listdir(tmp_path / "runs"):
+            break
+        time.sleep(0.1)
+    time.sleep(1)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    run_dir = only_run_dir(tmp_path)
+    checkpoints = [name for name in os.listdir(run_dir) if name.startswith("checkpoint-")]
+    assert len(checkpoints) == 1 and 0 < int(checkpoints[0].split("-")[1]) < 600, checkpoints
+    assert not (tmp_path / "models" / "m").exists()  # the run is not over: no final model
+    command = out.split("resume with:\n")[1].strip().split()
+    assert command[:2] == ["python", os.path.join(ROOT, "sft.py")]
+    assert command[2:] == [*flags, "--resume", os.path.join("runs", os.path.basename(run_dir))]
+    done = run_script("sft.py", *command[2:], cwd=tmp_path)
+    assert f"resumed from runs/{os.path.basename(run_dir)}/{checkpoints[0]}" in done.stdout
+    assert (tmp_path / "models" / "m" / "model.safetensors").exists()
+    assert max(step for step, _ in read_scalars(run_dir)["losses/loss"]) == 600
+
+
+def test_a_crash_while_writing_leaves_the_previous_checkpoint(tiny_checkpoints, tmp_path, monkeypatch):
+    """A write that fails half-way (here: the disk "fills" while the random streams are saved at step 4) stops the
+    run with one line; checkpoint-2 is untouched and a run resumes from it exactly."""
+    import torch
+
+    import sft
+
+    flags = [*TINY_LM, "--max-steps", "6", "--eval-every", "3", "--num-train-examples", "300", "--eval-size", "8",
+             "--batch-size", "8", "--output-dir", "models/m", "--save-every", "2"]
+    real_save, calls = torch.save, []
+
+    def failing_save(obj, f, *a, **k):
+        calls.append(f)
+        if "checkpoint-4" in str(f):
+            open(f, "wb").write(b"half")
+            raise OSError(28, "No space left on device")
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    monkeypatch.chdir(tmp_path)
+    import tyro
+
+    with pytest.raises(SystemExit) as stop:
+        sft.main(tyro.cli(sft.Args, args=flags))
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    assert "No space left on device" in str(stop.value.code) and "checkpoint-4" in str(stop.value.code)
+    run_dir = only_run_dir(tmp_path)
+    assert sorted(os.listdir(run_dir)) == ["checkpoint-2", "checkpoint-4.tmp", *[n for n in os.listdir(run_dir) if n.startswith("events")]]
+    monkeypatch.setattr(torch, "save", real_save)
+    resumed = run_script("sft.py", *flags, "--resume", run_dir, cwd=tmp_path)
+    assert "resumed from" in resumed.stdout and "checkpoint-2 (step 2)" in resumed.stdout
+    assert not os.path.exists(os.path.join(run_dir, "checkpoint-4.tmp")) and os.path.isdir(os.path.join(run_dir, "checkpoint-6"))
+
+
+def test_bad_resume_input_is_one_line_and_writes_nothing(tiny_checkpoints, tmp_path):
+    flags, _ = lm_flags("sft.py", tiny_checkpoints["cwd"] / "models")
+    run_script("sft.py", *flags, "--save-every", "10", cwd=tmp_path)
+    run_dir = only_run_dir(tmp_path)
+    before = sorted(p for p in tmp_path.rglob("*"))
+    cases = [
+        ("sft.py", [*flags, "--resume", "runs/nothing"], ["no checkpoint there"]),
+        ("sft.py", [*flags, "--resume", str(tmp_path / "models")], ["no checkpoint there"]),
+        ("reward_model.py", ["--model-name-or-path", str(tiny_checkpoints["sft"]), "--resume", run_dir],
+         ["checkpoint of sft.py", "reward_model.py"]),
+        ("sft.py", [*flags[:-2], "--batch-size", "16", "--output-dir", "models/m", "--resume", run_dir],
+         ["--batch-size is 16 here but 8"]),
+        ("sft.py", [*flags, "--n-embd", "64", "--resume", run_dir], ["--n-embd is 64 here but 32"]),
+    ]
+    for script, case, words in cases:
+        assert_one_line_error(run_script(script, *case, cwd=tmp_path, check=False), *words)
+    assert sorted(p for p in tmp_path.rglob("*")) == before  # nothing written, not even a run directory
+    two_ranks = torchrun("sft.py", *flags, "--resume", run_dir, cwd=tmp_path, check=False)
+    assert two_ranks.returncode != 0
+    from test_distributed import rank_output
+
+    assert "saved by 1 rank(s) and this run has 2" in rank_output(tmp_path, 0, "stderr")
