@@ -10,6 +10,9 @@ from GAE (eq. 11-12; Schulman et al. 2016). The implementation details follow Cl
 """
 import os
 import random
+import re
+import shlex
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -41,6 +44,14 @@ class Args:
     capture_video: bool = False
     """record the evaluation episodes to videos/<run name>/ (needs moviepy; pygame for classic control;
     MuJoCo without a display: MUJOCO_GL=egl)"""
+    save_every: int = 0
+    """write a checkpoint to resume from every this many iterations, to runs/<run name>/checkpoint-<iteration>.pt
+    (0: none; SIGTERM always writes one, then ends the run)"""
+    keep_checkpoints: int = 2
+    """keep the last this many checkpoints, deleting older ones"""
+    resume: str | None = None
+    """resume from this checkpoint-<iteration>.pt, or from the latest in this runs/<run name> directory, with the
+    flags of the run it continues (the episodes in progress at the save start over)"""
 
     env_id: str = "CartPole-v1"
     """gymnasium id of an environment with discrete actions and vector observations"""
@@ -211,6 +222,10 @@ def check_args(args):
                  "(0 with --load-model only evaluates)")
     if args.load_model is not None and not os.path.isfile(args.load_model):
         sys.exit(f"error: --load-model {args.load_model}: no such file; pass a .pt written by --save-model")
+    if args.save_every < 0 or args.keep_checkpoints < 1:
+        sys.exit("error: --save-every must be ≥ 0 and --keep-checkpoints ≥ 1")
+    if args.resume is not None and args.load_model is not None:
+        sys.exit("error: --resume continues a run, its agent included; --load-model starts a new one from an agent: pass one")
     if args.capture_video:
         if args.eval_episodes < 1:
             sys.exit("error: --capture-video records the evaluation episodes, but --eval-episodes is 0")
@@ -244,9 +259,12 @@ def evaluate(agent, args, device, video_folder=None):
 
 def main(args: Args):
     batch_size, minibatch_size, num_iterations = check_args(args)
+    checkpoint = find_checkpoint(args)  # --resume: checked before any work
     envs = make_envs(args)
     check_env(envs, args, gym.spaces.Discrete)
     run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    if checkpoint is not None:  # a resumed run goes on in its own run directory
+        run_name = os.path.basename(os.path.dirname(checkpoint["path"]))
 
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -261,8 +279,10 @@ def main(args: Args):
     if args.load_model is not None:
         load_checkpoint(args.load_model, agent, args)
 
-    writer = SummaryWriter(f"runs/{run_name}")
-    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+    # a resumed run drops what its logs hold after the checkpoint (purge_step): those steps are taken again
+    writer = SummaryWriter(f"runs/{run_name}", purge_step=checkpoint["global_step"] + 1 if checkpoint else None)
+    if checkpoint is None:
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
 
     # Rollout storage: numpy for the per-step bookkeeping (cheaper than torch for tiny arrays)
     shape = (args.num_steps, args.num_envs)
@@ -275,13 +295,17 @@ def main(args: Args):
     values = np.zeros(shape, dtype=np.float32)
     final_values = np.zeros(shape, dtype=np.float32)
 
-    global_step = 0
-    start_time = time.time()
-    next_obs, _ = envs.reset(seed=args.seed)
+    global_step, first_iteration = 0, 1
+    if checkpoint is not None:  # the agent, Adam, every random stream; the episodes start over
+        saved = restore(checkpoint, agent, optimizer, args)
+        global_step, first_iteration = saved["global_step"], saved["iteration"] + 1
+    preemption = Preemption()
+    start_time, start_step = time.time(), global_step
+    next_obs, _ = envs.reset(seed=args.seed + first_iteration - 1)  # resumed: other episodes than at the start
     episode_returns = np.zeros(args.num_envs)
     episode_lengths = np.zeros(args.num_envs, dtype=np.int64)
 
-    for iteration in range(1, num_iterations + 1):
+    for iteration in range(first_iteration, num_iterations + 1):
         if args.anneal_lr:
             optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
 
@@ -362,7 +386,7 @@ def main(args: Args):
         var_y = np.var(y_true)
         explained_var = np.nan if var_y == 0 else 1 - np.var(y_true - y_pred) / var_y
 
-        sps = int(global_step / (time.time() - start_time))
+        sps = int((global_step - start_step) / (time.time() - start_time))
         writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
         writer.add_scalar("losses/value_loss", v_loss.item(), global_step)
         writer.add_scalar("losses/policy_loss", pg_loss.item(), global_step)
@@ -375,6 +399,15 @@ def main(args: Args):
         writer.add_scalar("charts/SPS", sps, global_step)
         if iteration % 20 == 0 or iteration == num_iterations:
             print(f"global_step={global_step} SPS={sps}")
+
+        # ---- checkpoint: every --save-every iterations, and at SIGTERM, which then ends the run (exit code 0) ---
+        sigterm = preemption.requested
+        if sigterm or (args.save_every and iteration % args.save_every == 0):
+            save_resume_point(f"runs/{run_name}", iteration, agent, optimizer, args, None,
+                              {"global_step": global_step}, sigterm)
+        if sigterm:
+            envs.close()
+            return writer.close()
 
     if args.save_model:
         model_path = f"runs/{run_name}/{args.exp_name}.pt"
@@ -427,20 +460,23 @@ def check_env(envs, args, action_space):
                      "control needs `pip install pygame`, MuJoCo without a display MUJOCO_GL=egl")
 
 
-def save_checkpoint(path, agent, args, obs_rms=None):
+def save_checkpoint(path, agent, args, obs_rms=None, resume=None):
     """The weights, the flags and, when observations are normalized, their running statistics, all as
     tensors and plain types (so the safe `torch.load(path)` reads it); written to a temporary file
-    first, so a crash never leaves half a checkpoint."""
-    checkpoint = {"agent": agent.state_dict(), "args": vars(args)}
+    first, so a crash never leaves half a checkpoint. With `resume` (the optimizer's state, the iteration,
+    the global step and the algorithm's own state), also every random stream: what --resume needs."""
+    checkpoint = {"agent": agent.state_dict(), "args": vars(args), "script": os.path.basename(__file__)}
     if obs_rms is not None:
-        checkpoint["obs_rms"] = {"mean": torch.as_tensor(obs_rms.mean), "var": torch.as_tensor(obs_rms.var),
-                                 "count": float(obs_rms.count)}
+        checkpoint["obs_rms"] = statistics(obs_rms)
+    if resume is not None:
+        checkpoint["resume"] = {**resume, "random": random_streams()}
     torch.save(checkpoint, path + ".tmp")
     os.replace(path + ".tmp", path)
 
 
 def load_checkpoint(path, agent, args, obs_rms=None):
-    """Load a `save_checkpoint` file into `agent` (and `obs_rms`); a wrong file is a one-line error."""
+    """Load a `save_checkpoint` file into `agent` (and `obs_rms`); a wrong file is a one-line error. Returns
+    the checkpoint."""
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
         for flag in ("env_id", "norm_obs"):  # same sizes, other meaning: it would load, and be wrong
@@ -449,11 +485,116 @@ def load_checkpoint(path, agent, args, obs_rms=None):
                 sys.exit(f"error: --load-model {path} was saved with {flag}={saved!r}, this run has {given!r}")
         agent.load_state_dict(checkpoint["agent"])
         if obs_rms is not None:
-            stats = checkpoint["obs_rms"]
-            obs_rms.mean, obs_rms.var, obs_rms.count = stats["mean"].numpy(), stats["var"].numpy(), stats["count"]
+            set_statistics(obs_rms, checkpoint["obs_rms"])
     except Exception as e:  # not a checkpoint, another env's sizes, no statistics
         sys.exit(f"error: --load-model {path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}; pass a .pt "
                  "that --save-model of this script wrote for the same env and network")
+    return checkpoint
+
+
+def statistics(rms):
+    """Running mean and variance statistics as tensors and a float (what the safe torch.load reads)."""
+    return {"mean": torch.as_tensor(rms.mean), "var": torch.as_tensor(rms.var), "count": float(rms.count)}
+
+
+def set_statistics(rms, saved):
+    rms.mean, rms.var, rms.count = saved["mean"].numpy(), saved["var"].numpy(), saved["count"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Long runs: checkpoints to resume from (runs/<run>/checkpoint-<iteration>.pt), and SIGTERM
+# ---------------------------------------------------------------------------------------------
+# The flags a resumed run may change: where things go and what is evaluated at the end, not what is trained
+CHANGEABLE_ON_RESUME = ("exp_name", "resume", "save_every", "keep_checkpoints", "save_model", "eval_episodes",
+                        "capture_video", "cuda", "threads")
+
+
+def find_checkpoint(args):
+    """The checkpoint --resume names (a checkpoint-<iteration>.pt, or a run directory: its latest), checked before
+    any work: one of this script, saved with the same flags. Returns {"path", "iteration", "global_step"}, or None
+    without --resume."""
+    if args.resume is None:
+        return None
+    path = args.resume
+    if os.path.isdir(path):
+        found = [int(name[len("checkpoint-") : -len(".pt")]) for name in os.listdir(path)
+                 if re.fullmatch(r"checkpoint-\d+\.pt", name)]
+        if not found:
+            sys.exit(f"error: --resume {path}: no checkpoint-<iteration>.pt there (they are written with --save-every, "
+                     "or at SIGTERM); pass a runs/<run> directory that holds one, or the file")
+        path = os.path.join(path, f"checkpoint-{max(found)}.pt")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        saved, resume = checkpoint["args"], checkpoint["resume"]
+    except Exception as e:  # noqa: BLE001  no file, not a checkpoint, a --save-model file without the resume state
+        sys.exit(f"error: --resume {path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}; pass a checkpoint-"
+                 "<iteration>.pt written with --save-every, or its run directory")
+    script = os.path.basename(__file__)
+    if checkpoint["script"] != script:
+        sys.exit(f"error: --resume {path} is a checkpoint of {checkpoint['script']}; resume it with that script, not {script}")
+    for name, value in vars(args).items():
+        if name not in CHANGEABLE_ON_RESUME and saved.get(name) != value:
+            sys.exit(f"error: --{name.replace('_', '-')} is {value} here but {saved.get(name)} in {path}; a resumed "
+                     f"run takes the flags of the run it continues (only "
+                     f"{', '.join('--' + n.replace('_', '-') for n in CHANGEABLE_ON_RESUME)} may change)")
+    return {"path": path, "iteration": resume["iteration"], "global_step": resume["global_step"]}
+
+
+def random_streams():
+    """The random streams: python's, numpy's, torch's on the CPU and on the GPU (the environments' are not kept:
+    a resumed run starts new episodes)."""
+    name, keys, position, has_gauss, gauss = np.random.get_state()
+    return {"python": random.getstate(), "numpy": (name, keys.tolist(), position, has_gauss, gauss),
+            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}
+
+
+def set_random_streams(streams):
+    random.setstate(streams["python"])
+    name, keys, position, has_gauss, gauss = streams["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), position, has_gauss, gauss))
+    torch.set_rng_state(streams["torch"])
+    if streams["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(streams["cuda"])
+
+
+def save_resume_point(run_dir, iteration, agent, optimizer, args, obs_rms, state, sigterm=False):
+    """runs/<run>/checkpoint-<iteration>.pt: the agent, Adam's state, the observation statistics, every random
+    stream and `state` (global step, the algorithm's own); only the last --keep-checkpoints are kept."""
+    save_checkpoint(os.path.join(run_dir, f"checkpoint-{iteration}.pt"), agent, args, obs_rms,
+                    {"optimizer": optimizer.state_dict(), "iteration": iteration, **state})
+    found = sorted(int(name[len("checkpoint-") : -len(".pt")]) for name in os.listdir(run_dir)
+                   if re.fullmatch(r"checkpoint-\d+\.pt", name))
+    for old in found[: -args.keep_checkpoints]:
+        os.remove(os.path.join(run_dir, f"checkpoint-{old}.pt"))
+    if sigterm:
+        argv = sys.argv[1:]  # the same command, --resume pointing at this run
+        flags = [a for i, a in enumerate(argv) if not a.startswith("--resume") and (i == 0 or argv[i - 1] != "--resume")]
+        print(f"SIGTERM: stopped after iteration {iteration}, checkpoint saved; resume with:\n"
+              f"    python {shlex.join([sys.argv[0], *flags, '--resume', run_dir])}")
+
+
+def restore(checkpoint, agent, optimizer, args, obs_rms=None):
+    """Load what find_checkpoint found: the agent, Adam's state, the observation statistics and every random
+    stream; returns the saved state (iteration, global step, the algorithm's own)."""
+    saved = load_checkpoint(checkpoint["path"], agent, args, obs_rms)["resume"]
+    optimizer.load_state_dict(saved["optimizer"])
+    set_random_streams(saved["random"])
+    print(f"resumed from {checkpoint['path']} (iteration {saved['iteration']}, global step {saved['global_step']}); "
+          "the episodes in progress start over")
+    return saved
+
+
+class Preemption:
+    """SIGTERM, which Slurm, Kubernetes and cloud schedulers send before they stop a job, noted when it arrives and
+    acted on after the iteration in progress: the run saves a checkpoint there and exits 0."""
+
+    def __init__(self):
+        self.requested = False
+        signal.signal(signal.SIGTERM, self.note)
+
+    def note(self, signum, frame):
+        self.requested = True
+
 
 if __name__ == "__main__":
     main(tyro.cli(Args, description=__doc__))

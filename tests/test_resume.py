@@ -186,3 +186,119 @@ def test_bad_resume_input_is_one_line_and_writes_nothing(tiny_checkpoints, tmp_p
     from test_distributed import rank_output
 
     assert "saved by 1 rank(s) and this run has 2" in rank_output(tmp_path, 0, "stderr")
+
+
+# ------------------------------------------------------------------------------------------------
+# The RL scripts: everything but the environments' state is restored (the episodes in progress start over)
+# ------------------------------------------------------------------------------------------------
+RL_RUNS = {
+    "ppo_clip": ["--total-timesteps", "2048", "--num-envs", "4", "--num-steps", "64", "--eval-episodes", "0"],
+    "ppo_kl": ["--total-timesteps", "2048", "--num-envs", "4", "--num-steps", "64", "--eval-episodes", "0",
+               "--kl-target", "0.001"],  # β moves at every update
+    "ppo_continuous": ["--env-id", "Pendulum-v1", "--total-timesteps", "2048", "--num-steps", "256", "--num-minibatches",
+                       "4", "--update-epochs", "2", "--eval-episodes", "0"],
+}
+
+
+def training_state(module, frame_locals):
+    """Everything a resumed RL run must have as the saved one had it, read from main's local variables: the agent's
+    weights, Adam's state and learning rate, the running statistics, β, the global step, and the random streams."""
+    import copy
+
+    state = {"agent": copy.deepcopy(frame_locals["agent"].state_dict()),
+             "optimizer": copy.deepcopy(frame_locals["optimizer"].state_dict()),
+             "global_step": frame_locals["global_step"], "random": module.random_streams()}
+    for name in ("obs_rms", "return_rms"):
+        if name in frame_locals:
+            rms = frame_locals[name]
+            state[name] = (rms.mean.copy(), rms.var.copy(), rms.count)
+    if "beta" in frame_locals:
+        state["beta"] = frame_locals["beta"]
+    return state
+
+
+def same(a, b):
+    """Bitwise equality of nested dicts, lists and tuples of tensors, arrays and numbers."""
+    import numpy as np
+    import torch
+
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return np.array_equal(a, b) and np.asarray(a).dtype == np.asarray(b).dtype
+    return a == b
+
+
+@pytest.mark.parametrize("script", list(RL_RUNS))
+def test_rl_resume_restores_all_but_the_environments(tmp_path, monkeypatch, script):
+    """A run saves at iteration 4 (of 8); a run resumed from that checkpoint starts its loop with the saved run's
+    weights, Adam state and learning rate, statistics, β, global step and random streams, bitwise, and logs from
+    the next iteration's global step to the end."""
+    import importlib
+    import sys as _sys
+
+    import tyro
+
+    module = importlib.import_module(script)
+    flags = RL_RUNS[script]
+    at_save, at_resume = {}, {}
+    real_save, real_preemption = module.save_resume_point, module.Preemption
+
+    def spy_save(run_dir, iteration, *args, **kwargs):
+        at_save[iteration] = training_state(module, _sys._getframe(1).f_locals)
+        return real_save(run_dir, iteration, *args, **kwargs)
+
+    class SpyPreemption(real_preemption):  # made right before the loop: the resumed state is complete then
+        def __init__(self):
+            super().__init__()
+            at_resume.update(training_state(module, _sys._getframe(1).f_locals))
+
+    monkeypatch.setattr(module, "save_resume_point", spy_save)
+    monkeypatch.chdir(tmp_path)
+    try:
+        module.main(tyro.cli(module.Args, args=[*flags, "--save-every", "4"]))
+        run_dir = only_run_dir(tmp_path)
+        full = read_scalars(run_dir)
+        resumed_dir = tmp_path / "resumed" / "runs" / os.path.basename(run_dir)
+        os.makedirs(resumed_dir)
+        shutil.copy(os.path.join(run_dir, "checkpoint-4.pt"), resumed_dir)
+        monkeypatch.setattr(module, "Preemption", SpyPreemption)
+        monkeypatch.chdir(tmp_path / "resumed")
+        module.main(tyro.cli(module.Args, args=[*flags, "--resume", str(resumed_dir)]))
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    assert set(at_save) == {4, 8} and at_resume["global_step"] == 4 * 256
+    assert same(at_save[4], at_resume)
+    assert {"return_rms", "obs_rms"} <= set(at_resume) if script == "ppo_continuous" else True
+    assert script != "ppo_kl" or at_resume["beta"] != 1.0  # β had moved: the saved one, not --kl-beta
+    resumed = read_scalars(str(resumed_dir))
+    steps = sorted({s for values in resumed.values() for s, _ in values})
+    assert 4 * 256 < steps[0] <= 5 * 256 and steps[-1] == 2048 == max(s for s, _ in full["charts/learning_rate"])
+    assert resumed["charts/learning_rate"] == [(s, v) for s, v in full["charts/learning_rate"] if s > 4 * 256]
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--resume", "runs/none"], ["--resume runs/none", "FileNotFoundError"]),
+    (["--resume", "runs"], ["no checkpoint-<iteration>.pt there"]),
+    (["--resume", "CKPT", "--num-steps", "32"], ["--num-steps is 32 here but 64"]),
+    (["--resume", "CKPT", "--load-model", "CKPT"], ["pass one"]),
+    (["--resume", "MODEL"], ["KeyError"]),
+    (["--save-every", "-1"], ["--save-every must be ≥ 0"]),
+])
+def test_rl_bad_resume_input_is_one_line(tmp_path, flags, words):
+    base = RL_RUNS["ppo_clip"]
+    made = tmp_path / "made"
+    os.makedirs(made)
+    run_script("ppo_clip.py", *base, "--save-every", "4", "--save-model", cwd=made)
+    run_dir = only_run_dir(made)
+    ckpt, model = os.path.join(run_dir, "checkpoint-8.pt"), os.path.join(run_dir, "ppo_clip.pt")
+    os.makedirs(tmp_path / "runs")
+    flags = [{"CKPT": ckpt, "MODEL": model}.get(f, f) for f in flags]
+    assert_one_line_error(run_script("ppo_clip.py", *base, *flags, cwd=tmp_path, check=False), *words)
+    assert os.listdir(tmp_path / "runs") == []
+    other = run_script("ppo_kl.py", *base, "--resume", ckpt, cwd=tmp_path, check=False)
+    assert_one_line_error(other, "checkpoint of ppo_clip.py")
