@@ -16,6 +16,7 @@ Datasets in TRL's preference formats, text or conversational: `prompt`/`chosen`/
 """
 import datetime
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -121,6 +122,18 @@ class Args:
     resume: str | None = None
     """resume from this checkpoint-<step> directory, or from the latest in this runs/<run> directory; the other
     flags must be those of the run it continues"""
+    lora_r: int = 0
+    """LoRA rank: train low-rank adapters on every linear layer instead of all the weights (0: full fine-tuning;
+    needs peft). A reference model is then the policy with its adapters off; a scalar head trains whole"""
+    lora_alpha: float = 32.0
+    """LoRA's α: the adapters' update is scaled by α / r"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input"""
+    lora_target_modules: tuple[str, ...] = ()
+    """the layers to adapt, by name (e.g. q_proj v_proj); none: every linear layer but the output head"""
+    merge_lora: bool = False
+    """save the adapters merged into the weights, a model that from_pretrained loads alone (else the adapter,
+    which peft's PeftModel.from_pretrained puts on the base model)"""
 
 # ---------------------------------------------------------------------------------------------
 # The math: pure functions, checked against hand-computed values in tests/test_dpo.py
@@ -183,6 +196,7 @@ def check_args(args):
                  f"{world_size * args.gradient_accumulation_steps}")
     if args.save_every < 0 or args.keep_checkpoints < 1:
         sys.exit("error: --save-every must be ≥ 0 and --keep-checkpoints ≥ 1")
+    check_lora(args)
 
 
 def main(args: Args):
@@ -217,8 +231,9 @@ def main(args: Args):
     stop_ids = stop_token_ids(tokenizer)
     save_dtype = save_dtype_of(args, path)
     config = load_config(path, "lm")
-    raw_policy = load_model(path, "lm", torch.float32, config)  # π_θ (raw: to sample and save)
-    ref = load_model(path, "lm", torch.float32, config)  # π_ref: held and computed as π_θ, so that they agree at step 0
+    raw_policy = load_model(path, "lm", base_dtype(args), config)  # π_θ (raw: to sample and save)
+    # π_ref: held and computed as π_θ, so that they agree at step 0 (with LoRA: π_θ itself, adapters off)
+    ref = None if args.lora_r else load_model(path, "lm", torch.float32, config)
     reward = None
     if has_reward:  # only scored, never compared with the policy: bfloat16 under --bf16
         reward = load_model(args.reward_model_path, "score", torch.bfloat16 if args.bf16 else torch.float32,
@@ -232,6 +247,8 @@ def main(args: Args):
     if args.gradient_checkpointing:
         raw_policy.activation_checkpointing_enable({"use_reentrant": False})
     # the trained policy is data-parallel; the frozen models are whole on every rank, or sharded with --fsdp
+    raw_policy = add_lora(raw_policy, args)  # --lora-r: adapters on the frozen weights
+    ref = AdaptersOff(raw_policy) if args.lora_r else ref
     policy = place_model(raw_policy, device, args)
     ref = place_model(ref, device, args, trained=False)
     if reward is not None:
@@ -271,7 +288,7 @@ def main(args: Args):
 
     run_dir = run_directory(args, checkpoint)
     writer = make_writer(args, rank, run_dir, checkpoint["step"] if checkpoint else 0)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
 
     def evaluate(step):
         """Each rank evaluates its shard of the eval pairs and prompts; the sums are added up over the ranks."""
@@ -877,6 +894,8 @@ def response_logprobs(model, sequences, attention_mask, context_length, temperat
 def token_scores(model, sequences, attention_mask):
     """The scalar head of a sequence-classification model on every position: [batch, length], computed in
     float32 (a value or reward is one number: it gets float32's precision, not bfloat16's 3 digits)."""
+    if hasattr(model, "get_base_model"):  # a LoRA model (peft): the classifier inside, its adapters in place
+        model = model.get_base_model()
     hidden = model.base_model(input_ids=sequences, attention_mask=attention_mask,
                               position_ids=position_ids_of(attention_mask)).last_hidden_state
     head = model.score
@@ -1124,7 +1143,14 @@ def save_atomically(model, tokenizer, args, output_dir, dtype):
     that a crash never leaves a half-written checkpoint: rank 0 writes to a temporary directory, then renames
     it. Every rank calls this: under FSDP they first gather the full weights (to rank 0's CPU memory), and all
     learn whether the write worked: if not, every node says so in one line and nothing is left half-written.
-    On several nodes without a shared filesystem the checkpoint is on the first node only: the others say so."""
+    On several nodes without a shared filesystem the checkpoint is on the first node only: the others say so.
+    A LoRA model (--lora-r) is saved as its adapter (and trained head) in float32, which peft's
+    PeftModel.from_pretrained puts back on the base model; with --merge-lora, merged into the weights."""
+    if getattr(args, "lora_r", 0):
+        if args.merge_lora:
+            model = model.merge_and_unload()  # W₀ + (α/r) B A: a plain model of the base's architecture
+        else:
+            dtype = torch.float32
     if any(isinstance(module, FSDPModule) for module in model.modules()):
         state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     else:
@@ -1137,10 +1163,11 @@ def save_atomically(model, tokenizer, args, output_dir, dtype):
         tmp_dir = f"{output_dir.rstrip('/')}.tmp-{os.getpid()}"
         try:
             model.save_pretrained(tmp_dir, state_dict=state_dict)
-            with open(os.path.join(tmp_dir, "config.json")) as f:
-                config = json.load(f)
-            with open(os.path.join(tmp_dir, "config.json"), "w") as f:  # the dtype the weights are saved in
-                json.dump({**config, "dtype": str(dtype).removeprefix("torch.")}, f, indent=2)
+            if os.path.exists(os.path.join(tmp_dir, "config.json")):  # not in an adapter's directory
+                with open(os.path.join(tmp_dir, "config.json")) as f:
+                    config = json.load(f)
+                with open(os.path.join(tmp_dir, "config.json"), "w") as f:  # the dtype the weights are saved in
+                    json.dump({**config, "dtype": str(dtype).removeprefix("torch.")}, f, indent=2)
             tokenizer.save_pretrained(tmp_dir)
             with open(os.path.join(tmp_dir, "training_args.json"), "w") as f:
                 json.dump(vars(args), f, indent=2)
@@ -1160,6 +1187,70 @@ def save_atomically(model, tokenizer, args, output_dir, dtype):
     if os.environ.get("LOCAL_RANK", "0") == "0" and not os.path.isdir(output_dir):
         print(f"note: the checkpoint {output_dir!r} is on the first node only (this node does not share its "
               "filesystem): copy it from there", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA (--lora-r): low-rank adapters on frozen weights, through peft, which is imported only then
+# ---------------------------------------------------------------------------------------------
+def check_lora(args):
+    """The LoRA flags, checked before any work (part of every LM script's check_args)."""
+    if args.lora_r < 0 or (args.lora_r and (args.lora_alpha <= 0 or not 0 <= args.lora_dropout < 1)):
+        sys.exit("error: --lora-r must be ≥ 0, --lora-alpha > 0 and --lora-dropout in [0, 1)")
+    if args.merge_lora and not args.lora_r:
+        sys.exit("error: --merge-lora merges LoRA adapters into the weights; pass --lora-r too")
+    if args.lora_r and args.fsdp:
+        sys.exit("error: --lora-r with --fsdp is not supported; drop --fsdp (LoRA trains few weights: DDP holds their "
+                 "AdamW state easily, and --bf16 keeps the frozen base in bfloat16)")
+    if args.lora_r and importlib.util.find_spec("peft") is None:
+        sys.exit("error: --lora-r needs peft: pip install peft")
+
+
+def base_dtype(args):
+    """The dtype of a trained model's weights: float32 for full fine-tuning (master weights for AdamW); with LoRA
+    and --bf16, bfloat16: nothing updates them, so they are held as they are computed with (half the memory)."""
+    return torch.bfloat16 if args.lora_r and args.bf16 else torch.float32
+
+
+def add_lora(model, args):
+    """--lora-r > 0: LoRA (Hu et al. 2021, eq. 3), h = W₀x + (α/r)·B·A·x on every linear layer but the output
+    head (or those of --lora-target-modules), W₀ frozen. B starts at 0, so the model computes exactly what it
+    did until the first update. A scalar head (a reward model's, a critic's) is new or task-specific: it trains
+    whole. The trained weights are float32 whatever the base's dtype. Without --lora-r: `model` unchanged."""
+    if not args.lora_r:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    heads = [name for name, _ in model.named_children() if name != model.base_model_prefix]
+    config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                        target_modules=list(args.lora_target_modules) or "all-linear",
+                        modules_to_save=heads if type(model).__name__.endswith("ForSequenceClassification") else None)
+    with warnings.catch_warnings():  # GPT-2's Conv1D layers: peft transposes them itself and says so
+        warnings.filterwarnings("ignore", "fan_in_fan_out")
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated")  # peft 0.21 on transformers 5
+        model = get_peft_model(model, config)
+    for parameter in model.parameters():
+        if parameter.requires_grad:
+            parameter.data = parameter.data.float()
+    return model
+
+
+class AdaptersOff(torch.nn.Module):
+    """The reference policy of a LoRA run: the policy's own weights with its adapters switched off, instead of a
+    second copy of the model. Its forward is the policy's, in eval mode, under peft's disable_adapter."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.policy = [policy]  # in a list: not a submodule, so that no one counts, moves or saves it twice
+
+    def forward(self, *args, **kwargs):
+        policy = self.policy[0]
+        training = policy.training
+        policy.eval()
+        try:
+            with policy.disable_adapter():
+                return policy(*args, **kwargs)
+        finally:
+            policy.train(training)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1289,8 +1380,9 @@ def load_checkpoint(checkpoint, trained, optimizer):
     except Exception as e:  # noqa: BLE001  another model's weights: missing names, other shapes
         sys.exit(f"error: {checkpoint['path']} does not fit this model ({str(e).splitlines()[0][:200]}); resume with "
                  "the model it was saved from")
+    # strict=False: the frozen weights are not in the checkpoint (dcp.load has failed on any trained one missing)
     set_state_dict(trained, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                   options=CHECKPOINT_OPTIONS)
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
     saved = torch.load(os.path.join(checkpoint["path"], f"rank{rank}.pt"), weights_only=True)
     set_random_streams(saved["random"])
     print(f"resumed from {checkpoint['path']} (step {saved['loop']['step']})")
