@@ -289,6 +289,7 @@ def main(args: Args):
     run_dir = run_directory(args, checkpoint)
     writer = make_writer(args, rank, run_dir, checkpoint["step"] if checkpoint else 0)
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
+    print(f"policy: {parameter_count(raw_policy)}, {len(train):,} training pairs")
 
     def evaluate(step):
         """Each rank evaluates its shard of the eval pairs and prompts; the sums are added up over the ranks."""
@@ -1232,6 +1233,12 @@ def add_lora(model, args):
         if parameter.requires_grad:
             parameter.data = parameter.data.float()
     return model
+
+
+def parameter_count(*models):
+    """"N parameters (M trained)" of the models together: what LoRA saves is in the second number."""
+    params = {id(p): p for model in models for p in model.parameters()}.values()  # a shared weight once
+    return f"{sum(p.numel() for p in params):,} parameters ({sum(p.numel() for p in params if p.requires_grad):,} trained)"
 
 
 class AdaptersOff(torch.nn.Module):

@@ -341,6 +341,7 @@ def main(args: Args):
                  f"model's {positions} positions; lower --max-prompt-length or --response-length")
 
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.lr)
+    print(f"policy: {parameter_count(raw_policy)}")
     run_dir = run_directory(args, checkpoint)
     writer = make_writer(args, rank, run_dir, checkpoint["step"] if checkpoint else 0)
     print(f"{1 + (ref is not None) + (reward is not None)} model(s) in memory: the policy"
@@ -1349,6 +1350,12 @@ def add_lora(model, args):
         if parameter.requires_grad:
             parameter.data = parameter.data.float()
     return model
+
+
+def parameter_count(*models):
+    """"N parameters (M trained)" of the models together: what LoRA saves is in the second number."""
+    params = {id(p): p for model in models for p in model.parameters()}.values()  # a shared weight once
+    return f"{sum(p.numel() for p in params):,} parameters ({sum(p.numel() for p in params if p.requires_grad):,} trained)"
 
 
 class AdaptersOff(torch.nn.Module):

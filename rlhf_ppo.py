@@ -310,6 +310,7 @@ def main(args: Args):
 
     trained = torch.nn.ModuleList([actor, critic])  # what a checkpoint saves
     optimizer = torch.optim.AdamW([p for p in trained.parameters() if p.requires_grad], lr=args.lr)
+    print(f"actor and critic: {parameter_count(raw_actor, raw_critic)}")
     kl_coef = args.kl_coef
     run_dir = run_directory(args, checkpoint)
     writer = make_writer(args, rank, run_dir, checkpoint["step"] if checkpoint else 0)
@@ -1306,6 +1307,12 @@ def add_lora(model, args):
         if parameter.requires_grad:
             parameter.data = parameter.data.float()
     return model
+
+
+def parameter_count(*models):
+    """"N parameters (M trained)" of the models together: what LoRA saves is in the second number."""
+    params = {id(p): p for model in models for p in model.parameters()}.values()  # a shared weight once
+    return f"{sum(p.numel() for p in params):,} parameters ({sum(p.numel() for p in params if p.requires_grad):,} trained)"
 
 
 class AdaptersOff(torch.nn.Module):

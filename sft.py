@@ -206,8 +206,7 @@ def main(args: Args):
 
     run_dir = run_directory(args, checkpoint)
     writer = make_writer(args, rank, run_dir, checkpoint["step"] if checkpoint else 0)
-    print(f"{sum(p.numel() for p in raw_model.parameters()):,} parameters "
-          f"({sum(p.numel() for p in raw_model.parameters() if p.requires_grad):,} trained), {len(train):,} training examples")
+    print(f"{parameter_count(raw_model)}, {len(train):,} training examples")
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
                                   weight_decay=args.weight_decay)
     per_rank = args.batch_size // world_size
@@ -1150,6 +1149,12 @@ def add_lora(model, args):
         if parameter.requires_grad:
             parameter.data = parameter.data.float()
     return model
+
+
+def parameter_count(*models):
+    """"N parameters (M trained)" of the models together: what LoRA saves is in the second number."""
+    params = {id(p): p for model in models for p in model.parameters()}.values()  # a shared weight once
+    return f"{sum(p.numel() for p in params):,} parameters ({sum(p.numel() for p in params if p.requires_grad):,} trained)"
 
 
 class AdaptersOff(torch.nn.Module):

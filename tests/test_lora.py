@@ -91,11 +91,11 @@ def test_adapters_off_is_the_base_model_and_the_merged_save_is_the_adapter_model
         torch.testing.assert_close(merged(input_ids=ids).logits, on, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("script", ["reward_model.py", "dpo.py", "rlhf_ppo.py"])
-def test_exact_resume_with_lora(tiny_checkpoints, tmp_path, script):
-    """The checkpoint of a LoRA run holds the adapters and heads only (frozen weights come from the model path)."""
-    flags, n = lm_flags(script, tiny_checkpoints["cwd"] / "models")
-    check_exact_resume(script, [*flags, "--lora-r", "4", "--merge-lora"], n, tmp_path)
+def test_exact_resume_with_lora(tiny_checkpoints, tmp_path):
+    """rlhf_ppo.py's actor and critic both adapted, the critic's head trained whole: the checkpoint holds the adapters
+    and the head only (the frozen weights come from the model paths), and the run resumes exactly."""
+    flags, n = lm_flags("rlhf_ppo.py", tiny_checkpoints["cwd"] / "models")
+    check_exact_resume("rlhf_ppo.py", [*flags, "--lora-r", "4", "--merge-lora"], n, tmp_path)
 
 
 def test_lora_under_torchrun_ddp_is_the_one_process_update(tmp_path):

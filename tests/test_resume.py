@@ -25,19 +25,19 @@ def scalars_and_weights(cwd):
 
 
 def check_exact_resume(script, flags, n, tmp_path, run=run_script):
-    """Three runs of the same flags: `full` straight through; `saver` with --save-every n; `resumed`, in a fresh
-    directory that holds only saver's checkpoint at step n, with --resume. Resumed must end with full's weights,
-    byte for byte, and log full's scalars after step n, and nothing at or before it."""
-    dirs = {name: tmp_path / name for name in ("full", "saver", "resumed")}
+    """Two runs of the same flags: `saver`, 2n steps straight through with --save-every n; `resumed`, in a fresh
+    directory that holds only saver's checkpoint at step n, with --resume. Resumed must end with saver's weights,
+    byte for byte, and log saver's scalars after step n, and nothing at or before it. (That writing a checkpoint
+    changes nothing in the run that writes it: test_writing_checkpoints_changes_nothing.)"""
+    dirs = {name: tmp_path / name for name in ("saver", "resumed")}
     for d in dirs.values():
         os.makedirs(d)
-    run(script, *flags, cwd=dirs["full"])
     run(script, *flags, "--save-every", str(n), cwd=dirs["saver"])
     run_dir = only_run_dir(dirs["saver"])
     copy = dirs["resumed"] / "runs" / os.path.basename(run_dir)
     shutil.copytree(os.path.join(run_dir, f"checkpoint-{n}"), copy / f"checkpoint-{n}")
     run(script, *flags, "--resume", str(copy), cwd=dirs["resumed"])
-    (full, full_weights), (resumed, resumed_weights) = scalars_and_weights(dirs["full"]), scalars_and_weights(dirs["resumed"])
+    (full, full_weights), (resumed, resumed_weights) = scalars_and_weights(dirs["saver"]), scalars_and_weights(dirs["resumed"])
     assert full_weights == resumed_weights and len(full_weights) == 1
     after = {tag: [(s, v) for s, v in values if s > n] for tag, values in full.items()}
     assert {tag: values for tag, values in after.items() if values} == resumed
@@ -77,6 +77,15 @@ def test_exact_resume_two_ranks(tiny_checkpoints, tmp_path, script, fsdp):
     """torchrun, 2 gloo ranks: under --fsdp each rank saves and loads its own shards (torch.distributed.checkpoint)."""
     flags, n = lm_flags(script, tiny_checkpoints["cwd"] / "models")
     check_exact_resume(script, flags + ["--fsdp"] * fsdp, n, tmp_path, run=torchrun)
+
+
+def test_writing_checkpoints_changes_nothing(tiny_checkpoints, tmp_path):
+    """rlhf_ppo.py with a checkpoint at every iteration logs and saves what it does without any."""
+    flags, _ = lm_flags("rlhf_ppo.py", tiny_checkpoints["cwd"] / "models")
+    for name, extra in (("plain", []), ("saving", ["--save-every", "1"])):
+        os.makedirs(tmp_path / name)
+        run_script("rlhf_ppo.py", *flags, *extra, cwd=tmp_path / name)
+    assert scalars_and_weights(tmp_path / "plain") == scalars_and_weights(tmp_path / "saving")
 
 
 def test_the_checkpoint_holds_what_resuming_needs(tiny_checkpoints, tmp_path):
@@ -281,15 +290,7 @@ def test_rl_resume_restores_all_but_the_environments(tmp_path, monkeypatch, scri
     assert resumed["charts/learning_rate"] == [(s, v) for s, v in full["charts/learning_rate"] if s > 4 * 256]
 
 
-@pytest.mark.parametrize("flags,words", [
-    (["--resume", "runs/none"], ["--resume runs/none", "FileNotFoundError"]),
-    (["--resume", "runs"], ["no checkpoint-<iteration>.pt there"]),
-    (["--resume", "CKPT", "--num-steps", "32"], ["--num-steps is 32 here but 64"]),
-    (["--resume", "CKPT", "--load-model", "CKPT"], ["pass one"]),
-    (["--resume", "MODEL"], ["KeyError"]),
-    (["--save-every", "-1"], ["--save-every must be ≥ 0"]),
-])
-def test_rl_bad_resume_input_is_one_line(tmp_path, flags, words):
+def test_rl_bad_resume_input_is_one_line(tmp_path):
     base = RL_RUNS["ppo_clip"]
     made = tmp_path / "made"
     os.makedirs(made)
@@ -297,8 +298,15 @@ def test_rl_bad_resume_input_is_one_line(tmp_path, flags, words):
     run_dir = only_run_dir(made)
     ckpt, model = os.path.join(run_dir, "checkpoint-8.pt"), os.path.join(run_dir, "ppo_clip.pt")
     os.makedirs(tmp_path / "runs")
-    flags = [{"CKPT": ckpt, "MODEL": model}.get(f, f) for f in flags]
-    assert_one_line_error(run_script("ppo_clip.py", *base, *flags, cwd=tmp_path, check=False), *words)
+    cases = [
+        ("ppo_clip.py", ["--resume", "runs/none"], ["--resume runs/none", "FileNotFoundError"]),
+        ("ppo_clip.py", ["--resume", "runs"], ["no checkpoint-<iteration>.pt there"]),
+        ("ppo_clip.py", ["--resume", ckpt, "--num-steps", "32"], ["--num-steps is 32 here but 64"]),
+        ("ppo_clip.py", ["--resume", ckpt, "--load-model", ckpt], ["pass one"]),
+        ("ppo_clip.py", ["--resume", model], ["KeyError"]),  # a --save-model file: no resume state
+        ("ppo_clip.py", ["--save-every", "-1"], ["--save-every must be ≥ 0"]),
+        ("ppo_kl.py", ["--resume", ckpt], ["checkpoint of ppo_clip.py"]),
+    ]
+    for script, flags, words in cases:
+        assert_one_line_error(run_script(script, *base, *flags, cwd=tmp_path, check=False), *words)
     assert os.listdir(tmp_path / "runs") == []
-    other = run_script("ppo_kl.py", *base, "--resume", ckpt, cwd=tmp_path, check=False)
-    assert_one_line_error(other, "checkpoint of ppo_clip.py")
