@@ -80,11 +80,11 @@ def test_exact_resume_two_ranks(tiny_checkpoints, tmp_path, script, fsdp):
 
 
 def test_writing_checkpoints_changes_nothing(tiny_checkpoints, tmp_path):
-    """rlhf_ppo.py with a checkpoint at every iteration logs and saves what it does without any."""
-    flags, _ = lm_flags("rlhf_ppo.py", tiny_checkpoints["cwd"] / "models")
-    for name, extra in (("plain", []), ("saving", ["--save-every", "1"])):
+    """sft.py with a checkpoint every 3 steps logs and saves what it does without any."""
+    flags, _ = lm_flags("sft.py", tiny_checkpoints["cwd"] / "models")
+    for name, extra in (("plain", []), ("saving", ["--save-every", "3"])):
         os.makedirs(tmp_path / name)
-        run_script("rlhf_ppo.py", *flags, *extra, cwd=tmp_path / name)
+        run_script("sft.py", *flags, *extra, cwd=tmp_path / name)
     assert scalars_and_weights(tmp_path / "plain") == scalars_and_weights(tmp_path / "saving")
 
 
@@ -114,7 +114,7 @@ def test_the_checkpoint_holds_what_resuming_needs(tiny_checkpoints, tmp_path):
 def test_sigterm_saves_a_checkpoint_and_exits_0_then_resume_finishes(tmp_path):
     """SIGTERM in the middle of training: exit code 0, a checkpoint at the step it stopped after, no final model,
     and the command to resume, which finishes the run."""
-    flags = [*TINY_LM, "--max-steps", "600", "--num-train-examples", "300", "--eval-size", "8", "--batch-size", "8",
+    flags = [*TINY_LM, "--max-steps", "300", "--num-train-examples", "300", "--eval-size", "8", "--batch-size", "8",
              "--eval-every", "1000", "--output-dir", "models/m"]
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "sft.py"), *flags], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -122,13 +122,13 @@ def test_sigterm_saves_a_checkpoint_and_exits_0_then_resume_finishes(tmp_path):
         if (tmp_path / "runs").exists() and os.listdir(tmp_path / "runs"):
             break
         time.sleep(0.1)
-    time.sleep(1)
+    time.sleep(0.5)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     run_dir = only_run_dir(tmp_path)
     checkpoints = [name for name in os.listdir(run_dir) if name.startswith("checkpoint-")]
-    assert len(checkpoints) == 1 and 0 < int(checkpoints[0].split("-")[1]) < 600, checkpoints
+    assert len(checkpoints) == 1 and 0 < int(checkpoints[0].split("-")[1]) < 300, checkpoints
     assert not (tmp_path / "models" / "m").exists()  # the run is not over: no final model
     command = out.split("resume with:\n")[1].strip().split()
     assert command[:2] == ["python", os.path.join(ROOT, "sft.py")]
@@ -136,7 +136,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_0_then_resume_finishes(tmp_path):
     done = run_script("sft.py", *command[2:], cwd=tmp_path)
     assert f"resumed from runs/{os.path.basename(run_dir)}/{checkpoints[0]}" in done.stdout
     assert (tmp_path / "models" / "m" / "model.safetensors").exists()
-    assert max(step for step, _ in read_scalars(run_dir)["losses/loss"]) == 600
+    assert max(step for step, _ in read_scalars(run_dir)["losses/loss"]) == 300
 
 
 def test_a_crash_while_writing_leaves_the_previous_checkpoint(tiny_checkpoints, tmp_path, monkeypatch):
