@@ -1221,7 +1221,7 @@ def save_atomically(model, tokenizer, args, output_dir, dtype):
     On several nodes without a shared filesystem the checkpoint is on the first node only: the others say so.
     A LoRA model (--lora-r) is saved as its adapter (and trained head) in float32, which peft's
     PeftModel.from_pretrained puts back on the base model; with --merge-lora, merged into the weights."""
-    if getattr(args, "lora_r", 0):
+    if args.lora_r:
         if args.merge_lora:
             model = model.merge_and_unload()  # W₀ + (α/r) B A: a plain model of the base's architecture
         else:
