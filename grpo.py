@@ -3,8 +3,8 @@
 Shao et al. 2024, "DeepSeekMath", section 4.1 (Group Relative Policy Optimization). For each prompt q
 sample G completions o_1..o_G from the current policy, reward each, and give every token of o_i the
 advantage of o_i relative to its group, Â_i = (r_i − mean(r)) / std(r). No critic and, with a
-verifiable reward, no reward model: the models in memory are the policy and the frozen reference
-(and a reward model with --reward model). The loss is PPO's clipped surrogate plus a KL penalty to
+verifiable reward (plain Python functions, --reward-fn), no reward model: the models in memory are the
+policy and the frozen reference (and a reward model with --reward-model-path). The loss is PPO's clipped surrogate plus a KL penalty to
 the reference (eq. 3):
 
     J = E[ (1/G) Σ_i (1/|o_i|) Σ_t  min( ρ_it Â_i, clip(ρ_it, 1 − ε, 1 + ε) Â_i ) − β D_KL[π_θ ‖ π_ref] ]
@@ -15,13 +15,16 @@ scaling (--no-scale-rewards, Dr. GRPO), the loss over all tokens (--loss-type da
 (--loss-type dr_grpo), a higher upper clip (--epsilon-high, DAPO).
 
     python sft.py && python grpo.py                      # built-in task: the gold score is the reward
-    python grpo.py --reward model                        # the reward model of reward_model.py instead
+    python grpo.py --reward-model-path models/reward_model   # the reward model of reward_model.py instead
     python grpo.py --advantage rloo                      # RLOO
-    python grpo.py --sft-model-path my-sft --dataset-name math.jsonl --reward gold-exact --lr 1e-6 --bf16
+    python grpo.py --sft-model-path my-sft --dataset-name math.jsonl --reward-fn numeric_match --lr 1e-6 --bf16
 """
 import datetime
+import decimal
+import functools
 import gc
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -60,18 +63,28 @@ class Args:
     """use CUDA when it is available (the CPU otherwise)"""
     sft_model_path: str = "models/sft"
     """the policy's start and the frozen reference (sft.py's output by default)"""
-    reward: str = "gold"
-    """gold: the gold score of the answer (1 − normalized edit distance to the `target`); gold-exact: 1 for
-    exactly the target, else 0; model: the frozen reward model at --reward-model-path"""
-    reward_model_path: str = "models/reward_model"
-    """the reward model of --reward model (reward_model.py's output by default)"""
+    reward_fn: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
+    """a reward function, repeatable (the reward is the weighted sum): a built-in, gold (the built-in task's
+    gold score: 1 − normalized edit distance to the `target`), exact_match, numeric_match or format (see below),
+    or MODULE_OR_FILE:NAME of your own, fn(prompts, completions, **columns) -> list[float | None]. None given:
+    gold on the built-in task"""
+    reward_weights: tuple[float, ...] = ()
+    """one weight per --reward-fn, in order, then one for the reward model if there is one; none given: all 1"""
+    format_pattern: str | None = None
+    """the regular expression of --reward-fn format, which the whole completion must match"""
+    reward_model_path: str | None = None
+    """a frozen reward model (reward_model.py's: models/reward_model) whose score is one more reward term;
+    None: no reward model"""
     dataset_name: str | None = None
     """hub id, local dataset directory, or .json/.jsonl/.parquet file with a `prompt` column (text or
-    conversational), and a `target` column for the gold rewards; None: built-in task"""
+    conversational); its other columns (a `target`, an `answer`) reach the reward functions by name; None:
+    built-in task"""
     dataset_config: str | None = None
     """config name of a hub dataset that has several (gsm8k: main)"""
     dataset_split: str = "train"
     """split of --dataset-name to draw prompts from"""
+    system_prompt: str | None = None
+    """a system message put first in every conversation of the data that has none (conversational data only)"""
     output_dir: str = "models/grpo"
     """where the trained policy is saved as a Hugging Face checkpoint (atomically)"""
     save_dtype: str | None = None
@@ -238,12 +251,90 @@ def aggregate_loss(per_token_loss, mask, loss_type, num_sequences, num_tokens, m
     raise ValueError(f"unknown loss type {loss_type!r}")
 
 
+# ---------------------------------------------------------------------------------------------
+# Rewards as plain Python functions, with TRL's signature: fn(prompts, completions, **columns) returns
+# one float (or None: "does not apply to this completion") per completion. `columns` are the dataset's
+# other columns of those rows, by name (`target`, `answer`, ...). A text prompt gets a text completion;
+# a conversational prompt (a list of messages) gets [{"role": "assistant", "content": text}], as in TRL.
+# Pick the built-in ones by name with --reward-fn, or write your own in a file (--reward-fn my.py:fn).
+# The same text in grpo.py and rlhf_ppo.py (tests/test_copies.py checks it).
+# ---------------------------------------------------------------------------------------------
+NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")  # 1,234.5 with thousands separators, or 1234.5
+
+
+def completion_text(completion):
+    """The text of a completion: itself, or the content of a conversational one's (last) message."""
+    return completion[-1]["content"] if isinstance(completion, list) else completion
+
+
+def last_boxed(text):
+    """What the last \\boxed{...} of `text` contains, braces inside it matched (\\boxed{\\frac{1}{2}}), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{")
+    for i in range(begin, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth < 0:
+            return text[begin:i]
+    return None  # never closed
+
+
+def answer_number(text):
+    """The number a text gives as its answer, or None: the first number after the last `####` (GSM8K's
+    answers), else the number in the last \\boxed{} (None unless it holds exactly one), else the last number
+    of the text. A Decimal: `,` thousands separators and trailing zeros (72.0, 72.50) do not change it."""
+    if "####" in text:
+        numbers = NUMBER.findall(text.rsplit("####", 1)[1])[:1]
+    elif last_boxed(text) is not None:
+        numbers = NUMBER.findall(last_boxed(text))
+        numbers = numbers if len(numbers) == 1 else []
+    else:
+        numbers = NUMBER.findall(text)[-1:]
+    return decimal.Decimal(numbers[-1].replace(",", "")) if numbers else None
+
+
+def gold(prompts, completions, target, **columns):
+    """The built-in sort task's gold score against the `target` column: 1 − normalized edit distance."""
+    return [gold_score(completion_text(c), str(t)) for c, t in zip(completions, target)]
+
+
+def exact_match(prompts, completions, target, **columns):
+    """1.0 where the completion is the `target`, both stripped of surrounding whitespace; else 0.0."""
+    return [float(completion_text(c).strip() == str(t).strip()) for c, t in zip(completions, target)]
+
+
+def numeric_match(prompts, completions, target, **columns):
+    """1.0 where the completion's answer_number equals the `target`'s (a number, or a GSM8K answer
+    ending in `#### 72`); else 0.0, and None where the target holds no number (not a numeric question)."""
+    expected = [answer_number(str(t)) for t in target]
+    return [None if e is None else float(answer_number(completion_text(c)) == e) for c, e in zip(completions, expected)]
+
+
+def format_match(prompts, completions, pattern, **columns):
+    """1.0 where the whole completion matches the regular expression `pattern` (--format-pattern; `.` matches
+    newlines too), e.g. r"<think>.*</think>\\s*<answer>.*</answer>"; else 0.0."""
+    return [float(re.fullmatch(pattern, completion_text(c), re.DOTALL) is not None) for c in completions]
+
+
+BUILTIN_REWARDS = {"gold": gold, "exact_match": exact_match, "numeric_match": numeric_match, "format": format_match}
+
+
+def combine_rewards(per_function, weights):
+    """The reward of each completion from K reward terms (the reward functions, then any reward model):
+
+        r = Σ_k w_k r_k   over the terms that apply to it
+
+    `per_function` is [B, K] with NaN where a function returned None. As TRL's GRPOTrainer does (nansum),
+    a term that does not apply adds nothing, and a completion that no term applies to gets 0."""
+    return (per_function * torch.as_tensor(weights, dtype=per_function.dtype, device=per_function.device)).nansum(1)
+
+
 def check_args(args):
     """Every flag checked before any work: one line that says what to change. Under torchrun each rank checks
     the same flags and only rank 0 prints."""
     world_size, G = int(os.environ.get("WORLD_SIZE", "1")), args.num_generations
-    for flag, value, choices in (("--reward", args.reward, ("gold", "gold-exact", "model")),
-                                 ("--advantage", args.advantage, ("grpo", "rloo")),
+    for flag, value, choices in (("--advantage", args.advantage, ("grpo", "rloo")),
                                  ("--loss-type", args.loss_type, ("grpo", "dapo", "dr_grpo"))):
         if value not in choices:
             sys.exit(f"error: {flag} {value!r}: choose one of {', '.join(choices)}")
@@ -262,11 +353,22 @@ def check_args(args):
                  f"{world_size * args.gradient_accumulation_steps}")
     if args.save_every < 0 or args.keep_checkpoints < 1:
         sys.exit("error: --save-every must be ≥ 0 and --keep-checkpoints ≥ 1")
+    if args.dataset_name is not None and not args.reward_fn and args.reward_model_path is None:
+        sys.exit("error: a dataset needs a reward: --reward-fn (numeric_match, exact_match, format, or "
+                 "my_rewards.py:fn) and/or --reward-model-path")
+    terms = len(args.reward_fn) + (args.reward_model_path is not None)
+    if args.reward_weights and len(args.reward_weights) != terms:
+        sys.exit(f"error: --reward-weights has {len(args.reward_weights)} values for {terms} reward terms (one per "
+                 "--reward-fn, in order, then one for the reward model)")
     check_lora(args)
 
 
 def main(args: Args):
     check_args(args)
+    # the reward functions: the built-in task's gold score unless others (or only a reward model) are given
+    functions = load_reward_functions(args.reward_fn or (() if args.reward_model_path else ("gold",)),
+                                      BUILTIN_REWARDS, args.format_pattern)
+    weights = args.reward_weights or (1.0,) * (len(functions) + (args.reward_model_path is not None))
     checkpoint = find_checkpoint(args, int(os.environ.get("WORLD_SIZE", "1")))  # --resume: checked before any work
     rank, world_size, device = setup_distributed(args.cuda)
     G = args.num_generations
@@ -280,24 +382,17 @@ def main(args: Args):
     transformers.utils.logging.disable_progress_bar()
     amp = lambda: autocast(device, args)  # noqa: E731  --bf16 without FSDP
 
-    # Prompts, and the verifiable answers (`target`) that the gold rewards compare with
+    # Prompts, and the dataset's other columns, which the reward functions receive by name
     train_rows, eval_rows = load_data(args, "prompt", 50_000, [("prompt",)], "needs a `prompt` column")
-    columns = sorted(train_rows[0]) if train_rows else []
-    if args.reward != "model" and "target" not in columns:
-        sys.exit(f"error: --reward {args.reward} needs a `target` column (the verifiable answer), and dataset "
-                 f"{args.dataset_name!r} has columns {columns}; add one, or use --reward model")
-    has_targets = "target" in columns  # the gold score and accuracy are logged where the data has targets
-    if args.reward == "gold" and has_targets and any(str(row["target"]) == "" for row in train_rows + eval_rows):
+    check_reward_signatures(functions, sorted(train_rows[0]) if train_rows else [])
+    if "gold" in dict(functions) and any(str(row["target"]) == "" for row in train_rows + eval_rows):
         sys.exit(f"error: dataset {args.dataset_name!r} has an empty `target`; the gold score (an edit distance "
-                 "relative to the target's length) needs one, or use --reward gold-exact")
-    train_prompts, eval_prompts = [row["prompt"] for row in train_rows], [row["prompt"] for row in eval_rows]
-    train_targets = [row["target"] for row in train_rows] if has_targets else None
-    eval_targets = [row["target"] for row in eval_rows] if has_targets else None
+                 "relative to the target's length) needs one, or use --reward-fn exact_match")
     # The policy in float32 (master weights) whatever the checkpoint's dtype, the reference as the policy, the
     # reward model in the dtype it computes in; dropout off. The reference only when β > 0, a reward model only
-    # with --reward model.
+    # with --reward-model-path.
     tokenizer = load_tokenizer(args.sft_model_path, "run `python sft.py` first or pass a path")
-    if args.reward == "model":
+    if args.reward_model_path is not None:
         reward_tokenizer = load_tokenizer(args.reward_model_path, "run `python reward_model.py` first or pass a path")
     stop_ids = stop_token_ids(tokenizer)
     save_dtype = save_dtype_of(args, args.sft_model_path)
@@ -306,7 +401,7 @@ def main(args: Args):
     # π_ref: held and computed exactly as π_θ, so that before the first update the KL is exactly 0
     ref = load_model(args.sft_model_path, "lm", torch.float32, config) if args.beta > 0 and not args.lora_r else None
     reward = None
-    if args.reward == "model":  # only scored, never compared with the policy: bfloat16 under --bf16
+    if args.reward_model_path is not None:  # only scored, never compared with the policy: bfloat16 under --bf16
         reward = load_model(args.reward_model_path, "score", torch.bfloat16 if args.bf16 else torch.float32,
                             load_config(args.reward_model_path, "score"))
     frozen = [model for model in (ref, reward) if model is not None]
@@ -327,14 +422,13 @@ def main(args: Args):
     if reward is not None:
         reward = place_model(TokenScorer(reward), device, args, trained=False)  # its forward: a score per position
 
-    kept, train_ids = tokenize_prompts(tokenizer, train_prompts, args.max_prompt_length, "train")
+    kept, train_ids = tokenize_prompts(tokenizer, [row["prompt"] for row in train_rows], args.max_prompt_length, "train")
     if len(train_ids) < args.batch_size // G:
         sys.exit(f"error: {len(train_ids)} training prompts fit --max-prompt-length, fewer than the "
                  f"{args.batch_size // G} of a batch; lower --batch-size")
-    train_targets = [str(train_targets[i]) for i in kept] if train_targets is not None else None
-    kept, eval_ids = tokenize_prompts(tokenizer, eval_prompts, args.max_prompt_length, "eval")
-    eval_prompts = [eval_prompts[i] for i in kept]
-    eval_targets = [str(eval_targets[i]) for i in kept] if eval_targets is not None else None
+    train_rows = [train_rows[i] for i in kept]
+    kept, eval_ids = tokenize_prompts(tokenizer, [row["prompt"] for row in eval_rows], args.max_prompt_length, "eval")
+    eval_rows = [eval_rows[i] for i in kept]
     positions, longest = model_positions(raw_policy), max(len(ids) for ids in train_ids + eval_ids)
     if positions is not None and longest + args.response_length > positions:
         sys.exit(f"error: the longest prompt ({longest} tokens) + --response-length {args.response_length} exceeds the "
@@ -347,18 +441,32 @@ def main(args: Args):
     print(f"{1 + (ref is not None) + (reward is not None)} model(s) in memory: the policy"
           + (", the reference" if ref is not None else "") + (", the reward model" if reward is not None else ""))
 
-    def rewards_of(sequences, attention_mask, context_length, response_mask, targets):
-        """One reward per completion: the gold score (or exact match) against its target, or the reward model's
-        score; `--missing-eos-penalty` instead for a completion that has no stop token."""
-        if args.reward == "model":
-            return forward_in_chunks(lambda s, a, m: score_responses(reward, s, a, m, stop_ids, args.missing_eos_penalty),
-                                     micro_size, sequences, attention_mask, response_mask)
+    names = [name for name, _ in functions] + (["reward_model"] if reward is not None else [])  # the reward terms
+
+    def rewards_of(rows, sequences, attention_mask, context_length, response_mask):
+        """The reward of each completion, r = Σ_k w_k r_k over the reward functions and the reward model's score
+        (combine_rewards), or --missing-eos-penalty for a completion with no stop token: an unfinished answer is
+        not scored. Returns (rewards, the [B, K] table of the terms, completions as text, has_stop)."""
+        prompts, completions = [row["prompt"] for row in rows], decode(tokenizer, sequences, context_length, response_mask)
+        as_passed = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c  # as TRL passes them
+                     for p, c in zip(prompts, completions)]
+        table = reward_table(functions, prompts, as_passed, reward_columns(rows)).to(device)
+        if reward is not None:
+            scores, _ = forward_in_chunks(lambda s, a, m: score_responses(reward, s, a, m, stop_ids, args.missing_eos_penalty),
+                                          micro_size, sequences, attention_mask, response_mask)
+            table = torch.cat([table, scores.float()[:, None]], 1)
         responses = sequences[:, context_length:]
         has_stop = (torch.isin(responses, torch.tensor(stop_ids, device=device)) & response_mask.bool()).any(1)
-        completions = decode(tokenizer, sequences, context_length, response_mask)
-        gold = torch.tensor([float(c == t) if args.reward == "gold-exact" else gold_score(c, t)
-                             for c, t in zip(completions, targets)], device=device)
-        return torch.where(has_stop, gold, torch.full_like(gold, args.missing_eos_penalty)), has_stop
+        rewards = combine_rewards(table, weights)
+        return torch.where(has_stop, rewards, torch.full_like(rewards, args.missing_eos_penalty)), table, completions, has_stop
+
+    def term_sums(table, prefix, w=None):
+        """{prefix + name: Σ value, prefix + name + "/n": count} of each reward term over the completions it
+        applies to (weighted by w), to be summed over the ranks; the term's mean is their ratio."""
+        w = torch.ones(len(table), device=table.device) if w is None else w
+        applies = ~table.isnan()
+        sums = {f"{prefix}{name}": (table[:, k].nan_to_num() * w).sum() for k, name in enumerate(names)}
+        return {**sums, **{f"{prefix}{name}/n": (applies[:, k] * w).sum() for k, name in enumerate(names)}}
 
     def evaluate(iteration):
         """Each rank evaluates its shard of the eval prompts; the sums are added up over the ranks."""
@@ -368,6 +476,7 @@ def main(args: Args):
         size = micro_size  # forward passes: what fits with gradients fits without
         mine, weights = shard(list(range(len(eval_ids))), rank, world_size)
         w = torch.tensor(weights, device=device, dtype=torch.float)
+        rows = [eval_rows[j] for j in mine]
         with torch.no_grad(), amp():
             sequences, attention_mask, context_length, response_mask = sample_in_chunks(
                 raw_policy, [eval_ids[j] for j in mine], tokenizer.pad_token_id, stop_ids, args.response_length,
@@ -381,25 +490,26 @@ def main(args: Args):
                                                                                    args.temperature),
                                                     size, sequences, attention_mask)
                 sums["kl"] = (((logprobs - ref_logprobs) * response_mask).sum(1) * w).sum()
-            if reward is not None:
-                scores, _ = forward_in_chunks(lambda s, a, m: score_responses(reward, s, a, m, stop_ids,
-                                                                              args.missing_eos_penalty),
-                                              size, sequences, attention_mask, response_mask)
-                sums["score"] = (scores * w).sum()
-        completions = decode(tokenizer, sequences, context_length, response_mask)
-        if eval_targets is not None:
-            targets = [eval_targets[j] for j in mine]
+            rewards, table, completions, _ = rewards_of(rows, sequences, attention_mask, context_length, response_mask)
+        sums.update(reward=(rewards * w).sum(), **term_sums(table, "rewards/", w))
+        if args.dataset_name is None:  # the built-in task: exactly the target, and the gold score
+            targets = [row["target"] for row in rows]
             sums["correct"] = sum(v * (c == t) for c, t, v in zip(completions, targets, weights))
             sums["gold"] = sum(v * gold_score(c, t) for c, t, v in zip(completions, targets, weights))
         sums = all_reduce_sum(sums, device)
         line = f"iteration {iteration}:"
-        for tag, name in (("eval/kl", "kl"), ("eval/score", "score"), ("eval/gold_accuracy", "correct"),
+        for tag, name in (("eval/reward", "reward"), ("eval/kl", "kl"), ("eval/gold_accuracy", "correct"),
                           ("eval/gold_score", "gold")):
             if name in sums:
                 writer.add_scalar(tag, sums[name] / sums["n"], iteration)
                 line += f" {tag} {sums[name] / sums['n']:.3f}"
-        samples = "\n".join(f"    {eval_prompts[j]} {c!r}" for j, c in zip(mine[:8], completions))
-        writer.add_text("eval/samples", samples, iteration)
+        for name in names:  # each term's mean over the completions it applies to (the reward model's: eval/score)
+            if sums[f"rewards/{name}/n"] > 0:
+                tag = "eval/score" if name == "reward_model" and reward is not None else f"eval/rewards/{name}"
+                writer.add_scalar(tag, sums[f"rewards/{name}"] / sums[f"rewards/{name}/n"], iteration)
+                line += f" {tag} {sums[f'rewards/{name}'] / sums[f'rewards/{name}/n']:.3f}"
+        writer.add_text("eval/samples", samples_markdown([row["prompt"] for row in rows], completions, rewards, table,
+                                                         names), iteration)
         print(line)
         policy.train()
 
@@ -419,13 +529,13 @@ def main(args: Args):
         policy.eval()
         chosen = rng.sample(range(len(train_ids)), args.batch_size // G)[rank * prompts_per_rank : (rank + 1) * prompts_per_rank]
         prompt_ids = [train_ids[i] for i in chosen for _ in range(G)]  # each prompt G times, in adjacent rows
-        targets = [train_targets[i] for i in chosen for _ in range(G)] if train_targets is not None else None
+        rows = [train_rows[i] for i in chosen for _ in range(G)]
         with torch.no_grad(), amp():
             sequences, attention_mask, context_length, mask = sample_in_chunks(
                 raw_policy, prompt_ids, tokenizer.pad_token_id, stop_ids, args.response_length, args.temperature,
                 args.generation_batch_size)
             mask = mask.float()
-            rewards, has_stop = rewards_of(sequences, attention_mask, context_length, mask, targets)
+            rewards, table, _, has_stop = rewards_of(rows, sequences, attention_mask, context_length, mask)
             if args.advantage == "rloo":
                 advantages = rloo_advantages(rewards, G)
             else:
@@ -484,8 +594,8 @@ def main(args: Args):
         groups = rewards.view(-1, G)
         sums = all_reduce_sum({"reward": rewards.sum(), "reward_std": groups.std(1).sum(),
                                "zero_std": (groups.std(1) == 0).sum(), "tokens": mask.sum(), "k1": k1.sum(),
-                               "k3": k3.sum(), "entropy": (entropy * mask).sum(), "stops": has_stop.sum(), **stats},
-                              device)
+                               "k3": k3.sum(), "entropy": (entropy * mask).sum(), "stops": has_stop.sum(), **stats,
+                               **term_sums(table, "rewards/")}, device)
         if dist.is_initialized():
             dist.all_reduce(first_ratio_error, op=dist.ReduceOp.MAX)  # the largest on any rank
         B, num_groups = args.batch_size, args.batch_size // G
@@ -503,6 +613,10 @@ def main(args: Args):
         }
         if ref is None:  # no reference, no KL to it
             del logs["objective/kl"], logs["objective/kl_k3"], logs["losses/kl_penalty"]
+        for name in names:  # each reward term's mean over the completions it applies to (the reward model's: score)
+            if sums[f"rewards/{name}/n"] > 0:
+                tag = "objective/score" if name == "reward_model" and reward is not None else f"rewards/{name}"
+                logs[tag] = sums[f"rewards/{name}"] / sums[f"rewards/{name}/n"]
         for tag, value in logs.items():
             writer.add_scalar(tag, float(value), iteration)
         if iteration % 10 == 0:
@@ -847,12 +961,32 @@ def load_data(args, kind, num_train, accepts, needs):
     """(train rows, eval rows): the built-in task's rows of `kind` when no --dataset-name is given, else the
     dataset's, which must have every column of one of the sets in `accepts` (`needs` says so in words)."""
     if args.dataset_name is None:
+        if args.system_prompt is not None:
+            sys.exit("error: --system-prompt needs conversational data; the built-in task is text (pass --dataset-name)")
         return task_rows(args.seed, "train", num_train, kind), task_rows(args.seed, "eval", args.eval_size, kind)
     train, evals = load_rows(args.dataset_name, args.dataset_config, args.dataset_split, args.eval_size)
     columns = sorted(train[0]) if train else []
     if not any(set(columns) >= set(accepted) for accepted in accepts):
         sys.exit(f"error: dataset {args.dataset_name!r} has columns {columns}; {os.path.basename(__file__)} {needs}")
+    if args.system_prompt is not None:
+        train, evals = add_system_prompt(train, args.system_prompt), add_system_prompt(evals, args.system_prompt)
     return train, evals
+
+
+def add_system_prompt(rows, system_prompt):
+    """--system-prompt: {"role": "system", "content": system_prompt} first in every conversation of the rows
+    (a conversational `prompt`; `messages`; or, with no prompt column, both `chosen` and `rejected`, whose
+    shared start is the prompt) that does not begin with a system message. Text data has no place for one."""
+    system = {"role": "system", "content": system_prompt}
+    out = []
+    for row in rows:
+        keys = [k for k in (("prompt",) if "prompt" in row else ("messages", "chosen", "rejected")) if k in row]
+        if not all(isinstance(row[k], list) for k in keys):
+            sys.exit("error: --system-prompt needs conversational data (lists of role/content messages); this "
+                     "dataset is text: write the instruction into the prompts instead")
+        out.append({**row, **{k: row[k] if row[k][:1] and row[k][0]["role"] == "system" else [system, *row[k]]
+                              for k in keys}})
+    return out
 
 
 def load_tokenizer(path, hint):
@@ -937,6 +1071,127 @@ def check_same_vocabulary(tokenizer, reward_tokenizer, stop_ids, message):
 def model_positions(model):
     """The longest sequence the model takes, or None when its config does not say."""
     return getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reward functions (--reward-fn): loading, checking and calling them. The functions themselves, and how
+# their values add up, are above the banner of grpo.py and rlhf_ppo.py.
+# ---------------------------------------------------------------------------------------------
+def load_reward_functions(specs, builtins, format_pattern):
+    """[(name, fn)] for --reward-fn: a built-in's name (a key of `builtins`), or MODULE_OR_FILE:NAME, a function
+    in a .py file (by path) or in an importable module (the working directory is on the path). What cannot be
+    found or imported is one line, before any model is loaded."""
+    functions = []
+    for spec in specs:
+        source, _, name = spec.rpartition(":")
+        if spec in builtins:
+            name, fn = spec, builtins[spec]
+            if spec == "format":  # the built-in format reward: the pattern is its one setting
+                try:
+                    re.compile(format_pattern or "")
+                except re.error as e:
+                    sys.exit(f"error: --format-pattern {format_pattern!r} is not a regular expression: {e}")
+                if not format_pattern:
+                    sys.exit("error: --reward-fn format needs --format-pattern REGEX, which the whole completion must match")
+                fn = functools.partial(fn, pattern=format_pattern)
+        elif not source or not name:
+            sys.exit(f"error: --reward-fn {spec!r}: name a built-in ({', '.join(builtins)}) or a function of "
+                     "yours as MODULE_OR_FILE:NAME (e.g. my_rewards.py:correctness)")
+        else:
+            if not source.endswith(".py") and os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())  # a module of the directory the run starts in
+            if source.endswith(".py") and not os.path.isfile(source):
+                sys.exit(f"error: --reward-fn {spec!r}: the file {source!r} does not exist")
+            try:
+                if source.endswith(".py"):
+                    module_spec = importlib.util.spec_from_file_location(os.path.basename(source)[:-3], source)
+                    module = importlib.util.module_from_spec(module_spec)
+                    module_spec.loader.exec_module(module)
+                else:
+                    module = importlib.import_module(source)
+            except Exception as e:  # noqa: BLE001  the user's code: whatever it raises is one line
+                sys.exit(f"error: --reward-fn {spec!r}: importing {source!r} failed: {type(e).__name__}: {e}")
+            fn = getattr(module, name, None)
+            if not callable(fn):
+                sys.exit(f"error: --reward-fn {spec!r}: {source!r} has no function {name!r}")
+        if name in [n for n, _ in functions]:
+            sys.exit(f"error: --reward-fn {name!r} is given twice; each reward function once, weighted by --reward-weights")
+        functions.append((name, fn))
+    return functions
+
+
+def check_reward_signatures(functions, columns):
+    """Each reward function is called as fn(prompts=..., completions=..., <column>=... for each of the dataset's
+    `columns` but the prompt), as TRL calls it: one that cannot take those keywords is one line, before any model
+    is loaded. A function that needs a column the dataset lacks (the built-ins need `target`) is caught here."""
+    keywords = {"prompts": [], "completions": [], **{c: [] for c in columns if c != "prompt"}}
+    for name, fn in functions:
+        try:
+            inspect.signature(fn).bind(**keywords)
+        except TypeError as e:
+            sys.exit(f"error: reward function {name!r} cannot be called as {name}({', '.join(keywords)}): {e}; write "
+                     f"it as def {name}(prompts, completions, **columns) (the dataset's columns: {sorted(columns)})")
+
+
+def reward_columns(rows):
+    """What reward functions receive of these rows as **columns: every column of the data but `prompt`, by name."""
+    return {name: [row[name] for row in rows] for name in rows[0] if name != "prompt"} if rows else {}
+
+
+def reward_table(functions, prompts, completions, columns):
+    """[B, K] float32: reward function k on completion i, NaN where it returned None ("does not apply"). A
+    function that raises, or returns a value that is not a finite number or None, or not one value per
+    completion, stops the run with one line naming it and the sample; nothing is saved. Under torchrun every
+    rank learns of another's failure (and stops) before the next collective."""
+    table, error = torch.full((len(completions), len(functions)), float("nan")), None
+    for k, (name, fn) in enumerate(functions):
+        try:
+            values = list(fn(prompts=prompts, completions=completions, **columns))
+        except Exception as e:  # noqa: BLE001  find the first sample it raises on alone, to name it
+            failing = next((i for i in range(len(completions)) if reward_call_fails(fn, prompts, completions, columns, i)), None)
+            error = f"reward function {name!r} raised {type(e).__name__}: {e}" + (
+                f", on {reward_sample(prompts, completions, failing)}" if failing is not None else f", on a batch of {len(completions)}")
+            break
+        if len(values) != len(completions):
+            error = f"reward function {name!r} returned {len(values)} values for {len(completions)} completions"
+            break
+        bad = next((i for i, v in enumerate(values) if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v))), None)
+        if bad is not None:
+            error = f"reward function {name!r} returned {values[bad]!r} (a finite number or None is needed), on {reward_sample(prompts, completions, bad)}"
+            break
+        table[:, k] = torch.tensor([float("nan") if v is None else float(v) for v in values])
+    if dist.is_initialized():
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        sys.exit(f"error: {error}; stopped, nothing saved")
+    return table
+
+
+def reward_call_fails(fn, prompts, completions, columns, i):
+    """Whether a reward function raises on sample i alone."""
+    try:
+        fn(prompts=prompts[i : i + 1], completions=completions[i : i + 1], **{c: v[i : i + 1] for c, v in columns.items()})
+    except Exception:  # noqa: BLE001
+        return True
+    return False
+
+
+def reward_sample(prompts, completions, i):
+    """Sample i of a batch, in a few words for an error line."""
+    return f"sample {i}: prompt {str(prompts[i])[:80]!r}, completion {str(completions[i])[:80]!r}"
+
+
+def samples_markdown(prompts, completions, rewards, table, names, n=8):
+    """The first n eval samples as a Markdown table for TensorBoard's text tab: prompt, completion, reward and
+    each reward term (blank where it did not apply)."""
+    cell = lambda x: str(x[-1]["content"] if isinstance(x, list) else x).replace("|", "\\|").replace("\n", " ⏎ ")  # noqa: E731
+    lines = ["| prompt | completion | reward | " + " | ".join(names) + " |", "|-" * (3 + len(names)) + "|"]
+    for i in range(min(n, len(completions))):
+        terms = ["" if math.isnan(v) else f"{v:.3f}" for v in table[i].tolist()]
+        lines.append(f"| {cell(prompts[i])} | {cell(completions[i])} | {float(rewards[i]):.3f} | " + " | ".join(terms) + " |")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,8 +14,10 @@ Datasets in TRL's preference formats, text or conversational: `prompt`/`chosen`/
 `chosen`/`rejected` with the prompt inside each; an optional `margin` column. Dropout is off, as in TRL.
 """
 import datetime
+import functools
 import gc
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -60,6 +62,8 @@ class Args:
     """config name of a hub dataset that has several (gsm8k: main)"""
     dataset_split: str = "train"
     """split of --dataset-name to train on (its `test` split, if any, is the eval set)"""
+    system_prompt: str | None = None
+    """a system message put first in every conversation of the data that has none (conversational data only)"""
     output_dir: str = "models/reward_model"
     """where the Hugging Face checkpoint is saved (written to a temporary directory, then renamed)"""
     save_dtype: str | None = None
@@ -647,12 +651,32 @@ def load_data(args, kind, num_train, accepts, needs):
     """(train rows, eval rows): the built-in task's rows of `kind` when no --dataset-name is given, else the
     dataset's, which must have every column of one of the sets in `accepts` (`needs` says so in words)."""
     if args.dataset_name is None:
+        if args.system_prompt is not None:
+            sys.exit("error: --system-prompt needs conversational data; the built-in task is text (pass --dataset-name)")
         return task_rows(args.seed, "train", num_train, kind), task_rows(args.seed, "eval", args.eval_size, kind)
     train, evals = load_rows(args.dataset_name, args.dataset_config, args.dataset_split, args.eval_size)
     columns = sorted(train[0]) if train else []
     if not any(set(columns) >= set(accepted) for accepted in accepts):
         sys.exit(f"error: dataset {args.dataset_name!r} has columns {columns}; {os.path.basename(__file__)} {needs}")
+    if args.system_prompt is not None:
+        train, evals = add_system_prompt(train, args.system_prompt), add_system_prompt(evals, args.system_prompt)
     return train, evals
+
+
+def add_system_prompt(rows, system_prompt):
+    """--system-prompt: {"role": "system", "content": system_prompt} first in every conversation of the rows
+    (a conversational `prompt`; `messages`; or, with no prompt column, both `chosen` and `rejected`, whose
+    shared start is the prompt) that does not begin with a system message. Text data has no place for one."""
+    system = {"role": "system", "content": system_prompt}
+    out = []
+    for row in rows:
+        keys = [k for k in (("prompt",) if "prompt" in row else ("messages", "chosen", "rejected")) if k in row]
+        if not all(isinstance(row[k], list) for k in keys):
+            sys.exit("error: --system-prompt needs conversational data (lists of role/content messages); this "
+                     "dataset is text: write the instruction into the prompts instead")
+        out.append({**row, **{k: row[k] if row[k][:1] and row[k][0]["role"] == "system" else [system, *row[k]]
+                              for k in keys}})
+    return out
 
 
 def load_tokenizer(path, hint):
@@ -737,6 +761,127 @@ def check_same_vocabulary(tokenizer, reward_tokenizer, stop_ids, message):
 def model_positions(model):
     """The longest sequence the model takes, or None when its config does not say."""
     return getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reward functions (--reward-fn): loading, checking and calling them. The functions themselves, and how
+# their values add up, are above the banner of grpo.py and rlhf_ppo.py.
+# ---------------------------------------------------------------------------------------------
+def load_reward_functions(specs, builtins, format_pattern):
+    """[(name, fn)] for --reward-fn: a built-in's name (a key of `builtins`), or MODULE_OR_FILE:NAME, a function
+    in a .py file (by path) or in an importable module (the working directory is on the path). What cannot be
+    found or imported is one line, before any model is loaded."""
+    functions = []
+    for spec in specs:
+        source, _, name = spec.rpartition(":")
+        if spec in builtins:
+            name, fn = spec, builtins[spec]
+            if spec == "format":  # the built-in format reward: the pattern is its one setting
+                try:
+                    re.compile(format_pattern or "")
+                except re.error as e:
+                    sys.exit(f"error: --format-pattern {format_pattern!r} is not a regular expression: {e}")
+                if not format_pattern:
+                    sys.exit("error: --reward-fn format needs --format-pattern REGEX, which the whole completion must match")
+                fn = functools.partial(fn, pattern=format_pattern)
+        elif not source or not name:
+            sys.exit(f"error: --reward-fn {spec!r}: name a built-in ({', '.join(builtins)}) or a function of "
+                     "yours as MODULE_OR_FILE:NAME (e.g. my_rewards.py:correctness)")
+        else:
+            if not source.endswith(".py") and os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())  # a module of the directory the run starts in
+            if source.endswith(".py") and not os.path.isfile(source):
+                sys.exit(f"error: --reward-fn {spec!r}: the file {source!r} does not exist")
+            try:
+                if source.endswith(".py"):
+                    module_spec = importlib.util.spec_from_file_location(os.path.basename(source)[:-3], source)
+                    module = importlib.util.module_from_spec(module_spec)
+                    module_spec.loader.exec_module(module)
+                else:
+                    module = importlib.import_module(source)
+            except Exception as e:  # noqa: BLE001  the user's code: whatever it raises is one line
+                sys.exit(f"error: --reward-fn {spec!r}: importing {source!r} failed: {type(e).__name__}: {e}")
+            fn = getattr(module, name, None)
+            if not callable(fn):
+                sys.exit(f"error: --reward-fn {spec!r}: {source!r} has no function {name!r}")
+        if name in [n for n, _ in functions]:
+            sys.exit(f"error: --reward-fn {name!r} is given twice; each reward function once, weighted by --reward-weights")
+        functions.append((name, fn))
+    return functions
+
+
+def check_reward_signatures(functions, columns):
+    """Each reward function is called as fn(prompts=..., completions=..., <column>=... for each of the dataset's
+    `columns` but the prompt), as TRL calls it: one that cannot take those keywords is one line, before any model
+    is loaded. A function that needs a column the dataset lacks (the built-ins need `target`) is caught here."""
+    keywords = {"prompts": [], "completions": [], **{c: [] for c in columns if c != "prompt"}}
+    for name, fn in functions:
+        try:
+            inspect.signature(fn).bind(**keywords)
+        except TypeError as e:
+            sys.exit(f"error: reward function {name!r} cannot be called as {name}({', '.join(keywords)}): {e}; write "
+                     f"it as def {name}(prompts, completions, **columns) (the dataset's columns: {sorted(columns)})")
+
+
+def reward_columns(rows):
+    """What reward functions receive of these rows as **columns: every column of the data but `prompt`, by name."""
+    return {name: [row[name] for row in rows] for name in rows[0] if name != "prompt"} if rows else {}
+
+
+def reward_table(functions, prompts, completions, columns):
+    """[B, K] float32: reward function k on completion i, NaN where it returned None ("does not apply"). A
+    function that raises, or returns a value that is not a finite number or None, or not one value per
+    completion, stops the run with one line naming it and the sample; nothing is saved. Under torchrun every
+    rank learns of another's failure (and stops) before the next collective."""
+    table, error = torch.full((len(completions), len(functions)), float("nan")), None
+    for k, (name, fn) in enumerate(functions):
+        try:
+            values = list(fn(prompts=prompts, completions=completions, **columns))
+        except Exception as e:  # noqa: BLE001  find the first sample it raises on alone, to name it
+            failing = next((i for i in range(len(completions)) if reward_call_fails(fn, prompts, completions, columns, i)), None)
+            error = f"reward function {name!r} raised {type(e).__name__}: {e}" + (
+                f", on {reward_sample(prompts, completions, failing)}" if failing is not None else f", on a batch of {len(completions)}")
+            break
+        if len(values) != len(completions):
+            error = f"reward function {name!r} returned {len(values)} values for {len(completions)} completions"
+            break
+        bad = next((i for i, v in enumerate(values) if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v))), None)
+        if bad is not None:
+            error = f"reward function {name!r} returned {values[bad]!r} (a finite number or None is needed), on {reward_sample(prompts, completions, bad)}"
+            break
+        table[:, k] = torch.tensor([float("nan") if v is None else float(v) for v in values])
+    if dist.is_initialized():
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        sys.exit(f"error: {error}; stopped, nothing saved")
+    return table
+
+
+def reward_call_fails(fn, prompts, completions, columns, i):
+    """Whether a reward function raises on sample i alone."""
+    try:
+        fn(prompts=prompts[i : i + 1], completions=completions[i : i + 1], **{c: v[i : i + 1] for c, v in columns.items()})
+    except Exception:  # noqa: BLE001
+        return True
+    return False
+
+
+def reward_sample(prompts, completions, i):
+    """Sample i of a batch, in a few words for an error line."""
+    return f"sample {i}: prompt {str(prompts[i])[:80]!r}, completion {str(completions[i])[:80]!r}"
+
+
+def samples_markdown(prompts, completions, rewards, table, names, n=8):
+    """The first n eval samples as a Markdown table for TensorBoard's text tab: prompt, completion, reward and
+    each reward term (blank where it did not apply)."""
+    cell = lambda x: str(x[-1]["content"] if isinstance(x, list) else x).replace("|", "\\|").replace("\n", " ⏎ ")  # noqa: E731
+    lines = ["| prompt | completion | reward | " + " | ".join(names) + " |", "|-" * (3 + len(names)) + "|"]
+    for i in range(min(n, len(completions))):
+        terms = ["" if math.isnan(v) else f"{v:.3f}" for v in table[i].tolist()]
+        lines.append(f"| {cell(prompts[i])} | {cell(completions[i])} | {float(rewards[i]):.3f} | " + " | ".join(terms) + " |")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------

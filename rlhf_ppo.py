@@ -6,16 +6,22 @@ Ouyang et al. 2022 (InstructGPT) and Ziegler et al. 2019, with the details of Hu
 - reference  π_ref   frozen copy of the SFT model: the KL penalty keeps π_θ near it
 - reward     r_φ     frozen reward model (models/reward_model), scores a whole response at its stop token
 - critic     V_ψ     trained, starts as the reward model; its scalar head gives one value per token
-Each token is an action; the per-token reward is −β·(log π_θ − log π_ref), plus r_φ at the last
-response token. GAE over the response, then several epochs of clipped PPO updates per rollout.
+Each token is an action; the per-token reward is −β·(log π_θ − log π_ref), plus the score at the last
+response token. GAE over the response, then several epochs of clipped PPO updates per rollout. The score
+is r_φ's, or rule-based rewards (plain Python functions, --reward-fn) instead of or added to it: without
+a reward model, three models are in memory and the critic starts from the SFT model.
 
     python sft.py && python reward_model.py && python rlhf_ppo.py    # built-in task, CPU
     python rlhf_ppo.py --kl-coef 0                                   # what the KL penalty is for
+    python rlhf_ppo.py --reward-fn gold                              # the gold score, no reward model
     python rlhf_ppo.py --sft-model-path my-sft --reward-model-path my-rm --dataset-name prompts.jsonl --lr 1e-6 --bf16
 """
 import datetime
+import decimal
+import functools
 import gc
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -54,15 +60,26 @@ class Args:
     """use CUDA when it is available (the CPU otherwise)"""
     sft_model_path: str = "models/sft"
     """the SFT model: the actor's start and the frozen reference (made by sft.py)"""
-    reward_model_path: str = "models/reward_model"
-    """the frozen reward model, also the critic's start (made by reward_model.py)"""
+    reward_model_path: str | None = None
+    """the frozen reward model, also the critic's start (reward_model.py's output); None: models/reward_model,
+    or with --reward-fn no reward model at all (three models in memory; the critic starts from the SFT model)"""
+    reward_fn: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
+    """a rule-based reward, repeatable, instead of or added to the reward model's score (the score is the weighted
+    sum): a built-in, gold (the built-in task's gold score), exact_match, numeric_match or format (see below), or
+    MODULE_OR_FILE:NAME of your own, fn(prompts, completions, **columns) -> list[float | None]"""
+    reward_weights: tuple[float, ...] = ()
+    """one weight per --reward-fn, in order, then one for the reward model if there is one; none given: all 1"""
+    format_pattern: str | None = None
+    """the regular expression of --reward-fn format, which the whole completion must match"""
     dataset_name: str | None = None
     """prompts: hub id, local dataset directory, or .json/.jsonl/.parquet file with a `prompt` column (text or
-    conversational); None: built-in task"""
+    conversational); its other columns (a `target`) reach the reward functions by name; None: built-in task"""
     dataset_config: str | None = None
     """config name of a hub dataset that has several (gsm8k: main)"""
     dataset_split: str = "train"
     """split of --dataset-name to draw prompts from"""
+    system_prompt: str | None = None
+    """a system message put first in every conversation of the data that has none (conversational data only)"""
     output_dir: str = "models/rlhf_ppo"
     """where the trained policy is saved as a Hugging Face checkpoint (atomically)"""
     save_dtype: str | None = None
@@ -237,6 +254,85 @@ def adaptive_kl_coef(kl_coef, current_kl, kl_target, horizon, n_steps):
     return kl_coef * (1 + error * n_steps / horizon)
 
 
+# ---------------------------------------------------------------------------------------------
+# Rewards as plain Python functions, with TRL's signature: fn(prompts, completions, **columns) returns
+# one float (or None: "does not apply to this completion") per completion. `columns` are the dataset's
+# other columns of those rows, by name (`target`, `answer`, ...). A text prompt gets a text completion;
+# a conversational prompt (a list of messages) gets [{"role": "assistant", "content": text}], as in TRL.
+# Pick the built-in ones by name with --reward-fn, or write your own in a file (--reward-fn my.py:fn).
+# The same text in grpo.py and rlhf_ppo.py (tests/test_copies.py checks it).
+# ---------------------------------------------------------------------------------------------
+NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")  # 1,234.5 with thousands separators, or 1234.5
+
+
+def completion_text(completion):
+    """The text of a completion: itself, or the content of a conversational one's (last) message."""
+    return completion[-1]["content"] if isinstance(completion, list) else completion
+
+
+def last_boxed(text):
+    """What the last \\boxed{...} of `text` contains, braces inside it matched (\\boxed{\\frac{1}{2}}), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{")
+    for i in range(begin, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth < 0:
+            return text[begin:i]
+    return None  # never closed
+
+
+def answer_number(text):
+    """The number a text gives as its answer, or None: the first number after the last `####` (GSM8K's
+    answers), else the number in the last \\boxed{} (None unless it holds exactly one), else the last number
+    of the text. A Decimal: `,` thousands separators and trailing zeros (72.0, 72.50) do not change it."""
+    if "####" in text:
+        numbers = NUMBER.findall(text.rsplit("####", 1)[1])[:1]
+    elif last_boxed(text) is not None:
+        numbers = NUMBER.findall(last_boxed(text))
+        numbers = numbers if len(numbers) == 1 else []
+    else:
+        numbers = NUMBER.findall(text)[-1:]
+    return decimal.Decimal(numbers[-1].replace(",", "")) if numbers else None
+
+
+def gold(prompts, completions, target, **columns):
+    """The built-in sort task's gold score against the `target` column: 1 − normalized edit distance."""
+    return [gold_score(completion_text(c), str(t)) for c, t in zip(completions, target)]
+
+
+def exact_match(prompts, completions, target, **columns):
+    """1.0 where the completion is the `target`, both stripped of surrounding whitespace; else 0.0."""
+    return [float(completion_text(c).strip() == str(t).strip()) for c, t in zip(completions, target)]
+
+
+def numeric_match(prompts, completions, target, **columns):
+    """1.0 where the completion's answer_number equals the `target`'s (a number, or a GSM8K answer
+    ending in `#### 72`); else 0.0, and None where the target holds no number (not a numeric question)."""
+    expected = [answer_number(str(t)) for t in target]
+    return [None if e is None else float(answer_number(completion_text(c)) == e) for c, e in zip(completions, expected)]
+
+
+def format_match(prompts, completions, pattern, **columns):
+    """1.0 where the whole completion matches the regular expression `pattern` (--format-pattern; `.` matches
+    newlines too), e.g. r"<think>.*</think>\\s*<answer>.*</answer>"; else 0.0."""
+    return [float(re.fullmatch(pattern, completion_text(c), re.DOTALL) is not None) for c in completions]
+
+
+BUILTIN_REWARDS = {"gold": gold, "exact_match": exact_match, "numeric_match": numeric_match, "format": format_match}
+
+
+def combine_rewards(per_function, weights):
+    """The reward of each completion from K reward terms (the reward functions, then any reward model):
+
+        r = Σ_k w_k r_k   over the terms that apply to it
+
+    `per_function` is [B, K] with NaN where a function returned None. As TRL's GRPOTrainer does (nansum),
+    a term that does not apply adds nothing, and a completion that no term applies to gets 0."""
+    return (per_function * torch.as_tensor(weights, dtype=per_function.dtype, device=per_function.device)).nansum(1)
+
+
 def check_args(args):
     """Every flag checked before any work: one line that says what to change. Under torchrun each rank checks
     the same flags and only rank 0 prints."""
@@ -249,11 +345,19 @@ def check_args(args):
                  f"{world_size * args.gradient_accumulation_steps}")
     if args.save_every < 0 or args.keep_checkpoints < 1:
         sys.exit("error: --save-every must be ≥ 0 and --keep-checkpoints ≥ 1")
+    terms = len(args.reward_fn) + (args.reward_model_path is not None or not args.reward_fn)
+    if args.reward_weights and len(args.reward_weights) != terms:
+        sys.exit(f"error: --reward-weights has {len(args.reward_weights)} values for {terms} reward terms (one per "
+                 "--reward-fn, in order, then one for the reward model)")
     check_lora(args)
 
 
 def main(args: Args):
     check_args(args)
+    # the score: the reward model's (by default), the reward functions', or their weighted sum
+    reward_model_path = args.reward_model_path or (None if args.reward_fn else "models/reward_model")
+    functions = load_reward_functions(args.reward_fn, BUILTIN_REWARDS, args.format_pattern)
+    weights = args.reward_weights or (1.0,) * (len(functions) + (reward_model_path is not None))
     checkpoint = find_checkpoint(args, int(os.environ.get("WORLD_SIZE", "1")))  # --resume: checked before any work
     rank, world_size, device = setup_distributed(args.cuda)
     per_rank, mini_per_rank = args.batch_size // world_size, args.mini_batch_size // world_size
@@ -265,27 +369,31 @@ def main(args: Args):
     amp = lambda: autocast(device, args)  # noqa: E731  --bf16 without FSDP
 
     train_rows, eval_rows = load_data(args, "prompt", 50_000, [("prompt",)], "needs a `prompt` column")
-    train_prompts, eval_prompts = [row["prompt"] for row in train_rows], [row["prompt"] for row in eval_rows]
-    eval_targets = [row["target"] for row in eval_rows] if args.dataset_name is None else None  # the built-in task's
-    if len(train_prompts) < args.batch_size:
-        sys.exit(f"error: {len(train_prompts)} training prompts, fewer than --batch-size {args.batch_size}; lower it")
-    # The four models of RLHF. The trained ones in float32 (master weights) whatever the checkpoints' dtype, the
-    # reference as the actor (so that they agree exactly before the first update), the reward model in the dtype
-    # it computes in; dropout off in all four (log-probs, values and scores must not be random).
+    check_reward_signatures(functions, sorted(train_rows[0]) if train_rows else [])  # the columns they receive
+    if len(train_rows) < args.batch_size:
+        sys.exit(f"error: {len(train_rows)} training prompts, fewer than --batch-size {args.batch_size}; lower it")
+    # The four models of RLHF (three without a reward model). The trained ones in float32 (master weights) whatever
+    # the checkpoints' dtype, the reference as the actor (so that they agree exactly before the first update), the
+    # reward model in the dtype it computes in; dropout off in all (log-probs, values and scores must not be random).
     tokenizer = load_tokenizer(args.sft_model_path, "run `python sft.py` first or pass a path")
-    reward_tokenizer = load_tokenizer(args.reward_model_path, "run `python reward_model.py` first or pass a path")
+    if reward_model_path is not None:
+        reward_tokenizer = load_tokenizer(reward_model_path, "run `python reward_model.py` first or pass a path")
     stop_ids = stop_token_ids(tokenizer)
     save_dtype = save_dtype_of(args, args.sft_model_path)
-    lm_config, rm_config = load_config(args.sft_model_path, "lm"), load_config(args.reward_model_path, "score")
+    critic_path = reward_model_path or args.sft_model_path  # the critic: the reward model, or the SFT model and a new head
+    lm_config, critic_config = load_config(args.sft_model_path, "lm"), load_config(critic_path, "score")
     raw_actor = load_model(args.sft_model_path, "lm", base_dtype(args), lm_config)  # π_θ (raw: to sample and save)
     ref = None if args.lora_r else load_model(args.sft_model_path, "lm", torch.float32, lm_config)  # π_ref
-    reward = load_model(args.reward_model_path, "score", torch.bfloat16 if args.bf16 else torch.float32, rm_config)  # r_φ
-    raw_critic = load_model(args.reward_model_path, "score", base_dtype(args), rm_config)  # V_ψ
+    reward = None
+    if reward_model_path is not None:  # r_φ
+        reward = load_model(reward_model_path, "score", torch.bfloat16 if args.bf16 else torch.float32, critic_config)
+    raw_critic = load_model(critic_path, "score", base_dtype(args), critic_config)  # V_ψ
     frozen = [model for model in (ref, reward) if model is not None]
     prepare_models(tokenizer, stop_ids, [raw_actor, raw_critic, *frozen], frozen)
-    check_same_vocabulary(tokenizer, reward_tokenizer, stop_ids,
-                          f"the reward model {args.reward_model_path!r} has another tokenizer than the SFT model "
-                          f"{args.sft_model_path!r}; train it from the SFT model with reward_model.py")
+    if reward is not None:
+        check_same_vocabulary(tokenizer, reward_tokenizer, stop_ids,
+                              f"the reward model {reward_model_path!r} has another tokenizer than the SFT model "
+                              f"{args.sft_model_path!r}; train it from the SFT model with reward_model.py")
     if args.gradient_checkpointing:
         for model in (raw_actor, raw_critic):
             model.activation_checkpointing_enable({"use_reentrant": False})
@@ -295,14 +403,15 @@ def main(args: Args):
     actor = place_model(raw_actor, device, args)
     critic = place_model(TokenScorer(raw_critic), device, args)  # its forward: V(s_t) at every position
     ref = place_model(ref, device, args, trained=False)
-    reward = place_model(TokenScorer(reward), device, args, trained=False)  # its forward: r_φ at every position
+    if reward is not None:
+        reward = place_model(TokenScorer(reward), device, args, trained=False)  # its forward: r_φ at every position
 
-    kept, train_ids = tokenize_prompts(tokenizer, train_prompts, args.max_prompt_length, "train")
+    kept, train_ids = tokenize_prompts(tokenizer, [row["prompt"] for row in train_rows], args.max_prompt_length, "train")
     if len(train_ids) < args.batch_size:
         sys.exit(f"error: {len(train_ids)} training prompts fit --max-prompt-length, fewer than --batch-size {args.batch_size}")
-    kept, eval_ids = tokenize_prompts(tokenizer, eval_prompts, args.max_prompt_length, "eval")
-    eval_prompts = [eval_prompts[i] for i in kept]
-    eval_targets = [eval_targets[i] for i in kept] if eval_targets is not None else None
+    train_rows = [train_rows[i] for i in kept]
+    kept, eval_ids = tokenize_prompts(tokenizer, [row["prompt"] for row in eval_rows], args.max_prompt_length, "eval")
+    eval_rows = [eval_rows[i] for i in kept]
     positions, longest = model_positions(raw_actor), max(len(ids) for ids in train_ids + eval_ids)
     if positions is not None and longest + args.response_length > positions:
         sys.exit(f"error: the longest prompt ({longest} tokens) + --response-length {args.response_length} exceeds the "
@@ -310,10 +419,38 @@ def main(args: Args):
 
     trained = torch.nn.ModuleList([actor, critic])  # what a checkpoint saves
     optimizer = torch.optim.AdamW([p for p in trained.parameters() if p.requires_grad], lr=args.lr)
-    print(f"actor and critic: {parameter_count(raw_actor, raw_critic)}")
+    print(f"actor and critic: {parameter_count(raw_actor, raw_critic)}; "
+          f"{3 + (reward is not None) - (ref is None)} model(s) in memory")
     kl_coef = args.kl_coef
     run_dir = run_directory(args, checkpoint)
     writer = make_writer(args, rank, run_dir, checkpoint["step"] if checkpoint else 0)
+
+    names = [name for name, _ in functions] + (["reward_model"] if reward is not None else [])  # the score's terms
+
+    def scores_of(rows, sequences, attention_mask, context_length, response_mask):
+        """The score of each response, Σ_k w_k r_k over the reward functions and the reward model's score
+        (combine_rewards), or --missing-eos-penalty for a response with no stop token: an unfinished answer is
+        not scored. Returns (scores, the [B, K] table of the terms, responses as text, has_stop)."""
+        prompts, completions = [row["prompt"] for row in rows], decode(tokenizer, sequences, context_length, response_mask)
+        as_passed = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c  # as TRL passes them
+                     for p, c in zip(prompts, completions)]
+        table = reward_table(functions, prompts, as_passed, reward_columns(rows)).to(device)
+        if reward is not None:
+            scores, _ = forward_in_chunks(lambda s, a, m: score_responses(reward, s, a, m, stop_ids, args.missing_eos_penalty),
+                                          micro_size, sequences, attention_mask, response_mask)
+            table = torch.cat([table, scores.float()[:, None]], 1)
+        responses = sequences[:, context_length:]
+        has_stop = (torch.isin(responses, torch.tensor(stop_ids, device=device)) & response_mask.bool()).any(1)
+        scores = combine_rewards(table, weights)
+        return torch.where(has_stop, scores, torch.full_like(scores, args.missing_eos_penalty)), table, completions, has_stop
+
+    def term_sums(table, prefix, w=None):
+        """{prefix + name: Σ value, prefix + name + "/n": count} of each reward term over the completions it
+        applies to (weighted by w), to be summed over the ranks; the term's mean is their ratio."""
+        w = torch.ones(len(table), device=table.device) if w is None else w
+        applies = ~table.isnan()
+        sums = {f"{prefix}{name}": (table[:, k].nan_to_num() * w).sum() for k, name in enumerate(names)}
+        return {**sums, **{f"{prefix}{name}/n": (applies[:, k] * w).sum() for k, name in enumerate(names)}}
 
     def evaluate(iteration):
         """Each rank evaluates its shard of the eval prompts; the sums are added up over the ranks."""
@@ -322,6 +459,7 @@ def main(args: Args):
         actor.eval()
         size = micro_size  # forward passes: what fits with gradients fits without
         mine, weights = shard(list(range(len(eval_ids))), rank, world_size)
+        rows = [eval_rows[j] for j in mine]
         with torch.no_grad(), amp():
             sequences, attention_mask, context_length, response_mask = sample_in_chunks(
                 raw_actor, [eval_ids[j] for j in mine], tokenizer.pad_token_id, stop_ids, args.response_length,
@@ -330,26 +468,28 @@ def main(args: Args):
                                             size, sequences, attention_mask)
             ref_logprobs, _ = forward_in_chunks(lambda s, a: response_logprobs(ref, s, a, context_length, args.temperature),
                                                 size, sequences, attention_mask)
-            scores, _ = forward_in_chunks(lambda s, a, m: score_responses(reward, s, a, m, stop_ids, args.missing_eos_penalty),
-                                          size, sequences, attention_mask, response_mask)
+            scores, table, completions, _ = scores_of(rows, sequences, attention_mask, context_length, response_mask)
         w = torch.tensor(weights, device=device, dtype=torch.float)
-        completions = decode(tokenizer, sequences, context_length, response_mask)
-        sums = {"kl": (((logprobs - ref_logprobs) * response_mask).sum(1) * w).sum(), "score": (scores * w).sum(),
-                "n": w.sum()}
-        if eval_targets is not None:
-            targets = [eval_targets[j] for j in mine]
+        sums = {"kl": (((logprobs - ref_logprobs) * response_mask).sum(1) * w).sum(), "reward": (scores * w).sum(),
+                "n": w.sum(), **term_sums(table, "rewards/", w)}
+        if args.dataset_name is None:  # the built-in task: exactly the target, and the gold score
+            targets = [row["target"] for row in rows]
             sums["correct"] = sum(v * (c == t) for c, t, v in zip(completions, targets, weights))
             sums["gold"] = sum(v * gold_score(c, t) for c, t, v in zip(completions, targets, weights))
         sums = all_reduce_sum(sums, device)
-        writer.add_scalar("eval/score", sums["score"] / sums["n"], iteration)
-        writer.add_scalar("eval/kl", sums["kl"] / sums["n"], iteration)
-        line = f"iteration {iteration}: eval/score {sums['score'] / sums['n']:.3f}, eval/kl {sums['kl'] / sums['n']:.3f}"
-        if eval_targets is not None:
-            writer.add_scalar("eval/gold_accuracy", sums["correct"] / sums["n"], iteration)
-            writer.add_scalar("eval/gold_score", sums["gold"] / sums["n"], iteration)
-            line += f", eval/gold_accuracy {sums['correct'] / sums['n']:.3f}, eval/gold_score {sums['gold'] / sums['n']:.3f}"
-        samples = "\n".join(f"    {eval_prompts[j]} {c!r}" for j, c in zip(mine[:8], completions))
-        writer.add_text("eval/samples", samples, iteration)
+        line = f"iteration {iteration}:"
+        for tag, name in (("eval/reward", "reward"), ("eval/kl", "kl"), ("eval/gold_accuracy", "correct"),
+                          ("eval/gold_score", "gold")):
+            if name in sums:
+                writer.add_scalar(tag, sums[name] / sums["n"], iteration)
+                line += f" {tag} {sums[name] / sums['n']:.3f}"
+        for name in names:  # each term's mean over the completions it applies to (the reward model's: eval/score)
+            if sums[f"rewards/{name}/n"] > 0:
+                tag = "eval/score" if name == "reward_model" and reward is not None else f"eval/rewards/{name}"
+                writer.add_scalar(tag, sums[f"rewards/{name}"] / sums[f"rewards/{name}/n"], iteration)
+                line += f" {tag} {sums[f'rewards/{name}'] / sums[f'rewards/{name}/n']:.3f}"
+        writer.add_text("eval/samples", samples_markdown([row["prompt"] for row in rows], completions, scores, table,
+                                                         names), iteration)
         print(line)
         actor.train()
 
@@ -367,7 +507,8 @@ def main(args: Args):
         optimizer.param_groups[0]["lr"] = lr
         # ---- rollout: sample, then score every token with the four models --------------------------
         actor.eval(), critic.eval()
-        prompt_ids = rng.sample(train_ids, args.batch_size)[rank * per_rank : (rank + 1) * per_rank]  # this rank's share
+        chosen = rng.sample(range(len(train_ids)), args.batch_size)[rank * per_rank : (rank + 1) * per_rank]  # this rank's share
+        prompt_ids, rows = [train_ids[i] for i in chosen], [train_rows[i] for i in chosen]
         with torch.no_grad(), amp():
             sequences, attention_mask, context_length, mask = sample_in_chunks(
                 raw_actor, prompt_ids, tokenizer.pad_token_id, stop_ids, args.response_length, args.temperature,
@@ -383,9 +524,7 @@ def main(args: Args):
             # V(s_t): the critic's value at the position that predicts response token t
             values = forward_in_chunks(lambda s, a: critic(s, a)[:, context_length - 1 : -1], micro_size,
                                        sequences, attention_mask)
-            scores, has_eos = forward_in_chunks(
-                lambda s, a, m: score_responses(reward, s, a, m, stop_ids, args.missing_eos_penalty), micro_size,
-                sequences, attention_mask, mask)
+            scores, table, _, has_eos = scores_of(rows, sequences, attention_mask, context_length, mask)
 
             rewards, non_score = shaped_rewards(logprobs, ref_logprobs, scores, mask, kl_coef)
             advantages, returns = masked_gae(rewards, values, mask, args.gamma, args.lam)
@@ -438,14 +577,15 @@ def main(args: Args):
                                "non_score": non_score.sum(), "eos": has_eos.sum(), "tokens": valid.sum(),
                                "r": r.sum(), "rr": (r * r).sum(), "e": residual[valid].sum(),
                                "ee": (residual[valid] ** 2).sum(),
-                               **{name: sum(parts) for name, parts in stats.items()}}, device)
+                               **{name: sum(parts) for name, parts in stats.items()}, **term_sums(table, "rewards/")},
+                              device)
         B, num_minibatches = args.batch_size, args.ppo_epochs * args.batch_size // args.mini_batch_size
         n = sums["tokens"]  # Var(R) and Var(R − V) over the valid tokens, both × (n − 1), which cancels
         var_returns, var_residual = sums["rr"] - sums["r"] ** 2 / n, sums["ee"] - sums["e"] ** 2 / n
         if dist.is_initialized():
             dist.all_reduce(first_ratio_error, op=dist.ReduceOp.MAX)  # the largest on any rank
         logs = {
-            "objective/score": sums["score"] / B, "objective/kl": sums["k1"] / B, "objective/kl_k3": sums["k3"] / B,
+            "objective/reward": sums["score"] / B, "objective/kl": sums["k1"] / B, "objective/kl_k3": sums["k3"] / B,
             "objective/entropy": sums["rollout_entropy"] / B, "objective/non_score_reward": sums["non_score"] / B,
             "objective/rlhf_reward": sums["score"] / B + sums["non_score"] / B,
             # each of these: the sum of its micro-batch parts per minibatch, the mean over minibatches
@@ -459,12 +599,16 @@ def main(args: Args):
             "charts/kl_coef": kl_coef, "charts/learning_rate": lr,
             "charts/episodes_per_second": iteration * B / (time.time() - start_time),
         }
+        for name in names:  # each term of the score, over the responses it applies to (the reward model's: score)
+            if sums[f"rewards/{name}/n"] > 0:
+                tag = "objective/score" if name == "reward_model" and reward is not None else f"rewards/{name}"
+                logs[tag] = sums[f"rewards/{name}"] / sums[f"rewards/{name}/n"]
         for tag, value in logs.items():
             writer.add_scalar(tag, float(value), iteration)
         if args.kl_target is not None:
             kl_coef = adaptive_kl_coef(kl_coef, logs["objective/kl"], args.kl_target, args.kl_horizon, B)
         if iteration % 10 == 0:
-            print(f"iteration {iteration}: score {logs['objective/score']:.3f}, kl {logs['objective/kl']:.3f}, "
+            print(f"iteration {iteration}: reward {logs['objective/reward']:.3f}, kl {logs['objective/kl']:.3f}, "
                   f"eos {sums['eos'] / B:.2f}, {time.time() - start_time:.0f} s")
         # ---- evaluate ------------------------------------------------------------------------------
         if iteration % args.eval_every == 0 or iteration == args.num_iterations:
@@ -804,12 +948,32 @@ def load_data(args, kind, num_train, accepts, needs):
     """(train rows, eval rows): the built-in task's rows of `kind` when no --dataset-name is given, else the
     dataset's, which must have every column of one of the sets in `accepts` (`needs` says so in words)."""
     if args.dataset_name is None:
+        if args.system_prompt is not None:
+            sys.exit("error: --system-prompt needs conversational data; the built-in task is text (pass --dataset-name)")
         return task_rows(args.seed, "train", num_train, kind), task_rows(args.seed, "eval", args.eval_size, kind)
     train, evals = load_rows(args.dataset_name, args.dataset_config, args.dataset_split, args.eval_size)
     columns = sorted(train[0]) if train else []
     if not any(set(columns) >= set(accepted) for accepted in accepts):
         sys.exit(f"error: dataset {args.dataset_name!r} has columns {columns}; {os.path.basename(__file__)} {needs}")
+    if args.system_prompt is not None:
+        train, evals = add_system_prompt(train, args.system_prompt), add_system_prompt(evals, args.system_prompt)
     return train, evals
+
+
+def add_system_prompt(rows, system_prompt):
+    """--system-prompt: {"role": "system", "content": system_prompt} first in every conversation of the rows
+    (a conversational `prompt`; `messages`; or, with no prompt column, both `chosen` and `rejected`, whose
+    shared start is the prompt) that does not begin with a system message. Text data has no place for one."""
+    system = {"role": "system", "content": system_prompt}
+    out = []
+    for row in rows:
+        keys = [k for k in (("prompt",) if "prompt" in row else ("messages", "chosen", "rejected")) if k in row]
+        if not all(isinstance(row[k], list) for k in keys):
+            sys.exit("error: --system-prompt needs conversational data (lists of role/content messages); this "
+                     "dataset is text: write the instruction into the prompts instead")
+        out.append({**row, **{k: row[k] if row[k][:1] and row[k][0]["role"] == "system" else [system, *row[k]]
+                              for k in keys}})
+    return out
 
 
 def load_tokenizer(path, hint):
@@ -894,6 +1058,127 @@ def check_same_vocabulary(tokenizer, reward_tokenizer, stop_ids, message):
 def model_positions(model):
     """The longest sequence the model takes, or None when its config does not say."""
     return getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reward functions (--reward-fn): loading, checking and calling them. The functions themselves, and how
+# their values add up, are above the banner of grpo.py and rlhf_ppo.py.
+# ---------------------------------------------------------------------------------------------
+def load_reward_functions(specs, builtins, format_pattern):
+    """[(name, fn)] for --reward-fn: a built-in's name (a key of `builtins`), or MODULE_OR_FILE:NAME, a function
+    in a .py file (by path) or in an importable module (the working directory is on the path). What cannot be
+    found or imported is one line, before any model is loaded."""
+    functions = []
+    for spec in specs:
+        source, _, name = spec.rpartition(":")
+        if spec in builtins:
+            name, fn = spec, builtins[spec]
+            if spec == "format":  # the built-in format reward: the pattern is its one setting
+                try:
+                    re.compile(format_pattern or "")
+                except re.error as e:
+                    sys.exit(f"error: --format-pattern {format_pattern!r} is not a regular expression: {e}")
+                if not format_pattern:
+                    sys.exit("error: --reward-fn format needs --format-pattern REGEX, which the whole completion must match")
+                fn = functools.partial(fn, pattern=format_pattern)
+        elif not source or not name:
+            sys.exit(f"error: --reward-fn {spec!r}: name a built-in ({', '.join(builtins)}) or a function of "
+                     "yours as MODULE_OR_FILE:NAME (e.g. my_rewards.py:correctness)")
+        else:
+            if not source.endswith(".py") and os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())  # a module of the directory the run starts in
+            if source.endswith(".py") and not os.path.isfile(source):
+                sys.exit(f"error: --reward-fn {spec!r}: the file {source!r} does not exist")
+            try:
+                if source.endswith(".py"):
+                    module_spec = importlib.util.spec_from_file_location(os.path.basename(source)[:-3], source)
+                    module = importlib.util.module_from_spec(module_spec)
+                    module_spec.loader.exec_module(module)
+                else:
+                    module = importlib.import_module(source)
+            except Exception as e:  # noqa: BLE001  the user's code: whatever it raises is one line
+                sys.exit(f"error: --reward-fn {spec!r}: importing {source!r} failed: {type(e).__name__}: {e}")
+            fn = getattr(module, name, None)
+            if not callable(fn):
+                sys.exit(f"error: --reward-fn {spec!r}: {source!r} has no function {name!r}")
+        if name in [n for n, _ in functions]:
+            sys.exit(f"error: --reward-fn {name!r} is given twice; each reward function once, weighted by --reward-weights")
+        functions.append((name, fn))
+    return functions
+
+
+def check_reward_signatures(functions, columns):
+    """Each reward function is called as fn(prompts=..., completions=..., <column>=... for each of the dataset's
+    `columns` but the prompt), as TRL calls it: one that cannot take those keywords is one line, before any model
+    is loaded. A function that needs a column the dataset lacks (the built-ins need `target`) is caught here."""
+    keywords = {"prompts": [], "completions": [], **{c: [] for c in columns if c != "prompt"}}
+    for name, fn in functions:
+        try:
+            inspect.signature(fn).bind(**keywords)
+        except TypeError as e:
+            sys.exit(f"error: reward function {name!r} cannot be called as {name}({', '.join(keywords)}): {e}; write "
+                     f"it as def {name}(prompts, completions, **columns) (the dataset's columns: {sorted(columns)})")
+
+
+def reward_columns(rows):
+    """What reward functions receive of these rows as **columns: every column of the data but `prompt`, by name."""
+    return {name: [row[name] for row in rows] for name in rows[0] if name != "prompt"} if rows else {}
+
+
+def reward_table(functions, prompts, completions, columns):
+    """[B, K] float32: reward function k on completion i, NaN where it returned None ("does not apply"). A
+    function that raises, or returns a value that is not a finite number or None, or not one value per
+    completion, stops the run with one line naming it and the sample; nothing is saved. Under torchrun every
+    rank learns of another's failure (and stops) before the next collective."""
+    table, error = torch.full((len(completions), len(functions)), float("nan")), None
+    for k, (name, fn) in enumerate(functions):
+        try:
+            values = list(fn(prompts=prompts, completions=completions, **columns))
+        except Exception as e:  # noqa: BLE001  find the first sample it raises on alone, to name it
+            failing = next((i for i in range(len(completions)) if reward_call_fails(fn, prompts, completions, columns, i)), None)
+            error = f"reward function {name!r} raised {type(e).__name__}: {e}" + (
+                f", on {reward_sample(prompts, completions, failing)}" if failing is not None else f", on a batch of {len(completions)}")
+            break
+        if len(values) != len(completions):
+            error = f"reward function {name!r} returned {len(values)} values for {len(completions)} completions"
+            break
+        bad = next((i for i, v in enumerate(values) if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v))), None)
+        if bad is not None:
+            error = f"reward function {name!r} returned {values[bad]!r} (a finite number or None is needed), on {reward_sample(prompts, completions, bad)}"
+            break
+        table[:, k] = torch.tensor([float("nan") if v is None else float(v) for v in values])
+    if dist.is_initialized():
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        sys.exit(f"error: {error}; stopped, nothing saved")
+    return table
+
+
+def reward_call_fails(fn, prompts, completions, columns, i):
+    """Whether a reward function raises on sample i alone."""
+    try:
+        fn(prompts=prompts[i : i + 1], completions=completions[i : i + 1], **{c: v[i : i + 1] for c, v in columns.items()})
+    except Exception:  # noqa: BLE001
+        return True
+    return False
+
+
+def reward_sample(prompts, completions, i):
+    """Sample i of a batch, in a few words for an error line."""
+    return f"sample {i}: prompt {str(prompts[i])[:80]!r}, completion {str(completions[i])[:80]!r}"
+
+
+def samples_markdown(prompts, completions, rewards, table, names, n=8):
+    """The first n eval samples as a Markdown table for TensorBoard's text tab: prompt, completion, reward and
+    each reward term (blank where it did not apply)."""
+    cell = lambda x: str(x[-1]["content"] if isinstance(x, list) else x).replace("|", "\\|").replace("\n", " ⏎ ")  # noqa: E731
+    lines = ["| prompt | completion | reward | " + " | ".join(names) + " |", "|-" * (3 + len(names)) + "|"]
+    for i in range(min(n, len(completions))):
+        terms = ["" if math.isnan(v) else f"{v:.3f}" for v in table[i].tolist()]
+        lines.append(f"| {cell(prompts[i])} | {cell(completions[i])} | {float(rewards[i]):.3f} | " + " | ".join(terms) + " |")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,7 +25,9 @@ BANNER = "# Plumbing. Everything below this line is the same text in "
 # Above the banner, the same name is the same text too, except for what is each script's own: its Args, Agent,
 # argument checks (the LM scripts'), evaluation and main.
 RL_SHARED = ["compute_gae", "clipped_policy_loss", "categorical_kl", "value_loss", "layer_init", "check_args"]
-LM_SHARED = ["kl_estimators"]
+LM_SHARED = ["kl_estimators", "completion_text", "last_boxed", "answer_number", "gold", "exact_match", "numeric_match",
+             "format_match", "combine_rewards"]
+REWARDS = "# Rewards as plain Python functions"
 OWN = {"rl": {"Args", "Agent", "evaluate", "main"}, "lm": {"Args", "evaluate", "main", "check_args"}}
 
 
@@ -85,6 +87,16 @@ def test_a_name_above_the_banner_in_two_scripts_is_one_text(family):
     for name in listed:
         copies = {s.__name__: inspect.getsource(getattr(s, name)) for s in where[name]}
         assert len(set(copies.values())) == 1, copies.keys()
+
+
+def rewards_section(text):
+    """grpo.py's and rlhf_ppo.py's reward functions: from their section's first line to the argument checks."""
+    return text[text.rindex("\n# ----", 0, text.index(REWARDS)) + 1 : text.index("\ndef check_args(")]
+
+
+def test_the_reward_functions_are_one_text_in_grpo_and_rlhf_ppo():
+    sections = [rewards_section(read(script)) for script in (grpo, rlhf_ppo)]
+    assert sections[0] == sections[1] and "BUILTIN_REWARDS = {" in sections[0] and sections[0].count("\ndef ") == 8
 
 
 def test_no_script_imports_another():
