@@ -833,6 +833,8 @@ def reward_table(functions, prompts, completions, columns):
     completion, stops the run with one line naming it and the sample; nothing is saved. Under torchrun every
     rank learns of another's failure (and stops) before the next collective."""
     table, error = torch.full((len(completions), len(functions)), float("nan")), None
+    if not functions:  # the reward model alone
+        return table
     for k, (name, fn) in enumerate(functions):
         try:
             values = list(fn(prompts=prompts, completions=completions, **columns))
@@ -875,7 +877,8 @@ def reward_sample(prompts, completions, i):
 def samples_markdown(prompts, completions, rewards, table, names, n=8):
     """The first n eval samples as a Markdown table for TensorBoard's text tab: prompt, completion, reward and
     each reward term (blank where it did not apply)."""
-    cell = lambda x: str(x[-1]["content"] if isinstance(x, list) else x).replace("|", "\\|").replace("\n", " ⏎ ")  # noqa: E731
+    # one line per cell: escapes for newlines and control characters (json's), and for the column separator
+    cell = lambda x: json.dumps(x[-1]["content"] if isinstance(x, list) else x, ensure_ascii=False)[1:-1].replace("|", "\\|")  # noqa: E731
     lines = ["| prompt | completion | reward | " + " | ".join(names) + " |", "|-" * (3 + len(names)) + "|"]
     for i in range(min(n, len(completions))):
         terms = ["" if math.isnan(v) else f"{v:.3f}" for v in table[i].tolist()]

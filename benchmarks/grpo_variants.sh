@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 for cmd in "grpo.py" \
-           "grpo.py --reward model --exp-name grpo_rm --output-dir models/grpo_rm" \
+           "grpo.py --reward-model-path models/reward_model --exp-name grpo_rm --output-dir models/grpo_rm" \
            "grpo.py --advantage rloo --exp-name rloo --output-dir models/rloo" \
            "grpo.py --no-scale-rewards --exp-name grpo_noscale --output-dir models/grpo_noscale" \
            "grpo.py --loss-type dapo --exp-name grpo_dapo --output-dir models/grpo_dapo" \

@@ -31,7 +31,7 @@ CLEANRL = {"CartPole-v1": 490.04, "Acrobot-v1": -86.36, "HalfCheetah-v5": 1442.6
            "Walker2d-v5": 2287.95}
 
 # the legend of a run group: its flags (the exp name the benchmark scripts gave it)
-LABELS = {"grpo_rm": "--reward model", "rloo": "--advantage rloo", "rlhf_ppo_kl0": "--kl-coef 0",
+LABELS = {"grpo_rm": "--reward-model-path", "rloo": "--advantage rloo", "rlhf_ppo_kl0": "--kl-coef 0",
           "ppo_continuous_logstd0": "--log-std-init 0"}
 
 # (figure file, [(panel title, runs glob under RL_RUNS or LM_RUNS, tag, y label)])

@@ -11,7 +11,7 @@ import sys
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 RUNS = [("rlhf_ppo", "PPO (`rlhf_ppo.py`)"), ("dpo", "DPO (`dpo.py`)"), ("grpo", "GRPO (`grpo.py`), gold reward"),
-        ("grpo_rm", "GRPO, `--reward model`"), ("rloo", "RLOO, `--advantage rloo`"),
+        ("grpo_rm", "GRPO, `--reward-model-path models/reward_model`"), ("rloo", "RLOO, `--advantage rloo`"),
         ("grpo_noscale", "GRPO, `--no-scale-rewards`"), ("grpo_dapo", "GRPO, `--loss-type dapo`"),
         ("dr_grpo", "Dr. GRPO, `--loss-type dr_grpo --no-scale-rewards`")]
 

@@ -109,7 +109,7 @@ def test_rlhf_ppo_under_torchrun(tiny_checkpoints, tmp_path, fsdp):
     assert sorted(os.listdir(tmp_path / "models")) == ["rlhf_ppo"]
     model, _ = state(tmp_path / "models" / "rlhf_ppo")
     assert model.config.architectures == ["GPT2LMHeadModel"]
-    assert "iteration 2: eval/score" in rank_output(tmp_path, 0, "stdout")
+    assert "iteration 2: eval/reward" in rank_output(tmp_path, 0, "stdout")
     assert rank_output(tmp_path, 1, "stdout") == ""  # ranks other than 0 print nothing
 
 
@@ -126,6 +126,22 @@ def test_grpo_under_torchrun(tiny_checkpoints, tmp_path):
     assert scalars["eval/kl"][0][1] == pytest.approx(0.0, abs=1e-6)
     assert sorted(os.listdir(tmp_path / "models")) == ["grpo"]
     state(tmp_path / "models" / "grpo")
+
+
+def test_a_reward_that_raises_on_one_rank_stops_every_rank(tiny_checkpoints, tmp_path):
+    """A reward function that fails on rank 1 only: rank 0, which never saw it fail, stops too (no hang in the next
+    collective), and says which function failed; nothing is written to models/."""
+    (tmp_path / "flaky.py").write_text("import os\n\ndef flaky(prompts, completions, **columns):\n"
+                                       "    if os.environ['RANK'] == '1':\n        raise RuntimeError('rank 1 only')\n"
+                                       "    return [1.0] * len(completions)\n")
+    models = tiny_checkpoints["cwd"] / "models"
+    proc = torchrun("grpo.py", "--sft-model-path", str(models / "sft"), "--reward-fn", "flaky.py:flaky",
+                    "--num-iterations", "1", "--batch-size", "8", "--num-generations", "4", "--mini-batch-size", "8",
+                    "--eval-size", "4", cwd=tmp_path, check=False)
+    assert proc.returncode != 0
+    errors = rank_output(tmp_path, 0, "stderr").strip().splitlines()
+    assert errors[-1].startswith("error: reward function 'flaky' raised RuntimeError: rank 1 only"), errors
+    assert "Traceback" not in rank_output(tmp_path, 0, "stderr") and not (tmp_path / "models").exists()
 
 
 def _whiten_on_rank(rank, init_file, x, mask, out_file):

@@ -95,10 +95,10 @@ def test_grpo_smoke_gold_reward_first_ratio_is_exactly_one(tiny_checkpoints, tmp
 
 
 def test_grpo_reward_model_and_rloo_without_reference(tiny_checkpoints, tmp_path):
-    """--reward model --advantage rloo --beta 0: the reward model scores (eval/score), no reference is loaded
+    """--reward-model-path --advantage rloo --beta 0: the reward model scores (eval/score), no reference is loaded
     (and no eval/kl is logged)."""
     models = tiny_checkpoints["cwd"] / "models"
-    proc = run_script("grpo.py", "--sft-model-path", str(models / "sft"), "--reward", "model", "--reward-model-path",
+    proc = run_script("grpo.py", "--sft-model-path", str(models / "sft"), "--reward-model-path",
                       str(models / "reward_model"), "--advantage", "rloo", "--beta", "0", "--loss-type", "dapo",
                       "--num-iterations", "2", "--batch-size", "8", "--num-generations", "2", "--mini-batch-size", "8",
                       "--eval-size", "8", cwd=tmp_path)
@@ -110,17 +110,17 @@ def test_grpo_reward_model_and_rloo_without_reference(tiny_checkpoints, tmp_path
 
 def test_grpo_on_a_dataset_with_targets(tiny_checkpoints, tmp_path):
     """A .jsonl of prompts with a `target` column and the exact-match reward; the reward is one of 0, 1 and the
-    missing-EOS penalty, so its mean lies within [penalty, 1]."""
+    missing-EOS penalty, so its mean lies within [penalty, 1]; the built-in task's gold metrics are not logged."""
     rows = [{"prompt": f"sort {a}{b}{c}:", "target": "".join(sorted(f"{a}{b}{c}"))}
             for a in range(3) for b in range(3) for c in range(3)]
     (tmp_path / "math.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     models = tiny_checkpoints["cwd"] / "models"
-    run_in_process("grpo.py", "--sft-model-path", str(models / "sft"), "--dataset-name", "math.jsonl", "--reward",
-                   "gold-exact", "--num-iterations", "2", "--batch-size", "8", "--num-generations", "4",
+    run_in_process("grpo.py", "--sft-model-path", str(models / "sft"), "--dataset-name", "math.jsonl", "--reward-fn",
+                   "exact_match", "--num-iterations", "2", "--batch-size", "8", "--num-generations", "4",
                    "--mini-batch-size", "8", "--eval-size", "4", cwd=tmp_path)
     logs = read_run(tmp_path, "grpo")
     assert all(-1.0 <= v <= 1.0 for _, v in logs["objective/reward"])
-    assert "eval/gold_accuracy" in logs
+    assert "eval/rewards/exact_match" in logs and "eval/gold_accuracy" not in logs
 
 
 def test_a_completion_without_a_stop_token_gets_the_penalty_not_its_gold_score(tiny_checkpoints, tmp_path):
@@ -142,7 +142,7 @@ def test_a_completion_without_a_stop_token_gets_the_penalty_not_its_gold_score(t
     (["--num-generations", "1"], ["--num-generations 1", "at least 2"]),
     (["--batch-size", "20", "--num-generations", "8"], ["--batch-size 20", "groups of --num-generations 8"]),
     (["--loss-type", "mean"], ["--loss-type 'mean'", "grpo, dapo, dr_grpo"]),
-    (["--reward", "model", "--reward-model-path", "models/nope"], ["models/nope", "python reward_model.py"]),
+    (["--reward-model-path", "models/nope"], ["models/nope", "python reward_model.py"]),
 ])
 def test_bad_input_is_one_line(tiny_checkpoints, tmp_path, flags, words):
     models = tiny_checkpoints["cwd"] / "models"
@@ -151,21 +151,21 @@ def test_bad_input_is_one_line(tiny_checkpoints, tmp_path, flags, words):
     assert not (tmp_path / "runs").exists() and not (tmp_path / "models").exists()
 
 
-def test_a_dataset_without_targets_needs_the_reward_model(tiny_checkpoints, tmp_path):
+def test_a_dataset_needs_a_reward(tiny_checkpoints, tmp_path):
     (tmp_path / "p.jsonl").write_text("\n".join(json.dumps({"prompt": f"sort {i}{i + 1}:"}) for i in range(8)))
     models = tiny_checkpoints["cwd"] / "models"
     proc = run_script("grpo.py", "--sft-model-path", str(models / "sft"), "--dataset-name", "p.jsonl", cwd=tmp_path,
                       check=False)
-    assert_one_line_error(proc, "`target` column", "--reward model")
+    assert_one_line_error(proc, "a dataset needs a reward", "--reward-fn", "--reward-model-path")
 
 
 def test_an_empty_target_is_one_line_for_the_gold_score(tiny_checkpoints, tmp_path):
     rows = [{"prompt": f"sort {i}{i + 1}:", "target": "" if i == 3 else f"{i}{i + 1}"} for i in range(8)]
     (tmp_path / "t.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     models = tiny_checkpoints["cwd"] / "models"
-    proc = run_script("grpo.py", "--sft-model-path", str(models / "sft"), "--dataset-name", "t.jsonl", cwd=tmp_path,
-                      check=False)
-    assert_one_line_error(proc, "empty `target`", "--reward gold-exact")
+    proc = run_script("grpo.py", "--sft-model-path", str(models / "sft"), "--dataset-name", "t.jsonl", "--reward-fn",
+                      "gold", cwd=tmp_path, check=False)
+    assert_one_line_error(proc, "empty `target`", "--reward-fn exact_match")
 
 
 def test_response_logprobs_are_those_of_the_token_after_each_position():

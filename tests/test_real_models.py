@@ -109,7 +109,7 @@ def test_pipeline_on_a_pretrained_checkpoint(tmp_path, arch, dtype, kind):
                    "--response-length", "8", "--eval-every", "1", "--lr", "3e-3", "--output-dir", "ppo", cwd=tmp_path)
     run_in_process("dpo.py", "--model-name-or-path", "sft", "--reward-model-path", "rm", "--dataset-name", pref_data,
                    "--response-length", "8", "--lr", "3e-3", "--output-dir", "dpo", "--save-dtype", "float32", *common, cwd=tmp_path)
-    run_in_process("grpo.py", "--sft-model-path", "sft", "--reward", "model", "--reward-model-path", "rm",
+    run_in_process("grpo.py", "--sft-model-path", "sft", "--reward-model-path", "rm",
                    "--dataset-name", prompt_data, "--num-iterations", "2", "--batch-size", "8", "--num-generations", "4",
                    "--mini-batch-size", "4", "--response-length", "8", "--eval-every", "1", "--lr", "3e-3",
                    "--output-dir", "grpo", cwd=tmp_path)
@@ -477,7 +477,7 @@ def test_dropout_is_off_also_where_it_is_a_config_number(tmp_path):
     common = ["--sft-model-path", base, "--reward-model-path", rm_path, "--dataset-name", prompts, "--num-iterations",
               "1", "--batch-size", "8", "--mini-batch-size", "8", "--response-length", "4", "--eval-size", "2"]
     run_in_process("rlhf_ppo.py", *common, "--output-dir", "ppo", cwd=tmp_path)
-    run_in_process("grpo.py", *common, "--reward", "model", "--num-generations", "4", "--output-dir", "grpo", cwd=tmp_path)
+    run_in_process("grpo.py", *common, "--num-generations", "4", "--output-dir", "grpo", cwd=tmp_path)
     for name in ("rlhf_ppo", "grpo"):
         scalars = read_scalars(str(next((tmp_path / "runs").glob(f"{name}__*"))))
         assert scalars["policy/first_ratio_max_error"] == [(1, 0.0)], name

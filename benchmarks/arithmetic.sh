@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The arithmetic task of the README's grpo card, end to end on the CPU: a GSM8K-format file, mapped to the
+# scripts' columns; sft.py; then grpo.py and rlhf_ppo.py with the numeric reward, each from that SFT model.
+# Writes each run's log and wall time to $OUT (benchmarks/arithmetic); summarize with
+# `python benchmarks/summarize_arithmetic.py`. SEED=2 bash benchmarks/arithmetic.sh for another seed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+seed=${SEED:-1}
+out=${OUT:-benchmarks/arithmetic}/seed$seed
+mkdir -p "$out"
+python benchmarks/make_arithmetic.py --out "$out/gsm8k_format.jsonl" --num-rows 6000 --seed "$seed"
+python - "$out" <<'PY'
+import json, sys
+out = sys.argv[1]
+rows = [json.loads(line) for line in open(f"{out}/gsm8k_format.jsonl")]
+with open(f"{out}/sft.jsonl", "w") as f:  # question -> prompt, answer -> completion (after a space)
+    f.writelines(json.dumps({"prompt": r["question"], "completion": " " + r["answer"]}) + "\n" for r in rows)
+with open(f"{out}/rl.jsonl", "w") as f:  # question -> prompt, answer -> target (numeric_match reads its #### number)
+    f.writelines(json.dumps({"prompt": r["question"], "target": r["answer"]}) + "\n" for r in rows)
+PY
+timed() {  # name, command...: run it, its output to $out/<name>.log, its wall time to $out/times.txt
+    local name=$1 start
+    shift
+    start=$(date +%s)
+    "$@" > "$out/$name.log" 2>&1
+    echo "$name $(( $(date +%s) - start ))" >> "$out/times.txt"
+}
+rm -f "$out/times.txt"
+timed sft python sft.py --dataset-name "$out/sft.jsonl" --max-length 128 --max-steps 750 --eval-every 250 \
+    --seed "$seed" --exp-name "arith_sft" --output-dir "$out/sft"
+rl=(--sft-model-path "$out/sft" --dataset-name "$out/rl.jsonl" --reward-fn numeric_match --max-prompt-length 96
+    --response-length 24 --seed "$seed")
+timed grpo python grpo.py "${rl[@]}" --exp-name "arith_grpo" --output-dir "$out/grpo"
+timed rlhf_ppo python rlhf_ppo.py "${rl[@]}" --kl-coef 0.05 --missing-eos-penalty -1 --exp-name "arith_rlhf_ppo" \
+    --output-dir "$out/rlhf_ppo"
+cat "$out/times.txt"

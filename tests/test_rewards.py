@@ -1,0 +1,314 @@
+"""Rewards as plain Python functions (--reward-fn) in grpo.py and rlhf_ppo.py: the built-in rewards by hand on
+tricky strings, how the terms add up (None as TRL treats it), loading a user's function by path and by module
+name, its errors as one line, and the pipeline sft.py -> grpo.py / rlhf_ppo.py on a small arithmetic task."""
+import json
+import signal
+from decimal import Decimal
+
+import pytest
+import torch
+from conftest import TINY_LM, read_scalars, run_in_process, run_script
+from lm_models import save_checkpoint
+
+import grpo
+import rlhf_ppo
+
+
+# ------------------------------------------------------------------------- the built-in rewards, by hand
+@pytest.mark.parametrize("text,number", [
+    ("12 + 30 = 42\n#### 42", Decimal(42)),
+    ("She pays $1,234 in all.\n#### 1,234", Decimal(1234)),       # thousands separators
+    ("#### 5 apples, not 6", Decimal(5)),                         # the first number after the last ####
+    ("first #### 3, then #### -8", Decimal(-8)),
+    ("it is 7, not 8 ####", None),                                # nothing after ####: no answer
+    ("The answer is -5.", Decimal(-5)),                           # a negative number; the full stop is no decimal point
+    ("3 apples and 4 pears, 7 in all", Decimal(7)),               # several numbers: the last
+    ("1,2,3", Decimal(3)),                                        # not a thousands separator: three numbers
+    ("no number here", None),
+    ("so \\boxed{ 72 }", Decimal(72)),                            # whitespace in the box
+    ("\\boxed{3} first, then \\boxed{1,000.0}", Decimal(1000)),   # the last box, 1,000.0 = 1000
+    ("\\boxed{\\text{72}} beats 5", Decimal(72)),                 # braces nested in the box
+    ("\\boxed{\\frac{1}{2}}", None),                              # two numbers in the box: not one answer
+    ("\\boxed{12", Decimal(12)),                                  # a box never closed: the last number
+    ("  72.50\n", Decimal("72.5")),
+])
+def test_answer_number_by_hand(text, number):
+    assert grpo.answer_number(text) == number
+
+
+def test_last_boxed_matches_braces():
+    assert grpo.last_boxed("a \\boxed{x} b \\boxed{\\frac{1}{2}} c") == "\\frac{1}{2}"
+    assert grpo.last_boxed("no box") is None and grpo.last_boxed("\\boxed{open") is None
+
+
+def test_numeric_match_by_hand():
+    completions = ["12 + 30 = 42\n#### 42", "42.0", "the sum is 1,042", "#### 43", "\\boxed{42}", "forty-two",
+                   [{"role": "assistant", "content": "#### -7"}]]
+    targets = ["#### 42", "42", "1042", "42", "30 + 12 = 42\n#### 42", "42", "-7"]
+    assert grpo.numeric_match(None, completions, targets) == [1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+    # a target without a number is no numeric question: None, whatever the completion
+    assert grpo.numeric_match(None, ["42", "x"], ["forty-two", ""]) == [None, None]
+
+
+def test_exact_match_strips_whitespace_only():
+    assert grpo.exact_match(None, [" 1234\n", "1234", "01234", [{"role": "assistant", "content": "ab "}]],
+                            ["1234", " 1234 ", "1234", "ab"]) == [1.0, 1.0, 0.0, 1.0]
+
+
+def test_format_match_is_a_full_match_across_lines():
+    pattern = r"<think>.*</think>\s*<answer>.*</answer>"
+    completions = ["<think>a\nb</think>\n<answer>3</answer>", "<think>a</think><answer>3</answer> extra",
+                   "<answer>3</answer>"]
+    assert grpo.format_match(None, completions, pattern=pattern) == [1.0, 0.0, 0.0]
+
+
+def test_gold_is_the_built_in_gold_score():
+    assert grpo.gold(None, ["1234", "1243", ""], ["1234"] * 3) == [1.0, 0.5, 0.0]
+
+
+def test_combine_rewards_weights_and_none_by_hand():
+    """r = Σ_k w_k r_k over the terms that apply: a None (NaN) adds nothing; no term at all gives 0 (TRL's nansum)."""
+    nan = float("nan")
+    table = torch.tensor([[1.0, 0.5], [nan, 2.0], [nan, nan], [0.0, -1.0]])
+    assert grpo.combine_rewards(table, (2.0, -0.5)).tolist() == [1.75, -1.0, 0.0, 0.5]
+
+
+# ------------------------------------------------------------------------- loading and calling user functions
+USER_FILE = '''
+def correct_length(prompts, completions, target, **columns):
+    """1 where the completion is as long as the target; None where the row says it does not apply."""
+    return [None if skip else float(len(c) == len(t)) for c, t, skip in zip(completions, target, columns["skip"])]
+'''
+
+
+def test_a_user_function_by_path_and_by_module_name(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(USER_FILE)
+    monkeypatch.chdir(tmp_path)
+    by_path = grpo.load_reward_functions(["my_rewards.py:correct_length", "numeric_match"], grpo.BUILTIN_REWARDS, None)
+    by_module = grpo.load_reward_functions(["my_rewards:correct_length"], grpo.BUILTIN_REWARDS, None)
+    assert [name for name, _ in by_path] == ["correct_length", "numeric_match"]
+    assert by_module[0][0] == "correct_length"
+    columns = {"target": ["12", "3", "7"], "skip": [False, False, True]}
+    table = grpo.reward_table(by_path, ["p"] * 3, ["12", "#### 3", "7"], columns)
+    assert torch.equal(table.isnan(), torch.tensor([[False, False], [False, False], [True, False]]))
+    assert table.nan_to_num(-9).tolist() == [[1.0, 1.0], [0.0, 1.0], [-9.0, 1.0]]
+    assert grpo.reward_columns([{"prompt": "p", "target": "1", "skip": 0}]) == {"target": ["1"], "skip": [0]}
+
+
+def one_line(fn, *args):
+    """The message a call stops the run with: one line that starts with `error:`."""
+    with pytest.raises(SystemExit) as stop:
+        fn(*args)
+    message = str(stop.value.code)
+    assert message.startswith("error: ") and "\n" not in message, message
+    return message
+
+
+def test_bad_reward_functions_are_one_line(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(USER_FILE + "\ndef no_keywords(x):\n    return [1.0]\n")
+    (tmp_path / "broken.py").write_text("import no_such_module\n")
+    monkeypatch.chdir(tmp_path)
+    load = lambda *specs: grpo.load_reward_functions(specs, grpo.BUILTIN_REWARDS, None)  # noqa: E731
+    assert "exact_match, numeric_match" in one_line(load, "nope")
+    assert "'missing.py' does not exist" in one_line(load, "missing.py:f")
+    assert "has no function 'f'" in one_line(load, "my_rewards.py:f")
+    assert "No module named 'no_such_pkg'" in one_line(load, "no_such_pkg:f")
+    assert "importing 'broken.py' failed" in one_line(load, "broken.py:f")
+    assert "--format-pattern" in one_line(load, "format")
+    assert "not a regular expression" in one_line(grpo.load_reward_functions, ["format"], grpo.BUILTIN_REWARDS, "(")
+    assert "given twice" in one_line(load, "gold", "gold")
+    functions = load("my_rewards.py:no_keywords")
+    assert "no_keywords(prompts, completions, target)" in one_line(grpo.check_reward_signatures, functions,
+                                                                   ["prompt", "target"])
+    # the built-ins need a `target` column; a dataset without one is told so
+    assert "'target'" in one_line(grpo.check_reward_signatures, load("numeric_match"), ["prompt", "question"])
+
+
+@pytest.mark.parametrize("body,words", [
+    ("return [1 / len(c) for c in completions]", ["'f' raised ZeroDivisionError", "sample 1", "completion ''"]),
+    ("return [float('nan') if c == '' else 1.0 for c in completions]", ["'f' returned nan", "sample 1"]),
+    ("return ['1' for c in completions]", ["'f' returned '1'", "sample 0"]),
+    ("return [1.0]", ["'f' returned 1 values for 3 completions"]),
+])
+def test_a_reward_that_raises_or_is_nan_names_the_function_and_the_sample(body, words):
+    def f(prompts, completions, **columns):
+        return eval(body.removeprefix("return "))
+
+    message = one_line(grpo.reward_table, [("f", f)], ["a", "b", "c"], ["x", "", "z"], {})
+    for word in words:
+        assert word in message, message
+
+
+def test_the_reward_functions_section_runs_the_same_in_rlhf_ppo():
+    """The text is checked in test_copies; here the objects: rlhf_ppo's built-ins are its own functions."""
+    assert set(rlhf_ppo.BUILTIN_REWARDS) == {"gold", "exact_match", "numeric_match", "format"}
+    assert rlhf_ppo.numeric_match(None, ["#### 1,000"], ["1000.0"]) == [1.0]
+
+
+# ------------------------------------------------------------------------- end to end
+def arithmetic(n, seed):
+    """n two-term sums as word problems: (question, GSM8K-style answer)."""
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
+        rows.append((f"Ann has {a} pens and gets {b} more. How many?", f"{a} + {b} = {a + b}\n#### {a + b}"))
+    return rows
+
+
+def write_jsonl(path, rows):
+    path.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+
+
+@pytest.fixture(scope="module")
+def arithmetic_sft(tmp_path_factory):
+    """sft.py on prompt/completion rows of the arithmetic task: a directory with the model and the RL rows."""
+    cwd = tmp_path_factory.mktemp("arithmetic")
+    write_jsonl(cwd / "sft.jsonl", [{"prompt": q, "completion": " " + a} for q, a in arithmetic(400, 1)])
+    write_jsonl(cwd / "rl.jsonl", [{"prompt": q, "target": a} for q, a in arithmetic(200, 2)])
+    run_in_process("sft.py", *TINY_LM, "--dataset-name", "sft.jsonl", "--max-length", "96", "--max-steps", "10",
+                   "--eval-every", "10", "--batch-size", "16", "--eval-size", "16", "--output-dir", "models/sft", cwd=cwd)
+    return cwd
+
+
+RL = ["--sft-model-path", "models/sft", "--dataset-name", "rl.jsonl", "--response-length", "20",
+      "--max-prompt-length", "64", "--eval-every", "2", "--eval-size", "8"]
+
+
+def last_run(cwd, exp_name):
+    import glob
+
+    return sorted(glob.glob(str(cwd / "runs" / f"{exp_name}__*")))[-1]
+
+
+def samples_text(run_dir):
+    """The TensorBoard text of a run's last evaluation: a Markdown table of prompt, completion and rewards."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(run_dir, size_guidance={"tensors": 0})
+    acc.Reload()
+    return acc.Tensors("eval/samples/text_summary")[-1].tensor_proto.string_val[0].decode()
+
+
+def test_sft_then_grpo_with_the_numeric_reward(arithmetic_sft):
+    """grpo.py on prompt/target rows with the numeric reward (and exact_match, weight 0): each function logged
+    under its own tag, in training and evaluation, the rewards in their range, a table of samples."""
+    cwd = arithmetic_sft
+    run_in_process("grpo.py", *RL, "--reward-fn", "numeric_match", "--reward-fn", "exact_match", "--reward-weights",
+                   "1", "0", "--num-iterations", "2", "--batch-size", "16", "--num-generations", "4",
+                   "--mini-batch-size", "16", "--exp-name", "grpo_numeric", "--output-dir", "models/grpo", cwd=cwd)
+    run_dir = last_run(cwd, "grpo_numeric")
+    logs = read_scalars(run_dir)
+    for tag in ("rewards/numeric_match", "rewards/exact_match", "eval/reward", "eval/rewards/numeric_match",
+                "eval/rewards/exact_match", "objective/reward"):
+        assert tag in logs, tag
+    assert "eval/gold_accuracy" not in logs and "eval/score" not in logs  # no built-in task, no reward model
+    assert all(0 <= v <= 1 for tag in ("rewards/numeric_match", "eval/rewards/numeric_match") for _, v in logs[tag])
+    assert all(-1 <= v <= 1 for _, v in logs["objective/reward"])  # 0, 1, or the missing-EOS penalty
+    text = samples_text(run_dir).split("\n")
+    assert text[0] == "| prompt | completion | reward | numeric_match | exact_match |" and len(text) == 2 + 8, text
+
+
+def test_sft_then_rlhf_ppo_with_the_numeric_reward_and_no_reward_model(arithmetic_sft, capsys):
+    """rlhf_ppo.py with --reward-fn and no --reward-model-path: three models, the critic from the SFT model."""
+    cwd = arithmetic_sft
+    run_in_process("rlhf_ppo.py", *RL, "--reward-fn", "numeric_match", "--num-iterations", "2", "--batch-size", "8",
+                   "--mini-batch-size", "8", "--exp-name", "ppo_numeric", "--output-dir", "models/ppo", cwd=cwd)
+    assert "3 model(s) in memory" in capsys.readouterr().out
+    logs = read_scalars(last_run(cwd, "ppo_numeric"))
+    for tag in ("rewards/numeric_match", "eval/rewards/numeric_match", "eval/reward", "objective/reward",
+                "objective/rlhf_reward"):
+        assert tag in logs, tag
+    assert "objective/score" not in logs and "eval/score" not in logs
+    assert [v for _, v in logs["policy/first_ratio_max_error"]] == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "rlhf_ppo.py"])
+def test_weights_follow_the_order_of_the_terms_the_reward_model_last(script, tiny_checkpoints, tmp_path, capsys):
+    """--reward-fn gold and the reward model weighted 0 and 1: the reward is exactly the reward model's score
+    (missing-EOS penalty included), in training and evaluation, while the gold function is still logged. With
+    the weights in the wrong order the reward would be the gold score."""
+    models = tiny_checkpoints["cwd"] / "models"
+    grpo_flags = ["--num-generations", "4"] if script == "grpo.py" else []
+    run_in_process(script, "--sft-model-path", str(models / "sft"), "--reward-model-path", str(models / "reward_model"),
+                   "--reward-fn", "gold", "--reward-weights", "0", "1", "--num-iterations", "1", "--batch-size", "8",
+                   "--mini-batch-size", "8", "--eval-size", "8", *grpo_flags, cwd=tmp_path)
+    assert f"{4 if script == 'rlhf_ppo.py' else 3} model(s) in memory" in capsys.readouterr().out
+    logs = read_scalars(str(next((tmp_path / "runs").iterdir())))
+    assert logs["objective/reward"] == logs["objective/score"] and logs["eval/reward"] == logs["eval/score"]
+    assert logs["objective/reward"] != logs["rewards/gold"] and "eval/rewards/gold" in logs
+
+
+def test_conversational_prompts_with_a_system_prompt_reach_the_reward_as_messages(tmp_path, capsys):
+    """A chat model (random tiny Llama with a Llama 3 template) on conversational prompts with --system-prompt: the
+    user's function receives the prompts with the system message first, and each completion as a list with one
+    assistant message, as TRL passes them; its values (the length of the completion) are what grpo.py logs."""
+    save_checkpoint(str(tmp_path / "chat"), "llama", "chat_eot", "float32")
+    write_jsonl(tmp_path / "p.jsonl", [{"prompt": [{"role": "user", "content": f"sort {i} 1:"}], "target": f"1 {i}"}
+                                       for i in range(16)])
+    (tmp_path / "check.py").write_text(
+        "def shape(prompts, completions, target, **columns):\n"
+        "    assert all(p[0] == {'role': 'system', 'content': 'Be brief.'} and p[1]['role'] == 'user' for p in prompts)\n"
+        "    assert all(len(c) == 1 and c[0]['role'] == 'assistant' for c in completions)\n"
+        "    return [float(len(c[0]['content'])) for c in completions]\n")
+    run_in_process("grpo.py", "--sft-model-path", "chat", "--dataset-name", "p.jsonl", "--system-prompt", "Be brief.",
+                   "--reward-fn", "check.py:shape", "--response-length", "4", "--num-iterations", "1", "--batch-size",
+                   "8", "--num-generations", "4", "--mini-batch-size", "8", "--eval-size", "4", cwd=tmp_path)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    logs = read_scalars(str(next((tmp_path / "runs").iterdir())))
+    assert logs["rewards/shape"][0][1] > 0 and "eval/rewards/shape" in logs
+
+
+def test_a_system_prompt_on_text_data_is_one_line(tmp_path, monkeypatch):
+    import tyro
+
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(tmp_path / "t.jsonl", [{"prompt": "sort 2 1:", "target": "1 2"}] * 8)
+    args = tyro.cli(grpo.Args, args=["--dataset-name", "t.jsonl", "--system-prompt", "x", "--reward-fn", "exact_match"])
+    assert "conversational" in one_line(grpo.load_data, args, "prompt", 8, [("prompt",)], "")
+    rows = grpo.add_system_prompt([{"messages": [{"role": "system", "content": "keep"}]}, {"chosen": [], "rejected": []}], "s")
+    assert rows == [{"messages": [{"role": "system", "content": "keep"}]},
+                    {"chosen": [{"role": "system", "content": "s"}], "rejected": [{"role": "system", "content": "s"}]}]
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "rlhf_ppo.py"])
+@pytest.mark.parametrize("flags,words", [
+    (["--reward-fn", "nope"], ["--reward-fn 'nope'", "MODULE_OR_FILE:NAME"]),
+    (["--reward-fn", "missing.py:f"], ["'missing.py' does not exist"]),
+    (["--reward-fn", "numeric_match", "--reward-weights", "1", "2"], ["2 values for 1 reward terms"]),
+    (["--reward-fn", "bad.py:bad"], ["'bad' cannot be called as bad(prompts, completions, target)"]),
+])
+def test_bad_reward_flags_are_one_line_before_any_model_is_loaded(script, flags, words, tmp_path, monkeypatch):
+    """No model exists at --sft-model-path: the reward's error comes first."""
+    import importlib
+
+    import tyro
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.py").write_text("def bad(completion):\n    return [0.0]\n")
+    write_jsonl(tmp_path / "t.jsonl", [{"prompt": "sort 2 1:", "target": "12"}] * 8)
+    module = importlib.import_module(script[:-3])
+    args = tyro.cli(module.Args, args=["--sft-model-path", "models/none", "--dataset-name", "t.jsonl", *flags])
+    message = one_line(module.main, args)
+    for word in words:
+        assert word in message, message
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_nan_reward_stops_the_run_and_saves_nothing(arithmetic_sft, tmp_path, monkeypatch):
+    import shutil
+
+    import tyro
+
+    shutil.copytree(arithmetic_sft / "models" / "sft", tmp_path / "models" / "sft")
+    shutil.copy(arithmetic_sft / "rl.jsonl", tmp_path / "rl.jsonl")
+    (tmp_path / "nan.py").write_text("def nan_reward(prompts, completions, **columns):\n"
+                                     "    return [float('nan')] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    args = tyro.cli(grpo.Args, args=[*RL, "--reward-fn", "nan.py:nan_reward", "--num-iterations", "1", "--batch-size",
+                                     "8", "--num-generations", "4", "--mini-batch-size", "8"])
+    message = one_line(grpo.main, args)
+    assert "'nan_reward' returned nan" in message and "sample 0" in message and "nothing saved" in message
+    assert not (tmp_path / "models" / "grpo").exists()
