@@ -8,6 +8,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+if "PYTEST_XDIST_WORKER" in os.environ:  # -n N workers on N cores: one thread each, and so every script they start
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def run_script(script, *flags, cwd, check=True, timeout=600):
@@ -72,6 +74,20 @@ def run_in_process(script, *flags, cwd):
         os.chdir(old)
 
 
+def one_line_exit(script, *flags, cwd):
+    """The message a script's real entry point, run in this process, stops with: it must stop (SystemExit) with one
+    line that starts with `error: `, which is what `python <script>` prints, alone, on stderr (test_* files check
+    that by subprocess for each script once)."""
+    import signal
+
+    with pytest.raises(SystemExit) as stop:
+        run_in_process(script, *flags, cwd=cwd)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    message = str(stop.value.code)
+    assert message.startswith("error: ") and "\n" not in message, message
+    return message
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: runs a script or trains a model (CI runs them; `pytest -m 'not slow'` "
                                        "is the fast tier: the math and the copy checks, in seconds)")
@@ -88,12 +104,19 @@ def pytest_collection_modifyitems(items):
 def same_seed_scalars(script, flags, tmp_path):
     """Run `script` twice with the same flags, in two directories; returns the logged scalars of each run
     (without the wall-clock ones: speeds and time fractions) and the bytes of every file each wrote
-    under models/."""
+    under models/. The LM scripts run in this process, one after the other (whatever the first leaves
+    behind, the second must not depend on), the RL scripts each in its own."""
+    import signal
+
     runs = []
     for name in ("a", "b"):
         cwd = tmp_path / name
         os.makedirs(cwd)
-        run_script(script, *flags, cwd=cwd)
+        if script in ("sft.py", "reward_model.py", "dpo.py", "rlhf_ppo.py", "grpo.py"):
+            run_in_process(script, *flags, cwd=cwd)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        else:
+            run_script(script, *flags, cwd=cwd)
         scalars = read_scalars(only_run_dir(cwd))
         saved = {str(p.relative_to(cwd)): p.read_bytes() for p in sorted(cwd.glob("models/**/*.safetensors"))}
         runs.append(({tag: values for tag, values in scalars.items()
