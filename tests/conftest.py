@@ -50,12 +50,22 @@ TINY_LM = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2"]
 
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory):
-    """A tiny SFT model and a reward model trained from it, made by the scripts themselves: {name: path}."""
-    cwd = tmp_path_factory.mktemp("lm")
-    run_script("sft.py", *TINY_LM, "--max-steps", "30", "--eval-every", "15", "--num-train-examples", "2000",
-               "--eval-size", "32", "--output-dir", "models/sft", cwd=cwd)
-    run_script("reward_model.py", "--max-steps", "20", "--eval-every", "10", "--num-train-pairs", "1000",
-               "--eval-size", "32", cwd=cwd)
+    """A tiny SFT model and a reward model trained from it, made by the scripts themselves: {name: path}. Made
+    once for all pytest-xdist workers (the first to ask makes them; the others wait on a lock), and read only:
+    tests write their runs and models to their own tmp_path."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if "PYTEST_XDIST_WORKER" in os.environ else root  # the directory all workers share
+    cwd = root / "lm"
+    with FileLock(str(root / "lm.lock")):
+        if not (cwd / "done").exists():
+            os.makedirs(cwd, exist_ok=True)
+            run_script("sft.py", *TINY_LM, "--max-steps", "30", "--eval-every", "15", "--num-train-examples", "2000",
+                       "--eval-size", "32", "--output-dir", "models/sft", cwd=cwd)
+            run_script("reward_model.py", "--max-steps", "20", "--eval-every", "10", "--num-train-pairs", "1000",
+                       "--eval-size", "32", cwd=cwd)
+            (cwd / "done").touch()
     return {"cwd": cwd, "sft": cwd / "models" / "sft", "reward_model": cwd / "models" / "reward_model"}
 
 

@@ -42,9 +42,10 @@ def test_dpo_sequence_logps_sum_the_completion_only():
 
 # ------------------------------------------------------------------------------------ end to end
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
-def test_dpo_smoke(tiny_checkpoints, loss_type):
-    cwd = tiny_checkpoints["cwd"]
-    run_script("dpo.py", "--loss-type", loss_type, "--max-steps", "10", "--batch-size", "8", "--num-train-pairs", "200",
+def test_dpo_smoke(tiny_checkpoints, tmp_path, loss_type):
+    cwd = tmp_path
+    run_script("dpo.py", "--model-name-or-path", str(tiny_checkpoints["sft"]), "--reward-model-path",
+               str(tiny_checkpoints["reward_model"]), "--loss-type", loss_type, "--max-steps", "10", "--batch-size", "8", "--num-train-pairs", "200",
                "--eval-size", "16", "--eval-every", "5", "--warmup-steps", "2", "--output-dir", f"models/dpo_{loss_type}",
                cwd=cwd)
     scalars = read_scalars(str(sorted((cwd / "runs").glob("dpo__*"))[-1]))

@@ -95,9 +95,10 @@ PPO_TINY = ["--num-iterations", "2", "--batch-size", "16", "--mini-batch-size", 
             "--eval-size", "16", "--eval-every", "1"]
 
 
-def test_rlhf_ppo_smoke_and_first_ratio_is_exactly_one(tiny_checkpoints):
-    cwd = tiny_checkpoints["cwd"]
-    run_script("rlhf_ppo.py", *PPO_TINY, cwd=cwd)
+def test_rlhf_ppo_smoke_and_first_ratio_is_exactly_one(tiny_checkpoints, tmp_path):
+    cwd = tmp_path
+    run_in_process("rlhf_ppo.py", *PPO_TINY, "--sft-model-path", str(tiny_checkpoints["sft"]), "--reward-model-path",
+                   str(tiny_checkpoints["reward_model"]), cwd=cwd)
     run_dir = sorted((cwd / "runs").glob("rlhf_ppo__*"))[-1]
     scalars = read_scalars(str(run_dir))
     for tag in ["objective/score", "objective/kl", "objective/kl_k3", "objective/entropy", "objective/non_score_reward",
@@ -112,10 +113,11 @@ def test_rlhf_ppo_smoke_and_first_ratio_is_exactly_one(tiny_checkpoints):
     AutoModelForCausalLM.from_pretrained(cwd / "models" / "rlhf_ppo")
 
 
-def test_rlhf_ppo_adaptive_kl_moves_the_coefficient(tiny_checkpoints):
-    cwd = tiny_checkpoints["cwd"]
-    run_script("rlhf_ppo.py", *PPO_TINY, "--kl-coef", "0.05", "--kl-target", "0.001", "--kl-horizon", "100",
-               "--output-dir", "models/ppo_kl", cwd=cwd)
+def test_rlhf_ppo_adaptive_kl_moves_the_coefficient(tiny_checkpoints, tmp_path):
+    cwd = tmp_path
+    run_in_process("rlhf_ppo.py", *PPO_TINY, "--kl-coef", "0.05", "--kl-target", "0.001", "--kl-horizon", "100",
+                   "--sft-model-path", str(tiny_checkpoints["sft"]), "--reward-model-path",
+                   str(tiny_checkpoints["reward_model"]), "--output-dir", "models/ppo_kl", cwd=cwd)
     scalars = read_scalars(str(sorted((cwd / "runs").glob("rlhf_ppo__*"))[-1]))
     kl_coefs = [v for _, v in scalars["charts/kl_coef"]]
     kls = [v for _, v in scalars["objective/kl"]]
