@@ -4,8 +4,8 @@ Shao et al. 2024, "DeepSeekMath", section 4.1 (Group Relative Policy Optimizatio
 sample G completions o_1..o_G from the current policy, reward each, and give every token of o_i the
 advantage of o_i relative to its group, Â_i = (r_i − mean(r)) / std(r). No critic and, with a
 verifiable reward (plain Python functions, --reward-fn), no reward model: the models in memory are the
-policy and the frozen reference (and a reward model with --reward-model-path). The loss is PPO's clipped surrogate plus a KL penalty to
-the reference (eq. 3):
+policy and the frozen reference (and a reward model with --reward-model-path). The loss is PPO's clipped
+surrogate plus a KL penalty to the reference (eq. 3):
 
     J = E[ (1/G) Σ_i (1/|o_i|) Σ_t  min( ρ_it Â_i, clip(ρ_it, 1 − ε, 1 + ε) Â_i ) − β D_KL[π_θ ‖ π_ref] ]
 
@@ -447,18 +447,21 @@ def main(args: Args):
         """The reward of each completion, r = Σ_k w_k r_k over the reward functions and the reward model's score
         (combine_rewards), or --missing-eos-penalty for a completion with no stop token: an unfinished answer is
         not scored. Returns (rewards, the [B, K] table of the terms, completions as text, has_stop)."""
-        prompts, completions = [row["prompt"] for row in rows], decode(tokenizer, sequences, context_length, response_mask)
+        prompts = [row["prompt"] for row in rows]
+        completions = decode(tokenizer, sequences, context_length, response_mask)
         as_passed = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c  # as TRL passes them
                      for p, c in zip(prompts, completions)]
         table = reward_table(functions, prompts, as_passed, reward_columns(rows)).to(device)
         if reward is not None:
-            scores, _ = forward_in_chunks(lambda s, a, m: score_responses(reward, s, a, m, stop_ids, args.missing_eos_penalty),
-                                          micro_size, sequences, attention_mask, response_mask)
+            scores, _ = forward_in_chunks(
+                lambda s, a, m: score_responses(reward, s, a, m, stop_ids, args.missing_eos_penalty), micro_size,
+                sequences, attention_mask, response_mask)
             table = torch.cat([table, scores.float()[:, None]], 1)
         responses = sequences[:, context_length:]
         has_stop = (torch.isin(responses, torch.tensor(stop_ids, device=device)) & response_mask.bool()).any(1)
         rewards = combine_rewards(table, weights)
-        return torch.where(has_stop, rewards, torch.full_like(rewards, args.missing_eos_penalty)), table, completions, has_stop
+        rewards = torch.where(has_stop, rewards, torch.full_like(rewards, args.missing_eos_penalty))
+        return rewards, table, completions, has_stop
 
     def term_sums(table, prefix, w=None):
         """{prefix + name: Σ value, prefix + name + "/n": count} of each reward term over the completions it
@@ -962,7 +965,8 @@ def load_data(args, kind, num_train, accepts, needs):
     dataset's, which must have every column of one of the sets in `accepts` (`needs` says so in words)."""
     if args.dataset_name is None:
         if args.system_prompt is not None:
-            sys.exit("error: --system-prompt needs conversational data; the built-in task is text (pass --dataset-name)")
+            sys.exit("error: --system-prompt needs conversational data; the built-in task is text "
+                     "(pass --dataset-name)")
         return task_rows(args.seed, "train", num_train, kind), task_rows(args.seed, "eval", args.eval_size, kind)
     train, evals = load_rows(args.dataset_name, args.dataset_config, args.dataset_split, args.eval_size)
     columns = sorted(train[0]) if train else []
@@ -1092,7 +1096,8 @@ def load_reward_functions(specs, builtins, format_pattern):
                 except re.error as e:
                     sys.exit(f"error: --format-pattern {format_pattern!r} is not a regular expression: {e}")
                 if not format_pattern:
-                    sys.exit("error: --reward-fn format needs --format-pattern REGEX, which the whole completion must match")
+                    sys.exit("error: --reward-fn format needs --format-pattern REGEX, which the whole completion "
+                             "must match")
                 fn = functools.partial(fn, pattern=format_pattern)
         elif not source or not name:
             sys.exit(f"error: --reward-fn {spec!r}: name a built-in ({', '.join(builtins)}) or a function of "
@@ -1115,7 +1120,8 @@ def load_reward_functions(specs, builtins, format_pattern):
             if not callable(fn):
                 sys.exit(f"error: --reward-fn {spec!r}: {source!r} has no function {name!r}")
         if name in [n for n, _ in functions]:
-            sys.exit(f"error: --reward-fn {name!r} is given twice; each reward function once, weighted by --reward-weights")
+            sys.exit(f"error: --reward-fn {name!r} is given twice; each reward function once, weighted by "
+                     "--reward-weights")
         functions.append((name, fn))
     return functions
 
@@ -1150,16 +1156,19 @@ def reward_table(functions, prompts, completions, columns):
         try:
             values = list(fn(prompts=prompts, completions=completions, **columns))
         except Exception as e:  # noqa: BLE001  find the first sample it raises on alone, to name it
-            failing = next((i for i in range(len(completions)) if reward_call_fails(fn, prompts, completions, columns, i)), None)
-            error = f"reward function {name!r} raised {type(e).__name__}: {e}" + (
-                f", on {reward_sample(prompts, completions, failing)}" if failing is not None else f", on a batch of {len(completions)}")
+            failing = next((i for i in range(len(completions))
+                            if reward_call_fails(fn, prompts, completions, columns, i)), None)
+            where = reward_sample(prompts, completions, failing) if failing is not None else f"a batch of {len(completions)}"
+            error = f"reward function {name!r} raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}, on {where}"
             break
         if len(values) != len(completions):
             error = f"reward function {name!r} returned {len(values)} values for {len(completions)} completions"
             break
-        bad = next((i for i, v in enumerate(values) if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v))), None)
+        bad = next((i for i, v in enumerate(values)
+                    if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v))), None)
         if bad is not None:
-            error = f"reward function {name!r} returned {values[bad]!r} (a finite number or None is needed), on {reward_sample(prompts, completions, bad)}"
+            error = (f"reward function {name!r} returned {values[bad]!r} (a finite number or None is needed), on "
+                     f"{reward_sample(prompts, completions, bad)}")
             break
         table[:, k] = torch.tensor([float("nan") if v is None else float(v) for v in values])
     if dist.is_initialized():
@@ -1174,7 +1183,8 @@ def reward_table(functions, prompts, completions, columns):
 def reward_call_fails(fn, prompts, completions, columns, i):
     """Whether a reward function raises on sample i alone."""
     try:
-        fn(prompts=prompts[i : i + 1], completions=completions[i : i + 1], **{c: v[i : i + 1] for c, v in columns.items()})
+        fn(prompts=prompts[i : i + 1], completions=completions[i : i + 1],
+           **{c: v[i : i + 1] for c, v in columns.items()})
     except Exception:  # noqa: BLE001
         return True
     return False
@@ -1189,11 +1199,14 @@ def samples_markdown(prompts, completions, rewards, table, names, n=8):
     """The first n eval samples as a Markdown table for TensorBoard's text tab: prompt, completion, reward and
     each reward term (blank where it did not apply)."""
     # one line per cell: escapes for newlines and control characters (json's), and for the column separator
-    cell = lambda x: json.dumps(x[-1]["content"] if isinstance(x, list) else x, ensure_ascii=False)[1:-1].replace("|", "\\|")  # noqa: E731
+    def cell(x):
+        return json.dumps(x[-1]["content"] if isinstance(x, list) else x, ensure_ascii=False)[1:-1].replace("|", "\\|")
+
     lines = ["| prompt | completion | reward | " + " | ".join(names) + " |", "|-" * (3 + len(names)) + "|"]
     for i in range(min(n, len(completions))):
         terms = ["" if math.isnan(v) else f"{v:.3f}" for v in table[i].tolist()]
-        lines.append(f"| {cell(prompts[i])} | {cell(completions[i])} | {float(rewards[i]):.3f} | " + " | ".join(terms) + " |")
+        lines.append(f"| {cell(prompts[i])} | {cell(completions[i])} | {float(rewards[i]):.3f} | "
+                     + " | ".join(terms) + " |")
     return "\n".join(lines)
 
 

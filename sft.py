@@ -651,7 +651,8 @@ def load_data(args, kind, num_train, accepts, needs):
     dataset's, which must have every column of one of the sets in `accepts` (`needs` says so in words)."""
     if args.dataset_name is None:
         if args.system_prompt is not None:
-            sys.exit("error: --system-prompt needs conversational data; the built-in task is text (pass --dataset-name)")
+            sys.exit("error: --system-prompt needs conversational data; the built-in task is text "
+                     "(pass --dataset-name)")
         return task_rows(args.seed, "train", num_train, kind), task_rows(args.seed, "eval", args.eval_size, kind)
     train, evals = load_rows(args.dataset_name, args.dataset_config, args.dataset_split, args.eval_size)
     columns = sorted(train[0]) if train else []
@@ -781,7 +782,8 @@ def load_reward_functions(specs, builtins, format_pattern):
                 except re.error as e:
                     sys.exit(f"error: --format-pattern {format_pattern!r} is not a regular expression: {e}")
                 if not format_pattern:
-                    sys.exit("error: --reward-fn format needs --format-pattern REGEX, which the whole completion must match")
+                    sys.exit("error: --reward-fn format needs --format-pattern REGEX, which the whole completion "
+                             "must match")
                 fn = functools.partial(fn, pattern=format_pattern)
         elif not source or not name:
             sys.exit(f"error: --reward-fn {spec!r}: name a built-in ({', '.join(builtins)}) or a function of "
@@ -804,7 +806,8 @@ def load_reward_functions(specs, builtins, format_pattern):
             if not callable(fn):
                 sys.exit(f"error: --reward-fn {spec!r}: {source!r} has no function {name!r}")
         if name in [n for n, _ in functions]:
-            sys.exit(f"error: --reward-fn {name!r} is given twice; each reward function once, weighted by --reward-weights")
+            sys.exit(f"error: --reward-fn {name!r} is given twice; each reward function once, weighted by "
+                     "--reward-weights")
         functions.append((name, fn))
     return functions
 
@@ -839,16 +842,19 @@ def reward_table(functions, prompts, completions, columns):
         try:
             values = list(fn(prompts=prompts, completions=completions, **columns))
         except Exception as e:  # noqa: BLE001  find the first sample it raises on alone, to name it
-            failing = next((i for i in range(len(completions)) if reward_call_fails(fn, prompts, completions, columns, i)), None)
-            error = f"reward function {name!r} raised {type(e).__name__}: {e}" + (
-                f", on {reward_sample(prompts, completions, failing)}" if failing is not None else f", on a batch of {len(completions)}")
+            failing = next((i for i in range(len(completions))
+                            if reward_call_fails(fn, prompts, completions, columns, i)), None)
+            where = reward_sample(prompts, completions, failing) if failing is not None else f"a batch of {len(completions)}"
+            error = f"reward function {name!r} raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}, on {where}"
             break
         if len(values) != len(completions):
             error = f"reward function {name!r} returned {len(values)} values for {len(completions)} completions"
             break
-        bad = next((i for i, v in enumerate(values) if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v))), None)
+        bad = next((i for i, v in enumerate(values)
+                    if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v))), None)
         if bad is not None:
-            error = f"reward function {name!r} returned {values[bad]!r} (a finite number or None is needed), on {reward_sample(prompts, completions, bad)}"
+            error = (f"reward function {name!r} returned {values[bad]!r} (a finite number or None is needed), on "
+                     f"{reward_sample(prompts, completions, bad)}")
             break
         table[:, k] = torch.tensor([float("nan") if v is None else float(v) for v in values])
     if dist.is_initialized():
@@ -863,7 +869,8 @@ def reward_table(functions, prompts, completions, columns):
 def reward_call_fails(fn, prompts, completions, columns, i):
     """Whether a reward function raises on sample i alone."""
     try:
-        fn(prompts=prompts[i : i + 1], completions=completions[i : i + 1], **{c: v[i : i + 1] for c, v in columns.items()})
+        fn(prompts=prompts[i : i + 1], completions=completions[i : i + 1],
+           **{c: v[i : i + 1] for c, v in columns.items()})
     except Exception:  # noqa: BLE001
         return True
     return False
@@ -878,11 +885,14 @@ def samples_markdown(prompts, completions, rewards, table, names, n=8):
     """The first n eval samples as a Markdown table for TensorBoard's text tab: prompt, completion, reward and
     each reward term (blank where it did not apply)."""
     # one line per cell: escapes for newlines and control characters (json's), and for the column separator
-    cell = lambda x: json.dumps(x[-1]["content"] if isinstance(x, list) else x, ensure_ascii=False)[1:-1].replace("|", "\\|")  # noqa: E731
+    def cell(x):
+        return json.dumps(x[-1]["content"] if isinstance(x, list) else x, ensure_ascii=False)[1:-1].replace("|", "\\|")
+
     lines = ["| prompt | completion | reward | " + " | ".join(names) + " |", "|-" * (3 + len(names)) + "|"]
     for i in range(min(n, len(completions))):
         terms = ["" if math.isnan(v) else f"{v:.3f}" for v in table[i].tolist()]
-        lines.append(f"| {cell(prompts[i])} | {cell(completions[i])} | {float(rewards[i]):.3f} | " + " | ".join(terms) + " |")
+        lines.append(f"| {cell(prompts[i])} | {cell(completions[i])} | {float(rewards[i]):.3f} | "
+                     + " | ".join(terms) + " |")
     return "\n".join(lines)
 
 
