@@ -7,7 +7,7 @@ from decimal import Decimal
 
 import pytest
 import torch
-from conftest import TINY_LM, read_scalars, run_in_process, run_script
+from conftest import TINY_LM, read_scalars, run_in_process
 from lm_models import save_checkpoint
 
 import grpo
