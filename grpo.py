@@ -1115,7 +1115,8 @@ def load_reward_functions(specs, builtins, format_pattern):
                 else:
                     module = importlib.import_module(source)
             except Exception as e:  # noqa: BLE001  the user's code: whatever it raises is one line
-                sys.exit(f"error: --reward-fn {spec!r}: importing {source!r} failed: {type(e).__name__}: {e}")
+                sys.exit(f"error: --reward-fn {spec!r}: importing {source!r} failed: {type(e).__name__}: "
+                         f"{(str(e).splitlines() or [''])[0]}")
             fn = getattr(module, name, None)
             if not callable(fn):
                 sys.exit(f"error: --reward-fn {spec!r}: {source!r} has no function {name!r}")
