@@ -200,10 +200,27 @@ class Agent(nn.Module):
 def check_args(args):
     """Flags that would crash, train nothing or fail at the end are one-line errors, before any work.
     Returns (batch_size, minibatch_size, num_iterations)."""
-    for flag, value in (("--num-envs", args.num_envs), ("--num-steps", args.num_steps),
-                        ("--num-minibatches", args.num_minibatches), ("--update-epochs", args.update_epochs)):
-        if value < 1:
-            sys.exit(f"error: {flag} {value}: it must be at least 1")
+    for flag, value, least in (("--num-envs", args.num_envs, 1), ("--num-steps", args.num_steps, 1),
+                               ("--num-minibatches", args.num_minibatches, 1), ("--update-epochs", args.update_epochs, 1),
+                               ("--threads", args.threads, 1), ("--hidden-size", getattr(args, "hidden_size", 1), 1),
+                               ("--seed", args.seed, 0), ("--total-timesteps", args.total_timesteps, 0),
+                               ("--eval-episodes", args.eval_episodes, 0)):
+        if value < least:
+            sys.exit(f"error: {flag} {value}: it must be at least {least}")
+    # the algorithm's numbers; each script has its own subset (--kl-* are ppo_kl.py's, --clip-obs ppo_continuous.py's)
+    rules = {"learning_rate": "> 0", "clip_coef": "> 0", "max_grad_norm": "> 0", "target_kl": "> 0", "kl_target": "> 0",
+             "clip_obs": "> 0", "clip_reward": "> 0", "ent_coef": ">= 0", "vf_coef": ">= 0", "kl_beta": ">= 0",
+             "gamma": "in [0, 1]", "gae_lambda": "in [0, 1]", "log_std_init": ""}
+    for name, rule in rules.items():
+        value = getattr(args, name, None)
+        if value is None:  # not a flag of this script, or --target-kl unset
+            continue
+        within = {"> 0": value > 0, ">= 0": value >= 0, "in [0, 1]": 0 <= value <= 1, "": True}[rule]
+        if not (np.isfinite(value) and within):
+            sys.exit(f"error: --{name.replace('_', '-')} {value}: it must be a finite number {rule}".rstrip())
+    if not args.exp_name or "/" in args.exp_name or "\\" in args.exp_name:
+        sys.exit(f"error: --exp-name {args.exp_name!r} names a directory (runs/<env>__<exp>__<seed>__<time>): "
+                 "it must be non-empty, without '/' or '\\'")
     batch_size = args.num_envs * args.num_steps
     if batch_size % args.num_minibatches:
         sys.exit(f"error: the batch (num_envs * num_steps = {batch_size}) does not divide into "
@@ -249,7 +266,7 @@ def evaluate(agent, args, device, video_folder=None):
         while not done:
             with torch.no_grad():
                 logits = agent.actor(torch.as_tensor(obs, dtype=torch.float32, device=device))
-            obs, reward, terminated, truncated, _ = env.step(int(logits.argmax()))
+            obs, reward, terminated, truncated, _ = env.step(int(logits.argmax()) + int(env.action_space.start))
             episodic_return += float(reward)
             done = terminated or truncated
         returns.append(episodic_return)
@@ -273,6 +290,7 @@ def main(args: Args):
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
 
     obs_dim = envs.single_observation_space.shape[0]
+    action_start = envs.single_action_space.start  # Discrete(n, start): the policy's action a is the env's start + a
     agent = Agent(obs_dim, envs.single_action_space.n).to(device)
     # foreach: one kernel per operation over all parameters (the same arithmetic as the default per-parameter loop)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, foreach=True)
@@ -316,7 +334,7 @@ def main(args: Args):
             action, logprob, value = agent.act(torch.from_numpy(obs[step]).to(device))
             actions[step], logprobs[step], values[step] = action.cpu().numpy(), logprob.cpu().numpy(), value.cpu().numpy()
 
-            next_obs, reward, terminated, truncated, infos = envs.step(actions[step])
+            next_obs, reward, terminated, truncated, infos = envs.step(actions[step] + action_start)
             rewards[step], terminations[step], truncations[step] = reward, terminated, truncated
             if args.bootstrap_truncation and truncated.any():
                 # with SAME_STEP autoreset next_obs is already the reset observation; the real last

@@ -1,13 +1,22 @@
 #!/usr/bin/env bash
-# Benchmarks of ppo_continuous.py at 1M steps: 3 seeds each on HalfCheetah-v5, Hopper-v5 and Walker2d-v5
-# with the defaults, two runs at a time (one per core, about 10 minutes per run alone here). Writes
-# TensorBoard runs to benchmarks/runs/, then prints the README table and draws the curves.
-#   bash benchmarks/ppo_continuous.sh
+# Benchmarks of ppo_continuous.py at 1M steps: 3 seeds each on HalfCheetah-v5, Hopper-v5 and Walker2d-v5, two
+# runs at a time (one per core, about 10 minutes per run alone here). Writes TensorBoard runs to benchmarks/runs/,
+# then prints the table and draws the curves.
+#   bash benchmarks/ppo_continuous.sh             # the defaults (exp name ppo_continuous)
+#   bash benchmarks/ppo_continuous.sh cleanrl     # CleanRL's settings (exp name ppo_continuous_cleanrl)
+# CleanRL's ppo_continuous_action.py has the same network and hyperparameters but starts at std 1 (log-std 0) and
+# treats a time-limit truncation as a termination; "cleanrl" runs this script with those two settings.
 set -euo pipefail
 cd "$(dirname "$0")"
+case "${1:-defaults}" in
+  defaults) FLAGS="" ;;
+  cleanrl) FLAGS="--log-std-init 0 --no-bootstrap-truncation --exp-name ppo_continuous_cleanrl" ;;
+  *) echo "usage: bash benchmarks/ppo_continuous.sh [defaults|cleanrl]" >&2; exit 2 ;;
+esac
 for seed in 1 2 3; do
   for env_id in HalfCheetah-v5 Hopper-v5 Walker2d-v5; do
-    OMP_NUM_THREADS=1 python ../ppo_continuous.py --env-id "$env_id" --seed "$seed" > /dev/null 2>&1 &
+    # shellcheck disable=SC2086
+    OMP_NUM_THREADS=1 python ../ppo_continuous.py --env-id "$env_id" --seed "$seed" $FLAGS > /dev/null 2>&1 &
     while [ "$(jobs -rp | wc -l)" -ge 2 ]; do sleep 2; done
   done
 done

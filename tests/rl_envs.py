@@ -52,8 +52,48 @@ class ClockEnv(gym.Env):
         return np.array([self.t / 10, 0.5], dtype=np.float32), 1.0, terminated, False, {}
 
 
+class TargetEnv(gym.Env):
+    """A one-step task for continuous actions: the observation is a target x in [-1, 1], the reward −(a − x)² for the
+    action a, and the episode ends. A policy that learns moves its mean toward x: the return rises toward −σ²."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+    action_space = gym.spaces.Box(-2.0, 2.0, (1,), np.float32)
+
+    def __init__(self, render_mode=None):
+        pass
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        self.x = self.np_random.uniform(-1, 1, 1).astype(np.float32)
+        return self.x, {}
+
+    def step(self, action):
+        return self.x.copy(), -float((action[0] - self.x[0]) ** 2), True, False, {}
+
+
+class OffsetActionsEnv(gym.Env):
+    """Discrete(3, start=5) actions: the env's actions are 5, 6 and 7. It records every action it receives."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = gym.spaces.Discrete(3, start=5)
+    received: list = []
+
+    def __init__(self, render_mode=None):
+        pass
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(2, dtype=np.float32), {}
+
+    def step(self, action):
+        OffsetActionsEnv.received.append(int(action))
+        return np.zeros(2, dtype=np.float32), 1.0, False, False, {}
+
+
 gym.register("CountingEnv-v0", entry_point=CountingEnv, max_episode_steps=7)
 gym.register("Clock-v0", entry_point=ClockEnv, max_episode_steps=3)
+gym.register("Target-v0", entry_point=TargetEnv)
+gym.register("OffsetActions-v0", entry_point=OffsetActionsEnv, max_episode_steps=5)
 gym.register("ClockBox-v0", entry_point=ClockEnv, kwargs={"continuous": True}, max_episode_steps=3)
 
 

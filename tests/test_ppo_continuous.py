@@ -6,7 +6,8 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import assert_one_line_error, only_run_dir, read_scalars, run_script, same_seed_scalars
+from conftest import assert_one_line_error, one_line_exit, only_run_dir, read_scalars, run_script, same_seed_scalars
+import rl_envs  # noqa: F401  (registers Target-v0)
 from rl_envs import ClockEnv, first_gae_inputs
 
 import ppo_continuous as pc
@@ -198,6 +199,50 @@ def test_a_nan_loss_stops_the_run_with_one_line_and_saves_nothing(tmp_path, monk
     assert not list(tmp_path.glob("runs/*/*.pt"))
 
 
+def test_the_evaluation_normalizes_observations_with_the_training_statistics():
+    # Clock observations are (t/10, 0.5); with statistics mean (0.2, 0.5), var (4, 1), the first episode's two
+    # steps must show the actor ((t/10 − 0.2)/2, 0) = (−0.1, 0), (−0.05, 0), not the raw observations
+    seen = []
+
+    class Spy(torch.nn.Module):
+        def forward(self, x):
+            seen.append(x.clone())
+            return torch.zeros(1)
+
+    agent = pc.Agent(2, 1)
+    agent.actor_mean = Spy()
+    obs_rms = pc.RunningMeanStd(2)
+    obs_rms.mean, obs_rms.var = np.array([0.2, 0.5]), np.array([4.0, 1.0])
+    pc.evaluate(agent, obs_rms, pc.Args(env_id="ClockBox-v0", eval_episodes=1), torch.device("cpu"))
+    torch.testing.assert_close(torch.stack(seen), torch.tensor([[-0.1, 0.0], [-0.05, 0.0]]))
+
+
+# ------------------------------------------------------------------------------------ it learns
+def test_it_learns_a_one_step_target_task_and_its_std(tmp_path, monkeypatch):
+    # Target-v0: reward −(a − x)² for a target x seen in the observation. The last 100 of 2,048 one-step episodes:
+    # −0.26 to −0.37 over seeds 1-3 here, from −0.60 to −0.74 for the first 100; with the sign of the policy loss
+    # flipped, −5.0 (the mean runs away from the target). The learned std falls from 0.61 to 0.57
+    monkeypatch.chdir(tmp_path)
+    pc.main(pc.Args(env_id="Target-v0", total_timesteps=2048, num_steps=256, num_minibatches=4, eval_episodes=0))
+    scalars = read_scalars(only_run_dir(tmp_path))
+    returns = [v for _, v in scalars["charts/episodic_return"]]
+    assert np.mean(returns[:100]) < -0.55 and np.mean(returns[-100:]) > -0.45, (np.mean(returns[:100]), returns[-100:])
+    assert scalars["charts/action_std"][-1][1] < 0.59  # from exp(−0.5) = 0.607: the log-std is trained
+
+
+def test_target_kl_stops_the_epochs_early(tmp_path, monkeypatch):
+    # 2 iterations of 4 epochs × 4 minibatches; with --target-kl 1e-9 the approximate KL of the first epoch's last
+    # minibatch is above it, so each iteration stops after one epoch: 8 policy losses instead of 32
+    calls, real = [], pc.clipped_policy_loss
+    monkeypatch.setattr(pc, "clipped_policy_loss", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.chdir(tmp_path)
+    for target_kl, expected in ((1e-9, 2 * 4), (1e3, 2 * 16)):
+        calls.clear()
+        pc.main(pc.Args(env_id="Pendulum-v1", total_timesteps=512, num_envs=2, num_steps=128, num_minibatches=4,
+                        update_epochs=4, eval_episodes=0, target_kl=target_kl))
+        assert len(calls) == expected
+
+
 # ---------------------------------------------------------------------------- end to end, as a user
 TINY = ["--num-envs", "2", "--num-steps", "64", "--num-minibatches", "4", "--update-epochs", "2",
         "--total-timesteps", "256", "--eval-episodes", "1"]
@@ -252,12 +297,25 @@ def test_same_seed_same_results(tmp_path):
     (["--num-envs", "0"], ["--num-envs 0", "at least 1"]),
     (["--num-minibatches", "0"], ["--num-minibatches 0", "at least 1"]),
     (["--num-envs", "1", "--num-steps", "4", "--num-minibatches", "4"], ["minibatches of 1 sample", "--no-norm-adv"]),
-    (["--load-model", "nothing.pt"], ["--load-model nothing.pt", "no such file"]),
+    (["--load-model", "nothing.pt"], ["--load-model nothing.pt", "no such file"]),    (["--learning-rate", "nan"], ["--learning-rate nan", "finite number > 0"]),
+    (["--seed", "-1"], ["--seed -1", "at least 0"]),
+    (["--threads", "0"], ["--threads 0", "at least 1"]),
+    (["--exp-name", "a/b", "--save-model"], ["--exp-name 'a/b'", "without '/'"]),
+    (["--gamma", "1.5"], ["--gamma 1.5", "in [0, 1]"]),
+    (["--log-std-init", "nan"], ["--log-std-init nan", "finite"]),
+    (["--clip-obs", "0"], ["--clip-obs 0.0", "> 0"]),
+    (["--hidden-size", "0"], ["--hidden-size 0", "at least 1"]),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, flags, words):
-    proc = run_script("ppo_continuous.py", *flags, cwd=tmp_path, check=False)
-    assert_one_line_error(proc, *words)
-    assert not (tmp_path / "runs").exists() and not (tmp_path / "models").exists()
+    message = one_line_exit("ppo_continuous.py", *flags, cwd=tmp_path)
+    assert all(word in message for word in words), message
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "videos").exists()
+
+
+def test_bad_input_from_the_command_line_is_one_line_on_stderr(tmp_path):
+    proc = run_script("ppo_continuous.py", "--env-id", "CartPole-v1", cwd=tmp_path, check=False)
+    assert_one_line_error(proc, "Box", "ppo_clip.py")
+    assert not (tmp_path / "runs").exists()
 
 
 def test_a_checkpoint_saved_without_observation_normalization_is_one_line(tmp_path):
