@@ -26,13 +26,15 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 RL_RUNS, LM_RUNS, OUT = "benchmarks/runs", "runs", "docs/curves"
 
-# CleanRL's published figures (its benchmark tables, the -v1/-v4 envs), drawn as dashed reference lines
-CLEANRL = {"CartPole-v1": 490.04, "Acrobot-v1": -86.36, "HalfCheetah-v5": 1442.64, "Hopper-v5": 2382.86,
-           "Walker2d-v5": 2287.95}
+# CleanRL's published ppo.py figures, drawn as dashed reference lines: the same env ids (under gym, not gymnasium 1.x)
+# and hyperparameters. Its MuJoCo figures are for the v4 envs, so they are not drawn on the v5 panels: there the
+# comparison is this repo's runs with CleanRL's settings (ppo_continuous.sh cleanrl)
+CLEANRL = {"CartPole-v1": 490.04, "Acrobot-v1": -86.36}
 
 # the legend of a run group: its flags (the exp name the benchmark scripts gave it)
 LABELS = {"grpo_rm": "--reward-model-path", "rloo": "--advantage rloo", "rlhf_ppo_kl0": "--kl-coef 0",
-          "ppo_continuous_logstd0": "--log-std-init 0"}
+          "ppo_continuous_logstd0": "--log-std-init 0",
+          "ppo_continuous_cleanrl": "CleanRL's settings: --log-std-init 0 --no-bootstrap-truncation"}
 
 # (figure file, [(panel title, runs glob under RL_RUNS or LM_RUNS, tag, y label)])
 FIGURES = {
@@ -40,7 +42,8 @@ FIGURES = {
                      ("Acrobot-v1", "rl:Acrobot-v1__ppo_clip__*", "return", "episodic return")],
     "ppo_kl.svg": [("CartPole-v1, adaptive KL", "rl:CartPole-v1__ppo_kl__*", "return", "episodic return"),
                    ("β (charts/kl_coef)", "rl:CartPole-v1__ppo_kl__*", "charts/kl_coef", "β, log scale")],
-    "ppo_continuous.svg": [(env, f"rl:{env}__ppo_continuous__*", "return", "episodic return")
+    "ppo_continuous.svg": [(env, f"rl:{env}__ppo_continuous__*,{env}__ppo_continuous_cleanrl__*", "return",
+                            "episodic return")
                            for env in ("HalfCheetah-v5", "Hopper-v5", "Walker2d-v5")],
     "sft.svg": [("sampled gold accuracy", "lm:sft__*", "eval/gold_accuracy", "eval/gold_accuracy"),
                 ("eval loss", "lm:sft__*", "eval/loss", "eval/loss")],
@@ -128,7 +131,8 @@ def draw(ax, title, pattern, tag, ylabel):
             ax.fill_between(grid, ys.min(0), ys.max(0), color=f"C{i}", alpha=0.2)
     env = title.split(",")[0]
     if tag == "return" and env in CLEANRL:
-        ax.axhline(CLEANRL[env], color="black", linestyle="--", linewidth=1, label=f"CleanRL ({CLEANRL[env]:,.0f})")
+        ax.axhline(CLEANRL[env], color="black", linestyle="--", linewidth=1,
+                   label=f"CleanRL ppo.py, gym ({CLEANRL[env]:,.0f})")
     if tag == "charts/kl_coef":
         ax.set_yscale("log")
     ax.set_title(title, fontsize=10)

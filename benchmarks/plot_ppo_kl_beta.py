@@ -49,13 +49,16 @@ def main(root, out_path):
         d = sorted(v for _, v in kls[-1][1])
         beta = [v for _, v in betas[-1][1]]  # the β each update was made with
         first_small = next((i + 1 for i in range(len(beta)) if all(b < 1e-6 for b in beta[i:])), None)
-        small = first_small and betas[-1][1][first_small - 1][0]
+        gone = (f"β < 1e-6 from update {first_small} (step {betas[-1][1][first_small - 1][0]:,})" if first_small
+                else f"β between {min(beta):.2g} and {max(beta):.2g} throughout")  # the penalty binds to the end
         print(f"{label}: KL per update p5 {d[len(d) // 20]:.1e}, p95 {d[len(d) * 19 // 20]:.1e}; "
               f"{sum(v < target / 1.5 for v in d) / len(d):.1%} of {len(d)} updates below d_targ/1.5; "
-              f"{sum(v > target * 1.5 for v in d)} doubled β; β < 1e-6 from update {first_small} (step {small:,})")
+              f"{sum(v > target * 1.5 for v in d)} doubled β; {gone}")
     svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W + 80}" height="{2 * H}" font-family="sans-serif">',
            '<rect width="100%" height="100%" fill="white"/>']
-    svg += panel(betas, 0, "ppo_kl.py CartPole-v1: β (log scale)", -12, 1)
+    lowest = min(v for _, pts in betas for _, v in pts)
+    svg += panel(betas, 0, "ppo_kl.py CartPole-v1: β (log scale)", max(-12, math.floor(math.log10(max(lowest, 1e-30)))),
+                 max(1, math.ceil(math.log10(max(v for _, pts in betas for _, v in pts)))))
     svg += panel(kls, H, "KL[π_old ‖ π_new] after each update (log scale)", -6, -1,
                  [(0.01 / 1.5, "0.01/1.5: below it β halves (d_targ 0.01)"), (0.001 / 1.5, "0.001/1.5")])
     os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
