@@ -42,10 +42,10 @@ def main(root, out_path):
         acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
         acc.Reload()
         _, exp_name, seed, _ = os.path.basename(run_dir).split("__")
-        label = f"{exp_name.replace('ppo_kl_', '') if exp_name != 'ppo_kl' else 'dtarg0.01'} s{seed}"
+        label = f"{exp_name.replace('ppo_kl_', '') if exp_name != 'ppo_kl' else 'defaults'} s{seed}"
         betas.append((label, [(e.step, e.value) for e in acc.Scalars("charts/kl_coef")]))
         kls.append((label, [(e.step, e.value) for e in acc.Scalars("losses/kl")]))
-        target = 0.001 if "0.001" in exp_name else 0.01
+        target = 0.01  # the default d_targ, which both of ppo_discrete.sh's ppo_kl.py runs use
         d = sorted(v for _, v in kls[-1][1])
         beta = [v for _, v in betas[-1][1]]  # the β each update was made with
         first_small = next((i + 1 for i in range(len(beta)) if all(b < 1e-6 for b in beta[i:])), None)
@@ -60,7 +60,7 @@ def main(root, out_path):
     svg += panel(betas, 0, "ppo_kl.py CartPole-v1: β (log scale)", max(-12, math.floor(math.log10(max(lowest, 1e-30)))),
                  max(1, math.ceil(math.log10(max(v for _, pts in betas for _, v in pts)))))
     svg += panel(kls, H, "KL[π_old ‖ π_new] after each update (log scale)", -6, -1,
-                 [(0.01 / 1.5, "0.01/1.5: below it β halves (d_targ 0.01)"), (0.001 / 1.5, "0.001/1.5")])
+                 [(0.01 / 1.5, "d_targ/1.5: below it β halves"), (0.01 * 1.5, "1.5·d_targ: above it β doubles")])
     os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
     with open(out_path, "w") as f:
         f.write("\n".join(svg + ["</svg>"]))

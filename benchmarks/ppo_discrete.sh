@@ -12,7 +12,9 @@ for job in "ppo_clip.py --env-id CartPole-v1" "ppo_clip.py --env-id Acrobot-v1" 
   done
 done
 wait
-python ../ppo_kl.py --env-id CartPole-v1 --kl-target 0.001 --exp-name ppo_kl_dtarg0.001 --seed 1 > /dev/null
+# ppo_kl.py at ppo_clip.py's learning rate, schedule and epochs, where the penalty switches itself off (one seed)
+python ../ppo_kl.py --env-id CartPole-v1 --learning-rate 2.5e-4 --anneal-lr --update-epochs 4 \
+  --exp-name ppo_kl_clip_defaults --seed 1 > /dev/null
 python summarize_ppo.py runs
 python plot_ppo_kl_beta.py runs ../docs/ppo_kl_beta.svg
 (cd .. && python benchmarks/plot_curves.py)

@@ -3,11 +3,12 @@ penalty do in a regime where unconstrained updates overshoot. Reads the runs of 
 
     python benchmarks/ppo_trust_region.py benchmarks/trust_region/runs docs/curves/trust_region.svg
 
-Prints, per variant and env, the mean ± std over seeds of: the mean return of the last 100 training
-episodes (the paper's measure), and the learning curve's mean height (the last-100-episode return
-averaged over the run's steps: it sees collapses and slow starts that the final figure forgets); and
-the median over all updates of the exact KL each update moved the policy by (`losses/kl`). Draws, per
-env, the learning curves, that KL per update against the targets, and β of the adaptive runs.
+Prints, per variant and env, the mean over seeds and its 95% confidence interval (Student's t, n − 1 degrees of
+freedom) of: the mean return of the last 100 training episodes (the paper's measure), and the learning curve's
+mean height (the last-100-episode return averaged over the run's steps: it sees collapses and slow starts that
+the final figure forgets); and the median over all updates of the exact KL each update moved the policy by
+(`losses/kl`). Draws, per env, the learning curves, that KL per update against the targets, and β of the
+adaptive runs. Variants without runs are left out.
 """
 import os
 import sys
@@ -31,6 +32,16 @@ VARIANTS = [("tr_none", "no clipping or penalty"), ("tr_clip", "clipping, ε = 0
 ENVS = ["CartPole-v1", "Acrobot-v1"]
 
 
+T_975 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365, 9: 2.306, 10: 2.262}  # t(0.975, n−1)
+
+
+def interval(values):
+    """'mean [low, high]': the mean and its 95% confidence interval over seeds."""
+    values = np.asarray(values, dtype=float)
+    half = T_975[len(values)] * values.std(ddof=1) / np.sqrt(len(values)) if len(values) > 1 else np.nan
+    return f"{values.mean():.1f} [{values.mean() - half:.1f}, {values.mean() + half:.1f}]"
+
+
 def smooth(values, n=20):
     return np.array([np.mean(values[max(0, i - n + 1): i + 1]) for i in range(len(values))])
 
@@ -42,10 +53,13 @@ def main(root, out_path):
     envs = [env for env in ENVS if any(runs[(env, exp)] for exp, _ in VARIANTS)]
     if not envs:
         sys.exit(f"error: no runs of benchmarks/ppo_trust_region.sh in {root}")
-    print("| variant | " + " | ".join(f"{env}: final return | curve mean | median KL per update" for env in envs) + " |")
-    print("|-|" + "-|-|-|" * len(envs))
+    print("| variant | seeds | " + " | ".join(f"{env}: final return | curve mean | median KL per update" for env in envs)
+          + " |")
+    print("|-|-|" + "-|-|-|" * len(envs))
     for exp, label in VARIANTS:
-        cells = []
+        if not any(runs[(env, exp)] for env in envs):
+            continue
+        cells = [",".join(str(s) for s in sorted(set().union(*(runs[(env, exp)] for env in envs))))]
         for env in envs:
             seeds = runs[(env, exp)]
             if not seeds:
@@ -55,8 +69,7 @@ def main(root, out_path):
             finals = [y[-1] for _, y in curves]
             heights = [np.interp(np.linspace(x[0], x[-1], 200), x, y).mean() for x, y in curves]
             kls = np.concatenate([[v for _, v in s["losses/kl"]] for s in seeds.values()])
-            cells += [f"{np.mean(finals):.1f} ± {np.std(finals):.1f}", f"{np.mean(heights):.1f} ± {np.std(heights):.1f}",
-                      f"{np.median(kls):.1e}"]
+            cells += [interval(finals), interval(heights), f"{np.median(kls):.1e}"]
         print(f"| {label} | " + " | ".join(cells) + " |")
 
     fig, axes = plt.subplots(len(envs), 3, figsize=(16, 3.4 * len(envs)), squeeze=False)
