@@ -2,40 +2,71 @@
 
     python benchmarks/ppo_profile.py ppo_clip.py --total-timesteps 102400
     python benchmarks/ppo_profile.py ppo_continuous.py --total-timesteps 20480
+    python benchmarks/ppo_profile.py PATH/TO/cleanrl_ppo.py --total-timesteps 102400     # CleanRL's, the same parts
 
 Prints each part's seconds and share of main's time (cumulative, so a part includes what it calls; cProfile's own
 overhead inflates the Python-heavy parts, so compare shares between versions, not with wall time).
-Works on any version of the scripts, e.g. an older checkout's, for a before/after.
+Works on any version of the scripts, e.g. an older checkout's, for a before/after, and on the CleanRL port of
+benchmarks/rl_speed.sh (run as a program, its whole run profiled: its main is the module itself).
 """
 import cProfile
 import importlib.util
 import os
 import pstats
+import runpy
 import sys
 import tempfile
 
 import tyro
 
 PARTS = [  # (label, [(file name ending, function name), ...])
-    ("policy and value forward, sampling, log-probs (rollout and update)",
+    ("the rollout's policy and value: forward, sampling, log-probs (act)",
+     [("ppo_clip.py", "act"), ("ppo_kl.py", "act"), ("ppo_continuous.py", "act")]),
+    ("the update's forward (get_action_and_value; CleanRL's rollout calls it too)",
      [("ppo_clip.py", "get_action_and_value"), ("ppo_kl.py", "get_action_and_value"),
-      ("ppo_continuous.py", "get_action_and_value"), ("ppo_clip.py", "act"), ("ppo_kl.py", "act"),
-      ("ppo_continuous.py", "act")]),
+      ("ppo_continuous.py", "get_action_and_value"), ("cleanrl_ppo.py", "get_action_and_value"),
+      ("cleanrl_ppo_continuous_action.py", "get_action_and_value")]),
     ("the vector env's step (the simulator inside)", [("sync_vector_env.py", "step")]),
     ("backward", [("_tensor.py", "backward")]),
     ("Adam", [("adam.py", "step")]),
     ("gradient clipping", [("clip_grad.py", "clip_grad_norm_")]),
     ("GAE", [("ppo_clip.py", "compute_gae"), ("ppo_kl.py", "compute_gae"), ("ppo_continuous.py", "compute_gae")]),
-    ("observation and reward statistics", [("ppo_continuous.py", "normalize"), ("ppo_continuous.py", "update"),
-                                           ("ppo_continuous.py", "scale_reward")]),
+    ("observation and reward statistics (CleanRL: inside the env's step, its wrappers)",
+     [("ppo_continuous.py", "normalize"), ("ppo_continuous.py", "update"), ("ppo_continuous.py", "scale_reward")]),
     ("TensorBoard logging", [("writer.py", "add_scalar")]),
-    ("setup: making the envs, creating Adam (its first use imports torch._dynamo)",
+    ("setup: making the envs, creating Adam",
      [("ppo_clip.py", "make_envs"), ("ppo_kl.py", "make_envs"), ("ppo_continuous.py", "make_envs"),
-      ("adam.py", "__init__")]),
+      ("sync_vector_env.py", "__init__"), ("adam.py", "__init__")]),
 ]
 
 
+def profile_program(script, flags):
+    """A script without main() (the CleanRL port): run as `python script flags` under cProfile."""
+    sys.argv = [script, *flags]
+    os.chdir(tempfile.mkdtemp())
+    profiler = cProfile.Profile()
+    profiler.runcall(runpy.run_path, script, run_name="__main__")
+    stats = pstats.Stats(profiler).stats
+    return stats, next(v[3] for (f, _, name), v in stats.items() if name == "<module>" and f == script)
+
+
+def warm_imports():
+    """Import what both sides import, and what Adam's first step imports lazily (torch._dynamo), before profiling:
+    imports are not training, and CleanRL's run is profiled from its first line."""
+    import gymnasium  # noqa: F401
+    import torch
+    import torch.utils.tensorboard  # noqa: F401
+
+    weight = torch.zeros(1, requires_grad=True)
+    weight.sum().backward()
+    torch.optim.Adam([weight], foreach=True).step()
+
+
 def main(script, flags):
+    warm_imports()
+    if os.path.basename(script).startswith("cleanrl_"):
+        stats, total = profile_program(os.path.abspath(script), flags)
+        return report(script, flags, stats, total)
     spec = importlib.util.spec_from_file_location("script", os.path.abspath(script))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -45,6 +76,10 @@ def main(script, flags):
     profiler.runcall(module.main, args)
     stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, primitive calls, tottime, cumtime, callers)}
     total = next(v[3] for (f, _, name), v in stats.items() if name == "main" and f.endswith(os.path.basename(script)))
+    report(script, flags, stats, total)
+
+
+def report(script, flags, stats, total):
     print(f"{script} {' '.join(flags)}: main {total:.1f} s under cProfile")
     accounted = 0.0
     for label, functions in PARTS:
