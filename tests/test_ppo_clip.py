@@ -147,11 +147,11 @@ def test_target_kl_stops_the_epochs_early(tmp_path, monkeypatch):
     monkeypatch.setattr(ppo_clip, "clipped_policy_loss", lambda *a: calls.append(1) or real(*a))
     monkeypatch.chdir(tmp_path)
     ppo_clip.main(ppo_clip.Args(total_timesteps=1024, num_envs=2, num_steps=256, num_minibatches=4, update_epochs=4,
-                          eval_episodes=0, target_kl=1e-9))
+                                eval_episodes=0, target_kl=1e-9))
     assert len(calls) == 2 * 4
     calls.clear()
     ppo_clip.main(ppo_clip.Args(total_timesteps=1024, num_envs=2, num_steps=256, num_minibatches=4, update_epochs=4,
-                          eval_episodes=0, target_kl=1e3))
+                                eval_episodes=0, target_kl=1e3))
     assert len(calls) == 2 * 16
 
 
@@ -274,7 +274,8 @@ def test_same_seed_same_results(tmp_path):
     (["--num-envs", "1", "--num-steps", "4", "--num-minibatches", "4"], ["minibatches of 1 sample", "--no-norm-adv"]),
     (["--load-model", "nothing.pt"], ["--load-model nothing.pt", "no such file"]),
     (["--total-timesteps", "0"], ["--total-timesteps 0", "--load-model"]),
-    (["--capture-video", "--eval-episodes", "0"], ["--capture-video", "--eval-episodes"]),    (["--learning-rate", "nan"], ["--learning-rate nan", "finite number > 0"]),
+    (["--capture-video", "--eval-episodes", "0"], ["--capture-video", "--eval-episodes"]),
+    (["--learning-rate", "nan"], ["--learning-rate nan", "finite number > 0"]),
     (["--learning-rate", "-1"], ["--learning-rate -1.0", "> 0"]),
     (["--seed", "-1"], ["--seed -1", "at least 0"]),
     (["--threads", "0"], ["--threads 0", "at least 1"]),
