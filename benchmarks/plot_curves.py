@@ -36,7 +36,6 @@ DEFAULTS_1M = {"HalfCheetah-v5": 3873.42, "Hopper-v5": 2239.30, "Walker2d-v5": 3
 
 # the legend of a run group: its flags (the exp name the benchmark scripts gave it)
 LABELS = {"grpo_rm": "--reward-model-path", "rloo": "--advantage rloo", "rlhf_ppo_kl0": "--kl-coef 0",
-          "ppo_continuous_logstd0": "--log-std-init 0",
           "ppo_continuous_cleanrl": "CleanRL's settings: --log-std-init 0 --no-bootstrap-truncation"}
 
 # (figure file, [(panel title, runs glob under RL_RUNS or LM_RUNS, tag, y label)])

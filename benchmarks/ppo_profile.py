@@ -35,8 +35,7 @@ PARTS = [  # (label, [(file name ending, function name), ...])
      [("ppo_continuous.py", "normalize"), ("ppo_continuous.py", "update"), ("ppo_continuous.py", "scale_reward")]),
     ("TensorBoard logging", [("writer.py", "add_scalar")]),
     ("setup: making the envs, creating Adam",
-     [("ppo_clip.py", "make_envs"), ("ppo_kl.py", "make_envs"), ("ppo_continuous.py", "make_envs"),
-      ("sync_vector_env.py", "__init__"), ("adam.py", "__init__")]),
+     [("sync_vector_env.py", "__init__"), ("adam.py", "__init__")]),  # both sides make their envs with SyncVectorEnv
 ]
 
 
