@@ -11,7 +11,7 @@ logits), and after each update adapt β toward the target KL d_targ:
 Everything else (agent, GAE, value loss, entropy bonus, TensorBoard tags) is as in the clipped version,
 ppo_clip.py, so that the two overlay in TensorBoard; so are the defaults but three: a learning rate of 1e-3,
 not annealed, and 10 epochs per update, so that an update moves the policy far enough for the penalty to bind
-(at ppo_clip.py's, updates are so small that β halves to nothing within 20 updates).
+(at ppo_clip.py's, updates are so small that β halves after nearly every one: below 1e-6 from update 21).
 
     python ppo_kl.py                                # CartPole-v1, 500k steps, adaptive β
     python ppo_kl.py --no-adaptive-kl --kl-beta 3   # fixed β
@@ -67,7 +67,7 @@ class Args:
     """total environment steps, summed over all parallel environments"""
     learning_rate: float = 1e-3
     """Adam learning rate (rlhf_ppo.py: --lr). ppo_clip.py's 2.5e-4 (annealed) moves the policy by less than
-    d_targ/1.5 per update, so β halves every update and the penalty is gone within 20 updates; at 1e-3, constant,
+    d_targ/1.5 per update, so β halves after nearly every update and is below 1e-6 from update 21; at 1e-3, constant,
     with 10 epochs, an update pushes against the penalty and β adapts (see the README)"""
     num_envs: int = 4
     """number of parallel environments"""
