@@ -958,13 +958,41 @@ def last_token_index(attention_mask):
 
 
 def response_logprobs(model, sequences, attention_mask, context_length, temperature):
-    """log π(a_t | s_t) of each response token and the entropy of π(·|s_t), from one forward pass over
-    prompt + response, with the logits of the scored positions only (not of every prompt position), divided
-    by the sampling temperature in float32 as when sampling."""
-    scored = sequences.shape[1] - context_length + 1  # position t predicts token t + 1: context_length − 1 onwards
-    logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_of(attention_mask),
-                   logits_to_keep=scored).logits[:, :-1]
+    """log π(a_t | s_t) of each response token and the entropy of π(·|s_t), with the logits of the scored
+    positions only (not of every prompt position), divided by the sampling temperature in float32 as when
+    sampling: from one forward pass over prompt + response, or, where rows repeat a prompt (GRPO's G
+    completions of each), from shared_prompt_logits."""
+    logits = shared_prompt_logits(model, sequences, attention_mask, context_length)
+    if logits is None:
+        scored = sequences.shape[1] - context_length + 1  # position t predicts token t + 1: context_length − 1 onwards
+        logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_of(attention_mask),
+                       logits_to_keep=scored).logits[:, :-1]
     return token_logprobs(logits, sequences[:, context_length:], with_entropy=True, temperature=temperature)
+
+
+def shared_prompt_logits(model, sequences, attention_mask, context_length):
+    """The logits that predict each response token, with each distinct prompt of the batch computed once:
+    one forward pass over the distinct prompts, whose keys and values (the KV cache, as in generation) every
+    row that repeats the prompt reuses, then one over the responses. A causal model's prompt positions never
+    see the response, so this is the same function of the weights as one pass over prompt + response (equal
+    up to float rounding; the rollout and the update both take this path, so the first ratio stays exactly
+    1), with the prompt's FLOPs divided by the rows that share it; gradients flow through the cache like any
+    activation. None, for one pass instead, when no prompt repeats or with activation checkpointing (which
+    keeps no cache)."""
+    prompts = torch.cat([sequences[:, :context_length], attention_mask[:, :context_length]], 1)
+    distinct, row_prompt = torch.unique(prompts, dim=0, return_inverse=True)
+    if (len(distinct) == len(sequences) or sequences.shape[1] - context_length < 2
+            or any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())):
+        return None
+    prompt_ids, prompt_mask = distinct[:, :context_length], distinct[:, context_length:]
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids_of(prompt_mask),
+                use_cache=True, logits_to_keep=1)  # the last prompt position predicts the first response token
+    cache = out.past_key_values
+    cache.batch_select_indices(row_prompt)  # each row's prompt: a gather, differentiable
+    positions = position_ids_of(attention_mask)
+    logits = model(input_ids=sequences[:, context_length:-1], attention_mask=attention_mask[:, :-1],
+                   position_ids=positions[:, context_length:-1], past_key_values=cache, use_cache=True).logits
+    return torch.cat([out.logits[row_prompt], logits], 1)
 
 
 def token_scores(model, sequences, attention_mask):
@@ -1013,8 +1041,8 @@ def forward_in_chunks(fn, size, *tensors):
 @torch.no_grad()
 def sample(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature=1.0, greedy=False):
     """Complete each prompt (lists of token ids, left-padded here) and cut each response after its first
-    stop token. Returns (sequences, attention_mask, context_length, response_mask), response_mask 1 on
-    response tokens up to and including the first stop token. Every sampling setting is explicit: the
+    stop token. Returns (sequences, attention_mask, context_length, response_mask), the responses as long as
+    the longest one, response_mask 1 on response tokens up to and including the first stop token. Every sampling setting is explicit: the
     checkpoint's generation_config.json (repetition_penalty, min_new_tokens, top_k, ...) would otherwise
     fill the unset ones and sample from another distribution than the one whose log-probs are trained."""
     from transformers import GenerationConfig
@@ -1038,22 +1066,26 @@ def sample(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperatur
         for module in sharded:
             module.reshard()
             module.set_reshard_after_forward(module is not model, recurse=False)  # fully_shard's default
-    responses = F.pad(out[:, width:], (0, max_new_tokens - (out.shape[1] - width)), value=pad_token_id)
+    responses = out[:, width:]
     is_stop = torch.isin(responses, torch.tensor(stop_ids, device=responses.device))
     # 1 up to and including the first stop token: a token is valid while no stop token came strictly before it
     response_mask = ((is_stop.cumsum(1) - is_stop.long()) == 0).long()
-    responses = responses.masked_fill(response_mask == 0, pad_token_id)
+    length = int(response_mask.sum(1).max())  # the longest response: no later column is anything but padding
+    response_mask = response_mask[:, :length]
+    responses = responses[:, :length].masked_fill(response_mask == 0, pad_token_id)
     return (torch.cat([input_ids, responses], 1), torch.cat([attention_mask, response_mask], 1), width, response_mask)
 
 
 def sample_in_chunks(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature, size):
-    """`sample` in chunks of `size` prompts (the KV cache grows with it), the chunks left-padded to one width."""
+    """`sample` in chunks of `size` prompts (the KV cache grows with it), the chunks left-padded to the longest
+    prompt and right-padded to the longest response."""
     chunks = [sample(model, prompt_ids[i : i + size], pad_token_id, stop_ids, max_new_tokens, temperature)
               for i in range(0, len(prompt_ids), size)]
-    width = max(c[2] for c in chunks)  # the longest prompt: left-pad the other chunks to it
-    pad = lambda t, value: F.pad(t, (width - t.shape[1] + max_new_tokens, 0), value=value)  # noqa: E731
-    return (torch.cat([pad(c[0], pad_token_id) for c in chunks]), torch.cat([pad(c[1], 0) for c in chunks]),
-            width, torch.cat([c[3] for c in chunks]))
+    width, length = max(c[2] for c in chunks), max(c[3].shape[1] for c in chunks)
+    pad = lambda t, left, value: F.pad(t, (left, width + length - left - t.shape[1]), value=value)  # noqa: E731
+    return (torch.cat([pad(c[0], width - c[2], pad_token_id) for c in chunks]),
+            torch.cat([pad(c[1], width - c[2], 0) for c in chunks]), width,
+            torch.cat([F.pad(c[3], (0, length - c[3].shape[1])) for c in chunks]))
 
 
 def decode(tokenizer, sequences, context_length, response_mask):

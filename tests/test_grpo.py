@@ -178,6 +178,44 @@ def test_response_logprobs_are_those_of_the_token_after_each_position():
     torch.testing.assert_close(logprobs, expected)
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_rows_that_repeat_a_prompt_share_its_forward_pass(arch):
+    """response_logprobs over rows that repeat prompts (one left-padded, responses of unequal length): the prompt
+    pass sees each distinct prompt once, and the log-probs, entropies and gradients are those of one pass over
+    prompt + response; rows with distinct prompts take the one pass."""
+    from lm_models import make_model
+
+    torch.manual_seed(0)
+    model = make_model(arch, 50).eval()  # dropout off, as the scripts have it
+    prompts = [[5, 6, 7], [0, 8, 9], [10, 11, 12]]  # the second left-padded: 0 is padding
+    responses = [[13, 14, 1, 0], [15, 1, 0, 0], [16, 17, 18, 1], [19, 20, 1, 0], [21, 22, 23, 24], [25, 1, 0, 0]]
+    sequences = torch.tensor([prompts[i // 2] + r for i, r in enumerate(responses)])
+    attention_mask = (sequences != 0).long()
+    batch_sizes = []
+    model.register_forward_pre_hook(lambda m, args, kwargs: batch_sizes.append(len(kwargs["input_ids"])), with_kwargs=True)
+
+    def logprobs_and_grads(shared):
+        model.zero_grad()
+        if shared:
+            logprobs, entropy = grpo.response_logprobs(model, sequences, attention_mask, 3, 0.7)
+        else:  # the one pass, by hand
+            logits = model(input_ids=sequences, attention_mask=attention_mask,
+                           position_ids=grpo.position_ids_of(attention_mask)).logits[:, 2:-1]
+            logprobs, entropy = grpo.token_logprobs(logits, sequences[:, 3:], with_entropy=True, temperature=0.7)
+        (logprobs * attention_mask[:, 3:]).sum().backward()
+        return logprobs * attention_mask[:, 3:], entropy * attention_mask[:, 3:], [p.grad.clone() for p in model.parameters()]
+
+    shared, one_pass = logprobs_and_grads(True), logprobs_and_grads(False)
+    assert batch_sizes == [3, 6, 6]  # distinct prompts, then the responses; then the one pass
+    torch.testing.assert_close(shared[0], one_pass[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(shared[1], one_pass[1], atol=1e-5, rtol=0)
+    for a, b in zip(shared[2], one_pass[2]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    batch_sizes.clear()
+    grpo.response_logprobs(model, sequences[::2], attention_mask[::2], 3, 0.7)
+    assert batch_sizes == [3]
+
+
 def test_same_seed_same_logs_and_weights(tiny_checkpoints, tmp_path):
     models = tiny_checkpoints["cwd"] / "models"
     flags = ["--sft-model-path", str(models / "sft"), "--num-iterations", "2", "--batch-size", "16", "--num-generations",
