@@ -1341,40 +1341,74 @@ def forward_in_chunks(fn, size, *tensors):
 
 @torch.no_grad()
 def sample(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature=1.0, greedy=False):
-    """Complete each prompt (lists of token ids, left-padded here) and cut each response after its first
-    stop token. Returns (sequences, attention_mask, context_length, response_mask), the responses as long as
-    the longest one, response_mask 1 on response tokens up to and including the first stop token. Every sampling setting is explicit: the
-    checkpoint's generation_config.json (repetition_penalty, min_new_tokens, top_k, ...) would otherwise
-    fill the unset ones and sample from another distribution than the one whose log-probs are trained."""
-    from transformers import GenerationConfig
-
+    """Complete each prompt (lists of token ids, left-padded here) with tokens drawn from softmax(logits / T) in
+    float32, as `generate` draws them (the argmax if greedy), each response ending at its first stop token.
+    Returns (sequences, attention_mask, context_length, response_mask), the responses as long as the longest
+    one, response_mask 1 on response tokens up to and including the stop token. No sampling setting comes from
+    the checkpoint's generation_config.json (top_k, repetition_penalty, ...): the distribution sampled is the one
+    whose log-probs are trained. A loop of its own rather than transformers' `generate`, for two savings that
+    change nothing sampled: each distinct prompt's forward pass runs once, its KV cache shared by the rows that
+    repeat it (GRPO's G completions), and a row that has stopped leaves the batch, so that each step costs what
+    the rows still running need."""
+    device = model.device
     width = max(len(p) for p in prompt_ids)
-    input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompt_ids], device=model.device)
-    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=model.device)
-    config = GenerationConfig(do_sample=not greedy, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
-                              eos_token_id=stop_ids, pad_token_id=pad_token_id)
-    checkpoint_config, model.generation_config = model.generation_config, GenerationConfig()  # its defaults unset
-    # Under FSDP: every block gathered once for the whole generate call, not once per token
+    input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompt_ids], device=device)
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=device)
+    # Under FSDP: every block gathered once for the whole loop, not once per token
     sharded = [module for module in model.modules() if isinstance(module, FSDPModule)]
     for module in sharded:
         module.unshard()
         module.set_reshard_after_forward(False, recurse=False)
-    try:  # under torchrun every rank keeps stepping until all are done: a sharded model needs all ranks in each step
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
-                             synced_gpus=dist.is_initialized())
+    try:
+        responses = sample_tokens(model, input_ids, attention_mask, torch.tensor(stop_ids, device=device), pad_token_id,
+                                  max_new_tokens, temperature, greedy)
     finally:
-        model.generation_config = checkpoint_config  # saved with the model as it came
         for module in sharded:
             module.reshard()
             module.set_reshard_after_forward(module is not model, recurse=False)  # fully_shard's default
-    responses = out[:, width:]
-    is_stop = torch.isin(responses, torch.tensor(stop_ids, device=responses.device))
+    is_stop = torch.isin(responses, torch.tensor(stop_ids, device=device))
     # 1 up to and including the first stop token: a token is valid while no stop token came strictly before it
     response_mask = ((is_stop.cumsum(1) - is_stop.long()) == 0).long()
     length = int(response_mask.sum(1).max())  # the longest response: no later column is anything but padding
     response_mask = response_mask[:, :length]
     responses = responses[:, :length].masked_fill(response_mask == 0, pad_token_id)
     return (torch.cat([input_ids, responses], 1), torch.cat([attention_mask, response_mask], 1), width, response_mask)
+
+
+def sample_tokens(model, input_ids, attention_mask, stops, pad_token_id, max_new_tokens, temperature, greedy):
+    """The sampling loop of `sample`: [rows, max_new_tokens] tokens, pad_token_id after a row's stop token."""
+    width = input_ids.shape[1]
+    distinct, row_prompt = torch.unique(torch.cat([input_ids, attention_mask], 1), dim=0, return_inverse=True)
+    prompt_mask = distinct[:, width:]
+    out = model(input_ids=distinct[:, :width], attention_mask=prompt_mask, position_ids=position_ids_of(prompt_mask),
+                use_cache=True, logits_to_keep=1)
+    cache, logits = out.past_key_values, out.logits[row_prompt, -1]
+    cache.batch_select_indices(row_prompt)  # each row's copy of its prompt's keys and values
+    responses = torch.full((len(input_ids), max_new_tokens), pad_token_id, device=input_ids.device)
+    running = torch.arange(len(input_ids), device=input_ids.device)  # the rows still sampling
+    positions = attention_mask.sum(1)  # of each row's next token: positions count real tokens only
+    for t in range(max_new_tokens):
+        if len(running):
+            z = logits.float() / temperature
+            tokens = z.argmax(-1) if greedy else torch.multinomial(torch.softmax(z, -1), 1).squeeze(1)
+            responses[running, t] = tokens
+            going = ~torch.isin(tokens, stops)
+            if not going.all():  # the rows that stopped leave the batch, and their cache with them
+                keep = going.nonzero().squeeze(1)
+                running, tokens, positions, attention_mask = running[keep], tokens[keep], positions[keep], attention_mask[keep]
+                cache.batch_select_indices(keep)
+        left = torch.tensor(len(running), device=input_ids.device)
+        if dist.is_initialized():  # every rank steps until all are done: a sharded model's forward needs all ranks
+            dist.all_reduce(left)
+        if t + 1 == max_new_tokens or left == 0:
+            break
+        if not len(running):  # done here, not elsewhere: one throwaway step keeps the ranks in step
+            model(input_ids=input_ids[:1, -1:])
+            continue
+        attention_mask = F.pad(attention_mask, (0, 1), value=1)
+        logits = model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=(positions + t)[:, None],
+                       past_key_values=cache, use_cache=True).logits[:, -1]
+    return responses
 
 
 def sample_in_chunks(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature, size):

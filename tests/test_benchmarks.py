@@ -1,4 +1,4 @@
-"""benchmarks/plot_curves.py draws the README's curves from benchmark runs; it must refuse to mix runs."""
+"""The benchmark tools: plot_curves.py must refuse to mix runs; the rollout timers must time what they say."""
 import os
 import sys
 
@@ -8,6 +8,7 @@ from torch.utils.tensorboard import SummaryWriter
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import plot_curves  # noqa: E402
 import plot_ppo_kl_beta  # noqa: E402
+import rollout_speed  # noqa: E402
 import summarize_ppo  # noqa: E402
 
 
@@ -66,3 +67,40 @@ def test_the_beta_plot_reads_runs_where_the_penalty_binds_and_where_it_vanishes(
     writer.close()
     plot_ppo_kl_beta.main(str(tmp_path), str(tmp_path / "beta.svg"))
     assert words in capsys.readouterr().out and (tmp_path / "beta.svg").read_text().startswith("<svg")
+
+
+def test_the_rollout_timer_counts_the_loop_and_its_parts(tiny_checkpoints, tmp_path):
+    """benchmarks/rollout_timer.py on grpo.py and rlhf_ppo.py: the script's own completions/s, and parts that are
+    each timed (generation, reward, the rollout's forward passes) and add up to less than the loop."""
+    import json
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    models = tiny_checkpoints["cwd"] / "models"
+    for script, extra in (("grpo.py", []), ("rlhf_ppo.py", ["--reward-model-path", str(models / "reward_model")])):
+        proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "rollout_timer.py"),
+                               os.path.join(root, script), "--profile", "--sft-model-path", str(models / "sft"), *extra,
+                               "--num-iterations", "2", "--batch-size", "16", "--mini-batch-size", "8", "--eval-size", "8",
+                               "--output-dir", "out"], cwd=tmp_path, capture_output=True, text=True, check=True)
+        out = json.loads(proc.stdout.splitlines()[-1])
+        parts = out["parts"]
+        assert out["completions_per_s"] == pytest.approx(32 / out["seconds"])
+        assert parts["generation"] > 0 and parts["reward"] > 0 and parts["rollout log-probs and values"] > 0
+        assert 0 < parts["update and the rest"] < out["seconds"]
+
+
+def test_side_by_side_pairs_alternate_and_report_every_ratio(tmp_path, capsys):
+    """benchmarks/rollout_speed.py: A B, B A, A B; every pair's ratio B / A, the median and the range."""
+    order = tmp_path / "order"
+    commands = []
+    for name, speed in (("A", [10.0, 20.0, 10.0]), ("B", [15.0, 20.0, 40.0])):
+        script = tmp_path / f"{name}.py"
+        script.write_text("import json, sys\n"
+                          f"runs = open({str(order)!r}).read().count({name!r}) if __import__('os').path.exists({str(order)!r}) else 0\n"
+                          f"open({str(order)!r}, 'a').write({name!r})\n"
+                          f"print(json.dumps({{'completions_per_s': {speed}[runs], 'seconds': 1.0}}))\n")
+        commands.append(f"{name}={sys.executable} {script}")
+    rollout_speed.main("3", *commands)
+    assert order.read_text() == "ABBAAB"
+    table = capsys.readouterr().out
+    assert "| 10.0, 20.0, 10.0 | 15.0, 20.0, 40.0 | 1.50, 1.00, 4.00 | **1.50×** | 1.00–4.00 |" in table

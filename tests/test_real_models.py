@@ -256,36 +256,49 @@ def test_a_nan_loss_stops_the_run_with_one_line_and_saves_nothing(tmp_path):
 
 
 @pytest.mark.parametrize("script", [rlhf_ppo, dpo, sft])
-def test_sampling_ignores_the_checkpoints_generation_config(tmp_path, script):
-    """Bug 2: generation_config.json (repetition_penalty, no_repeat_ngram_size, min_new_tokens, top_k) leaked into
-    sampling, so the tokens sampled did not come from the distribution whose log-probs PPO trains."""
+def test_sampling_draws_from_the_models_own_distribution(tmp_path, script):
+    """Bug 2: generation_config.json (repetition_penalty, no_repeat_ngram_size, min_new_tokens, top_k, a
+    temperature) leaked into sampling, so the tokens sampled did not come from the distribution whose log-probs PPO
+    trains. sample's own loop: greedy, every token is the argmax of one forward pass over prompt + response at its
+    position (prompts shared by two rows each, left padding, a row that stops early and leaves the batch); sampled,
+    the first token's frequencies over 4,000 rows of one prompt are softmax(logits / 0.7)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     generation = dict(do_sample=True, repetition_penalty=3.0, no_repeat_ngram_size=1, min_new_tokens=6, top_k=3,
                       temperature=0.3)
     path = save_checkpoint(str(tmp_path / "m"), "llama", "chat_eot", "float32", generation=generation)
     model, tokenizer = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
-    stop_ids = script.stop_token_ids(tokenizer)
-    script.add_pad_token(tokenizer, stop_ids, model)
-    generate, captured = model.generate, {}
+    script.add_pad_token(tokenizer, script.stop_token_ids(tokenizer), model)
+    pad = tokenizer.pad_token_id
+    prompts = [script.encode_prompt(tokenizer, chat(q)) for q, _, _ in sort_rows(6)] * 2
+    assert len({len(p) for p in prompts}) > 1  # some rows left-padded
+    with torch.no_grad():
+        model.lm_head.weight *= 20  # a peaked distribution: the right temperature, and the right position, show
+    never = [len(tokenizer) - 1]  # a stop token that greedy sampling does not produce here
+    sequences, _, width, _ = script.sample(model, prompts, pad, never, 8, greedy=True)
+    stop = [sequences[0, width + 1].item()]  # row 0 stops at its second token; the others go on longer
+    steps = []  # the logits of each step after the first, of the rows still running
+    model.register_forward_hook(lambda m, args, kwargs, out: steps.append(out.logits[:, -1])
+                                if kwargs.get("past_key_values") is not None and kwargs["input_ids"].shape[1] == 1
+                                else None, with_kwargs=True)
+    sequences, attention_mask, width, response_mask = script.sample(model, prompts, pad, stop, 8, greedy=True)
+    assert response_mask[0].sum() <= 2 and response_mask.sum(1).max() == 8 and len(steps) == 7
+    with torch.no_grad():
+        logits = model(input_ids=sequences, attention_mask=attention_mask,
+                       position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0)).logits[:, width - 1 : -1]
+    valid = response_mask.bool()
+    assert (logits.argmax(-1)[valid] == sequences[:, width:][valid]).all()
+    for t, step in enumerate(steps, 1):  # step t: the rows with no stop token before t, in their order
+        torch.testing.assert_close(step, logits[valid[:, t], t], atol=1e-4, rtol=0)
 
-    def recording_generate(**kwargs):  # the processed scores generate sampled from
-        out = generate(**kwargs, output_scores=True, return_dict_in_generate=True)
-        captured["scores"] = torch.stack(out.scores, 1)
-        return out.sequences
-
-    model.generate = recording_generate
-    prompts = [script.encode_prompt(tokenizer, chat(q)) for q, _, _ in sort_rows(16)]
     torch.manual_seed(0)
-    sequences, attention_mask, width, response_mask = script.sample(model, prompts, tokenizer.pad_token_id, stop_ids, 8)
-    logits = model(input_ids=sequences, attention_mask=attention_mask,
-                   position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0)).logits[:, width - 1 : -1]
-    responses = sequences[:, width:, None]
-    recomputed = logits.log_softmax(-1).gather(2, responses).squeeze(-1)
-    n = captured["scores"].shape[1]
-    sampled = captured["scores"].log_softmax(-1).gather(2, responses[:, :n]).squeeze(-1)
-    valid = response_mask[:, :n].bool()
-    torch.testing.assert_close(sampled[valid], recomputed[:, :n][valid], atol=1e-4, rtol=0)
+    n = 4000
+    sequences, _, width, _ = script.sample(model, [prompts[0]] * n, pad, never, 1, temperature=0.7)
+    with torch.no_grad():
+        p = torch.softmax(model(input_ids=torch.tensor([prompts[0]])).logits[0, -1].float() / 0.7, -1)
+    assert p.max() < 0.9  # not all on one token
+    frequency = torch.bincount(sequences[:, width], minlength=len(p)).float() / n
+    assert (frequency - p).abs().max() < 4 * (p * (1 - p) / n).sqrt().max() + 1e-3
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -352,17 +365,29 @@ def test_sampling_and_scoring_stop_at_the_end_of_turn_token():
     eot, eos, pad = 7, 2, 0
     stop_ids = [eos, eot]
 
-    class FixedModel(torch.nn.Module):  # generate returns the prompt + fixed responses
-        device = torch.device("cpu")
-        generation_config = None
+    class ScriptedCache:  # the prompt each row continues (its last token), and the tokens sampled so far
+        def __init__(self, prompts):
+            self.prompts, self.steps = prompts, 0
 
-        def generate(self, input_ids, attention_mask, generation_config, synced_gpus):
-            assert generation_config.eos_token_id == stop_ids and generation_config.top_k == 0
-            assert synced_gpus is False  # one process: nothing to wait for
-            return torch.cat([input_ids, torch.tensor([[5, eot, 9, 9], [5, 6, 6, 6]])], 1)
+        def batch_select_indices(self, rows):
+            self.prompts = self.prompts[rows]
+
+    class ScriptedModel(torch.nn.Module):  # samples these responses, by prompt, at any temperature
+        device = torch.device("cpu")
+        responses = {4: [5, eot, 9, 9], 6: [5, 6, 6, 6]}
+
+        def forward(self, input_ids, past_key_values=None, **kwargs):
+            from types import SimpleNamespace
+
+            cache = past_key_values or ScriptedCache(input_ids[:, -1].clone())
+            cache.steps += past_key_values is not None
+            logits = torch.zeros(len(input_ids), 1, 10)
+            for row, prompt in enumerate(cache.prompts.tolist()):
+                logits[row, 0, self.responses[prompt][cache.steps]] = 100.0
+            return SimpleNamespace(logits=logits, past_key_values=cache)
 
     for script in (rlhf_ppo, dpo, grpo):
-        sequences, attention_mask, width, mask = script.sample(FixedModel(), [[3, 4], [4]], pad, stop_ids, 4)
+        sequences, attention_mask, width, mask = script.sample(ScriptedModel(), [[3, 4], [6]], pad, stop_ids, 4)
         assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]  # cut after the end-of-turn token
         assert sequences[:, width:].tolist() == [[5, eot, pad, pad], [5, 6, 6, 6]]
         reward = AutoModelForSequenceClassification.from_config(GPT2Config(vocab_size=10, n_embd=8, n_layer=1, n_head=2,

@@ -1,0 +1,48 @@
+"""Two commands that each print a JSON line with completions_per_s (benchmarks/rollout_timer.py,
+benchmarks/trl_grpo.py), run side by side: python benchmarks/rollout_speed.py PAIRS 'A=COMMAND' 'B=COMMAND'
+
+They run PAIRS times each, alternating (A B, B A, A B, ...), one at a time, with the environment they inherit (run
+under OMP_NUM_THREADS=1 for equal threads). Prints a markdown table: each pair's completions/s, the ratio B / A,
+its median and range, and the mean seconds of each part where the commands were given --profile. Run it alone
+on an idle machine."""
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+
+
+def run(command):
+    proc = subprocess.run(shlex.split(command), capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        sys.exit(f"error: `{command}` failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+    return json.loads(lines[-1])
+
+
+def main(pairs, *specs):
+    (name_a, command_a), (name_b, command_b) = (spec.split("=", 1) for spec in specs)
+    results = {name_a: [], name_b: []}
+    for pair in range(int(pairs)):
+        order = ((name_a, command_a), (name_b, command_b))
+        for name, command in order if pair % 2 == 0 else order[::-1]:
+            results[name].append(run(command))
+            print(f"pair {pair + 1}: {name} {results[name][-1]['completions_per_s']:.1f} completions/s", file=sys.stderr)
+    speed = {name: [r["completions_per_s"] for r in rs] for name, rs in results.items()}
+    ratios = [b / a for a, b in zip(speed[name_a], speed[name_b])]
+    print(f"| {name_a} (completions/s) | {name_b} (completions/s) | {name_b} / {name_a} per pair | median | range |\n"
+          "|-|-|-|-|-|")
+    print(f"| {', '.join(f'{s:.1f}' for s in speed[name_a])} | {', '.join(f'{s:.1f}' for s in speed[name_b])} | "
+          f"{', '.join(f'{r:.2f}' for r in ratios)} | **{statistics.median(ratios):.2f}×** | "
+          f"{min(ratios):.2f}–{max(ratios):.2f} |")
+    if all("parts" in r for rs in results.values() for r in rs):
+        parts = sorted({p for rs in results.values() for r in rs for p in r["parts"]})
+        print(f"\nmean seconds of the loop per part\n\n| part | {name_a} | {name_b} |\n|-|-|-|")
+        for part in parts + ["loop"]:
+            cells = [statistics.mean(r["seconds"] if part == "loop" else r["parts"].get(part, 0.0) for r in results[n])
+                     for n in (name_a, name_b)]
+            print(f"| {part} | {cells[0]:.2f} | {cells[1]:.2f} |")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

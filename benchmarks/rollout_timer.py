@@ -1,0 +1,78 @@
+"""The training loop's speed of grpo.py or rlhf_ppo.py (of any checkout), and where its time goes, as one JSON line:
+
+    python benchmarks/rollout_timer.py PATH/grpo.py [--profile] [the script's flags]
+
+The script's own `main(tyro.cli(Args))` runs in this process. completions_per_s is the script's last
+charts/episodes_per_second: the completions of every iteration over the loop's time, the evaluations before and
+after the loop excluded (what benchmarks/trl_grpo.py measures of TRL). With --profile, the seconds inside the loop
+spent in generation (sample_in_chunks), the reward (the reward functions and the reward model), the rollout's
+forward passes (old and reference log-probs, values: response_logprobs and token_scores without gradients) and the
+rest, the update (forward, backward, AdamW). The timers cost a few microseconds a call."""
+import importlib.util
+import json
+import sys
+import time
+
+import torch
+import tyro
+
+
+def main():
+    path, flags = sys.argv[1], sys.argv[2:]
+    profile = "--profile" in flags
+    flags = [f for f in flags if f != "--profile"]
+    spec = importlib.util.spec_from_file_location("script_under_test", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    state = {"on": False, "active": False, "speed": None, "iterations": 0}
+    seconds = {}
+
+    def timed(part, fn, when=lambda: True):
+        def wrapper(*args, **kwargs):
+            if not (profile and state["on"]) or state["active"] or not when():  # the outermost timed call counts
+                return fn(*args, **kwargs)
+            state["active"], start = True, time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[part] = seconds.get(part, 0.0) + time.perf_counter() - start
+                state["active"] = False
+        return wrapper
+
+    rollout = lambda: not torch.is_grad_enabled()  # noqa: E731  the rollout's passes, not the update's
+    script.sample_in_chunks = timed("generation", script.sample_in_chunks)
+    script.reward_table = timed("reward", script.reward_table)
+    script.score_responses = timed("reward", script.score_responses)
+    script.response_logprobs = timed("rollout log-probs and values", script.response_logprobs, rollout)
+    script.token_scores = timed("rollout log-probs and values", script.token_scores, rollout)
+    get_lr, make_writer = script.get_lr, script.make_writer
+
+    def loop_starts(*args, **kwargs):  # each iteration begins with its learning rate
+        state["on"] = True
+        return get_lr(*args, **kwargs)
+
+    def writer_that_stops_the_clock(*args, **kwargs):
+        writer = make_writer(*args, **kwargs)
+        add_scalar = writer.add_scalar
+
+        def add(tag, value, step, *rest, **kw):
+            if tag == "charts/episodes_per_second":  # the iteration's last figure; an evaluation may follow
+                state.update(on=False, speed=float(value), iterations=step)
+            return add_scalar(tag, value, step, *rest, **kw)
+        writer.add_scalar = add
+        return writer
+
+    script.get_lr, script.make_writer = loop_starts, writer_that_stops_the_clock
+    args = tyro.cli(script.Args, args=flags)
+    if not args.anneal_lr:
+        sys.exit("error: the loop's start is seen through get_lr: keep --anneal-lr")
+    script.main(args)
+    out = {"side": path, "threads": torch.get_num_threads(), "completions_per_s": state["speed"],
+           "seconds": state["iterations"] * args.batch_size / state["speed"]}
+    if profile:
+        out["parts"] = {**seconds, "update and the rest": out["seconds"] - sum(seconds.values())}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
