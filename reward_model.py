@@ -928,7 +928,7 @@ def rowwise(fn, *tensors):
 
 def token_logprobs(logits, tokens, with_entropy=False, temperature=1.0):
     """log π(token) = z(token) − logsumexp(z) at each position, z = logits / temperature in float32 (as
-    `generate` samples: its logits are float32 before the temperature divides them), and optionally the
+    `sample` draws tokens: the logits upcast before the temperature divides them), and optionally the
     entropy H = logsumexp(z) − Σ softmax(z)·z. A few rows at a time (rowwise): no float32 [batch, length,
     vocabulary] tensor is made or kept."""
     def chunk_logprobs(rows, row_tokens):

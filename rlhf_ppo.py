@@ -98,7 +98,7 @@ class Args:
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass of the actor and critic (less memory, one more forward pass of compute)"""
     generation_batch_size: int = 128
-    """prompts per generate call, on each rank (the KV cache grows with it; forward passes run in micro-batches)"""
+    """prompts per sampling call, on each rank (the KV cache grows with it; forward passes run in micro-batches)"""
     ppo_epochs: int = 4
     """passes over each rollout (CleanRL: update_epochs; TRL: num_ppo_epochs)"""
     lr: float = 1.5e-4
@@ -1228,7 +1228,7 @@ def rowwise(fn, *tensors):
 
 def token_logprobs(logits, tokens, with_entropy=False, temperature=1.0):
     """log π(token) = z(token) − logsumexp(z) at each position, z = logits / temperature in float32 (as
-    `generate` samples: its logits are float32 before the temperature divides them), and optionally the
+    `sample` draws tokens: the logits upcast before the temperature divides them), and optionally the
     entropy H = logsumexp(z) − Σ softmax(z)·z. A few rows at a time (rowwise): no float32 [batch, length,
     vocabulary] tensor is made or kept."""
     def chunk_logprobs(rows, row_tokens):

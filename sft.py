@@ -78,7 +78,7 @@ class Args:
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass (less memory, one more forward pass of compute)"""
     eval_batch_size: int = 128
-    """prompts per generate call in evaluation, on each rank (the eval loss runs in micro-batches of training's
+    """prompts per sampling call in evaluation, on each rank (the eval loss runs in micro-batches of training's
     size: a forward pass that fits with gradients fits without)"""
     lr: float = 3e-3
     """peak learning rate of AdamW (a pretrained model wants ~1e-5 to 2e-5; TRL: learning_rate)"""
@@ -927,7 +927,7 @@ def rowwise(fn, *tensors):
 
 def token_logprobs(logits, tokens, with_entropy=False, temperature=1.0):
     """log π(token) = z(token) − logsumexp(z) at each position, z = logits / temperature in float32 (as
-    `generate` samples: its logits are float32 before the temperature divides them), and optionally the
+    `sample` draws tokens: the logits upcast before the temperature divides them), and optionally the
     entropy H = logsumexp(z) − Σ softmax(z)·z. A few rows at a time (rowwise): no float32 [batch, length,
     vocabulary] tensor is made or kept."""
     def chunk_logprobs(rows, row_tokens):
