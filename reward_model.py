@@ -978,8 +978,8 @@ def shared_prompt_logits(model, sequences, attention_mask, context_length):
     see the response, so this is the same function of the weights as one pass over prompt + response (equal
     up to float rounding; the rollout and the update both take this path, so the first ratio stays exactly
     1), with the prompt's FLOPs divided by the rows that share it; gradients flow through the cache like any
-    activation. None, for one pass instead, when no prompt repeats or with activation checkpointing (which
-    keeps no cache)."""
+    activation. None, for one pass instead, when no prompt repeats, the responses are one token long, or
+    with activation checkpointing (which keeps no cache)."""
     prompts = torch.cat([sequences[:, :context_length], attention_mask[:, :context_length]], 1)
     distinct, row_prompt = torch.unique(prompts, dim=0, return_inverse=True)
     if (len(distinct) == len(sequences) or sequences.shape[1] - context_length < 2
