@@ -1559,6 +1559,10 @@ if __name__ == "__main__":
         main(tyro.cli(Args, description=__doc__))
     except SystemExit as e:  # under torchrun every rank stops on the same bad input: one line per node says so
         if isinstance(e.code, str) and os.environ.get("LOCAL_RANK", "0") != "0":
+            # Local rank 0 prints the line. torchrun stops every rank as soon as one fails, so the others
+            # wait for it first: exiting at once could stop rank 0 before it has printed.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun's stop must end the wait (Preemption)
+            time.sleep(60)
             sys.exit(1)
         raise
     if dist.is_initialized():
