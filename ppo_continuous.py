@@ -239,21 +239,42 @@ class Agent(nn.Module):
     def get_value(self, x):
         return self.critic(x).squeeze(-1)
 
-    def get_action_and_value(self, x, action=None):
+    def get_action_and_value(self, x, action):
+        """The update's pass: log π(a|s) of the rollout's actions, the entropy of π(·|s), and V(s)."""
         mean = self.actor_mean(x)
         log_std = self.actor_logstd.expand_as(mean)
-        if action is None:
-            action = mean + torch.exp(log_std) * torch.randn_like(mean)
         return action, gaussian_log_prob(mean, log_std, action), gaussian_entropy(log_std), self.get_value(x)
 
-    @torch.inference_mode()
-    def act(self, x):
-        """The rollout's step: a sampled action, its log-prob and V(s), without the entropy or any autograd
-        bookkeeping (inference mode), which the rollout does not need."""
-        mean = self.actor_mean(x)
-        log_std = self.actor_logstd.expand_as(mean)
-        action = mean + torch.exp(log_std) * torch.randn_like(mean)
-        return action, gaussian_log_prob(mean, log_std, action), self.get_value(x)
+    def numpy_weights(self):
+        """(actor mean, critic, log σ): the networks as lists of (W, b) numpy arrays, for the rollout (act);
+        views of the parameters on the CPU, a copy of them from a GPU."""
+        nets = tuple([(m.weight.detach().cpu().numpy(), m.bias.detach().cpu().numpy()) for m in net if isinstance(m, nn.Linear)]
+                     for net in (self.actor_mean, self.critic))
+        return *nets, self.actor_logstd.detach().cpu().numpy()
+
+
+def mlp(layers, x):
+    """The Agent's networks in numpy: x ← tanh(x Wᵀ + b) at each hidden layer, x Wᵀ + b at the last."""
+    for i, (w, b) in enumerate(layers):
+        x = x @ w.T + b
+        if i < len(layers) - 1:
+            x = np.tanh(x)
+    return x
+
+
+def act(weights, obs):
+    """The rollout's step, in numpy: a ~ π(·|s), log π(a|s) and V(s) for a batch of observations. The same
+    function of the weights as Agent.get_action_and_value, to float32 rounding (~1e-7), so the first epoch's
+    ratio is 1 to rounding. Why numpy: these networks are microseconds of arithmetic and the rollout runs
+    them once per env step, where each torch operator costs several microseconds of dispatch (and, on a
+    GPU, a copy each way) and a numpy call about one. a = μ + σ ε with ε ~ N(0, I) from numpy's global
+    stream (seeded, and saved in checkpoints), so log π(a|s) = Σ_i [ −ε_i² / 2 − log σ_i − ½ log 2π ]."""
+    actor_mean, critic, log_std = weights
+    mean = mlp(actor_mean, obs)
+    eps = np.random.standard_normal(mean.shape).astype(np.float32)
+    action = mean + np.exp(log_std) * eps
+    logprob = (-0.5 * eps**2 - log_std - np.float32(0.5 * math.log(2 * math.pi))).sum(-1)
+    return action, logprob, mlp(critic, obs)[:, 0]
 
 
 def check_args(args):
@@ -355,8 +376,8 @@ def main(args: Args):
     obs_dim, act_dim = envs.single_observation_space.shape[0], envs.single_action_space.shape[0]
     low, high = envs.single_action_space.low, envs.single_action_space.high
     agent = Agent(obs_dim, act_dim, args.hidden_size, args.log_std_init).to(device)
-    # foreach: one kernel per operation over all parameters (the same arithmetic as the default per-parameter loop)
-    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, foreach=True)
+    # fused: the whole Adam step in one kernel over all parameters (rounds differently from the default loop)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
     obs_rms, return_rms = RunningMeanStd(obs_dim), RunningMeanStd()
     if args.load_model is not None:
         load_checkpoint(args.load_model, agent, args, obs_rms)
@@ -398,11 +419,11 @@ def main(args: Args):
             optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
 
         final_values[:] = 0.0
+        weights = agent.numpy_weights()  # the rollout runs the policy in numpy, on the CPU (act)
         for step in range(args.num_steps):
             global_step += args.num_envs
             obs[step] = next_obs
-            action, logprob, value = agent.act(torch.from_numpy(next_obs).to(device))
-            actions[step], logprobs[step], values[step] = action.cpu().numpy(), logprob.cpu().numpy(), value.cpu().numpy()
+            actions[step], logprobs[step], values[step] = act(weights, next_obs)
 
             # the env gets the action clipped to its bounds; the policy is trained on the unclipped sample
             raw_obs, reward, terminated, truncated, infos = envs.step(np.clip(actions[step], low, high))
@@ -420,8 +441,7 @@ def main(args: Args):
 
             if args.bootstrap_truncation and truncated.any():
                 final_obs = process_obs(np.stack(infos["final_obs"][truncated]), update=False)
-                with torch.no_grad():
-                    final_values[step, truncated] = agent.get_value(torch.from_numpy(final_obs).to(device)).cpu().numpy()
+                final_values[step, truncated] = mlp(weights[1], final_obs)[:, 0]  # V(final observation)
 
             episode_returns += reward
             episode_lengths += 1
@@ -430,8 +450,7 @@ def main(args: Args):
                 writer.add_scalar("charts/episodic_length", episode_lengths[i], global_step)
                 episode_returns[i], episode_lengths[i] = 0.0, 0
 
-        with torch.no_grad():
-            last_value = agent.get_value(torch.from_numpy(next_obs).to(device)).cpu().numpy()
+        last_value = mlp(weights[1], next_obs)[:, 0]
         advantages, returns = compute_gae(rewards, values, last_value, terminations, truncations, final_values,
                                           args.gamma, args.gae_lambda)
 

@@ -208,22 +208,44 @@ class Agent(nn.Module):
     def get_value(self, x):
         return self.critic(x).squeeze(-1)
 
-    def get_action_and_value(self, x, action=None):
+    def get_action_and_value(self, x, action):
+        """The update's pass: log π(a|s) of the rollout's actions, the entropy of π(·|s), and V(s) (and the logits)."""
         logits = self.actor(x)
         logp = logits.log_softmax(-1)  # log π(a|s) of every action a
-        if action is None:
-            action = torch.multinomial(logp.exp(), 1).squeeze(-1)
         entropy = -(logp.exp() * logp).sum(-1)
         return action, logp.gather(-1, action.unsqueeze(-1)).squeeze(-1), entropy, self.get_value(x), logits
 
-    @torch.inference_mode()
-    def act(self, x):
-        """The rollout's step: a sampled action, its log-prob and V(s) (and the logits), without the entropy or
-        any autograd bookkeeping (inference mode), which the rollout does not need."""
-        logits = self.actor(x)
-        logp = logits.log_softmax(-1)
-        action = torch.multinomial(logp.exp(), 1).squeeze(-1)
-        return action, logp.gather(-1, action.unsqueeze(-1)).squeeze(-1), self.get_value(x), logits
+    def numpy_weights(self):
+        """(actor, critic), each a list of (W, b) numpy arrays, for the rollout (act): views of the parameters
+        on the CPU, a copy of them from a GPU."""
+        return tuple([(m.weight.detach().cpu().numpy(), m.bias.detach().cpu().numpy()) for m in net if isinstance(m, nn.Linear)]
+                     for net in (self.actor, self.critic))
+
+
+def mlp(layers, x):
+    """The Agent's networks in numpy: x ← tanh(x Wᵀ + b) at each hidden layer, x Wᵀ + b at the last."""
+    for i, (w, b) in enumerate(layers):
+        x = x @ w.T + b
+        if i < len(layers) - 1:
+            x = np.tanh(x)
+    return x
+
+
+def act(weights, obs):
+    """The rollout's step, in numpy: a ~ π(·|s), log π(a|s) and V(s) for a batch of observations (and the
+    logits). The same function of the weights as Agent.get_action_and_value, to float32 rounding (~1e-7),
+    so the first epoch's ratio is 1 to rounding. Why numpy: these networks are microseconds of arithmetic
+    and the rollout runs them once per env step, where each torch operator costs several microseconds of
+    dispatch (and, on a GPU, a copy each way) and a numpy call about one. The action by inverse CDF:
+    the first a with u < P(A ≤ a), u uniform from numpy's global stream (seeded, and saved in checkpoints)."""
+    actor, critic = weights
+    logits = mlp(actor, obs)
+    z = logits - logits.max(-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))  # log-softmax
+    cdf = np.exp(logp).cumsum(-1)
+    u = np.random.random((len(obs), 1)) * cdf[:, -1:]  # × the last entry (1 to rounding): u < it, so a < n
+    action = (cdf <= u).sum(-1)
+    return action, np.take_along_axis(logp, action[:, None], -1)[:, 0], mlp(critic, obs)[:, 0], logits
 
 
 def check_args(args):
@@ -321,8 +343,8 @@ def main(args: Args):
     obs_dim = envs.single_observation_space.shape[0]
     action_start = envs.single_action_space.start  # Discrete(n, start): the policy's action a is the env's start + a
     agent = Agent(obs_dim, envs.single_action_space.n).to(device)
-    # foreach: one kernel per operation over all parameters (the same arithmetic as the default per-parameter loop)
-    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, foreach=True)
+    # fused: the whole Adam step in one kernel over all parameters (rounds differently from the default loop)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
     if args.load_model is not None:
         load_checkpoint(args.load_model, agent, args)
 
@@ -360,12 +382,11 @@ def main(args: Args):
             optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
 
         final_values[:] = 0.0
+        weights = agent.numpy_weights()  # the rollout runs the policy in numpy, on the CPU (act)
         for step in range(args.num_steps):
             global_step += args.num_envs
             obs[step] = next_obs
-            action, logprob, value, logits = agent.act(torch.from_numpy(obs[step]).to(device))
-            actions[step], logprobs[step], values[step] = action.cpu().numpy(), logprob.cpu().numpy(), value.cpu().numpy()
-            old_logits[step] = logits.cpu().numpy()
+            actions[step], logprobs[step], values[step], old_logits[step] = act(weights, obs[step])
 
             next_obs, reward, terminated, truncated, infos = envs.step(actions[step] + action_start)
             rewards[step], terminations[step], truncations[step] = reward, terminated, truncated
@@ -373,8 +394,7 @@ def main(args: Args):
                 # with SAME_STEP autoreset next_obs is already the reset observation; the real last
                 # observation of the truncated episode is in final_obs
                 final_obs = np.stack(infos["final_obs"][truncated]).astype(np.float32)
-                with torch.no_grad():
-                    final_values[step, truncated] = agent.get_value(torch.from_numpy(final_obs).to(device)).cpu().numpy()
+                final_values[step, truncated] = mlp(weights[1], final_obs)[:, 0]  # V(final observation)
 
             episode_returns += reward
             episode_lengths += 1
@@ -383,8 +403,7 @@ def main(args: Args):
                 writer.add_scalar("charts/episodic_length", episode_lengths[i], global_step)
                 episode_returns[i], episode_lengths[i] = 0.0, 0
 
-        with torch.no_grad():
-            last_value = agent.get_value(torch.from_numpy(next_obs.astype(np.float32)).to(device)).cpu().numpy()
+        last_value = mlp(weights[1], next_obs.astype(np.float32))[:, 0]
         advantages, returns = compute_gae(rewards, values, last_value, terminations, truncations, final_values,
                                           args.gamma, args.gae_lambda)
 

@@ -58,7 +58,7 @@ def warm_imports():
 
     weight = torch.zeros(1, requires_grad=True)
     weight.sum().backward()
-    torch.optim.Adam([weight], foreach=True).step()
+    torch.optim.Adam([weight], fused=True).step()
 
 
 def main(script, flags):

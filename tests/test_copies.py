@@ -24,11 +24,12 @@ BANNER = "# Plumbing. Everything below this line is the same text in "
 
 # Above the banner, the same name is the same text too, except for what is each script's own: its Args, Agent,
 # argument checks (the LM scripts'), evaluation and main.
-RL_SHARED = ["compute_gae", "clipped_policy_loss", "categorical_kl", "value_loss", "layer_init", "check_args"]
+RL_SHARED = ["compute_gae", "clipped_policy_loss", "categorical_kl", "value_loss", "layer_init", "mlp", "check_args"]
 LM_SHARED = ["kl_estimators", "completion_text", "last_boxed", "answer_number", "gold", "exact_match", "numeric_match",
              "format_match", "combine_rewards"]
 REWARDS = "# Rewards as plain Python functions"
-OWN = {"rl": {"Args", "Agent", "evaluate", "main"}, "lm": {"Args", "evaluate", "main", "check_args"}}
+# each script's own (act: the policy's step, Gaussian in ppo_continuous.py)
+OWN = {"rl": {"Args", "Agent", "act", "evaluate", "main"}, "lm": {"Args", "evaluate", "main", "check_args"}}
 
 
 def below_banner(text):

@@ -108,17 +108,21 @@ def test_value_loss_clipped_and_unclipped():
 
 # ------------------------------------------------------------------------------------------ the agent
 def test_the_rollout_samples_from_the_policy_the_update_trains():
-    # act() (the rollout's step) and get_action_and_value() (the update) give the same log π(a|s) and V(s)
-    # for the sampled action, so the first epoch's ratio is 1; the samples have the policy's mean and std
+    # act() (the rollout's step, in numpy) and get_action_and_value() (the update's, in torch) give the same
+    # log π(a|s) and V(s) for the sampled action, to float32 rounding, so the first epoch's ratio is 1; the
+    # samples have the policy's mean and std
     torch.manual_seed(0)
+    np.random.seed(0)
     agent = pc.Agent(3, 2, hidden_size=8, log_std_init=-0.5)
     with torch.no_grad():
         agent.actor_logstd.copy_(torch.tensor([[-0.5, 0.7]]))  # a different std per action dimension
     x = torch.randn(5, 3)
-    action, logprob, value = agent.act(x)
-    _, newlogprob, _, newvalue = agent.get_action_and_value(x, action)
-    assert torch.equal(logprob, newlogprob.detach()) and torch.equal(value, newvalue.detach())
-    draws = agent.act(x[:1].expand(20_000, 3))[0]
+    weights = agent.numpy_weights()
+    action, logprob, value = pc.act(weights, x.numpy())
+    _, newlogprob, _, newvalue = agent.get_action_and_value(x, torch.from_numpy(action))
+    assert torch.allclose(torch.from_numpy(logprob), newlogprob.detach(), atol=1e-5)
+    assert torch.allclose(torch.from_numpy(value), newvalue.detach(), atol=1e-6)
+    draws = torch.from_numpy(pc.act(weights, x[:1].expand(20_000, 3).numpy())[0])
     mean = agent.actor_mean(x[:1]).detach()[0]
     assert torch.allclose(draws.mean(0), mean, atol=0.05)
     assert torch.allclose(draws.std(0), torch.tensor([math.exp(-0.5), math.exp(0.7)]), rtol=0.03)
@@ -220,13 +224,14 @@ def test_the_evaluation_normalizes_observations_with_the_training_statistics():
 # ------------------------------------------------------------------------------------ it learns
 def test_it_learns_a_one_step_target_task_and_its_std(tmp_path, monkeypatch):
     # Target-v0: reward −(a − x)² for a target x seen in the observation. The last 100 of 2,048 one-step episodes:
-    # −0.26 to −0.37 over seeds 1-3 here, from −0.60 to −0.74 for the first 100; with the sign of the policy loss
-    # flipped, −5.0 (the mean runs away from the target). The learned std falls from 0.61 to 0.57
+    # −0.23 to −0.36 over seeds 1-3 here, from −0.54 to −0.75 for the first 100; with the sign of the policy loss
+    # flipped, −5.0 to −5.2 (the mean runs away from the target). The learned std falls from 0.61 to 0.57
     monkeypatch.chdir(tmp_path)
     pc.main(pc.Args(env_id="Target-v0", total_timesteps=2048, num_steps=256, num_minibatches=4, eval_episodes=0))
     scalars = read_scalars(only_run_dir(tmp_path))
     returns = [v for _, v in scalars["charts/episodic_return"]]
-    assert np.mean(returns[:100]) < -0.55 and np.mean(returns[-100:]) > -0.45, (np.mean(returns[:100]), returns[-100:])
+    first, last = np.mean(returns[:100]), np.mean(returns[-100:])
+    assert last > -0.45 and last - first > 0.1, (first, last)
     assert scalars["charts/action_std"][-1][1] < 0.59  # from exp(−0.5) = 0.607: the log-std is trained
 
 

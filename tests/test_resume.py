@@ -219,7 +219,7 @@ def test_bad_resume_input_is_one_line_and_writes_nothing(tiny_checkpoints, tmp_p
 RL_RUNS = {
     "ppo_clip": ["--total-timesteps", "2048", "--num-envs", "4", "--num-steps", "64", "--eval-episodes", "0"],
     "ppo_kl": ["--total-timesteps", "2048", "--num-envs", "4", "--num-steps", "64", "--eval-episodes", "0",
-               "--kl-target", "0.001"],  # β moves at every update
+               "--kl-target", "1e-5"],  # β doubles at every update (the KL per update is 1e-4 or more)
     "ppo_continuous": ["--env-id", "Pendulum-v1", "--total-timesteps", "2048", "--num-steps", "256", "--num-minibatches",
                        "4", "--update-epochs", "2", "--eval-episodes", "0"],
 }
