@@ -30,8 +30,8 @@ RL_RUNS, LM_RUNS, OUT = "benchmarks/runs", "runs", "docs/curves"
 # and hyperparameters. Its MuJoCo figures are for the v4 envs, so they are not drawn on the v5 panels: there the
 # comparison is this repo's runs with CleanRL's settings (ppo_continuous.sh cleanrl)
 CLEANRL = {"CartPole-v1": 490.04, "Acrobot-v1": -86.36}
-# ppo_continuous.py's defaults at 1M steps (3 seeds; docs/rl_notes.md: runs made at commit fd08223, whose same-seed logs
-# the script still gives bitwise, and not kept): a dotted line on a panel whose defaults' runs are not in RL_RUNS
+# ppo_continuous.py's defaults at 1M steps (3 seeds; docs/rl_notes.md: runs made at commit fd08223, before the rollout
+# ran in numpy, and not kept): a dotted line on a panel whose defaults' runs are not in RL_RUNS
 DEFAULTS_1M = {"HalfCheetah-v5": 3873.42, "Hopper-v5": 2239.30, "Walker2d-v5": 3079.20}
 
 # the legend of a run group: its flags (the exp name the benchmark scripts gave it)
