@@ -7,31 +7,7 @@
 set -euo pipefail
 out=${1:-gpu_steps.jsonl}
 work=$(mktemp -d)
-python - "$work" <<'EOF'
-import json, random, sys
-sys.path.insert(0, "tests")
-import torch
-from lm_models import make_tokenizer
-from transformers import Qwen2Config, Qwen2ForCausalLM
-work = sys.argv[1]
-tokenizer = make_tokenizer("pad_is_eos")  # a small trained tokenizer; the model's 151,936 rows as Qwen2.5's
-torch.manual_seed(0)
-model = Qwen2ForCausalLM(Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                                     num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=2048,
-                                     tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
-                                     pad_token_id=tokenizer.pad_token_id))
-model.to(torch.bfloat16).save_pretrained(f"{work}/base")
-tokenizer.save_pretrained(f"{work}/base")
-rng = random.Random(0)
-words = "sort the digits cat sat on mat hello world what is the answer it is 42".split()
-text = lambda n: " ".join(rng.choice(words) for _ in range(n))  # noqa: E731
-with open(f"{work}/sft.jsonl", "w") as f, open(f"{work}/pref.jsonl", "w") as g, open(f"{work}/prompts.jsonl", "w") as h:
-    for _ in range(256):
-        p = text(120)
-        f.write(json.dumps({"prompt": p, "completion": text(120)}) + "\n")
-        g.write(json.dumps({"prompt": p, "chosen": text(120), "rejected": text(110)}) + "\n")
-        h.write(json.dumps({"prompt": p, "target": "1 2 3"}) + "\n")
-EOF
+python benchmarks/random_qwen.py "$work"  # the model and data
 run() {  # run NAME CMD...: one JSON line, the script's last lines on failure
   if ! "$@" > "$work/log" 2>&1; then tail -20 "$work/log"; exit 1; fi
   grep '^{"script"' "$work/log" | tail -1 >> "$out"; tail -1 "$out"

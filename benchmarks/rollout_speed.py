@@ -27,7 +27,7 @@ def main(pairs, *specs):
         order = ((name_a, command_a), (name_b, command_b))
         for name, command in order if pair % 2 == 0 else order[::-1]:
             results[name].append(run(command))
-            print(f"pair {pair + 1}: {name} {results[name][-1]['completions_per_s']:.1f} completions/s", file=sys.stderr)
+            print(f"pair {pair + 1}: {name} {json.dumps(results[name][-1])}", file=sys.stderr)
     speed = {name: [r["completions_per_s"] for r in rs] for name, rs in results.items()}
     ratios = [b / a for a, b in zip(speed[name_a], speed[name_b])]
     print(f"| {name_a} (completions/s) | {name_b} (completions/s) | {name_b} / {name_a} per pair | median | range |\n"
@@ -35,6 +35,13 @@ def main(pairs, *specs):
     print(f"| {', '.join(f'{s:.1f}' for s in speed[name_a])} | {', '.join(f'{s:.1f}' for s in speed[name_b])} | "
           f"{', '.join(f'{r:.2f}' for r in ratios)} | **{statistics.median(ratios):.2f}×** | "
           f"{min(ratios):.2f}–{max(ratios):.2f} |")
+    if all("generation_tokens_per_s" in r for rs in results.values() for r in rs):
+        tokens = {name: [r["generation_tokens_per_s"] for r in rs] for name, rs in results.items()}
+        print(f"\ngeneration tokens/s (each completion up to its stop token, over the generation's seconds)\n\n"
+              f"| {name_a} | {name_b} | {name_b} / {name_a} per pair | median |\n|-|-|-|-|")
+        ratios = [b / a for a, b in zip(tokens[name_a], tokens[name_b])]
+        print(f"| {', '.join(f'{s:,.0f}' for s in tokens[name_a])} | {', '.join(f'{s:,.0f}' for s in tokens[name_b])} | "
+              f"{', '.join(f'{r:.2f}' for r in ratios)} | **{statistics.median(ratios):.2f}×** |")
     if all("parts" in r for rs in results.values() for r in rs):
         parts = sorted({p for rs in results.values() for r in rs for p in r["parts"]})
         print(f"\nmean seconds of the loop per part\n\n| part | {name_a} | {name_b} |\n|-|-|-|")

@@ -7,7 +7,9 @@ charts/episodes_per_second: the completions of every iteration over the loop's t
 after the loop excluded (what benchmarks/trl_grpo.py measures of TRL). With --profile, the seconds inside the loop
 spent in generation (sample_in_chunks), the reward (the reward functions and the reward model), the rollout's
 forward passes (old and reference log-probs, values: response_logprobs and token_scores without gradients) and the
-rest, the update (forward, backward, AdamW). The timers cost a few microseconds a call."""
+rest, the update (forward, backward, AdamW), and the tokens sampled in the loop (generation tokens/s is their count
+over the generation's seconds). The timers cost a few microseconds a call; on CUDA each waits for the device
+(torch.cuda.synchronize) at its start and end, so that a part's seconds are its own kernels'."""
 import importlib.util
 import json
 import sys
@@ -24,23 +26,33 @@ def main():
     spec = importlib.util.spec_from_file_location("script_under_test", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    state = {"on": False, "active": False, "speed": None, "iterations": 0}
+    state = {"on": False, "active": False, "speed": None, "iterations": 0, "tokens": 0}
     seconds = {}
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
 
     def timed(part, fn, when=lambda: True):
         def wrapper(*args, **kwargs):
             if not (profile and state["on"]) or state["active"] or not when():  # the outermost timed call counts
                 return fn(*args, **kwargs)
+            sync()
             state["active"], start = True, time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
+                sync()
                 seconds[part] = seconds.get(part, 0.0) + time.perf_counter() - start
                 state["active"] = False
         return wrapper
 
     rollout = lambda: not torch.is_grad_enabled()  # noqa: E731  the rollout's passes, not the update's
-    script.sample_in_chunks = timed("generation", script.sample_in_chunks)
+    sample_in_chunks = timed("generation", script.sample_in_chunks)
+
+    def counted(*args, **kwargs):  # the response tokens sampled in the loop, up to each one's stop token
+        out = sample_in_chunks(*args, **kwargs)
+        if state["on"]:
+            state["tokens"] += int(out[3].sum())
+        return out
+    script.sample_in_chunks = counted
     script.reward_table = timed("reward", script.reward_table)
     script.score_responses = timed("reward", script.score_responses)
     script.response_logprobs = timed("rollout log-probs and values", script.response_logprobs, rollout)
@@ -71,6 +83,8 @@ def main():
            "seconds": state["iterations"] * args.batch_size / state["speed"]}
     if profile:
         out["parts"] = {**seconds, "update and the rest": out["seconds"] - sum(seconds.values())}
+        out["generated_tokens"] = state["tokens"]
+        out["generation_tokens_per_s"] = state["tokens"] / seconds["generation"]
     print(json.dumps(out))
 
 
