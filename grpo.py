@@ -1291,12 +1291,16 @@ def shared_prompt_logits(model, sequences, attention_mask, context_length):
     see the response, so this is the same function of the weights as one pass over prompt + response (equal
     up to float rounding; the rollout and the update both take this path, so the first ratio stays exactly
     1), with the prompt's FLOPs divided by the rows that share it; gradients flow through the cache like any
-    activation. None, for one pass instead, when no prompt repeats, the responses are one token long, or
-    with activation checkpointing (which keeps no cache)."""
+    activation. None, for one pass instead, when no prompt repeats, the responses are one token long, with
+    activation checkpointing (which keeps no cache), or on a GPU: there a pass costs its kernel launches more
+    than its FLOPs, and two passes took twice as long as one (an H100, a 0.5B model, 8 completions of each
+    200-token prompt in micro-batches of 16: docs/rollout_speed.md); on the CPU the FLOPs saved count."""
+    if sequences.device.type != "cpu" or any(getattr(m, "gradient_checkpointing", False) is True
+                                             for m in model.modules()):
+        return None
     prompts = torch.cat([sequences[:, :context_length], attention_mask[:, :context_length]], 1)
     distinct, row_prompt = torch.unique(prompts, dim=0, return_inverse=True)
-    if (len(distinct) == len(sequences) or sequences.shape[1] - context_length < 2
-            or any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())):
+    if len(distinct) == len(sequences) or sequences.shape[1] - context_length < 2:
         return None
     prompt_ids, prompt_mask = distinct[:, :context_length], distinct[:, context_length:]
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids_of(prompt_mask),
@@ -1459,6 +1463,9 @@ def setup_distributed(cuda):
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() and cuda else "cpu")
     if torch.cuda.is_available() and cuda:
+        if int(os.environ["LOCAL_WORLD_SIZE"]) > torch.cuda.device_count():  # one GPU per process
+            sys.exit(f"error: {os.environ['LOCAL_WORLD_SIZE']} processes on this node and {torch.cuda.device_count()} "
+                     f"GPU(s): run --nproc-per-node {torch.cuda.device_count()}, or --no-cuda to run on the CPU")
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device, timeout=PROCESS_GROUP_TIMEOUT)

@@ -16,9 +16,10 @@ import rlhf_ppo
 
 
 def torchrun(script, *flags, cwd, nproc=2, check=True):
-    """`torchrun --standalone --nproc-per-node 2 <script> <flags>` in `cwd`, one thread per process; each rank's
-    stdout and stderr go to files under cwd/torchrun_logs (read them with rank_output)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    """`torchrun --standalone --nproc-per-node 2 <script> <flags>` in `cwd`, one thread per process, on the CPU
+    (gloo) even where a GPU is visible; each rank's stdout and stderr go to files under cwd/torchrun_logs (read
+    them with rank_output)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "--log-dir", str(cwd / "torchrun_logs"), "--redirects", "3", os.path.join(ROOT, script), *flags]
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
@@ -188,6 +189,27 @@ def test_batch_that_does_not_split_over_ranks_is_one_line_on_rank_0(tmp_path, sc
     assert len(lines) == 1 and "2 rank(s) × 2 micro-batches; make it a multiple of 4" in lines[0], lines
     assert rank_output(tmp_path, 1, "stderr").strip() == ""
     assert not os.path.exists(tmp_path / "runs") and not os.path.exists(tmp_path / "models")
+
+
+@pytest.mark.parametrize("script", ["sft", "reward_model", "dpo", "rlhf_ppo", "grpo"])
+def test_more_processes_than_gpus_is_one_line(monkeypatch, script):
+    """torchrun --nproc-per-node 2 where one GPU is visible: a line that says what to run, before the process group
+    (it was CUDA's "invalid device ordinal" traceback on rank 1). The GPU is faked: this runs anywhere."""
+    import importlib
+
+    module = importlib.import_module(script)
+    for name, value in (("RANK", "1"), ("LOCAL_RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SystemExit) as e:
+        module.setup_distributed(cuda=True)
+    assert e.value.code == ("error: 2 processes on this node and 1 GPU(s): run --nproc-per-node 1, or --no-cuda to "
+                            "run on the CPU")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # enough GPUs: on to the device (here: no CUDA)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: (_ for _ in ()).throw(RuntimeError(f"set {device}")))
+    with pytest.raises(RuntimeError, match="set cuda:1"):
+        module.setup_distributed(cuda=True)
 
 
 def test_a_mixture_of_experts_trains_under_ddp(tmp_path):

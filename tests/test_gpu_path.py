@@ -153,7 +153,7 @@ def test_one_gradient_all_reduce_per_optimizer_step(tiny_checkpoints, tmp_path, 
     for accumulation in ("1", "2"):
         cwd = tmp_path / accumulation
         cwd.mkdir()
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # gloo, on any machine
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                                str(tmp_path / "counting.py"), *flags, "--gradient-accumulation-steps", accumulation,
                                "--output-dir", "out"], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)

@@ -214,6 +214,9 @@ def test_rows_that_repeat_a_prompt_share_its_forward_pass(arch):
     batch_sizes.clear()
     grpo.response_logprobs(model, sequences[::2], attention_mask[::2], 3, 0.7)
     assert batch_sizes == [3]
+    # off the CPU (a GPU; here the meta device stands in for one) the one pass is taken: no model call made here
+    assert grpo.shared_prompt_logits(model, sequences.to("meta"), attention_mask.to("meta"), 3) is None
+    assert batch_sizes == [3]
 
 
 def test_same_seed_same_logs_and_weights(tiny_checkpoints, tmp_path):
