@@ -1,4 +1,5 @@
 """The benchmark tools: plot_curves.py must refuse to mix runs; the rollout timers must time what they say."""
+import glob
 import os
 import sys
 
@@ -87,6 +88,12 @@ def test_the_rollout_timer_counts_the_loop_and_its_parts(tiny_checkpoints, tmp_p
         assert out["completions_per_s"] == pytest.approx(32 / out["seconds"])
         assert parts["generation"] > 0 and parts["reward"] > 0 and parts["rollout log-probs and values"] > 0
         assert 0 < parts["update and the rest"] < out["seconds"]
+        if script == "grpo.py":  # the tokens sampled in the loop: the logged mean completion length × 16, summed
+            from conftest import read_scalars
+
+            lengths = read_scalars(glob.glob(str(tmp_path / "runs" / "grpo__*"))[0])["objective/completion_length"]
+            assert len(lengths) == 2 and out["generated_tokens"] == round(sum(v * 16 for _, v in lengths))
+            assert out["generation_tokens_per_s"] == pytest.approx(out["generated_tokens"] / parts["generation"])
 
 
 def test_side_by_side_pairs_alternate_and_report_every_ratio(tmp_path, capsys):
