@@ -1233,8 +1233,9 @@ def setup_distributed(cuda):
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() and cuda else "cpu")
     if torch.cuda.is_available() and cuda:
-        if int(os.environ["LOCAL_WORLD_SIZE"]) > torch.cuda.device_count():  # one GPU per process
-            sys.exit(f"error: {os.environ['LOCAL_WORLD_SIZE']} processes on this node and {torch.cuda.device_count()} "
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's; a launcher may not set it
+        if local_world_size > torch.cuda.device_count():  # one GPU per process
+            sys.exit(f"error: {local_world_size} processes on this node and {torch.cuda.device_count()} "
                      f"GPU(s): run --nproc-per-node {torch.cuda.device_count()}, or --no-cuda to run on the CPU")
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
