@@ -30,13 +30,10 @@ RL_RUNS, LM_RUNS, OUT = "benchmarks/runs", "runs", "docs/curves"
 # and hyperparameters. Its MuJoCo figures are for the v4 envs, so they are not drawn on the v5 panels: there the
 # comparison is this repo's runs with CleanRL's settings (ppo_continuous.sh cleanrl)
 CLEANRL = {"CartPole-v1": 490.04, "Acrobot-v1": -86.36}
-# ppo_continuous.py's defaults at 1M steps (3 seeds; docs/rl_notes.md: runs made at commit fd08223, before the rollout
-# ran in numpy, and not kept): a dotted line on a panel whose defaults' runs are not in RL_RUNS
-DEFAULTS_1M = {"HalfCheetah-v5": 3873.42, "Hopper-v5": 2239.30, "Walker2d-v5": 3079.20}
 
 # the legend of a run group: its flags (the exp name the benchmark scripts gave it)
 LABELS = {"grpo_rm": "--reward-model-path", "rloo": "--advantage rloo", "rlhf_ppo_kl0": "--kl-coef 0",
-          "ppo_continuous_cleanrl": "CleanRL's settings: --log-std-init 0 --no-bootstrap-truncation"}
+          "ppo_continuous_cleanrl": "CleanRL's settings"}  # --log-std-init 0 --no-bootstrap-truncation
 
 # (figure file, [(panel title, runs glob under RL_RUNS or LM_RUNS, tag, y label)])
 FIGURES = {
@@ -132,9 +129,6 @@ def draw(ax, title, pattern, tag, ylabel):
         if len(seeds) > 1:
             ax.fill_between(grid, ys.min(0), ys.max(0), color=f"C{i}", alpha=0.2)
     env = title.split(",")[0]
-    if tag == "return" and env in DEFAULTS_1M and (env, "ppo_continuous") not in groups:
-        ax.axhline(DEFAULTS_1M[env], color="C1", linestyle=":", linewidth=1.5,
-                   label=f"defaults at 1M steps ({DEFAULTS_1M[env]:,.0f}, 3 seeds, runs not kept)")
     if tag == "return" and env in CLEANRL:
         ax.axhline(CLEANRL[env], color="black", linestyle="--", linewidth=1,
                    label=f"CleanRL ppo.py, gym ({CLEANRL[env]:,.0f})")
