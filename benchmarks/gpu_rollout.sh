@@ -14,12 +14,12 @@ ours="$PY $ROOT/benchmarks/rollout_timer.py $ROOT/grpo.py --sft-model-path $work
     --reward-fn exact_match --num-iterations $N --response-length 128 --max-prompt-length 512 --batch-size 256
     --generation-batch-size 256 --mini-batch-size 64 --gradient-accumulation-steps 4 --eval-every 1000 --eval-size 16
     --bf16 --output-dir $work/out --profile"
-trl="$TRL_PYTHON $ROOT/benchmarks/trl_grpo.py --gpu --sft-model-path $work/base --dataset-name $work/prompts.jsonl
+trl="${TRL_PYTHON:-python} $ROOT/benchmarks/trl_grpo.py --gpu --sft-model-path $work/base --dataset-name $work/prompts.jsonl
     --num-iterations $N --response-length 128 --batch-size 256 --mini-batch-size 64 --micro-batch-size 16 --profile"
 cd "$work"
 if [ -n "${ONE_PASS:-}" ]; then
     echo "## grpo.py with and without shared prompts in its log-prob passes (rollout_timer.py --one-pass)"
     exec $PY "$ROOT/benchmarks/rollout_speed.py" "$PAIRS" "one-pass=$(echo $ours --one-pass)" "grpo.py=$(echo $ours)"
 fi
-echo "## grpo.py against TRL $($TRL_PYTHON -c 'import trl; print(trl.__version__)')'s GRPOTrainer on $($PY -c 'import torch; print(torch.cuda.get_device_name())')"
+echo "## grpo.py against TRL $(${TRL_PYTHON:-python} -c 'import trl; print(trl.__version__)')'s GRPOTrainer on $($PY -c 'import torch; print(torch.cuda.get_device_name())')"
 $PY "$ROOT/benchmarks/rollout_speed.py" "$PAIRS" "TRL=$(echo $trl)" "grpo.py=$(echo $ours)"
