@@ -1271,6 +1271,11 @@ def response_logprobs(model, sequences, attention_mask, context_length, temperat
     return token_logprobs(logits, sequences[:, context_length:], with_entropy=True, temperature=temperature)
 
 
+# The KV cache's name as a model's forward takes and returns it: transformers 5.24 renamed past_key_values to cache
+# (the old keyword still works there, with a FutureWarning on every call)
+CACHE = "cache" if tuple(int(v) for v in transformers.__version__.split(".")[:2]) >= (5, 24) else "past_key_values"
+
+
 def shared_prompt_logits(model, sequences, attention_mask, context_length):
     """The logits that predict each response token, with each distinct prompt of the batch computed once:
     one forward pass over the distinct prompts, whose keys and values (the KV cache, as in generation) every
@@ -1292,11 +1297,11 @@ def shared_prompt_logits(model, sequences, attention_mask, context_length):
     prompt_ids, prompt_mask = distinct[:, :context_length], distinct[:, context_length:]
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids_of(prompt_mask),
                 use_cache=True, logits_to_keep=1)  # the last prompt position predicts the first response token
-    cache = out.past_key_values
+    cache = out[CACHE]
     cache.batch_select_indices(row_prompt)  # each row's prompt: a gather, differentiable
     positions = position_ids_of(attention_mask)
     logits = model(input_ids=sequences[:, context_length:-1], attention_mask=attention_mask[:, :-1],
-                   position_ids=positions[:, context_length:-1], past_key_values=cache, use_cache=True).logits
+                   position_ids=positions[:, context_length:-1], use_cache=True, **{CACHE: cache}).logits
     return torch.cat([out.logits[row_prompt], logits], 1)
 
 
@@ -1386,7 +1391,7 @@ def sample_tokens(model, input_ids, attention_mask, stops, pad_token_id, max_new
     prompt_mask = distinct[:, width:]
     out = model(input_ids=distinct[:, :width], attention_mask=prompt_mask, position_ids=position_ids_of(prompt_mask),
                 use_cache=True, logits_to_keep=1)
-    cache, logits = out.past_key_values, out.logits[row_prompt, -1]
+    cache, logits = out[CACHE], out.logits[row_prompt, -1]
     cache.batch_select_indices(row_prompt)  # each row's copy of its prompt's keys and values
     responses = torch.full((len(input_ids), max_new_tokens), pad_token_id, device=input_ids.device)
     running = torch.arange(len(input_ids), device=input_ids.device)  # the rows still sampling
@@ -1411,7 +1416,7 @@ def sample_tokens(model, input_ids, attention_mask, stops, pad_token_id, max_new
             continue
         attention_mask = F.pad(attention_mask, (0, 1), value=1)
         logits = model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=(positions + t)[:, None],
-                       past_key_values=cache, use_cache=True).logits[:, -1]
+                       use_cache=True, **{CACHE: cache}).logits[:, -1]
     return responses
 
 

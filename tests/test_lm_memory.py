@@ -104,7 +104,7 @@ def test_rollout_forward_passes_use_the_update_micro_batch_size(tiny_checkpoints
         # prompts are 10-14 tokens, responses 14: a pass wider than 18 is over prompt + response, and one of 13
         # tokens after a cache (grpo's G rows of a prompt share its pass) is over the responses; generation's
         # passes are over the prompts alone (no cache yet) or one token wide
-        width, cached = kwargs["input_ids"].shape[1], kwargs.get("past_key_values") is not None
+        width, cached = kwargs["input_ids"].shape[1], kwargs.get(rlhf_ppo.CACHE) is not None
         if isinstance(module, GPT2LMHeadModel) and (width > 18 or (cached and width > 1)):
             sizes.append((torch.is_grad_enabled(), kwargs["input_ids"].shape[0]))
 

@@ -279,7 +279,7 @@ def test_sampling_draws_from_the_models_own_distribution(tmp_path, script):
     stop = [sequences[0, width + 1].item()]  # row 0 stops at its second token; the others go on longer
     steps = []  # the logits of each step after the first, of the rows still running
     model.register_forward_hook(lambda m, args, kwargs, out: steps.append(out.logits[:, -1])
-                                if kwargs.get("past_key_values") is not None and kwargs["input_ids"].shape[1] == 1
+                                if kwargs.get(script.CACHE) is not None and kwargs["input_ids"].shape[1] == 1
                                 else None, with_kwargs=True)
     sequences, attention_mask, width, response_mask = script.sample(model, prompts, pad, stop, 8, greedy=True)
     assert response_mask[0].sum() <= 2 and response_mask.sum(1).max() == 8 and len(steps) == 7
@@ -376,15 +376,17 @@ def test_sampling_and_scoring_stop_at_the_end_of_turn_token():
         device = torch.device("cpu")
         responses = {4: [5, eot, 9, 9], 6: [5, 6, 6, 6]}
 
-        def forward(self, input_ids, past_key_values=None, **kwargs):
-            from types import SimpleNamespace
-
-            cache = past_key_values or ScriptedCache(input_ids[:, -1].clone())
-            cache.steps += past_key_values is not None
+        def forward(self, input_ids, **kwargs):
+            past = kwargs.get(script.CACHE)  # the cache under the name the installed transformers uses
+            cache = past or ScriptedCache(input_ids[:, -1].clone())
+            cache.steps += past is not None
             logits = torch.zeros(len(input_ids), 1, 10)
             for row, prompt in enumerate(cache.prompts.tolist()):
                 logits[row, 0, self.responses[prompt][cache.steps]] = 100.0
-            return SimpleNamespace(logits=logits, past_key_values=cache)
+            return Output(logits=logits, **{script.CACHE: cache})
+
+    class Output(dict):  # a model output: fields by name and by key
+        __getattr__ = dict.__getitem__
 
     for script in (rlhf_ppo, dpo, grpo):
         sequences, attention_mask, width, mask = script.sample(ScriptedModel(), [[3, 4], [6]], pad, stop_ids, 4)
