@@ -1,6 +1,6 @@
 """The training loop's speed of grpo.py or rlhf_ppo.py (of any checkout), and where its time goes, as one JSON line:
 
-    python benchmarks/rollout_timer.py PATH/grpo.py [--profile] [--one-pass] [the script's flags]
+    python benchmarks/rollout_timer.py PATH/grpo.py [--profile] [the script's flags]
 
 The script's own `main(tyro.cli(Args))` runs in this process. completions_per_s is the script's last
 charts/episodes_per_second: the completions of every iteration over the loop's time, the evaluations before and
@@ -8,9 +8,7 @@ after the loop excluded (what benchmarks/trl_grpo.py measures of TRL). With --pr
 spent in generation (sample_in_chunks), the reward (the reward functions and the reward model), the rollout's
 forward passes (old and reference log-probs, values: response_logprobs and token_scores without gradients) and the
 rest, the update (forward, backward, AdamW), and the tokens sampled in the loop (generation tokens/s is their count
-over the generation's seconds). --one-pass turns off the sharing of repeated prompts in the
-log-prob passes (shared_prompt_logits returns None: one pass over prompt + response per row), to measure what it
-saves or costs. The timers cost a few microseconds a call; on CUDA each waits for the device
+over the generation's seconds). The timers cost a few microseconds a call; on CUDA each waits for the device
 (torch.cuda.synchronize) at its start and end, so that a part's seconds are its own kernels'."""
 import importlib.util
 import json
@@ -23,8 +21,8 @@ import tyro
 
 def main():
     path, flags = sys.argv[1], sys.argv[2:]
-    profile, one_pass = "--profile" in flags, "--one-pass" in flags
-    flags = [f for f in flags if f not in ("--profile", "--one-pass")]
+    profile = "--profile" in flags
+    flags = [f for f in flags if f != "--profile"]
     spec = importlib.util.spec_from_file_location("script_under_test", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
@@ -46,8 +44,6 @@ def main():
                 state["active"] = False
         return wrapper
 
-    if one_pass:
-        script.shared_prompt_logits = lambda *args, **kwargs: None
     rollout = lambda: not torch.is_grad_enabled()  # noqa: E731  the rollout's passes, not the update's
     sample_in_chunks = timed("generation", script.sample_in_chunks)
 
