@@ -4,7 +4,7 @@
 # its own defaults (the same networks and hyperparameters), at the same torch thread count (1: ours --threads 1,
 # CleanRL OMP_NUM_THREADS=1) and CleanRL also at its own default (torch's, one thread per core). Then the
 # environment alone, stepped as the scripts step it with random actions: the limit a training loop cannot pass.
-#   bash benchmarks/rl_speed.sh BASELINE_DIR [PAIRS]       # PAIRS=3 by default; about 5 minutes a pair here
+#   bash benchmarks/rl_speed.sh BASELINE_DIR [PAIRS]       # PAIRS=3 by default; 2.5 to 5 minutes a pair here (the speed varies between sessions)
 # BASELINE_DIR holds cleanrl_ppo.py and cleanrl_ppo_continuous_action.py, CleanRL's files ported to gymnasium 1.x
 # (kept outside this repo; how to make them: docs/rl_notes.md). CartPole-v1 runs 102,400 steps (50 iterations),
 # HalfCheetah-v5 40,960 (20 iterations): steps/s is each run's last SPS, over its whole loop.
