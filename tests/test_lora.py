@@ -60,6 +60,7 @@ def test_only_the_adapters_and_the_head_change(tiny_checkpoints, tmp_path, monke
         assert not torch.equal(state["score.modules_to_save.default.weight"], state["score.original_module.weight"])
 
 
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated")  # peft 0.21's PeftModel on transformers 5.24
 def test_adapters_off_is_the_base_model_and_the_merged_save_is_the_adapter_model(tiny_checkpoints, tmp_path):
     """dpo.py with --lora-r: the reference (the policy with its adapters off, in AdaptersOff) gives the base
     model's logits bitwise after training, while the adapters change them; KL and the DPO margin are exactly 0
