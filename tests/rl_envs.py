@@ -128,3 +128,18 @@ def first_gae_inputs(module, monkeypatch):
 
     monkeypatch.setattr(module, "compute_gae", spy)
     return seen
+
+
+def recorded_writers(module, monkeypatch):
+    """The SummaryWriters that `module.main` makes, as a list it fills: a test whose run stops part-way (sys.exit)
+    closes them while still in its directory. Left open, a writer's thread flushes later, to the relative path
+    runs/..., from whatever directory the process is in by then (another test's: FileNotFoundError in the thread)."""
+    writers = []
+
+    class Recorded(module.SummaryWriter):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            writers.append(self)
+
+    monkeypatch.setattr(module, "SummaryWriter", Recorded)
+    return writers

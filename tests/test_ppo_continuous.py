@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import assert_one_line_error, one_line_exit, only_run_dir, read_scalars, run_script, same_seed_scalars
 import rl_envs  # noqa: F401  (registers Target-v0)
-from rl_envs import ClockEnv, first_gae_inputs
+from rl_envs import ClockEnv, first_gae_inputs, recorded_writers
 
 import ppo_continuous as pc
 
@@ -196,9 +196,13 @@ def test_the_env_gets_clipped_actions_and_the_policy_trains_on_the_sampled_ones(
 
 def test_a_nan_loss_stops_the_run_with_one_line_and_saves_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(pc, "value_loss", lambda *a, **k: torch.tensor(float("nan")))
+    writers = recorded_writers(pc, monkeypatch)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as stop:
         pc.main(pc.Args(**CLOCK, total_timesteps=40, save_model=True))
+    assert len(writers) == 1
+    for writer in writers:  # the run stopped before closing it
+        writer.close()
     assert "the loss is nan at iteration 1" in str(stop.value)
     assert not list(tmp_path.glob("runs/*/*.pt"))
 

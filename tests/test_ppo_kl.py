@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import assert_one_line_error, one_line_exit, only_run_dir, read_scalars, run_script, same_seed_scalars
-from rl_envs import CountingEnv, OffsetActionsEnv, first_gae_inputs
+from rl_envs import CountingEnv, OffsetActionsEnv, first_gae_inputs, recorded_writers
 
 import ppo_kl
 
@@ -261,9 +261,13 @@ def test_logged_returns_are_the_true_episode_returns(tmp_path, monkeypatch):
 
 def test_a_nan_loss_stops_the_run_with_one_line_and_saves_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(ppo_kl, "value_loss", lambda *a, **k: torch.tensor(float("nan")))
+    writers = recorded_writers(ppo_kl, monkeypatch)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as stop:
         ppo_kl.main(ppo_kl.Args(total_timesteps=512, num_envs=2, num_steps=256, save_model=True))
+    assert len(writers) == 1
+    for writer in writers:  # the run stopped before closing it
+        writer.close()
     assert "the loss is nan at iteration 1" in str(stop.value)
     assert not list(tmp_path.glob("runs/*/*.pt"))
 
