@@ -9,7 +9,8 @@
    cut without changing the algorithm. The profiler inflates small ops, so the shares are of the profiled run.
 2. The actor's forward and backward over one micro-batch of the update's most common shape in that run (rows,
    tokens, response tokens), eager against torch.compile (inductor, dynamic shapes), alternating, 2 pairs of 30
-   steps, after the compiled one's first call (its compile time with a cold cache, also reported) and 3 warm-up steps each.
+   steps, after the compiled one's first call (its compile time with a cold cache, also reported) and 3 warm-up
+   steps each.
 3. One matrix product of the update's shape (its rows × tokens by the model's width into the MLP's 4× width), in
    GFLOPS: what the machine's float32 matmul reaches on one thread."""
 import collections
@@ -20,7 +21,7 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp())  # a cold compile, not one from an earlier run's cache
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp())  # a cold compile, not an earlier run's cache
 
 import torch
 import tyro
@@ -84,7 +85,8 @@ def main():
     start = time.perf_counter()
     for _ in range(1000):
         a @ w.T
-    result["matmul_gflops"] = round(2 * rows * tokens * width * 4 * width / ((time.perf_counter() - start) / 1000) / 1e9)
+    seconds = (time.perf_counter() - start) / 1000
+    result["matmul_gflops"] = round(2 * rows * tokens * width * 4 * width / seconds / 1e9)
     print(json.dumps(result))
 
 
