@@ -1,6 +1,6 @@
 """The training loop's speed of grpo.py or rlhf_ppo.py (of any checkout), and where its time goes, as one JSON line:
 
-    python benchmarks/rollout_timer.py PATH/grpo.py [--profile] [the script's flags]
+    python benchmarks/rollout_timer.py PATH/grpo.py [--profile] [--attention-math] [the script's flags]
 
 The script's own `main(tyro.cli(Args))` runs in this process. completions_per_s is the script's last
 charts/episodes_per_second: the completions of every iteration over the loop's time, the evaluations before and
@@ -9,7 +9,11 @@ spent in generation (sample_in_chunks), the reward (the reward functions and the
 forward passes (old and reference log-probs, values: response_logprobs and token_scores without gradients) and the
 rest, the update (forward, backward, AdamW), and the tokens sampled in the loop (generation tokens/s is their count
 over the generation's seconds). The timers cost a few microseconds a call; on CUDA each waits for the device
-(torch.cuda.synchronize) at its start and end, so that a part's seconds are its own kernels'."""
+(torch.cuda.synchronize) at its start and end, so that a part's seconds are its own kernels'. With --attention-math,
+the whole run takes scaled_dot_product_attention's math kernel (torch.nn.attention.sdpa_kernel) instead of the flash
+kernel torch picks on the CPU, whose bfloat16 backward is slow at the built-in task's short sequences
+(benchmarks/update_floor.py); the scripts themselves leave the choice to torch."""
+import contextlib
 import importlib.util
 import json
 import sys
@@ -17,12 +21,13 @@ import time
 
 import torch
 import tyro
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 def main():
     path, flags = sys.argv[1], sys.argv[2:]
-    profile = "--profile" in flags
-    flags = [f for f in flags if f != "--profile"]
+    profile, attention_math = "--profile" in flags, "--attention-math" in flags
+    flags = [f for f in flags if f not in ("--profile", "--attention-math")]
     spec = importlib.util.spec_from_file_location("script_under_test", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
@@ -78,7 +83,8 @@ def main():
     args = tyro.cli(script.Args, args=flags)
     if not args.anneal_lr:
         sys.exit("error: the loop's start is seen through get_lr: keep --anneal-lr")
-    script.main(args)
+    with sdpa_kernel(SDPBackend.MATH) if attention_math else contextlib.nullcontext():
+        script.main(args)
     out = {"side": path, "threads": torch.get_num_threads(), "completions_per_s": state["speed"],
            "seconds": state["iterations"] * args.batch_size / state["speed"]}
     if profile:

@@ -12,7 +12,12 @@
    steps, after the compiled one's first call (its compile time with a cold cache, also reported) and 3 warm-up
    steps each.
 3. One matrix product of the update's shape (its rows × tokens by the model's width into the MLP's 4× width), in
-   GFLOPS: what the machine's float32 matmul reaches on one thread."""
+   GFLOPS: what the machine's float32 and bfloat16 matmuls reach on one thread.
+4. bfloat16 (--bf16: torch.autocast over the float32 weights), which changes what is computed: the actor's forward
+   and backward on the same micro-batch, float32 against autocast with scaled_dot_product_attention's flash
+   kernel (torch's default on the CPU) and with its math kernel, alternating, 2 rounds of 30 steps; and attention
+   alone (forward and backward, causal) in both dtypes under both kernels, at the update's shape and at a 0.5B
+   model's over 512 tokens."""
 import collections
 import importlib.util
 import json
@@ -24,7 +29,9 @@ import time
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp())  # a cold compile, not an earlier run's cache
 
 import torch
+import torch.nn.functional as F
 import tyro
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import profile
 
 
@@ -63,9 +70,18 @@ def main():
     x = torch.randint(3, model.config.vocab_size, (rows, tokens))
     mask = torch.ones_like(x)
 
-    def step(m):
-        logits = m(input_ids=x, attention_mask=mask, logits_to_keep=response + 1).logits
+    def step(m, bf16=False):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = m(input_ids=x, attention_mask=mask, logits_to_keep=response + 1).logits
         logits.float().log_softmax(-1).sum().backward()
+
+    def milliseconds(fn, repeats=30):
+        for _ in range(3):
+            fn()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return round((time.perf_counter() - start) / repeats * 1e3, 2)
 
     compiled = torch.compile(model, dynamic=True)
     start = time.perf_counter()
@@ -73,20 +89,33 @@ def main():
     result.update(shape={"rows": rows, "tokens": tokens, "response_tokens": response},
                   compile_s=round(time.perf_counter() - start, 1), eager_ms=[], compiled_ms=[])
     for m, name in ((model, "eager_ms"), (compiled, "compiled_ms")) * 2:
-        for _ in range(3):
-            step(m)
-        start = time.perf_counter()
-        for _ in range(30):
-            step(m)
-        result[name].append(round((time.perf_counter() - start) / 30 * 1e3, 1))
+        result[name].append(milliseconds(lambda: step(m)))
 
-    width = model.config.hidden_size
-    a, w = torch.randn(rows * tokens, width), torch.randn(4 * width, width)
-    start = time.perf_counter()
-    for _ in range(1000):
-        a @ w.T
-    seconds = (time.perf_counter() - start) / 1000
-    result["matmul_gflops"] = round(2 * rows * tokens * width * 4 * width / seconds / 1e9)
+    width, heads = model.config.hidden_size, model.config.num_attention_heads
+    for dtype in (torch.float32, torch.bfloat16):
+        a, w = torch.randn(rows * tokens, width, dtype=dtype), torch.randn(4 * width, width, dtype=dtype)
+        seconds = milliseconds(lambda: a @ w.T, repeats=1000) / 1e3
+        result[f"matmul_gflops_{str(dtype)[6:]}"] = round(2 * rows * tokens * width * 4 * width / seconds / 1e9)
+
+    # bfloat16: the whole pass under autocast, then attention alone, each under both kernels
+    kernels = {"flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
+    result["actor_ms"] = {"float32": [], "bf16_flash": [], "bf16_math": []}
+    for _ in range(2):
+        result["actor_ms"]["float32"].append(milliseconds(lambda: step(model)))
+        for name, kernel in kernels.items():
+            with sdpa_kernel(kernel):
+                result["actor_ms"][f"bf16_{name}"].append(milliseconds(lambda: step(model, bf16=True)))
+    # attention at the update's shape, and at a 0.5B model's (Qwen2.5-0.5B: 14 heads of 64) over 512 tokens
+    attention_shapes = {"update": (rows, heads, tokens, width // heads), "rows_2_heads_14_tokens_512": (2, 14, 512, 64)}
+    for label, shape in attention_shapes.items():
+        result[f"attention_ms_{label}"] = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            q, k, v = (torch.randn(*shape, dtype=dtype, requires_grad=True) for _ in range(3))
+            for name, kernel in kernels.items():
+                def attention():
+                    with sdpa_kernel(kernel):
+                        F.scaled_dot_product_attention(q, k, v, is_causal=True).float().sum().backward()
+                result[f"attention_ms_{label}"][f"{str(dtype)[6:]}_{name}"] = milliseconds(attention, repeats=20)
     print(json.dumps(result))
 
 
