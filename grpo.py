@@ -631,7 +631,7 @@ def main(args: Args):
             evaluate(iteration)
 
         # ---- checkpoint: every --save-every iterations, and at SIGTERM, which then ends the run (exit code 0) --
-        sigterm = preemption.requested(device)
+        sigterm = bool(all_reduce_sum({"sigterm": preemption.received}, device)["sigterm"])  # on any rank
         if sigterm or (args.save_every and iteration % args.save_every == 0):
             save_checkpoint(run_dir, iteration, policy, optimizer, args,
                             {"rng": rng.getstate(), "elapsed": time.time() - start_time}, sigterm)
@@ -644,9 +644,10 @@ def main(args: Args):
 
 
 # =============================================================================================
-# Plumbing. Everything below this line is the same text in sft.py, reward_model.py, dpo.py, rlhf_ppo.py
-# and grpo.py (tests/test_copies.py checks it byte for byte): the built-in task, tokenization, data and
-# model loading, forward passes, many processes, saving. A reader learning the algorithm can stop here.
+# Plumbing: the built-in task, tokenization, data and model loading, forward passes, many processes,
+# saving. Each definition below is pasted from the LM scripts that share it, one text in all of them
+# (tests/test_copies.py checks each), and this file holds only those its main reaches. A reader learning
+# the algorithm can stop here.
 # =============================================================================================
 
 
@@ -786,23 +787,6 @@ def stop_token_ids(tokenizer):
     return stops
 
 
-def tokenize_pair(tokenizer, prompt, completion, stop_ids):
-    """(prompt_ids, completion_ids), the completion ending with a stop token. A text completion is
-    tokenized on its own, EOS appended. A conversational one (assistant messages after a conversational
-    prompt) is what the chat template adds to the prompt's rendering, up to and including its first stop
-    token: what a template writes after it (a newline) is never sampled, so it is not trained on either."""
-    prompt_ids = encode_prompt(tokenizer, prompt)
-    if not isinstance(completion, list):
-        return prompt_ids, tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    full = render_chat(tokenizer, prompt + completion)
-    if full[: len(prompt_ids)] != prompt_ids:
-        sys.exit("error: the chat template renders a conversation's start differently once a reply follows, so "
-                 "prompt and completion tokens cannot be told apart; use text prompt/completion data")
-    completion_ids = full[len(prompt_ids) :]
-    ends = [i for i, t in enumerate(completion_ids) if t in stop_ids]
-    return prompt_ids, completion_ids[: ends[0] + 1] if ends else completion_ids + [tokenizer.eos_token_id]
-
-
 def add_pad_token(tokenizer, stop_ids, *models):
     """Make sure the tokenizer has a pad token that is no stop token, so that masking padding never masks
     an EOS the model must learn. Reuse an unused special token where the tokenizer has one (Llama 3's
@@ -824,100 +808,6 @@ def add_pad_token(tokenizer, stop_ids, *models):
             with torch.no_grad():
                 for embedding in {model.get_input_embeddings(), model.get_output_embeddings()} - {None}:
                     embedding.weight[rows:] = embedding.weight[:rows].mean(0)
-
-
-def tokenize(example, tokenizer, stop_ids):
-    """(input_ids, labels) of one example, labels −100 where no loss is taken:
-    prompt/completion (text or conversational): the loss on the completion and its stop token;
-    text: on every token, EOS appended; messages: on each assistant turn up to its stop token."""
-    if example.get("messages") is not None:
-        messages, ids, labels, stopped = example["messages"], [], [], True
-        for i, message in enumerate(messages):
-            renders = [render_chat(tokenizer, messages[: i + 1])]
-            if message["role"] == "assistant":  # the assistant header is prompt, not completion
-                renders.insert(0, render_chat(tokenizer, messages[:i], add_generation_prompt=True))
-            for full in renders:
-                # Each render must extend the previous one. Templates that re-render earlier turns once later
-                # ones exist (e.g. dropping past reasoning) break this, and the labels would be misplaced.
-                if full[: len(ids)] != ids:
-                    sys.exit("error: the chat template renders earlier turns differently once later turns exist (e.g. "
-                             "it drops past reasoning), so assistant turns cannot be labeled; split each conversation "
-                             "into prompt/completion rows, one per assistant turn")
-                new, ids = full[len(ids) :], full
-                if full is renders[-1] and message["role"] == "assistant":
-                    ends = [j for j, t in enumerate(new) if t in stop_ids]
-                    n, stopped = (ends[0] + 1, True) if ends else (len(new), False)
-                    labels += new[:n] + [-100] * (len(new) - n)
-                else:
-                    labels += [-100] * len(new)
-        if not stopped and messages[-1]["role"] == "assistant":  # a template with no end-of-turn token: EOS ends the reply
-            ids, labels = ids + [tokenizer.eos_token_id], labels + [tokenizer.eos_token_id]
-        return ids, labels
-    if example.get("prompt") is not None and example.get("completion") is not None:
-        prompt_ids, completion_ids = tokenize_pair(tokenizer, example["prompt"], example["completion"], stop_ids)
-        return prompt_ids + completion_ids, [-100] * len(prompt_ids) + completion_ids
-    ids = encode_prompt(tokenizer, example["text"]) + [tokenizer.eos_token_id]
-    return ids, list(ids)
-
-
-def tokenize_preference(tokenizer, row, stop_ids):
-    """(prompt_ids, chosen_ids, rejected_ids) of a preference row in any of TRL's formats: explicit
-    (`prompt`, `chosen`, `rejected`) or implicit (`chosen` and `rejected` each include the prompt), text or
-    conversational. An implicit prompt is what the two share at the start, as in TRL: whole messages of
-    a conversation, whole tokens of a text (so a word is never split and keeps its leading space)."""
-    prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
-    if not prompt and isinstance(chosen, list):
-        n = 0
-        while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
-            n += 1
-        prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
-    elif not prompt:
-        c, r = encode_prompt(tokenizer, chosen), encode_prompt(tokenizer, rejected)
-        n = len(os.path.commonprefix([c, r]))
-        return c[:n], c[n:] + [tokenizer.eos_token_id], r[n:] + [tokenizer.eos_token_id]
-    prompt_ids, chosen_ids = tokenize_pair(tokenizer, prompt, chosen, stop_ids)
-    return prompt_ids, chosen_ids, tokenize_pair(tokenizer, prompt, rejected, stop_ids)[1]
-
-
-def tokenize_examples(tokenizer, examples, stop_ids, max_length, split):
-    """[(input_ids, labels)] of the examples that fit `max_length` (a `text` example is cut to it); the others
-    are dropped and counted, as are examples with nothing to learn."""
-    kept, dropped = [], 0
-    for ex in examples:
-        ids, labels = tokenize(ex, tokenizer, stop_ids)
-        if ex.get("text") is not None and ex.get("messages") is None and ex.get("completion") is None:
-            ids, labels = ids[:max_length], labels[:max_length]
-        if len(ids) > max_length or all(label == -100 for label in labels[1:]):
-            dropped += 1
-        else:
-            kept.append((ids, labels))
-    if dropped:
-        print(f"{split}: dropped {dropped:,} of {len(examples):,} examples longer than --max-length {max_length} "
-              "or with nothing to learn")
-    if not kept and split == "train":
-        sys.exit(f"error: no training example fits --max-length {max_length} (see above); raise it")
-    return kept
-
-
-def tokenize_pairs(tokenizer, rows, stop_ids, max_length, split):
-    """[(prompt_ids, chosen_ids, rejected_ids, row)] of the preference rows that fit `max_length`: a pair whose
-    longer side does not fit, or whose sides are the same tokens, is dropped (and counted) rather than cut, so
-    no fake EOS and no zero-gradient pair is trained on."""
-    kept, too_long, same = [], 0, 0
-    for row in rows:
-        prompt_ids, chosen_ids, rejected_ids = tokenize_preference(tokenizer, row, stop_ids)
-        if len(prompt_ids) + max(len(chosen_ids), len(rejected_ids)) > max_length:
-            too_long += 1
-        elif chosen_ids == rejected_ids:
-            same += 1
-        else:
-            kept.append((prompt_ids, chosen_ids, rejected_ids, row))
-    if too_long or same:
-        print(f"{split}: dropped {too_long:,} of {len(rows):,} pairs longer than --max-length {max_length}, "
-              f"{same:,} whose chosen and rejected are the same tokens")
-    if not kept and split == "train":
-        sys.exit("error: no training pair is left (see above); raise --max-length or check the data")
-    return kept
 
 
 def tokenize_prompts(tokenizer, prompts, max_prompt_length, split):
@@ -1214,13 +1104,6 @@ def samples_markdown(prompts, completions, rewards, table, names, n=8):
 # ---------------------------------------------------------------------------------------------
 # Forward passes and sampling
 # ---------------------------------------------------------------------------------------------
-def collate(batch, pad_token_id):
-    """Right-pad a list of (input_ids, labels): (input_ids, attention_mask, labels) tensors, labels −100 on padding."""
-    width = max(len(ids) for ids, _ in batch)
-    input_ids = torch.tensor([ids + [pad_token_id] * (width - len(ids)) for ids, _ in batch])
-    attention_mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in batch])
-    labels = torch.tensor([labels + [-100] * (width - len(labels)) for _, labels in batch])
-    return input_ids, attention_mask, labels
 
 
 ROW_CHUNK_ELEMENTS = 2**22  # float32 elements of logits processed at once: 16 MiB
@@ -1772,7 +1655,7 @@ def find_checkpoint(args, world_size):
 
 
 def random_streams():
-    """This rank's random streams: python's, numpy's, torch's on the CPU and on this rank's GPU."""
+    """This process's random streams: python's, numpy's, torch's on the CPU and on its GPU."""
     name, keys, position, has_gauss, gauss = np.random.get_state()
     return {"python": random.getstate(), "numpy": (name, keys.tolist(), position, has_gauss, gauss),
             "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}
@@ -1865,9 +1748,10 @@ def load_checkpoint(checkpoint, trained, optimizer):
 
 
 class Preemption:
-    """SIGTERM, which Slurm, Kubernetes and cloud schedulers send before they stop a job, noted when it arrives and
-    acted on at the next step boundary: the run saves a checkpoint there and exits 0 (torchrun passes the signal
-    to every rank; a scheduler's grace period must cover one step and one checkpoint)."""
+    """SIGTERM, which Slurm, Kubernetes and cloud schedulers send before they stop a job, noted when it arrives
+    and acted on at the next step boundary: the run saves a checkpoint there and exits 0 (a scheduler's grace
+    period must cover one step and one checkpoint). torchrun passes the signal to every rank; the loop then
+    adds up the ranks' `received`, so that all of them stop after the same step."""
 
     def __init__(self):
         self.received = False
@@ -1875,10 +1759,6 @@ class Preemption:
 
     def note(self, signum, frame):
         self.received = True
-
-    def requested(self, device):
-        """Whether any rank has received SIGTERM, so that all ranks stop after the same step."""
-        return bool(all_reduce_sum({"sigterm": self.received}, device)["sigterm"])
 
 
 if __name__ == "__main__":

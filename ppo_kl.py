@@ -253,19 +253,15 @@ def check_args(args):
     Returns (batch_size, minibatch_size, num_iterations)."""
     for flag, value, least in (("--num-envs", args.num_envs, 1), ("--num-steps", args.num_steps, 1),
                                ("--num-minibatches", args.num_minibatches, 1), ("--update-epochs", args.update_epochs, 1),
-                               ("--threads", args.threads, 1), ("--hidden-size", getattr(args, "hidden_size", 1), 1),
-                               ("--seed", args.seed, 0), ("--total-timesteps", args.total_timesteps, 0),
-                               ("--eval-episodes", args.eval_episodes, 0)):
+                               ("--threads", args.threads, 1), ("--seed", args.seed, 0),
+                               ("--total-timesteps", args.total_timesteps, 0), ("--eval-episodes", args.eval_episodes, 0)):
         if value < least:
             sys.exit(f"error: {flag} {value}: it must be at least {least}")
-    # the algorithm's numbers; each script has its own subset (--kl-* are ppo_kl.py's, --clip-obs ppo_continuous.py's)
-    rules = {"learning_rate": "> 0", "clip_coef": "> 0", "max_grad_norm": "> 0", "target_kl": "> 0", "kl_target": "> 0",
-             "clip_obs": "> 0", "clip_reward": "> 0", "ent_coef": ">= 0", "vf_coef": ">= 0", "kl_beta": ">= 0",
-             "gamma": "in [0, 1]", "gae_lambda": "in [0, 1]", "log_std_init": ""}
+    # the algorithm's numbers
+    rules = {"learning_rate": "> 0", "clip_coef": "> 0", "max_grad_norm": "> 0", "kl_target": "> 0", "kl_beta": ">= 0",
+             "ent_coef": ">= 0", "vf_coef": ">= 0", "gamma": "in [0, 1]", "gae_lambda": "in [0, 1]"}
     for name, rule in rules.items():
-        value = getattr(args, name, None)
-        if value is None:  # not a flag of this script, or --target-kl unset
-            continue
+        value = getattr(args, name)
         within = {"> 0": value > 0, ">= 0": value >= 0, "in [0, 1]": 0 <= value <= 1, "": True}[rule]
         if not (np.isfinite(value) and within):
             sys.exit(f"error: --{name.replace('_', '-')} {value}: it must be a finite number {rule}".rstrip())
@@ -327,7 +323,7 @@ def evaluate(agent, args, device, video_folder=None):
 
 def main(args: Args):
     batch_size, minibatch_size, num_iterations = check_args(args)
-    checkpoint = find_checkpoint(args)  # --resume: checked before any work
+    checkpoint = find_resume_point(args)  # --resume: checked before any work
     envs = make_envs(args)
     check_env(envs, args, gym.spaces.Discrete)
     run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
@@ -346,7 +342,7 @@ def main(args: Args):
     # fused: the whole Adam step in one kernel over all parameters (rounds differently from the default loop)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
     if args.load_model is not None:
-        load_checkpoint(args.load_model, agent, args)
+        load_agent(args.load_model, agent, args)
 
     # a resumed run drops what its logs hold after the checkpoint (purge_step): those steps are taken again
     writer = SummaryWriter(f"runs/{run_name}", purge_step=checkpoint["global_step"] + 1 if checkpoint else None)
@@ -368,14 +364,12 @@ def main(args: Args):
     beta = args.kl_beta
     global_step, first_iteration = 0, 1
     if checkpoint is not None:  # the agent, Adam, β, every random stream; the episodes start over
-        saved = restore(checkpoint, agent, optimizer, args)
+        saved = load_resume_point(checkpoint, agent, optimizer, args)
         global_step, first_iteration = saved["global_step"], saved["iteration"] + 1
         beta = saved["beta"]
     preemption = Preemption()
     start_time, start_step = time.time(), global_step
     next_obs, _ = envs.reset(seed=args.seed + first_iteration - 1)  # resumed: other episodes than at the start
-    episode_returns = np.zeros(args.num_envs)
-    episode_lengths = np.zeros(args.num_envs, dtype=np.int64)
 
     for iteration in range(first_iteration, num_iterations + 1):
         if args.anneal_lr:
@@ -396,12 +390,9 @@ def main(args: Args):
                 final_obs = np.stack(infos["final_obs"][truncated]).astype(np.float32)
                 final_values[step, truncated] = mlp(weights[1], final_obs)[:, 0]  # V(final observation)
 
-            episode_returns += reward
-            episode_lengths += 1
-            for i in np.flatnonzero(terminated | truncated):
-                writer.add_scalar("charts/episodic_return", episode_returns[i], global_step)
-                writer.add_scalar("charts/episodic_length", episode_lengths[i], global_step)
-                episode_returns[i], episode_lengths[i] = 0.0, 0
+            for i in np.flatnonzero(infos.get("_episode", ())):  # RecordEpisodeStatistics: the raw rewards
+                writer.add_scalar("charts/episodic_return", infos["episode"]["r"][i], global_step)
+                writer.add_scalar("charts/episodic_length", infos["episode"]["l"][i], global_step)
 
         last_value = mlp(weights[1], next_obs.astype(np.float32))[:, 0]
         advantages, returns = compute_gae(rewards, values, last_value, terminations, truncations, final_values,
@@ -474,7 +465,7 @@ def main(args: Args):
             print(f"global_step={global_step} SPS={sps}")
 
         # ---- checkpoint: every --save-every iterations, and at SIGTERM, which then ends the run (exit code 0) ---
-        sigterm = preemption.requested
+        sigterm = preemption.received
         if sigterm or (args.save_every and iteration % args.save_every == 0):
             save_resume_point(f"runs/{run_name}", iteration, agent, optimizer, args, None,
                               {"global_step": global_step, "beta": beta}, sigterm)
@@ -484,7 +475,7 @@ def main(args: Args):
 
     if args.save_model:
         model_path = f"runs/{run_name}/{args.exp_name}.pt"
-        save_checkpoint(model_path, agent, args)
+        save_agent(model_path, agent, args)
         print(f"model saved to {model_path}")
     if args.eval_episodes > 0:
         eval_return = evaluate(agent, args, device, f"videos/{run_name}" if args.capture_video else None)
@@ -497,20 +488,22 @@ def main(args: Args):
 
 
 # =============================================================================================
-# Plumbing. Everything below this line is the same text in ppo_clip.py, ppo_kl.py and ppo_continuous.py
-# (tests/test_copies.py checks it byte for byte): making and checking the environments, saving and
-# loading checkpoints. A reader learning the algorithm can stop here.
+# Plumbing: making and checking the environments, saving and loading checkpoints. Each definition below
+# is pasted from the scripts that share it, one text in all of them (tests/test_copies.py checks each). A
+# reader learning the algorithm can stop here.
 # =============================================================================================
 
 
 def make_envs(args):
     """Vector envs that reset in the same step an episode ends (gymnasium >= 1.0's default would
-    instead emit one extra transition, belonging to no episode, after every episode end)."""
+    instead emit one extra transition, belonging to no episode, after every episode end), each episode's
+    return and length in the step's infos["episode"] when it ends (RecordEpisodeStatistics)."""
     try:
-        return gym.vector.SyncVectorEnv(
+        envs = gym.vector.SyncVectorEnv(
             [lambda: gym.make(args.env_id) for _ in range(args.num_envs)],
             autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
         )
+        return gym.wrappers.vector.RecordEpisodeStatistics(envs)
     except gym.error.Error as e:
         sys.exit(f"error: cannot make env {args.env_id!r}: {e}")
 
@@ -533,7 +526,7 @@ def check_env(envs, args, action_space):
                      "control needs `pip install pygame`, MuJoCo without a display MUJOCO_GL=egl")
 
 
-def save_checkpoint(path, agent, args, obs_rms=None, resume=None):
+def save_agent(path, agent, args, obs_rms=None, resume=None):
     """The weights, the flags and, when observations are normalized, their running statistics, all as
     tensors and plain types (so the safe `torch.load(path)` reads it); written to a temporary file
     first, so a crash never leaves half a checkpoint. With `resume` (the optimizer's state, the iteration,
@@ -547,8 +540,8 @@ def save_checkpoint(path, agent, args, obs_rms=None, resume=None):
     os.replace(path + ".tmp", path)
 
 
-def load_checkpoint(path, agent, args, obs_rms=None):
-    """Load a `save_checkpoint` file into `agent` (and `obs_rms`); a wrong file is a one-line error. Returns
+def load_agent(path, agent, args, obs_rms=None):
+    """Load a `save_agent` file into `agent` (and `obs_rms`); a wrong file is a one-line error. Returns
     the checkpoint."""
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
@@ -578,11 +571,11 @@ def set_statistics(rms, saved):
 # Long runs: checkpoints to resume from (runs/<run>/checkpoint-<iteration>.pt), and SIGTERM
 # ---------------------------------------------------------------------------------------------
 # The flags a resumed run may change: where things go and what is evaluated at the end, not what is trained
-CHANGEABLE_ON_RESUME = ("exp_name", "resume", "save_every", "keep_checkpoints", "save_model", "eval_episodes",
+RESUME_MAY_CHANGE = ("exp_name", "resume", "save_every", "keep_checkpoints", "save_model", "eval_episodes",
                         "capture_video", "cuda", "threads")
 
 
-def find_checkpoint(args):
+def find_resume_point(args):
     """The checkpoint --resume names (a checkpoint-<iteration>.pt, or a run directory: its latest), checked before
     any work: one of this script, saved with the same flags. Returns {"path", "iteration", "global_step"}, or None
     without --resume."""
@@ -606,16 +599,15 @@ def find_checkpoint(args):
     if checkpoint["script"] != script:
         sys.exit(f"error: --resume {path} is a checkpoint of {checkpoint['script']}; resume it with that script, not {script}")
     for name, value in vars(args).items():
-        if name not in CHANGEABLE_ON_RESUME and saved.get(name) != value:
+        if name not in RESUME_MAY_CHANGE and saved.get(name) != value:
             sys.exit(f"error: --{name.replace('_', '-')} is {value} here but {saved.get(name)} in {path}; a resumed "
                      f"run takes the flags of the run it continues (only "
-                     f"{', '.join('--' + n.replace('_', '-') for n in CHANGEABLE_ON_RESUME)} may change)")
+                     f"{', '.join('--' + n.replace('_', '-') for n in RESUME_MAY_CHANGE)} may change)")
     return {"path": path, "iteration": resume["iteration"], "global_step": resume["global_step"]}
 
 
 def random_streams():
-    """The random streams: python's, numpy's, torch's on the CPU and on the GPU (the environments' are not kept:
-    a resumed run starts new episodes)."""
+    """This process's random streams: python's, numpy's, torch's on the CPU and on its GPU."""
     name, keys, position, has_gauss, gauss = np.random.get_state()
     return {"python": random.getstate(), "numpy": (name, keys.tolist(), position, has_gauss, gauss),
             "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}
@@ -633,7 +625,7 @@ def set_random_streams(streams):
 def save_resume_point(run_dir, iteration, agent, optimizer, args, obs_rms, state, sigterm=False):
     """runs/<run>/checkpoint-<iteration>.pt: the agent, Adam's state, the observation statistics, every random
     stream and `state` (global step, the algorithm's own); only the last --keep-checkpoints are kept."""
-    save_checkpoint(os.path.join(run_dir, f"checkpoint-{iteration}.pt"), agent, args, obs_rms,
+    save_agent(os.path.join(run_dir, f"checkpoint-{iteration}.pt"), agent, args, obs_rms,
                     {"optimizer": optimizer.state_dict(), "iteration": iteration, **state})
     found = sorted(int(name[len("checkpoint-") : -len(".pt")]) for name in os.listdir(run_dir)
                    if re.fullmatch(r"checkpoint-\d+\.pt", name))
@@ -646,10 +638,10 @@ def save_resume_point(run_dir, iteration, agent, optimizer, args, obs_rms, state
               f"    python {shlex.join([sys.argv[0], *flags, '--resume', run_dir])}")
 
 
-def restore(checkpoint, agent, optimizer, args, obs_rms=None):
-    """Load what find_checkpoint found: the agent, Adam's state, the observation statistics and every random
+def load_resume_point(checkpoint, agent, optimizer, args, obs_rms=None):
+    """Load what find_resume_point found: the agent, Adam's state, the observation statistics and every random
     stream; returns the saved state (iteration, global step, the algorithm's own)."""
-    saved = load_checkpoint(checkpoint["path"], agent, args, obs_rms)["resume"]
+    saved = load_agent(checkpoint["path"], agent, args, obs_rms)["resume"]
     optimizer.load_state_dict(saved["optimizer"])
     set_random_streams(saved["random"])
     print(f"resumed from {checkpoint['path']} (iteration {saved['iteration']}, global step {saved['global_step']}); "
@@ -658,15 +650,17 @@ def restore(checkpoint, agent, optimizer, args, obs_rms=None):
 
 
 class Preemption:
-    """SIGTERM, which Slurm, Kubernetes and cloud schedulers send before they stop a job, noted when it arrives and
-    acted on after the iteration in progress: the run saves a checkpoint there and exits 0."""
+    """SIGTERM, which Slurm, Kubernetes and cloud schedulers send before they stop a job, noted when it arrives
+    and acted on at the next step boundary: the run saves a checkpoint there and exits 0 (a scheduler's grace
+    period must cover one step and one checkpoint). torchrun passes the signal to every rank; the loop then
+    adds up the ranks' `received`, so that all of them stop after the same step."""
 
     def __init__(self):
-        self.requested = False
+        self.received = False
         signal.signal(signal.SIGTERM, self.note)
 
     def note(self, signum, frame):
-        self.requested = True
+        self.received = True
 
 
 if __name__ == "__main__":

@@ -14,10 +14,8 @@ Datasets in TRL's preference formats, text or conversational: `prompt`/`chosen`/
 `chosen`/`rejected` with the prompt inside each; an optional `margin` column. Dropout is off, as in TRL.
 """
 import datetime
-import functools
 import gc
 import importlib.util
-import inspect
 import json
 import math
 import os
@@ -42,7 +40,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.checkpoint import checkpoint
 from torch.utils.tensorboard import SummaryWriter
 
 
@@ -313,7 +310,7 @@ def main(args: Args):
             evaluate(step)
 
         # ---- checkpoint: every --save-every steps, and at SIGTERM, which then ends the run (exit code 0) -----
-        sigterm = preemption.requested(device)
+        sigterm = bool(all_reduce_sum({"sigterm": preemption.received}, device)["sigterm"])  # on any rank
         if sigterm or (args.save_every and step % args.save_every == 0):
             save_checkpoint(run_dir, step, model, optimizer, args, {
                 "order": order, "position": position, "elapsed": time.time() - start_time, "model_time": model_time,
@@ -331,9 +328,10 @@ def main(args: Args):
 
 
 # =============================================================================================
-# Plumbing. Everything below this line is the same text in sft.py, reward_model.py, dpo.py, rlhf_ppo.py
-# and grpo.py (tests/test_copies.py checks it byte for byte): the built-in task, tokenization, data and
-# model loading, forward passes, many processes, saving. A reader learning the algorithm can stop here.
+# Plumbing: the built-in task, tokenization, data and model loading, forward passes, many processes,
+# saving. Each definition below is pasted from the LM scripts that share it, one text in all of them
+# (tests/test_copies.py checks each), and this file holds only those its main reaches. A reader learning
+# the algorithm can stop here.
 # =============================================================================================
 
 
@@ -513,40 +511,6 @@ def add_pad_token(tokenizer, stop_ids, *models):
                     embedding.weight[rows:] = embedding.weight[:rows].mean(0)
 
 
-def tokenize(example, tokenizer, stop_ids):
-    """(input_ids, labels) of one example, labels −100 where no loss is taken:
-    prompt/completion (text or conversational): the loss on the completion and its stop token;
-    text: on every token, EOS appended; messages: on each assistant turn up to its stop token."""
-    if example.get("messages") is not None:
-        messages, ids, labels, stopped = example["messages"], [], [], True
-        for i, message in enumerate(messages):
-            renders = [render_chat(tokenizer, messages[: i + 1])]
-            if message["role"] == "assistant":  # the assistant header is prompt, not completion
-                renders.insert(0, render_chat(tokenizer, messages[:i], add_generation_prompt=True))
-            for full in renders:
-                # Each render must extend the previous one. Templates that re-render earlier turns once later
-                # ones exist (e.g. dropping past reasoning) break this, and the labels would be misplaced.
-                if full[: len(ids)] != ids:
-                    sys.exit("error: the chat template renders earlier turns differently once later turns exist (e.g. "
-                             "it drops past reasoning), so assistant turns cannot be labeled; split each conversation "
-                             "into prompt/completion rows, one per assistant turn")
-                new, ids = full[len(ids) :], full
-                if full is renders[-1] and message["role"] == "assistant":
-                    ends = [j for j, t in enumerate(new) if t in stop_ids]
-                    n, stopped = (ends[0] + 1, True) if ends else (len(new), False)
-                    labels += new[:n] + [-100] * (len(new) - n)
-                else:
-                    labels += [-100] * len(new)
-        if not stopped and messages[-1]["role"] == "assistant":  # a template with no end-of-turn token: EOS ends the reply
-            ids, labels = ids + [tokenizer.eos_token_id], labels + [tokenizer.eos_token_id]
-        return ids, labels
-    if example.get("prompt") is not None and example.get("completion") is not None:
-        prompt_ids, completion_ids = tokenize_pair(tokenizer, example["prompt"], example["completion"], stop_ids)
-        return prompt_ids + completion_ids, [-100] * len(prompt_ids) + completion_ids
-    ids = encode_prompt(tokenizer, example["text"]) + [tokenizer.eos_token_id]
-    return ids, list(ids)
-
-
 def tokenize_preference(tokenizer, row, stop_ids):
     """(prompt_ids, chosen_ids, rejected_ids) of a preference row in any of TRL's formats: explicit
     (`prompt`, `chosen`, `rejected`) or implicit (`chosen` and `rejected` each include the prompt), text or
@@ -564,26 +528,6 @@ def tokenize_preference(tokenizer, row, stop_ids):
         return c[:n], c[n:] + [tokenizer.eos_token_id], r[n:] + [tokenizer.eos_token_id]
     prompt_ids, chosen_ids = tokenize_pair(tokenizer, prompt, chosen, stop_ids)
     return prompt_ids, chosen_ids, tokenize_pair(tokenizer, prompt, rejected, stop_ids)[1]
-
-
-def tokenize_examples(tokenizer, examples, stop_ids, max_length, split):
-    """[(input_ids, labels)] of the examples that fit `max_length` (a `text` example is cut to it); the others
-    are dropped and counted, as are examples with nothing to learn."""
-    kept, dropped = [], 0
-    for ex in examples:
-        ids, labels = tokenize(ex, tokenizer, stop_ids)
-        if ex.get("text") is not None and ex.get("messages") is None and ex.get("completion") is None:
-            ids, labels = ids[:max_length], labels[:max_length]
-        if len(ids) > max_length or all(label == -100 for label in labels[1:]):
-            dropped += 1
-        else:
-            kept.append((ids, labels))
-    if dropped:
-        print(f"{split}: dropped {dropped:,} of {len(examples):,} examples longer than --max-length {max_length} "
-              "or with nothing to learn")
-    if not kept and split == "train":
-        sys.exit(f"error: no training example fits --max-length {max_length} (see above); raise it")
-    return kept
 
 
 def tokenize_pairs(tokenizer, rows, stop_ids, max_length, split):
@@ -605,16 +549,6 @@ def tokenize_pairs(tokenizer, rows, stop_ids, max_length, split):
     if not kept and split == "train":
         sys.exit("error: no training pair is left (see above); raise --max-length or check the data")
     return kept
-
-
-def tokenize_prompts(tokenizer, prompts, max_prompt_length, split):
-    """(indices kept, token ids) of the prompts that fit `max_prompt_length`; the others are dropped and counted."""
-    encoded = [encode_prompt(tokenizer, p) for p in prompts]
-    kept = [i for i, ids in enumerate(encoded) if 0 < len(ids) <= max_prompt_length]
-    if len(kept) < len(encoded):
-        print(f"{split}: dropped {len(encoded) - len(kept):,} of {len(encoded):,} prompts longer than "
-              f"--max-prompt-length {max_prompt_length} (or empty)")
-    return kept, [encoded[i] for i in kept]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -751,199 +685,9 @@ def save_dtype_of(args, path):
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype or torch.float32
 
 
-def check_same_vocabulary(tokenizer, reward_tokenizer, stop_ids, message):
-    """A reward model must read the policy's tokens as the policy does: the same vocabulary, pad token
-    included (call after prepare_models gave the policy's tokenizer its pad token)."""
-    add_pad_token(reward_tokenizer, stop_ids)
-    if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
-        sys.exit(f"error: {message}")
-
-
-def model_positions(model):
-    """The longest sequence the model takes, or None when its config does not say."""
-    return getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
-
-
-# ---------------------------------------------------------------------------------------------
-# Reward functions (--reward-fn): loading, checking and calling them. The functions themselves, and how
-# their values add up, are above the banner of grpo.py and rlhf_ppo.py.
-# ---------------------------------------------------------------------------------------------
-def load_reward_functions(specs, builtins, format_pattern):
-    """[(name, fn)] for --reward-fn: a built-in's name (a key of `builtins`), or MODULE_OR_FILE:NAME, a function
-    in a .py file (by path) or in an importable module (the working directory is on the path). What cannot be
-    found or imported is one line, before any model is loaded."""
-    functions = []
-    for spec in specs:
-        source, _, name = spec.rpartition(":")
-        if spec in builtins:
-            name, fn = spec, builtins[spec]
-            if spec == "format":  # the built-in format reward: the pattern is its one setting
-                try:
-                    re.compile(format_pattern or "")
-                except re.error as e:
-                    sys.exit(f"error: --format-pattern {format_pattern!r} is not a regular expression: {e}")
-                if not format_pattern:
-                    sys.exit("error: --reward-fn format needs --format-pattern REGEX, which the whole completion "
-                             "must match")
-                fn = functools.partial(fn, pattern=format_pattern)
-        elif not source or not name:
-            sys.exit(f"error: --reward-fn {spec!r}: name a built-in ({', '.join(builtins)}) or a function of "
-                     "yours as MODULE_OR_FILE:NAME (e.g. my_rewards.py:correctness)")
-        else:
-            if not source.endswith(".py") and os.getcwd() not in sys.path:
-                sys.path.insert(0, os.getcwd())  # a module of the directory the run starts in
-            if source.endswith(".py") and not os.path.isfile(source):
-                sys.exit(f"error: --reward-fn {spec!r}: the file {source!r} does not exist")
-            try:
-                if source.endswith(".py"):
-                    module_spec = importlib.util.spec_from_file_location(os.path.basename(source)[:-3], source)
-                    module = importlib.util.module_from_spec(module_spec)
-                    module_spec.loader.exec_module(module)
-                else:
-                    module = importlib.import_module(source)
-            except Exception as e:  # noqa: BLE001  the user's code: whatever it raises is one line
-                sys.exit(f"error: --reward-fn {spec!r}: importing {source!r} failed: {type(e).__name__}: "
-                         f"{(str(e).splitlines() or [''])[0]}")
-            fn = getattr(module, name, None)
-            if not callable(fn):
-                sys.exit(f"error: --reward-fn {spec!r}: {source!r} has no function {name!r}")
-        if name in [n for n, _ in functions]:
-            sys.exit(f"error: --reward-fn {name!r} is given twice; each reward function once, weighted by "
-                     "--reward-weights")
-        functions.append((name, fn))
-    return functions
-
-
-def check_reward_signatures(functions, columns):
-    """Each reward function is called as fn(prompts=..., completions=..., <column>=... for each of the dataset's
-    `columns` but the prompt), as TRL calls it: one that cannot take those keywords is one line, before any model
-    is loaded. A function that needs a column the dataset lacks (the built-ins need `target`) is caught here."""
-    keywords = {"prompts": [], "completions": [], **{c: [] for c in columns if c != "prompt"}}
-    for name, fn in functions:
-        try:
-            inspect.signature(fn).bind(**keywords)
-        except TypeError as e:
-            sys.exit(f"error: reward function {name!r} cannot be called as {name}({', '.join(keywords)}): {e}; write "
-                     f"it as def {name}(prompts, completions, **columns) (the dataset's columns: {sorted(columns)})")
-
-
-def reward_columns(rows):
-    """What reward functions receive of these rows as **columns: every column of the data but `prompt`, by name."""
-    return {name: [row[name] for row in rows] for name in rows[0] if name != "prompt"} if rows else {}
-
-
-def reward_table(functions, prompts, completions, columns):
-    """[B, K] float32: reward function k on completion i, NaN where it returned None ("does not apply"). A
-    function that raises, or returns a value that is not a finite number or None, or not one value per
-    completion, stops the run with one line naming it and the sample; nothing is saved. Under torchrun every
-    rank learns of another's failure (and stops) before the next collective."""
-    table, error = torch.full((len(completions), len(functions)), float("nan")), None
-    if not functions:  # the reward model alone
-        return table
-    for k, (name, fn) in enumerate(functions):
-        try:
-            values = list(fn(prompts=prompts, completions=completions, **columns))
-        except Exception as e:  # noqa: BLE001  find the first sample it raises on alone, to name it
-            failing = next((i for i in range(len(completions))
-                            if reward_call_fails(fn, prompts, completions, columns, i)), None)
-            where = reward_sample(prompts, completions, failing) if failing is not None else f"a batch of {len(completions)}"
-            error = f"reward function {name!r} raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}, on {where}"
-            break
-        if len(values) != len(completions):
-            error = f"reward function {name!r} returned {len(values)} values for {len(completions)} completions"
-            break
-        bad = next((i for i, v in enumerate(values)
-                    if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v))), None)
-        if bad is not None:
-            error = (f"reward function {name!r} returned {values[bad]!r} (a finite number or None is needed), on "
-                     f"{reward_sample(prompts, completions, bad)}")
-            break
-        table[:, k] = torch.tensor([float("nan") if v is None else float(v) for v in values])
-    if dist.is_initialized():
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        error = next((e for e in errors if e is not None), None)
-    if error is not None:
-        sys.exit(f"error: {error}; stopped, nothing saved")
-    return table
-
-
-def reward_call_fails(fn, prompts, completions, columns, i):
-    """Whether a reward function raises on sample i alone."""
-    try:
-        fn(prompts=prompts[i : i + 1], completions=completions[i : i + 1],
-           **{c: v[i : i + 1] for c, v in columns.items()})
-    except Exception:  # noqa: BLE001
-        return True
-    return False
-
-
-def reward_sample(prompts, completions, i):
-    """Sample i of a batch, in a few words for an error line."""
-    return f"sample {i}: prompt {str(prompts[i])[:80]!r}, completion {str(completions[i])[:80]!r}"
-
-
-def samples_markdown(prompts, completions, rewards, table, names, n=8):
-    """The first n eval samples as a Markdown table for TensorBoard's text tab: prompt, completion, reward and
-    each reward term (blank where it did not apply)."""
-    # one line per cell: escapes for newlines and control characters (json's), and for the column separator
-    def cell(x):
-        return json.dumps(x[-1]["content"] if isinstance(x, list) else x, ensure_ascii=False)[1:-1].replace("|", "\\|")
-
-    lines = ["| prompt | completion | reward | " + " | ".join(names) + " |", "|-" * (3 + len(names)) + "|"]
-    for i in range(min(n, len(completions))):
-        terms = ["" if math.isnan(v) else f"{v:.3f}" for v in table[i].tolist()]
-        lines.append(f"| {cell(prompts[i])} | {cell(completions[i])} | {float(rewards[i]):.3f} | "
-                     + " | ".join(terms) + " |")
-    return "\n".join(lines)
-
-
 # ---------------------------------------------------------------------------------------------
 # Forward passes and sampling
 # ---------------------------------------------------------------------------------------------
-def collate(batch, pad_token_id):
-    """Right-pad a list of (input_ids, labels): (input_ids, attention_mask, labels) tensors, labels −100 on padding."""
-    width = max(len(ids) for ids, _ in batch)
-    input_ids = torch.tensor([ids + [pad_token_id] * (width - len(ids)) for ids, _ in batch])
-    attention_mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in batch])
-    labels = torch.tensor([labels + [-100] * (width - len(labels)) for _, labels in batch])
-    return input_ids, attention_mask, labels
-
-
-ROW_CHUNK_ELEMENTS = 2**22  # float32 elements of logits processed at once: 16 MiB
-
-
-def rowwise(fn, *tensors):
-    """fn over a few rows (sequences) of `tensors` at a time, as many as keep a chunk of logits within
-    ROW_CHUNK_ELEMENTS (one row at 1,024 tokens and a 128k vocabulary; the whole batch on the built-in task),
-    the results concatenated. With gradients on, each chunk's forward is recomputed in the backward pass
-    (activation checkpointing), so that the float32 intermediates ([length, vocabulary] per row: 0.5 GB at
-    1,024 tokens and 128k) exist one chunk at a time and only the logits themselves, as the model returned
-    them, are kept for the backward pass."""
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    rows = max(1, ROW_CHUNK_ELEMENTS // max(1, tensors[0][0].numel()))
-    chunks = zip(*(t.split(rows) for t in tensors))
-    return torch.cat([checkpoint(fn, *chunk, use_reentrant=False) if grad else fn(*chunk) for chunk in chunks])
-
-
-def token_logprobs(logits, tokens, with_entropy=False, temperature=1.0):
-    """log π(token) = z(token) − logsumexp(z) at each position, z = logits / temperature in float32 (as
-    `sample` draws tokens: the logits upcast before the temperature divides them), and optionally the
-    entropy H = logsumexp(z) − Σ softmax(z)·z. A few rows at a time (rowwise): no float32 [batch, length,
-    vocabulary] tensor is made or kept."""
-    def chunk_logprobs(rows, row_tokens):
-        z = rows.float() / temperature
-        return z.gather(-1, row_tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, -1)
-
-    def chunk_entropy(rows):
-        z = rows.float() / temperature
-        return torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
-
-    logprobs = rowwise(chunk_logprobs, logits, tokens)
-    if not with_entropy:
-        return logprobs
-    with torch.no_grad():
-        return logprobs, rowwise(chunk_entropy, logits)
 
 
 def position_ids_of(attention_mask):
@@ -956,53 +700,6 @@ def last_token_index(attention_mask):
     whose mask is 1 (for right padding, the number of tokens − 1)."""
     positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
     return (positions * attention_mask).argmax(-1)
-
-
-def response_logprobs(model, sequences, attention_mask, context_length, temperature):
-    """log π(a_t | s_t) of each response token and the entropy of π(·|s_t), with the logits of the scored
-    positions only (not of every prompt position), divided by the sampling temperature in float32 as when
-    sampling: from one forward pass over prompt + response, or, where rows repeat a prompt (GRPO's G
-    completions of each), from shared_prompt_logits."""
-    logits = shared_prompt_logits(model, sequences, attention_mask, context_length)
-    if logits is None:
-        scored = sequences.shape[1] - context_length + 1  # position t predicts token t + 1: context_length − 1 onwards
-        logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_of(attention_mask),
-                       logits_to_keep=scored).logits[:, :-1]
-    return token_logprobs(logits, sequences[:, context_length:], with_entropy=True, temperature=temperature)
-
-
-# The KV cache's name as a model's forward takes and returns it: transformers 5.24 renamed past_key_values to cache
-# (the old keyword still works there, with a FutureWarning on every call)
-CACHE = "cache" if tuple(int(v) for v in transformers.__version__.split(".")[:2]) >= (5, 24) else "past_key_values"
-
-
-def shared_prompt_logits(model, sequences, attention_mask, context_length):
-    """The logits that predict each response token, with each distinct prompt of the batch computed once:
-    one forward pass over the distinct prompts, whose keys and values (the KV cache, as in generation) every
-    row that repeats the prompt reuses, then one over the responses. A causal model's prompt positions never
-    see the response, so this is the same function of the weights as one pass over prompt + response (equal
-    up to float rounding; the rollout and the update both take this path, so the first ratio stays exactly
-    1), with the prompt's FLOPs divided by the rows that share it; gradients flow through the cache like any
-    activation. None, for one pass instead, when no prompt repeats, the responses are one token long, with
-    activation checkpointing (which keeps no cache), or on a GPU: there a pass costs its kernel launches more
-    than its FLOPs, and two passes took twice as long as one (an H100, a 0.5B model, 8 completions of each
-    200-token prompt in micro-batches of 16: docs/rollout_speed.md); on the CPU the FLOPs saved count."""
-    if sequences.device.type != "cpu" or any(getattr(m, "gradient_checkpointing", False) is True
-                                             for m in model.modules()):
-        return None
-    prompts = torch.cat([sequences[:, :context_length], attention_mask[:, :context_length]], 1)
-    distinct, row_prompt = torch.unique(prompts, dim=0, return_inverse=True)
-    if len(distinct) == len(sequences) or sequences.shape[1] - context_length < 2:
-        return None
-    prompt_ids, prompt_mask = distinct[:, :context_length], distinct[:, context_length:]
-    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids_of(prompt_mask),
-                use_cache=True, logits_to_keep=1)  # the last prompt position predicts the first response token
-    cache = out[CACHE]
-    cache.batch_select_indices(row_prompt)  # each row's prompt: a gather, differentiable
-    positions = position_ids_of(attention_mask)
-    logits = model(input_ids=sequences[:, context_length:-1], attention_mask=attention_mask[:, :-1],
-                   position_ids=positions[:, context_length:-1], use_cache=True, **{CACHE: cache}).logits
-    return torch.cat([out.logits[row_prompt], logits], 1)
 
 
 def token_scores(model, sequences, attention_mask):
@@ -1027,115 +724,6 @@ class TokenScorer(torch.nn.Module):
 
     def forward(self, sequences, attention_mask):
         return token_scores(self.classifier, sequences, attention_mask)
-
-
-@torch.no_grad()
-def score_responses(reward, sequences, attention_mask, response_mask, stop_ids, missing_eos_penalty):
-    """The reward model's score (`reward`: a TokenScorer, or FSDP around one) at each response's last token, its
-    stop token; `missing_eos_penalty` instead for a response with no stop token in the length sampled (an
-    unfinished answer is not scored). Returns (scores, has_stop)."""
-    scores = reward(sequences, attention_mask)[torch.arange(len(sequences)), last_token_index(attention_mask)]
-    responses = sequences[:, -response_mask.shape[1] :]
-    has_stop = (torch.isin(responses, torch.tensor(stop_ids, device=responses.device)) & response_mask.bool()).any(1)
-    return torch.where(has_stop, scores, torch.full_like(scores, missing_eos_penalty)), has_stop
-
-
-def forward_in_chunks(fn, size, *tensors):
-    """fn over the rows of `tensors`, `size` rows at a time, the outputs concatenated. In a rollout the chunks
-    are the update's micro-batches, so that they compute exactly what the update's forward passes will (the
-    first PPO ratio is exactly 1)."""
-    outs = [fn(*(t[i : i + size] for t in tensors)) for i in range(0, len(tensors[0]), size)]
-    return tuple(torch.cat(parts) for parts in zip(*outs)) if isinstance(outs[0], tuple) else torch.cat(outs)
-
-
-@torch.no_grad()
-def sample(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature=1.0, greedy=False):
-    """Complete each prompt (lists of token ids, left-padded here) with tokens drawn from softmax(logits / T) in
-    float32, as `generate` draws them (the argmax if greedy), each response ending at its first stop token.
-    Returns (sequences, attention_mask, context_length, response_mask), the responses as long as the longest
-    one, response_mask 1 on response tokens up to and including the stop token. No sampling setting comes from
-    the checkpoint's generation_config.json (top_k, repetition_penalty, ...): the distribution sampled is the one
-    whose log-probs are trained. A loop of its own rather than transformers' `generate`, for two savings that
-    change nothing sampled: each distinct prompt's forward pass runs once, its KV cache shared by the rows that
-    repeat it (GRPO's G completions), and a row that has stopped leaves the batch, so that each step costs what
-    the rows still running need."""
-    device = model.device
-    width = max(len(p) for p in prompt_ids)
-    input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompt_ids], device=device)
-    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=device)
-    # Under FSDP: every block gathered once for the whole loop, not once per token
-    sharded = [module for module in model.modules() if isinstance(module, FSDPModule)]
-    for module in sharded:
-        module.unshard()
-        module.set_reshard_after_forward(False, recurse=False)
-    try:
-        responses = sample_tokens(model, input_ids, attention_mask, torch.tensor(stop_ids, device=device), pad_token_id,
-                                  max_new_tokens, temperature, greedy)
-    finally:
-        for module in sharded:
-            module.reshard()
-            module.set_reshard_after_forward(module is not model, recurse=False)  # fully_shard's default
-    is_stop = torch.isin(responses, torch.tensor(stop_ids, device=device))
-    # 1 up to and including the first stop token: a token is valid while no stop token came strictly before it
-    response_mask = ((is_stop.cumsum(1) - is_stop.long()) == 0).long()
-    length = int(response_mask.sum(1).max())  # the longest response: no later column is anything but padding
-    response_mask = response_mask[:, :length]
-    responses = responses[:, :length].masked_fill(response_mask == 0, pad_token_id)
-    return (torch.cat([input_ids, responses], 1), torch.cat([attention_mask, response_mask], 1), width, response_mask)
-
-
-def sample_tokens(model, input_ids, attention_mask, stops, pad_token_id, max_new_tokens, temperature, greedy):
-    """The sampling loop of `sample`: [rows, max_new_tokens] tokens, pad_token_id after a row's stop token."""
-    width = input_ids.shape[1]
-    distinct, row_prompt = torch.unique(torch.cat([input_ids, attention_mask], 1), dim=0, return_inverse=True)
-    prompt_mask = distinct[:, width:]
-    out = model(input_ids=distinct[:, :width], attention_mask=prompt_mask, position_ids=position_ids_of(prompt_mask),
-                use_cache=True, logits_to_keep=1)
-    cache, logits = out[CACHE], out.logits[row_prompt, -1]
-    cache.batch_select_indices(row_prompt)  # each row's copy of its prompt's keys and values
-    responses = torch.full((len(input_ids), max_new_tokens), pad_token_id, device=input_ids.device)
-    running = torch.arange(len(input_ids), device=input_ids.device)  # the rows still sampling
-    positions = attention_mask.sum(1)  # of each row's next token: positions count real tokens only
-    for t in range(max_new_tokens):
-        if len(running):
-            z = logits.float() / temperature
-            tokens = z.argmax(-1) if greedy else torch.multinomial(torch.softmax(z, -1), 1).squeeze(1)
-            responses[running, t] = tokens
-            going = ~torch.isin(tokens, stops)
-            if not going.all():  # the rows that stopped leave the batch, and their cache with them
-                keep = going.nonzero().squeeze(1)
-                running, tokens, positions, attention_mask = running[keep], tokens[keep], positions[keep], attention_mask[keep]
-                cache.batch_select_indices(keep)
-        left = torch.tensor(len(running), device=input_ids.device)
-        if dist.is_initialized():  # every rank steps until all are done: a sharded model's forward needs all ranks
-            dist.all_reduce(left)
-        if t + 1 == max_new_tokens or left == 0:
-            break
-        if not len(running):  # done here, not elsewhere: one throwaway step keeps the ranks in step
-            model(input_ids=input_ids[:1, -1:])
-            continue
-        attention_mask = F.pad(attention_mask, (0, 1), value=1)
-        logits = model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=(positions + t)[:, None],
-                       use_cache=True, **{CACHE: cache}).logits[:, -1]
-    return responses
-
-
-def sample_in_chunks(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature, size):
-    """`sample` in chunks of `size` prompts (the KV cache grows with it), the chunks left-padded to the longest
-    prompt and right-padded to the longest response."""
-    chunks = [sample(model, prompt_ids[i : i + size], pad_token_id, stop_ids, max_new_tokens, temperature)
-              for i in range(0, len(prompt_ids), size)]
-    width, length = max(c[2] for c in chunks), max(c[3].shape[1] for c in chunks)
-    pad = lambda t, left, value: F.pad(t, (left, width + length - left - t.shape[1]), value=value)  # noqa: E731
-    return (torch.cat([pad(c[0], width - c[2], pad_token_id) for c in chunks]),
-            torch.cat([pad(c[1], width - c[2], 0) for c in chunks]), width,
-            torch.cat([F.pad(c[3], (0, length - c[3].shape[1])) for c in chunks]))
-
-
-def decode(tokenizer, sequences, context_length, response_mask):
-    """The responses as text, up to their stop token, special tokens dropped."""
-    return [tokenizer.decode([t for t, m in zip(row, mask) if m], skip_special_tokens=True)
-            for row, mask in zip(sequences[:, context_length:].tolist(), response_mask.tolist())]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1396,25 +984,6 @@ def parameter_count(*models):
     return f"{sum(p.numel() for p in params):,} parameters ({sum(p.numel() for p in params if p.requires_grad):,} trained)"
 
 
-class AdaptersOff(torch.nn.Module):
-    """The reference policy of a LoRA run: the policy's own weights with its adapters switched off, instead of a
-    second copy of the model. Its forward is the policy's, in eval mode, under peft's disable_adapter."""
-
-    def __init__(self, policy):
-        super().__init__()
-        self.policy = [policy]  # in a list: not a submodule, so that no one counts, moves or saves it twice
-
-    def forward(self, *args, **kwargs):
-        policy = self.policy[0]
-        training = policy.training
-        policy.eval()
-        try:
-            with policy.disable_adapter():
-                return policy(*args, **kwargs)
-        finally:
-            policy.train(training)
-
-
 # ---------------------------------------------------------------------------------------------
 # Long runs: checkpoints that resume exactly, and SIGTERM. A checkpoint is the directory
 # runs/<run>/checkpoint-<step>: the trained weights and AdamW state (torch.distributed.checkpoint: under
@@ -1459,7 +1028,7 @@ def find_checkpoint(args, world_size):
 
 
 def random_streams():
-    """This rank's random streams: python's, numpy's, torch's on the CPU and on this rank's GPU."""
+    """This process's random streams: python's, numpy's, torch's on the CPU and on its GPU."""
     name, keys, position, has_gauss, gauss = np.random.get_state()
     return {"python": random.getstate(), "numpy": (name, keys.tolist(), position, has_gauss, gauss),
             "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}
@@ -1552,9 +1121,10 @@ def load_checkpoint(checkpoint, trained, optimizer):
 
 
 class Preemption:
-    """SIGTERM, which Slurm, Kubernetes and cloud schedulers send before they stop a job, noted when it arrives and
-    acted on at the next step boundary: the run saves a checkpoint there and exits 0 (torchrun passes the signal
-    to every rank; a scheduler's grace period must cover one step and one checkpoint)."""
+    """SIGTERM, which Slurm, Kubernetes and cloud schedulers send before they stop a job, noted when it arrives
+    and acted on at the next step boundary: the run saves a checkpoint there and exits 0 (a scheduler's grace
+    period must cover one step and one checkpoint). torchrun passes the signal to every rank; the loop then
+    adds up the ranks' `received`, so that all of them stop after the same step."""
 
     def __init__(self):
         self.received = False
@@ -1562,10 +1132,6 @@ class Preemption:
 
     def note(self, signum, frame):
         self.received = True
-
-    def requested(self, device):
-        """Whether any rank has received SIGTERM, so that all ranks stop after the same step."""
-        return bool(all_reduce_sum({"sigterm": self.received}, device)["sigterm"])
 
 
 if __name__ == "__main__":

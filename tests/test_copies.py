@@ -1,93 +1,160 @@
-"""Scripts share nothing, so what several scripts need is pasted into each. The LM scripts end with one
-plumbing block, the RL scripts with another, each below a banner; these tests keep each block the same
-text, byte for byte, in every script of its family, and a helper above the banner that two scripts both
-define the same text in both."""
+"""Scripts share nothing, so what several scripts need is pasted into each, and each file holds only what its
+own main runs. These tests check both, per top-level definition (function, class or assigned name): a name
+defined in two or more scripts is one text in all of them, RL and LM families alike, and no script holds a
+definition that nothing it runs reaches. Each script keeps its own Args, Agent, act, evaluate, main and
+check_args."""
+import ast
 import importlib
-import inspect
 import os
 
 import pytest
 
-import dpo
-import grpo
-import ppo_clip
-import ppo_continuous
-import ppo_kl
-import reward_model
-import rlhf_ppo
 import sft
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RL_SCRIPTS = [ppo_clip, ppo_kl, ppo_continuous]
-LM_SCRIPTS = [sft, reward_model, dpo, rlhf_ppo, grpo]
-BANNER = "# Plumbing. Everything below this line is the same text in "
-
-# Above the banner, the same name is the same text too, except for what is each script's own: its Args, Agent,
-# argument checks (the LM scripts'), evaluation and main.
-RL_SHARED = ["compute_gae", "clipped_policy_loss", "categorical_kl", "value_loss", "layer_init", "mlp", "check_args"]
-LM_SHARED = ["kl_estimators", "completion_text", "last_boxed", "answer_number", "gold", "exact_match", "numeric_match",
-             "format_match", "combine_rewards"]
+RL_SCRIPTS = ["ppo_clip", "ppo_kl", "ppo_continuous"]
+LM_SCRIPTS = ["sft", "reward_model", "dpo", "rlhf_ppo", "grpo"]
+OWN = {"Args", "Agent", "act", "evaluate", "main", "check_args"}  # each script's own
+BANNER = "# Plumbing"
 REWARDS = "# Rewards as plain Python functions"
-# each script's own (act: the policy's step, Gaussian in ppo_continuous.py)
-OWN = {"rl": {"Args", "Agent", "act", "evaluate", "main"}, "lm": {"Args", "evaluate", "main", "check_args"}}
-
-
-def below_banner(text):
-    """The plumbing block: the text from the banner's first line to the end of the file."""
-    start = text.index(BANNER)
-    return text[text.rindex("\n# ====", 0, start) + 1 :]
 
 
 def read(script):
-    with open(os.path.join(ROOT, f"{script.__name__}.py"), encoding="utf-8") as f:
+    with open(os.path.join(ROOT, f"{script}.py"), encoding="utf-8") as f:
         return f.read()
 
 
-def differing_blocks(texts):
-    """The names of the scripts whose block differs from the first script's, and that block's line count."""
-    blocks = {name: below_banner(text) for name, text in texts.items()}
-    first = next(iter(blocks.values()))
-    return [name for name, block in blocks.items() if block != first], first.count("\n")
+def definitions(text):
+    """{name: (source text, ast node)} of a script's top-level functions, classes and assigned names; the
+    text of a function or class includes its decorators."""
+    lines, found = text.splitlines(keepends=True), {}
+    for node in ast.parse(text).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names = [node.name]
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names = [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+        else:
+            continue
+        first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+        for name in names:
+            found[name] = ("".join(lines[first - 1 : node.end_lineno]), node)
+    return found
+
+
+def unreached(text):
+    """The top-level definitions that nothing the script runs reaches. The roots are the module-level statements
+    that are not definitions or imports (the __main__ block); a definition reached names, directly or through
+    others, what else is reached."""
+    tree, defs = ast.parse(text), definitions(text)
+    named = lambda node: {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}  # noqa: E731
+    roots = set()
+    for node in tree.body:
+        is_docstring = isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+        if not isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Assign, ast.AnnAssign, ast.Import, ast.ImportFrom)) \
+                and not is_docstring:
+            roots |= named(node)
+    reached, todo = set(), [name for name in roots if name in defs]
+    while todo:
+        name = todo.pop()
+        if name not in reached:
+            reached.add(name)
+            todo += [n for n in named(defs[name][1]) if n in defs]
+    return sorted(set(defs) - reached)
+
+
+def differing_names(found):
+    """The names defined in two or more scripts with more than one text, except OWN; `found` is
+    {script: definitions(its text)}."""
+    copies = {}
+    for script, defs in found.items():
+        for name, (source, _) in defs.items():
+            copies.setdefault(name, {})[script] = source
+    return sorted(name for name, where in copies.items()
+                  if name not in OWN and len(where) >= 2 and len(set(where.values())) > 1)
+
+
+def shared_names(found):
+    counts = {}
+    for defs in found.values():
+        for name in defs:
+            counts[name] = counts.get(name, 0) + 1
+    return {name for name, n in counts.items() if n >= 2} - OWN
+
+
+def all_definitions():
+    return {s: definitions(read(s)) for s in RL_SCRIPTS + LM_SCRIPTS}
+
+
+def test_a_name_in_two_scripts_is_one_text_in_all():
+    found = all_definitions()
+    assert differing_names(found) == []
+    # the check sees what the families share with each other, not only within each
+    assert {"random_streams", "set_random_streams", "Preemption", "shard", "sample", "all_reduce_sum",
+            "place_model", "levenshtein"} <= shared_names(found)
+
+
+def test_one_character_changed_in_any_copy_is_caught():
+    """Each shared name, changed by one letter in one of its copies (a different script in turn), in the file's
+    text: the check names it and nothing else."""
+    found = all_definitions()
+    shared = sorted(shared_names(found))
+    for i, name in enumerate(shared):
+        holders = [s for s in found if name in found[s]]
+        script = holders[i % len(holders)]
+        source = found[script][name][0]
+        text = read(script)
+        assert text.count(source) == 1
+        for at in (j for j in range(len(source) // 2, len(source)) if source[j].isalpha()):
+            changed = source[:at] + ("x" if source[at] != "x" else "y") + source[at + 1 :]
+            try:  # the first letter past the middle whose change still parses (not one of a keyword)
+                mutated = {**found, script: definitions(text.replace(source, changed))}
+                break
+            except SyntaxError:
+                continue
+        assert differing_names(mutated) == [name], (name, script)
+    assert len(shared) > 80
+
+
+@pytest.mark.parametrize("script", RL_SCRIPTS + LM_SCRIPTS)
+def test_every_top_level_definition_is_reached(script):
+    assert unreached(read(script)) == []
+
+
+def test_an_unreached_definition_is_caught():
+    text = read("sft") + "\n\ndef never_called():\n    return gold_score('1', '1')\n"
+    assert unreached(text) == ["never_called"]
+    # reached through another definition counts: main reaches sft_loss, which reaches rowwise
+    assert "rowwise" not in unreached(read("sft")) and "def rowwise(" in read("sft")
+
+
+def sections(text):
+    """The titles of the plumbing sections below the banner, in order: the first line of each dashed header."""
+    below = text[text.index(BANNER) :].splitlines()
+    return [below[i + 1] for i in range(len(below) - 1) if below[i].startswith("# ---") and
+            not below[i + 1].startswith("# ---") and (i == 0 or not below[i - 1].startswith("#"))]
 
 
 @pytest.mark.parametrize("family", ["rl", "lm"])
-def test_the_block_below_the_banner_is_identical(family):
+def test_one_banner_and_one_order_of_sections(family):
+    """Every script has the banner; its sections are in the family's one order (a script may lack some), and a
+    definition below the banner lies in the same section in every script that has it."""
     scripts = RL_SCRIPTS if family == "rl" else LM_SCRIPTS
-    differing, lines = differing_blocks({s.__name__: read(s) for s in scripts})
-    assert differing == [] and lines > (40 if family == "rl" else 400)
-
-
-def test_one_character_changed_below_the_banner_in_any_script_is_caught():
-    texts = {s.__name__: read(s) for s in LM_SCRIPTS + RL_SCRIPTS}
-    for family in (RL_SCRIPTS, LM_SCRIPTS):
-        for script in family:
-            changed = {s.__name__: texts[s.__name__] for s in family}
-            text = changed[script.__name__]
-            at = text.index("def save_") + 4  # one character of a function name, deep in the block
-            changed[script.__name__] = text[:at] + text[at].upper() + text[at + 1 :]
-            assert differing_blocks(changed)[0] != [], script.__name__
-
-
-def above_banner_names(script):
-    """Functions and classes a script defines above its banner."""
-    block = below_banner(read(script))
-    return {name for name, obj in vars(script).items()
-            if (inspect.isfunction(obj) or inspect.isclass(obj)) and obj.__module__ == script.__name__
-            and f"\ndef {name}(" not in block and f"\nclass {name}" not in block}
-
-
-@pytest.mark.parametrize("family", ["rl", "lm"])
-def test_a_name_above_the_banner_in_two_scripts_is_one_text(family):
-    scripts, listed = (RL_SCRIPTS, RL_SHARED) if family == "rl" else (LM_SCRIPTS, LM_SHARED)
+    texts = {s: read(s) for s in scripts}
+    assert all(text.count("\n" + BANNER) == 1 for text in texts.values())
+    order = max((sections(text) for text in texts.values()), key=len)  # the script that has every section
+    for script, text in texts.items():
+        found = sections(text)
+        assert set(found) <= set(order) and found == sorted(found, key=order.index), script
     where = {}
-    for script in scripts:
-        for name in above_banner_names(script):
-            where.setdefault(name, []).append(script)
-    shared = {name for name, found in where.items() if len(found) >= 2}
-    assert shared - OWN[family] == set(listed)
-    for name in listed:
-        copies = {s.__name__: inspect.getsource(getattr(s, name)) for s in where[name]}
-        assert len(set(copies.values())) == 1, copies.keys()
+    for script, text in texts.items():
+        below = text.index("\n" + BANNER)
+        for name, (source, _) in definitions(text).items():
+            at = text.find(source)
+            if at > below:
+                titles = [t for t in sections(text) if text.index(t, below) < at]
+                where.setdefault(name, set()).add(titles[-1] if titles else "")
+    assert {name: titles for name, titles in where.items() if len(titles) > 1} == {}
 
 
 def rewards_section(text):
@@ -96,15 +163,15 @@ def rewards_section(text):
 
 
 def test_the_reward_functions_are_one_text_in_grpo_and_rlhf_ppo():
-    sections = [rewards_section(read(script)) for script in (grpo, rlhf_ppo)]
-    assert sections[0] == sections[1] and "BUILTIN_REWARDS = {" in sections[0] and sections[0].count("\ndef ") == 8
+    first, second = (rewards_section(read(script)) for script in ("grpo", "rlhf_ppo"))
+    assert first == second and "BUILTIN_REWARDS = {" in first and first.count("\ndef ") == 8
 
 
 def test_no_script_imports_another():
     for script in RL_SCRIPTS + LM_SCRIPTS:
         source = read(script)
         for other in RL_SCRIPTS + LM_SCRIPTS:
-            assert f"import {other.__name__}\n" not in source and f"from {other.__name__} " not in source
+            assert f"import {other}\n" not in source and f"from {other} " not in source
 
 
 # ------------------------------------------------------------------------- the built-in sort task

@@ -97,7 +97,7 @@ def test_no_float32_copy_of_the_logits_is_kept_for_backward(what):
     logits = (3 * torch.randn(4, 64, 32000)).bfloat16().requires_grad_()
     tokens = torch.randint(0, 32000, (4, 64))
     if what == "token_logprobs":
-        fn = lambda: sft.token_logprobs(logits, tokens, temperature=0.7).sum()  # noqa: E731
+        fn = lambda: grpo.token_logprobs(logits, tokens, temperature=0.7).sum()  # noqa: E731
         reference = lambda: torch.log_softmax(logits.float() / 0.7, -1).gather(-1, tokens.unsqueeze(-1)).sum()  # noqa: E731
     else:
         fn = lambda: sft.sft_loss(logits, tokens)  # noqa: E731

@@ -330,7 +330,7 @@ def test_bad_input_from_the_command_line_is_one_line_on_stderr(tmp_path):
 
 def test_a_checkpoint_saved_without_observation_normalization_is_one_line(tmp_path):
     path = tmp_path / "raw.pt"
-    pc.save_checkpoint(str(path), pc.Agent(3, 1), pc.Args(env_id="Pendulum-v1", norm_obs=False), pc.RunningMeanStd(3))
+    pc.save_agent(str(path), pc.Agent(3, 1), pc.Args(env_id="Pendulum-v1", norm_obs=False), pc.RunningMeanStd(3))
     proc = run_script("ppo_continuous.py", "--env-id", "Pendulum-v1", "--load-model", str(path), "--total-timesteps",
                       "0", cwd=tmp_path, check=False)
     assert_one_line_error(proc, "norm_obs=False")

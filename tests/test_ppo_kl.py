@@ -353,7 +353,7 @@ def test_bad_input_from_the_command_line_is_one_line_on_stderr(tmp_path):
 
 def test_a_checkpoint_of_another_env_is_one_line(tmp_path):
     path = tmp_path / "acrobot.pt"
-    ppo_kl.save_checkpoint(str(path), ppo_kl.Agent(6, 3), ppo_kl.Args(env_id="Acrobot-v1"))
+    ppo_kl.save_agent(str(path), ppo_kl.Agent(6, 3), ppo_kl.Args(env_id="Acrobot-v1"))
     proc = run_script("ppo_kl.py", "--load-model", str(path), "--total-timesteps", "0", cwd=tmp_path, check=False)
     assert_one_line_error(proc, "env_id='Acrobot-v1'", "'CartPole-v1'")
     (tmp_path / "junk.pt").write_text("not a checkpoint")

@@ -79,7 +79,7 @@ def test_policy_and_value_losses_average_over_valid_tokens():
     torch.testing.assert_close(ratio, T([[1.5, 0.5, 1.0]]))
     # V = (2, .5), V_old = (1, 1), R = (3, 0), ε = .2: max((2−3)², (1.2−3)²) = 3.24, max(.25, .64) = .64
     #   ½·(3.24 + .64)/2 = 0.97; the padded token (V = 7, R = 0) does not count
-    assert rlhf_ppo.value_loss(T([[2.0, 0.5, 7.0]]), T([[1.0, 1.0, 0.0]]), T([[3.0, 0.0, 0.0]]), mask,
+    assert rlhf_ppo.masked_value_loss(T([[2.0, 0.5, 7.0]]), T([[1.0, 1.0, 0.0]]), T([[3.0, 0.0, 0.0]]), mask,
                                0.2).item() == pytest.approx(0.97)
 
 
