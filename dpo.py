@@ -321,7 +321,8 @@ def main(args: Args):
                     if reward is not None:
                         scores.append(score_responses(reward, sequences, attention_mask, response_mask, stop_ids,
                                                       args.missing_eos_penalty)[0])
-                completions += decode(tokenizer, sequences, context_length, response_mask)
+                # the text up to the stop token: the stop token and the padding after it are special tokens
+                completions += tokenizer.batch_decode(sequences[:, context_length:], skip_special_tokens=True)
             w = torch.tensor(weights, device=device, dtype=torch.float)
             sums = {"kl": (torch.cat(kls) * w).sum(), "n": w.sum()}
             if reward is not None:
@@ -954,12 +955,6 @@ def sample_tokens(model, input_ids, attention_mask, stops, pad_token_id, max_new
     return responses
 
 
-def decode(tokenizer, sequences, context_length, response_mask):
-    """The responses as text, up to their stop token, special tokens dropped."""
-    return [tokenizer.decode([t for t, m in zip(row, mask) if m], skip_special_tokens=True)
-            for row, mask in zip(sequences[:, context_length:].tolist(), response_mask.tolist())]
-
-
 # ---------------------------------------------------------------------------------------------
 # Many processes. `torchrun --nproc-per-node N X.py` starts one process (rank) per device; each takes
 # its share of every batch, and the gradients are averaged. Under plain `python X.py` these helpers
@@ -1155,11 +1150,9 @@ def save_atomically(model, tokenizer, args, output_dir, dtype):
         except OSError as e:
             shutil.rmtree(tmp_dir, ignore_errors=True)
             problem = f"error: cannot write the checkpoint to {output_dir!r}: {e}; nothing was saved"
-    if dist.is_initialized():
-        failed = torch.tensor([float(problem is not None)], device=next(model.parameters()).device)
-        dist.all_reduce(failed)  # rank 0's outcome, known to every rank
-        if failed.item() and problem is None:
-            problem = f"error: rank 0 could not write the checkpoint to {output_dir!r} (its line says why); nothing was saved"
+    # rank 0's outcome, known to every rank
+    if all_reduce_sum({"failed": problem is not None}, next(model.parameters()).device)["failed"] and problem is None:
+        problem = f"error: rank 0 could not write the checkpoint to {output_dir!r} (its line says why); nothing was saved"
     if problem is not None:
         sys.exit(problem)
     if os.environ.get("LOCAL_RANK", "0") == "0" and not os.path.isdir(output_dir):

@@ -921,11 +921,9 @@ def save_atomically(model, tokenizer, args, output_dir, dtype):
         except OSError as e:
             shutil.rmtree(tmp_dir, ignore_errors=True)
             problem = f"error: cannot write the checkpoint to {output_dir!r}: {e}; nothing was saved"
-    if dist.is_initialized():
-        failed = torch.tensor([float(problem is not None)], device=next(model.parameters()).device)
-        dist.all_reduce(failed)  # rank 0's outcome, known to every rank
-        if failed.item() and problem is None:
-            problem = f"error: rank 0 could not write the checkpoint to {output_dir!r} (its line says why); nothing was saved"
+    # rank 0's outcome, known to every rank
+    if all_reduce_sum({"failed": problem is not None}, next(model.parameters()).device)["failed"] and problem is None:
+        problem = f"error: rank 0 could not write the checkpoint to {output_dir!r} (its line says why); nothing was saved"
     if problem is not None:
         sys.exit(problem)
     if os.environ.get("LOCAL_RANK", "0") == "0" and not os.path.isdir(output_dir):

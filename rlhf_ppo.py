@@ -406,12 +406,10 @@ def main(args: Args):
     if reward is not None:
         reward = place_model(TokenScorer(reward), device, args, trained=False)  # its forward: r_φ at every position
 
-    kept, train_ids = tokenize_prompts(tokenizer, [row["prompt"] for row in train_rows], args.max_prompt_length, "train")
+    train_rows, train_ids = tokenize_prompts(tokenizer, train_rows, args.max_prompt_length, "train")
     if len(train_ids) < args.batch_size:
         sys.exit(f"error: {len(train_ids)} training prompts fit --max-prompt-length, fewer than --batch-size {args.batch_size}")
-    train_rows = [train_rows[i] for i in kept]
-    kept, eval_ids = tokenize_prompts(tokenizer, [row["prompt"] for row in eval_rows], args.max_prompt_length, "eval")
-    eval_rows = [eval_rows[i] for i in kept]
+    eval_rows, eval_ids = tokenize_prompts(tokenizer, eval_rows, args.max_prompt_length, "eval")
     positions, longest = model_positions(raw_actor), max(len(ids) for ids in train_ids + eval_ids)
     if positions is not None and longest + args.response_length > positions:
         sys.exit(f"error: the longest prompt ({longest} tokens) + --response-length {args.response_length} exceeds the "
@@ -432,7 +430,8 @@ def main(args: Args):
         (combine_rewards), or --missing-eos-penalty for a response with no stop token: an unfinished answer is
         not scored. Returns (scores, the [B, K] table of the terms, responses as text, has_stop)."""
         prompts = [row["prompt"] for row in rows]
-        completions = decode(tokenizer, sequences, context_length, response_mask)
+        # the text up to the stop token: the stop token and the padding after it are special tokens
+        completions = tokenizer.batch_decode(sequences[:, context_length:], skip_special_tokens=True)
         as_passed = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c  # as TRL passes them
                      for p, c in zip(prompts, completions)]
         table = reward_table(functions, prompts, as_passed, reward_columns(rows)).to(device)
@@ -455,22 +454,25 @@ def main(args: Args):
         sums = {f"{prefix}{name}": (table[:, k].nan_to_num() * w).sum() for k, name in enumerate(names)}
         return {**sums, **{f"{prefix}{name}/n": (applies[:, k] * w).sum() for k, name in enumerate(names)}}
 
+    def logprobs_of(model, sequences, attention_mask, context_length):
+        """(log π(a_t | s_t), entropy) of every response token, a micro-batch at a time (what fits with gradients
+        fits without): in a rollout these are exactly the update's chunks, so the first ratio is exactly 1."""
+        return forward_in_chunks(lambda s, a: response_logprobs(model, s, a, context_length, args.temperature),
+                                 micro_size, sequences, attention_mask)
+
     def evaluate(iteration):
         """Each rank evaluates its shard of the eval prompts; the sums are added up over the ranks."""
         if not eval_ids:
             return
         actor.eval()
-        size = micro_size  # forward passes: what fits with gradients fits without
         mine, weights = shard(list(range(len(eval_ids))), rank, world_size)
         rows = [eval_rows[j] for j in mine]
         with torch.no_grad(), amp():
             sequences, attention_mask, context_length, response_mask = sample_in_chunks(
                 raw_actor, [eval_ids[j] for j in mine], tokenizer.pad_token_id, stop_ids, args.response_length,
                 args.temperature, args.generation_batch_size)
-            logprobs, _ = forward_in_chunks(lambda s, a: response_logprobs(actor, s, a, context_length, args.temperature),
-                                            size, sequences, attention_mask)
-            ref_logprobs, _ = forward_in_chunks(lambda s, a: response_logprobs(ref, s, a, context_length, args.temperature),
-                                                size, sequences, attention_mask)
+            logprobs, _ = logprobs_of(actor, sequences, attention_mask, context_length)
+            ref_logprobs, _ = logprobs_of(ref, sequences, attention_mask, context_length)
             scores, table, completions, _ = scores_of(rows, sequences, attention_mask, context_length, response_mask)
         w = torch.tensor(weights, device=device, dtype=torch.float)
         sums = {"kl": (((logprobs - ref_logprobs) * response_mask).sum(1) * w).sum(), "reward": (scores * w).sum(),
@@ -518,12 +520,8 @@ def main(args: Args):
                 args.generation_batch_size)
             mask = mask.float()
             # in chunks of the update's micro-batches, so that they compute exactly what the update will
-            logprobs, entropy = forward_in_chunks(
-                lambda s, a: response_logprobs(actor, s, a, context_length, args.temperature), micro_size,
-                sequences, attention_mask)
-            ref_logprobs, _ = forward_in_chunks(
-                lambda s, a: response_logprobs(ref, s, a, context_length, args.temperature), micro_size,
-                sequences, attention_mask)
+            logprobs, entropy = logprobs_of(actor, sequences, attention_mask, context_length)
+            ref_logprobs, _ = logprobs_of(ref, sequences, attention_mask, context_length)
             # V(s_t): the critic's value at the position that predicts response token t
             values = forward_in_chunks(lambda s, a: critic(s, a)[:, context_length - 1 : -1], micro_size,
                                        sequences, attention_mask)
@@ -797,14 +795,15 @@ def add_pad_token(tokenizer, stop_ids, *models):
                     embedding.weight[rows:] = embedding.weight[:rows].mean(0)
 
 
-def tokenize_prompts(tokenizer, prompts, max_prompt_length, split):
-    """(indices kept, token ids) of the prompts that fit `max_prompt_length`; the others are dropped and counted."""
-    encoded = [encode_prompt(tokenizer, p) for p in prompts]
+def tokenize_prompts(tokenizer, rows, max_prompt_length, split):
+    """(rows, token ids of their prompts) of the rows whose `prompt` fits `max_prompt_length`; the others are
+    dropped and counted."""
+    encoded = [encode_prompt(tokenizer, row["prompt"]) for row in rows]
     kept = [i for i, ids in enumerate(encoded) if 0 < len(ids) <= max_prompt_length]
     if len(kept) < len(encoded):
         print(f"{split}: dropped {len(encoded) - len(kept):,} of {len(encoded):,} prompts longer than "
               f"--max-prompt-length {max_prompt_length} (or empty)")
-    return kept, [encoded[i] for i in kept]
+    return [rows[i] for i in kept], [encoded[i] for i in kept]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1315,12 +1314,6 @@ def sample_in_chunks(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, 
             torch.cat([F.pad(c[3], (0, length - c[3].shape[1])) for c in chunks]))
 
 
-def decode(tokenizer, sequences, context_length, response_mask):
-    """The responses as text, up to their stop token, special tokens dropped."""
-    return [tokenizer.decode([t for t, m in zip(row, mask) if m], skip_special_tokens=True)
-            for row, mask in zip(sequences[:, context_length:].tolist(), response_mask.tolist())]
-
-
 # ---------------------------------------------------------------------------------------------
 # Many processes. `torchrun --nproc-per-node N X.py` starts one process (rank) per device; each takes
 # its share of every batch, and the gradients are averaged. Under plain `python X.py` these helpers
@@ -1516,11 +1509,9 @@ def save_atomically(model, tokenizer, args, output_dir, dtype):
         except OSError as e:
             shutil.rmtree(tmp_dir, ignore_errors=True)
             problem = f"error: cannot write the checkpoint to {output_dir!r}: {e}; nothing was saved"
-    if dist.is_initialized():
-        failed = torch.tensor([float(problem is not None)], device=next(model.parameters()).device)
-        dist.all_reduce(failed)  # rank 0's outcome, known to every rank
-        if failed.item() and problem is None:
-            problem = f"error: rank 0 could not write the checkpoint to {output_dir!r} (its line says why); nothing was saved"
+    # rank 0's outcome, known to every rank
+    if all_reduce_sum({"failed": problem is not None}, next(model.parameters()).device)["failed"] and problem is None:
+        problem = f"error: rank 0 could not write the checkpoint to {output_dir!r} (its line says why); nothing was saved"
     if problem is not None:
         sys.exit(problem)
     if os.environ.get("LOCAL_RANK", "0") == "0" and not os.path.isdir(output_dir):
