@@ -639,6 +639,12 @@ def tokenize_pairs(tokenizer, rows, stop_ids, max_length, split):
 # ---------------------------------------------------------------------------------------------
 # Data and models
 # ---------------------------------------------------------------------------------------------
+def first_line(e):
+    """An exception's message as one line, for a one-line error: its first line, or the exception's type when
+    the message is empty."""
+    return (str(e).splitlines() or [type(e).__name__])[0]
+
+
 def load_rows(name, config, split, eval_size):
     """(train rows, eval rows) of a dataset: a hub id (with its config name, if it has several: gsm8k "main"),
     a `save_to_disk` directory or a .json/.jsonl/.parquet file. The eval rows are its `test` split, or else
@@ -656,7 +662,7 @@ def load_rows(name, config, split, eval_size):
         else:
             data = datasets.load_dataset(name, config)
     except Exception as e:  # noqa: BLE001  any loading failure becomes one line
-        sys.exit(f"error: cannot load dataset {name!r}: {str(e).splitlines()[0]}")
+        sys.exit(f"error: cannot load dataset {name!r}: {first_line(e)}")
     if split not in data:
         sys.exit(f"error: dataset {name!r} has the splits {list(data)}; pass one of them as --dataset-split")
     rows = list(data[split])
@@ -709,7 +715,7 @@ def load_tokenizer(path, hint):
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
-        sys.exit(f"error: cannot load a tokenizer from {path!r}: {str(e).splitlines()[0]}")
+        sys.exit(f"error: cannot load a tokenizer from {path!r}: {first_line(e)}")
 
 
 def dropout_off(config):
@@ -729,7 +735,7 @@ def load_config(path, head):
     try:
         return dropout_off(AutoConfig.from_pretrained(path, **({"num_labels": 1} if head == "score" else {})))
     except (OSError, ValueError) as e:
-        sys.exit(f"error: cannot load a model from {path!r}: {str(e).splitlines()[0]}")
+        sys.exit(f"error: cannot load a model from {path!r}: {first_line(e)}")
 
 
 def load_model(path, head, dtype, config=None):
@@ -743,7 +749,7 @@ def load_model(path, head, dtype, config=None):
         model_class = AutoModelForCausalLM if head == "lm" else AutoModelForSequenceClassification
         return model_class.from_pretrained(path, config=config, dtype=dtype)
     except (OSError, ValueError) as e:
-        sys.exit(f"error: cannot load a model from {path!r}: {str(e).splitlines()[0]}")
+        sys.exit(f"error: cannot load a model from {path!r}: {first_line(e)}")
 
 
 def prepare_models(tokenizer, stop_ids, models, frozen=()):
@@ -1305,7 +1311,7 @@ def save_checkpoint(run_dir, step, trained, optimizer, args, loop_state, sigterm
         try:
             part()
         except Exception as e:  # noqa: BLE001
-            problem = f"error: cannot write the checkpoint {path}: {(str(e).splitlines() or [type(e).__name__])[0]}"
+            problem = f"error: cannot write the checkpoint {path}: {first_line(e)}"
         if all_reduce_sum({"failed": problem is not None}, next(trained.parameters()).device)["failed"]:
             sys.exit(problem or f"error: another rank could not write the checkpoint {path} (rank 0's line says why)")
 
@@ -1355,7 +1361,7 @@ def load_checkpoint(checkpoint, trained, optimizer):
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
             dcp.load(state, checkpoint_id=checkpoint["path"])
     except Exception as e:  # noqa: BLE001  another model's weights: missing names, other shapes
-        sys.exit(f"error: {checkpoint['path']} does not fit this model ({str(e).splitlines()[0][:200]}); resume with "
+        sys.exit(f"error: {checkpoint['path']} does not fit this model ({first_line(e)[:200]}); resume with "
                  "the model it was saved from")
     # strict=False: the frozen weights are not in the checkpoint (dcp.load has failed on any trained one missing)
     set_state_dict(trained, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],

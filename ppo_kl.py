@@ -494,6 +494,12 @@ def main(args: Args):
 # =============================================================================================
 
 
+def first_line(e):
+    """An exception's message as one line, for a one-line error: its first line, or the exception's type when
+    the message is empty."""
+    return (str(e).splitlines() or [type(e).__name__])[0]
+
+
 def make_envs(args):
     """Vector envs that reset in the same step an episode ends (gymnasium >= 1.0's default would
     instead emit one extra transition, belonging to no episode, after every episode end), each episode's
@@ -522,7 +528,7 @@ def check_env(envs, args, action_space):
             env.render()
             env.close()
         except Exception as e:  # a missing renderer: pygame (classic control), OpenGL (MuJoCo)
-            sys.exit(f"error: --capture-video: {args.env_id} cannot render here ({str(e).splitlines()[0]}); classic "
+            sys.exit(f"error: --capture-video: {args.env_id} cannot render here ({first_line(e)}); classic "
                      "control needs `pip install pygame`, MuJoCo without a display MUJOCO_GL=egl")
 
 
@@ -553,7 +559,7 @@ def load_agent(path, agent, args, obs_rms=None):
         if obs_rms is not None:
             set_statistics(obs_rms, checkpoint["obs_rms"])
     except Exception as e:  # not a checkpoint, another env's sizes, no statistics
-        sys.exit(f"error: --load-model {path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}; pass a .pt "
+        sys.exit(f"error: --load-model {path}: {type(e).__name__}: {first_line(e)[:200]}; pass a .pt "
                  "that --save-model of this script wrote for the same env and network")
     return checkpoint
 
@@ -593,7 +599,7 @@ def find_resume_point(args):
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
         saved, resume = checkpoint["args"], checkpoint["resume"]
     except Exception as e:  # noqa: BLE001  no file, not a checkpoint, a --save-model file without the resume state
-        sys.exit(f"error: --resume {path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}; pass a checkpoint-"
+        sys.exit(f"error: --resume {path}: {type(e).__name__}: {first_line(e)[:200]}; pass a checkpoint-"
                  "<iteration>.pt written with --save-every, or its run directory")
     script = os.path.basename(__file__)
     if checkpoint["script"] != script:

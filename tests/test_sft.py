@@ -5,7 +5,8 @@ import os
 
 import pytest
 import torch
-from conftest import TINY_LM, assert_one_line_error, one_line_exit, only_run_dir, read_scalars, run_script, same_seed_scalars
+from conftest import (TINY_LM, assert_one_line_error, one_line_exit, only_run_dir, read_scalars, run_in_process, run_script,
+                      same_seed_scalars)
 
 import sft
 
@@ -94,3 +95,47 @@ def test_same_seed_same_logs_and_weights(tmp_path):
     (logs_a, saved_a), (logs_b, saved_b) = same_seed_scalars("sft.py", flags, tmp_path)
     assert [tag for tag in logs_a if logs_a[tag] != logs_b.get(tag)] == [] and len(logs_a) >= 5
     assert saved_a == saved_b and len(saved_a) == 1
+
+
+def sort_rows(n, seed):
+    """n rows of a sort task made here, independent of the scripts' task code."""
+    import random
+
+    rng = random.Random(seed)
+    digits = ["".join(rng.choice("0123456789") for _ in range(rng.randint(4, 6))) for _ in range(n)]
+    return [{"prompt": f"sort {d}:", "completion": "".join(sorted(d))} for d in digits]
+
+
+def completion_nll(path, rows):
+    """Σ −log p(completion and its EOS | prompt) over the rows, by the saved model, each row alone."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+    total = 0.0
+    for row in rows:
+        prompt = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+        completion = tokenizer(row["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=torch.tensor([prompt + completion])).logits[0].float(), -1)
+        total -= sum(logp[len(prompt) + t - 1, token].item() for t, token in enumerate(completion))
+    return total
+
+
+def test_one_step_lowers_the_completion_nll_of_its_batch(tiny_checkpoints, tmp_path):
+    """The direction of the update: one AdamW step, at a small learning rate, on a batch that is the whole
+    dataset lowers that batch's completion NLL (a loss of the wrong sign raises it)."""
+    rows = sort_rows(8, seed=3)
+    (tmp_path / "batch.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    run_in_process("sft.py", "--model-name-or-path", str(tiny_checkpoints["sft"]), "--dataset-name", "batch.jsonl",
+                   "--max-steps", "1", "--batch-size", "8", "--lr", "1e-4", "--warmup-steps", "0",
+                   "--output-dir", "out", cwd=tmp_path)
+    before, after = completion_nll(tiny_checkpoints["sft"], rows), completion_nll(tmp_path / "out", rows)
+    assert after < before - 1e-3, (before, after)
+
+
+def test_an_exception_with_an_empty_message_still_makes_one_line(tmp_path):
+    """An error that quotes an exception quotes its first line, or its type when the message is empty: an empty
+    .jsonl file (datasets raises a bare StopIteration) used to end in an IndexError inside the error message."""
+    assert sft.first_line(StopIteration()) == "StopIteration" and sft.first_line(ValueError("a\nb")) == "a"
+    (tmp_path / "empty.jsonl").write_text("")
+    assert "StopIteration" in one_line_exit("sft.py", *TINY_LM, "--dataset-name", "empty.jsonl", cwd=tmp_path)
