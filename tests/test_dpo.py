@@ -1,9 +1,10 @@
 """dpo.py: the math against hand-computed values, then the script end to end."""
+import json
 import math
 
 import pytest
 import torch
-from conftest import read_scalars, run_script, same_seed_scalars
+from conftest import read_scalars, run_in_process, run_script, same_seed_scalars
 from lm_models import PositionLogits, by_hand
 
 import dpo
@@ -81,3 +82,46 @@ def test_same_seed_same_logs_and_weights(tiny_checkpoints, tmp_path):
     (logs_a, saved_a), (logs_b, saved_b) = same_seed_scalars("dpo.py", flags, tmp_path)
     assert [tag for tag in logs_a if logs_a[tag] != logs_b.get(tag)] == [] and len(logs_a) >= 5
     assert saved_a == saved_b and len(saved_a) == 1
+
+
+def preference_rows(n, seed):
+    """n preference pairs of a sort task made here: the sorted digits chosen, one adjacent swap rejected."""
+    import random
+
+    rng, rows = random.Random(seed), []
+    while len(rows) < n:
+        d = "".join(sorted(rng.choice("0123456789") for _ in range(rng.randint(4, 6))))
+        j = next((j for j in range(len(d) - 1) if d[j] != d[j + 1]), None)
+        if j is not None:
+            rows.append({"prompt": f"sort {d[::-1]}:", "chosen": d, "rejected": d[:j] + d[j + 1] + d[j] + d[j + 2 :]})
+    return rows
+
+
+def completion_logps(path, rows, side):
+    """log π(completion and its EOS | prompt) of each row's `side` (chosen or rejected), by the saved model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+    out = []
+    for row in rows:
+        prompt = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+        completion = tokenizer(row[side], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=torch.tensor([prompt + completion])).logits[0].float(), -1)
+        out.append(sum(logp[len(prompt) + t - 1, token].item() for t, token in enumerate(completion)))
+    return torch.tensor(out)
+
+
+def test_one_step_raises_the_implicit_reward_margin_on_its_batch(tiny_checkpoints, tmp_path):
+    """The direction of the update: the implicit reward margin β[(log π_θ(y_w) − log π_ref(y_w)) − (log π_θ(y_l) −
+    log π_ref(y_l))], 0 at the start (π_θ = π_ref = the SFT model), is above 0 after one step on a batch that is
+    the whole dataset (chosen and rejected swapped, or the loss's sign flipped, push it below)."""
+    rows = preference_rows(8, seed=5)
+    (tmp_path / "pairs.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    run_in_process("dpo.py", "--model-name-or-path", str(tiny_checkpoints["sft"]), "--dataset-name", "pairs.jsonl",
+                   "--reward-model-path", "None", "--max-steps", "1", "--batch-size", "8", "--lr", "1e-4",
+                   "--warmup-steps", "0", "--output-dir", "out", cwd=tmp_path)
+    ref, new = tiny_checkpoints["sft"], tmp_path / "out"
+    margin = ((completion_logps(new, rows, "chosen") - completion_logps(ref, rows, "chosen"))
+              - (completion_logps(new, rows, "rejected") - completion_logps(ref, rows, "rejected")))
+    assert margin.mean() > 1e-3, margin

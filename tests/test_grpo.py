@@ -5,7 +5,8 @@ import math
 
 import pytest
 import torch
-from conftest import assert_one_line_error, one_line_exit, read_scalars, run_in_process, run_script, same_seed_scalars
+from conftest import (TINY_LM, assert_one_line_error, one_line_exit, read_scalars, run_in_process, run_script,
+                      same_seed_scalars)
 from lm_models import PositionLogits, by_hand
 
 import grpo
@@ -226,3 +227,77 @@ def test_same_seed_same_logs_and_weights(tiny_checkpoints, tmp_path):
     (logs_a, saved_a), (logs_b, saved_b) = same_seed_scalars("grpo.py", flags, tmp_path)
     assert [tag for tag in logs_a if logs_a[tag] != logs_b.get(tag)] == [] and len(logs_a) >= 5
     assert saved_a == saved_b and len(saved_a) == 1
+
+
+# ------------------------------------------------------------------------ the direction of one update
+def edit_distance(a, b):
+    row = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        row, prev = [i], row
+        for j, y in enumerate(b, 1):
+            row.append(min(prev[j] + 1, row[j - 1] + 1, prev[j - 1] + (x != y)))
+    return row[-1]
+
+
+def response_token_logprobs(model, sequences, attention_mask, width):
+    """log π(token) of every response token (left-padded prompts of `width` tokens), by one forward pass."""
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=positions).logits.float()
+    logp = torch.log_softmax(logits[:, width - 1 : -1], -1)
+    return logp.gather(-1, sequences[:, width:, None]).squeeze(-1)
+
+
+def recorded_rollout(module, monkeypatch, rows):
+    """Patch `module`'s sampling to record what it returns; returns a function giving the call that sampled `rows`
+    completions (the training rollout's size: the evaluation samples another number)."""
+    calls, real = [], module.sample_in_chunks
+
+    def recording(*args, **kwargs):
+        calls.append(real(*args, **kwargs))
+        return calls[-1]
+
+    monkeypatch.setattr(module, "sample_in_chunks", recording)
+    return lambda: next(call for call in calls if len(call[0]) == rows)
+
+
+@pytest.fixture(scope="module")
+def stopping_sft(tmp_path_factory):
+    """A tiny SFT model trained long enough (300 steps, 8 s) that its completions end with a stop token and their
+    gold scores differ within a group: the tiny_checkpoints one rarely stops within 12 tokens."""
+    cwd = tmp_path_factory.mktemp("stopping_sft")
+    run_script("sft.py", *TINY_LM, "--max-steps", "300", "--eval-every", "300", "--num-train-examples", "4000",
+               "--eval-size", "8", "--batch-size", "32", cwd=cwd)
+    return cwd / "models" / "sft"
+
+
+def test_one_step_raises_the_clipped_surrogate_on_the_sampled_completions(stopping_sft, tmp_path, monkeypatch):
+    """The direction of the update: one step (β = 0, a small learning rate) on one rollout raises GRPO's surrogate
+    J = mean_i Â_i · mean_t π_θ(o_i,t) / π_old(o_i,t) on that rollout's completions, the advantages computed here
+    from the gold score of each completion (−1 without a stop token) within its group of 4. A loss or an advantage
+    of the wrong sign lowers it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    rollout = recorded_rollout(grpo, monkeypatch, 16)
+    sft_path = stopping_sft
+    run_in_process("grpo.py", "--sft-model-path", str(sft_path), "--num-iterations", "1", "--batch-size", "16",
+                   "--num-generations", "4", "--mini-batch-size", "16", "--ppo-epochs", "1", "--beta", "0", "--lr", "1e-4",
+                   "--eval-size", "8", "--output-dir", "out", cwd=tmp_path)
+    sequences, attention_mask, width, mask = rollout()
+    tokenizer = AutoTokenizer.from_pretrained(sft_path)
+    prompts = tokenizer.batch_decode(sequences[:, :width], skip_special_tokens=True)
+    completions = tokenizer.batch_decode(sequences[:, width:], skip_special_tokens=True)
+    stopped = ((sequences[:, width:] == tokenizer.eos_token_id) & mask.bool()).any(1)
+    rewards = []
+    for prompt, completion, stop in zip(prompts, completions, stopped):
+        target = "".join(sorted(prompt.removeprefix("sort ").removesuffix(":")))
+        rewards.append(1 - min(1, edit_distance(completion, target) / len(target)) if stop else -1.0)
+    groups = torch.tensor(rewards).view(4, 4)
+    advantages = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).flatten()
+    assert (advantages != 0).sum() >= 4  # something to learn from
+    old = response_token_logprobs(AutoModelForCausalLM.from_pretrained(sft_path).eval(), sequences, attention_mask, width)
+    new = response_token_logprobs(AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval(), sequences,
+                                  attention_mask, width)
+    mask = mask.float()
+    gain = (advantages * (((new - old).exp() - 1) * mask).sum(1) / mask.sum(1)).mean()
+    assert gain > 1e-5, gain

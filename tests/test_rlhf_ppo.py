@@ -175,3 +175,70 @@ def test_same_seed_same_logs_and_weights(tiny_checkpoints, tmp_path):
     (logs_a, saved_a), (logs_b, saved_b) = same_seed_scalars("rlhf_ppo.py", flags, tmp_path)
     assert [tag for tag in logs_a if logs_a[tag] != logs_b.get(tag)] == [] and len(logs_a) >= 5
     assert saved_a == saved_b and len(saved_a) == 1
+
+
+# ------------------------------------------------------------------------ the direction of one update
+def test_one_step_raises_the_surrogate_and_lowers_the_critic_error(tiny_checkpoints, tmp_path, monkeypatch):
+    """The direction of the update: one step (β = 0, a small learning rate) on one rollout raises PPO's surrogate
+    mean_t Â_t · π_θ(a_t|s_t) / π_old(a_t|s_t) over its response tokens and lowers the critic's squared error to
+    the returns. Advantages and returns are computed here: the reward model's score at the stop token (−3 without
+    one), values from the reward model's head at every position (the critic starts as the reward model), GAE with
+    γ = 1, λ = 0.95, whitened over the batch. A policy or value loss of the wrong sign fails it."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    calls, real_sample, placed_trained = [], rlhf_ppo.sample_in_chunks, []
+    real_place = rlhf_ppo.place_model
+
+    def recording(*args, **kwargs):
+        calls.append(real_sample(*args, **kwargs))
+        return calls[-1]
+
+    def placing(model, device, args, trained=True):
+        placed = real_place(model, device, args, trained)
+        if trained:
+            placed_trained.append(placed)  # the actor, then the critic
+        return placed
+
+    monkeypatch.setattr(rlhf_ppo, "sample_in_chunks", recording)
+    monkeypatch.setattr(rlhf_ppo, "place_model", placing)
+    sft_path, rm_path = tiny_checkpoints["sft"], tiny_checkpoints["reward_model"]
+    run_in_process("rlhf_ppo.py", "--sft-model-path", str(sft_path), "--reward-model-path", str(rm_path),
+                   "--num-iterations", "1", "--batch-size", "8", "--mini-batch-size", "8", "--ppo-epochs", "1",
+                   "--kl-coef", "0", "--lr", "1e-4", "--eval-size", "4", "--output-dir", "out", cwd=tmp_path)
+    sequences, attention_mask, width, mask = next(call for call in calls if len(call[0]) == 8)
+    mask = mask.float()
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+    def per_position_values(classifier):
+        with torch.no_grad():
+            hidden = classifier.transformer(input_ids=sequences, attention_mask=attention_mask,
+                                            position_ids=positions).last_hidden_state
+            return classifier.score(hidden.float()).squeeze(-1)
+
+    def token_logprobs(path):
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        with torch.no_grad():
+            logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=positions).logits.float()
+        return torch.log_softmax(logits[:, width - 1 : -1], -1).gather(-1, sequences[:, width:, None]).squeeze(-1)
+
+    start = per_position_values(AutoModelForSequenceClassification.from_pretrained(rm_path).eval())
+    last = mask.sum(1).long() - 1  # each response's last token: its stop token, if it has one
+    stopped = ((sequences[:, width:] == 1) & mask.bool()).any(1)  # ByT5's EOS
+    scores = torch.where(stopped, start[:, width:][torch.arange(8), last], torch.tensor(-3.0))
+    values = start[:, width - 1 : -1] * mask
+    advantages, next_advantage = torch.zeros_like(values), torch.zeros(8)
+    for t in reversed(range(values.shape[1])):
+        reward = torch.where(t == last, scores, torch.zeros(8))
+        next_value = values[:, t + 1] if t + 1 < values.shape[1] else torch.zeros(8)
+        next_advantage = (reward + next_value - values[:, t]) + 0.95 * next_advantage
+        advantages[:, t] = next_advantage * mask[:, t]
+        next_advantage = next_advantage * mask[:, t]
+    returns = advantages + values
+    mean = (advantages * mask).sum() / mask.sum()
+    whitened = (advantages - mean) / (((advantages - mean) ** 2 * mask).sum() / mask.sum()).sqrt() * mask
+    assert whitened.abs().sum() > 0
+    ratio = (token_logprobs(tmp_path / "out") - token_logprobs(sft_path)).exp()
+    assert ((whitened * (ratio - 1)) * mask).sum() / mask.sum() > 1e-6
+    critic = placed_trained[1].classifier  # the trained critic, as the run left it
+    error = lambda v: (((v[:, width - 1 : -1] - returns) ** 2) * mask).sum()  # noqa: E731
+    assert error(per_position_values(critic.eval())) < error(start) - 1e-6
