@@ -107,7 +107,7 @@ def pytest_collection_modifyitems(items):
     """A test that runs a script needs a directory to run it in (or the tiny checkpoints, or monkeypatch
     to chdir): those are the slow tier."""
     for item in items:
-        if {"tmp_path", "tiny_checkpoints", "monkeypatch"} & set(item.fixturenames):
+        if {"tmp_path", "tmp_path_factory", "tiny_checkpoints", "monkeypatch"} & set(item.fixturenames):
             item.add_marker(pytest.mark.slow)
 
 
