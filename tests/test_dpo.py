@@ -13,19 +13,20 @@ T = torch.tensor
 
 
 def test_dpo_loss_variants():
-    # log π(y_w) = −3, log π(y_l) = −5, log π_ref = −4 for both: logratios 1 and −1, h = 2
-    args = (T([-3.0]), T([-5.0]), T([-4.0]), T([-4.0]))
-    # sigmoid, β = .5: −log σ(1) = log(1 + e^−1) = 0.313262
+    # log π(y_w) = −3, log π(y_l) = −5, log π_ref(y_w) = −4.5, log π_ref(y_l) = −4 (unequal: a swap of the two
+    # references, or of chosen and rejected, changes every value below): logratios 1.5 and −1, h = 2.5
+    args = (T([-3.0]), T([-5.0]), T([-4.5]), T([-4.0]))
+    # sigmoid, β = .5: −log σ(1.25) = log(1 + e^−1.25) = 0.251929
     loss, r_c, r_r = dpo.dpo_loss(*args, beta=0.5)
-    assert loss.item() == pytest.approx(0.313262, abs=1e-6)
-    assert (r_c.item(), r_r.item()) == (pytest.approx(0.5), pytest.approx(-0.5))  # β · logratio
-    # label smoothing ε = .1: .9 · 0.313262 + .1 · (−log σ(−1) = 1.313262) = 0.413262
-    assert dpo.dpo_loss(*args, beta=0.5, label_smoothing=0.1)[0].item() == pytest.approx(0.413262, abs=1e-6)
-    # ipo, β = .5: (h − 1/(2β))² = (2 − 1)² = 1;  β = .25: (2 − 2)² = 0
-    assert dpo.dpo_loss(*args, beta=0.5, loss_type="ipo")[0].item() == pytest.approx(1.0)
-    assert dpo.dpo_loss(*args, beta=0.25, loss_type="ipo")[0].item() == pytest.approx(0.0)
-    # hinge: max(0, 1 − β h): β = .25 → .5;  β = .5 → 0
-    assert dpo.dpo_loss(*args, beta=0.25, loss_type="hinge")[0].item() == pytest.approx(0.5)
+    assert loss.item() == pytest.approx(0.251929, abs=1e-6)
+    assert (r_c.item(), r_r.item()) == (pytest.approx(0.75), pytest.approx(-0.5))  # β · logratio
+    # label smoothing ε = .1: .9 · 0.251929 + .1 · (−log σ(−1.25) = 1.25 + 0.251929) = 0.376929
+    assert dpo.dpo_loss(*args, beta=0.5, label_smoothing=0.1)[0].item() == pytest.approx(0.376929, abs=1e-6)
+    # ipo, β = .5: (h − 1/(2β))² = (2.5 − 1)² = 2.25;  β = .2: (2.5 − 2.5)² = 0
+    assert dpo.dpo_loss(*args, beta=0.5, loss_type="ipo")[0].item() == pytest.approx(2.25)
+    assert dpo.dpo_loss(*args, beta=0.2, loss_type="ipo")[0].item() == pytest.approx(0.0, abs=1e-6)
+    # hinge: max(0, 1 − β h): β = .2 → .5;  β = .5 → 0
+    assert dpo.dpo_loss(*args, beta=0.2, loss_type="hinge")[0].item() == pytest.approx(0.5)
     assert dpo.dpo_loss(*args, beta=0.5, loss_type="hinge")[0].item() == pytest.approx(0.0)
 
 
