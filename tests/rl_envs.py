@@ -143,3 +143,50 @@ def recorded_writers(module, monkeypatch):
 
     monkeypatch.setattr(module, "SummaryWriter", Recorded)
     return writers
+
+
+def gae_by_hand(rewards, values, last_value, terminations, truncations, final_values, gamma, lam):
+    """Â_t = Σ_k (γλ)^k δ_{t+k} over the rest of t's episode within the rollout, each term summed out (not the
+    backward recursion): δ_s = r_s + γ V_next(s) − V(s), V_next(s) = 0 after a termination, V(final observation)
+    after a truncation, V(s+1) otherwise (`last_value` after the rollout's last step)."""
+    T, n = rewards.shape
+    advantages = np.zeros((T, n))
+    for env in range(n):
+        for t in range(T):
+            total = 0.0
+            for k, s in enumerate(range(t, T)):
+                if terminations[s, env]:
+                    next_value = 0.0
+                elif truncations[s, env]:
+                    next_value = final_values[s, env]
+                else:
+                    next_value = last_value[env] if s == T - 1 else values[s + 1, env]
+                total += (gamma * lam) ** k * (rewards[s, env] + gamma * next_value - values[s, env])
+                if terminations[s, env] or truncations[s, env]:
+                    break
+            advantages[t, env] = total
+    return advantages
+
+
+def advantages_reaching_the_loss(module, loss_name, monkeypatch):
+    """Record the rollout at `module.compute_gae`'s first call and every `advantages` that `module.<loss_name>`
+    receives; returns a function giving (GAE of that rollout by hand, with the γ and λ given, and the advantages
+    the loss received, concatenated)."""
+    rollout, received = {}, []
+    real_gae, real_loss = module.compute_gae, getattr(module, loss_name)
+
+    def gae_spy(rewards, values, last_value, terminations, truncations, final_values, gamma, gae_lambda):
+        if not rollout:
+            rollout.update(rewards=rewards.copy(), values=values.copy(), last_value=np.array(last_value),
+                           terminations=terminations.copy(), truncations=truncations.copy(),
+                           final_values=final_values.copy())
+        return real_gae(rewards, values, last_value, terminations, truncations, final_values, gamma, gae_lambda)
+
+    def loss_spy(ratio, advantages, *rest):
+        received.append(advantages.detach().cpu().numpy().copy())
+        return real_loss(ratio, advantages, *rest)
+
+    monkeypatch.setattr(module, "compute_gae", gae_spy)
+    monkeypatch.setattr(module, loss_name, loss_spy)
+    return lambda gamma, lam: (gae_by_hand(**{k: v.astype(np.float64) for k, v in rollout.items()}, gamma=gamma,
+                                           lam=lam), np.concatenate(received))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import assert_one_line_error, one_line_exit, only_run_dir, read_scalars, run_script, same_seed_scalars
-from rl_envs import CountingEnv, OffsetActionsEnv, first_gae_inputs, recorded_writers
+from rl_envs import CountingEnv, OffsetActionsEnv, advantages_reaching_the_loss, first_gae_inputs, recorded_writers
 
 import ppo_clip
 
@@ -316,3 +316,15 @@ def test_a_checkpoint_of_another_env_is_one_line(tmp_path):
     proc = run_script("ppo_clip.py", "--load-model", "junk.pt", "--total-timesteps", "0", cwd=tmp_path, check=False)
     assert_one_line_error(proc, "--load-model junk.pt")
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_advantages_that_reach_the_loss_are_gae_of_the_rollout(tmp_path, monkeypatch):
+    """main hands GAE its flags: with γ = 0.9 ≠ λ = 0.5 and no normalization, the advantages the policy loss
+    receives over one epoch are GAE of the recorded rollout (terminations and truncations), summed out by hand."""
+    result = advantages_reaching_the_loss(ppo_clip, "clipped_policy_loss", monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    ppo_clip.main(ppo_clip.Args(env_id="Clock-v0", total_timesteps=40, num_envs=2, num_steps=20, num_minibatches=2,
+                            update_epochs=1, norm_adv=False, gamma=0.9, gae_lambda=0.5, eval_episodes=0))
+    by_hand, received = result(0.9, 0.5)
+    assert len(received) == 40
+    np.testing.assert_allclose(np.sort(received), np.sort(by_hand.flatten()), rtol=1e-5, atol=1e-6)

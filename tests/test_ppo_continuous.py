@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import assert_one_line_error, one_line_exit, only_run_dir, read_scalars, run_script, same_seed_scalars
 import rl_envs  # noqa: F401  (registers Target-v0)
-from rl_envs import ClockEnv, first_gae_inputs, recorded_writers
+from rl_envs import ClockEnv, advantages_reaching_the_loss, first_gae_inputs, recorded_writers
 
 import ppo_continuous as pc
 
@@ -335,3 +335,16 @@ def test_a_checkpoint_saved_without_observation_normalization_is_one_line(tmp_pa
                       "0", cwd=tmp_path, check=False)
     assert_one_line_error(proc, "norm_obs=False")
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_advantages_that_reach_the_loss_are_gae_of_the_rollout(tmp_path, monkeypatch):
+    """main hands GAE its flags: with γ = 0.9 ≠ λ = 0.5 and no normalization of the advantages, those the policy
+    loss receives over one epoch are GAE of the recorded rollout (its scaled rewards, terminations and
+    truncations), summed out by hand."""
+    result = advantages_reaching_the_loss(pc, "clipped_policy_loss", monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    pc.main(pc.Args(env_id="ClockBox-v0", total_timesteps=40, num_envs=2, num_steps=20, num_minibatches=2,
+                    update_epochs=1, norm_adv=False, gamma=0.9, gae_lambda=0.5, eval_episodes=0))
+    by_hand, received = result(0.9, 0.5)
+    assert len(received) == 40
+    np.testing.assert_allclose(np.sort(received), np.sort(by_hand.flatten()), rtol=1e-5, atol=1e-6)

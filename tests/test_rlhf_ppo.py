@@ -242,3 +242,38 @@ def test_one_step_raises_the_surrogate_and_lowers_the_critic_error(tiny_checkpoi
     critic = placed_trained[1].classifier  # the trained critic, as the run left it
     error = lambda v: (((v[:, width - 1 : -1] - returns) ** 2) * mask).sum()  # noqa: E731
     assert error(per_position_values(critic.eval())) < error(start) - 1e-6
+
+
+def test_the_advantages_that_reach_the_loss_are_whitened_gae_of_the_rollout(tiny_checkpoints, tmp_path, monkeypatch):
+    """main hands GAE its flags: with γ = 0.9 ≠ λ = 0.5 the advantages the policy loss receives are GAE of the
+    recorded per-token rewards and values, Â_t = Σ_k (γλ)^k δ_{t+k} summed out by hand over each response, then
+    whitened over the batch's response tokens."""
+    rollout, received = {}, []
+    real_gae, real_loss = rlhf_ppo.masked_gae, rlhf_ppo.policy_loss
+
+    def gae_spy(rewards, values, mask, gamma, lam):
+        rollout.setdefault("inputs", (rewards.clone(), values.clone(), mask.clone()))
+        return real_gae(rewards, values, mask, gamma, lam)
+
+    def loss_spy(logprobs, old_logprobs, advantages, *rest):
+        received.append(advantages.detach().clone())
+        return real_loss(logprobs, old_logprobs, advantages, *rest)
+
+    monkeypatch.setattr(rlhf_ppo, "masked_gae", gae_spy)
+    monkeypatch.setattr(rlhf_ppo, "policy_loss", loss_spy)
+    run_in_process("rlhf_ppo.py", "--sft-model-path", str(tiny_checkpoints["sft"]), "--reward-model-path",
+                   str(tiny_checkpoints["reward_model"]), "--num-iterations", "1", "--batch-size", "8",
+                   "--mini-batch-size", "8", "--ppo-epochs", "1", "--gamma", "0.9", "--lam", "0.5", "--eval-size", "4",
+                   "--output-dir", "out", cwd=tmp_path)
+    rewards, values, mask = (x.double() for x in rollout["inputs"])
+    by_hand = torch.zeros_like(rewards)
+    for i in range(len(rewards)):
+        n = int(mask[i].sum())  # the response's tokens; V = 0 after its last
+        v = torch.cat([values[i, :n], torch.zeros(1, dtype=torch.float64)])
+        deltas = [rewards[i, s] + 0.9 * v[s + 1] - v[s] for s in range(n)]
+        for t in range(n):
+            by_hand[i, t] = sum((0.9 * 0.5) ** k * deltas[t + k] for k in range(n - t))
+    mean = by_hand[mask.bool()].mean()
+    whitened = (by_hand - mean) / by_hand[mask.bool()].var(unbiased=False).sqrt() * mask
+    assert len(received) == 1 and received[0].shape == mask.shape
+    torch.testing.assert_close(received[0].double() * mask, whitened, rtol=1e-4, atol=1e-4)
