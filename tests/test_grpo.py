@@ -248,6 +248,19 @@ def response_token_logprobs(model, sequences, attention_mask, width):
     return logp.gather(-1, sequences[:, width:, None]).squeeze(-1)
 
 
+def gold_rewards(tokenizer, sequences, width, mask, missing_eos_penalty=-1.0):
+    """The gold score of each sampled completion of the built-in task (its target: the prompt's digits, sorted),
+    or the penalty for one without a stop token."""
+    prompts = tokenizer.batch_decode(sequences[:, :width], skip_special_tokens=True)
+    completions = tokenizer.batch_decode(sequences[:, width:], skip_special_tokens=True)
+    stopped = ((sequences[:, width:] == tokenizer.eos_token_id) & mask.bool()).any(1)
+    rewards = []
+    for prompt, completion, stop in zip(prompts, completions, stopped):
+        target = "".join(sorted(prompt.removeprefix("sort ").removesuffix(":")))
+        rewards.append(1 - min(1, edit_distance(completion, target) / len(target)) if stop else missing_eos_penalty)
+    return torch.tensor(rewards)
+
+
 def recorded_rollout(module, monkeypatch, rows):
     """Patch `module`'s sampling to record what it returns; returns a function giving the call that sampled `rows`
     completions (the training rollout's size: the evaluation samples another number)."""
@@ -284,15 +297,7 @@ def test_one_step_raises_the_clipped_surrogate_on_the_sampled_completions(stoppi
                    "--num-generations", "4", "--mini-batch-size", "16", "--ppo-epochs", "1", "--beta", "0", "--lr", "1e-4",
                    "--eval-size", "8", "--output-dir", "out", cwd=tmp_path)
     sequences, attention_mask, width, mask = rollout()
-    tokenizer = AutoTokenizer.from_pretrained(sft_path)
-    prompts = tokenizer.batch_decode(sequences[:, :width], skip_special_tokens=True)
-    completions = tokenizer.batch_decode(sequences[:, width:], skip_special_tokens=True)
-    stopped = ((sequences[:, width:] == tokenizer.eos_token_id) & mask.bool()).any(1)
-    rewards = []
-    for prompt, completion, stop in zip(prompts, completions, stopped):
-        target = "".join(sorted(prompt.removeprefix("sort ").removesuffix(":")))
-        rewards.append(1 - min(1, edit_distance(completion, target) / len(target)) if stop else -1.0)
-    groups = torch.tensor(rewards).view(4, 4)
+    groups = gold_rewards(AutoTokenizer.from_pretrained(sft_path), sequences, width, mask).view(4, 4)
     advantages = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).flatten()
     assert (advantages != 0).sum() >= 4  # something to learn from
     old = response_token_logprobs(AutoModelForCausalLM.from_pretrained(sft_path).eval(), sequences, attention_mask, width)
@@ -301,3 +306,41 @@ def test_one_step_raises_the_clipped_surrogate_on_the_sampled_completions(stoppi
     mask = mask.float()
     gain = (advantages * (((new - old).exp() - 1) * mask).sum(1) / mask.sum(1)).mean()
     assert gain > 1e-5, gain
+
+
+@pytest.mark.parametrize("flags,advantage", [
+    ((), "grpo"),
+    (("--advantage", "rloo", "--loss-type", "dapo", "--epsilon-high", "0.28"), "rloo"),
+    (("--no-scale-rewards", "--loss-type", "dr_grpo"), "dr_grpo"),
+])
+def test_the_variant_flags_reach_the_loss(stopping_sft, tmp_path, monkeypatch, flags, advantage):
+    """The advantages the surrogate receives are, by hand from the gold scores of the recorded completions, GRPO's
+    (r − mean) / (std + 1e-4), RLOO's r − mean of the other three, or Dr. GRPO's r − mean; --loss-type and
+    --epsilon-high reach the loss's normalization and clip."""
+    from transformers import AutoTokenizer
+
+    rollout, seen = recorded_rollout(grpo, monkeypatch, 16), []
+    real_surrogate, real_aggregate = grpo.clipped_surrogate, grpo.aggregate_loss
+
+    def surrogate_spy(logprobs, old_logprobs, advantages, epsilon_low, epsilon_high):
+        seen.append(("surrogate", advantages.detach().clone(), epsilon_low, epsilon_high))
+        return real_surrogate(logprobs, old_logprobs, advantages, epsilon_low, epsilon_high)
+
+    def aggregate_spy(per_token, mask, loss_type, *rest):
+        seen.append(("aggregate", loss_type))
+        return real_aggregate(per_token, mask, loss_type, *rest)
+
+    monkeypatch.setattr(grpo, "clipped_surrogate", surrogate_spy)
+    monkeypatch.setattr(grpo, "aggregate_loss", aggregate_spy)
+    run_in_process("grpo.py", "--sft-model-path", str(stopping_sft), "--num-iterations", "1", "--batch-size", "16",
+                   "--num-generations", "4", "--mini-batch-size", "16", "--ppo-epochs", "1", "--beta", "0",
+                   "--eval-size", "8", "--output-dir", "out", *flags, cwd=tmp_path)
+    sequences, _, width, mask = rollout()
+    r = gold_rewards(AutoTokenizer.from_pretrained(stopping_sft), sequences, width, mask).view(4, 4)
+    expected = {"grpo": (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4),
+                "rloo": r - (r.sum(1, keepdim=True) - r) / 3, "dr_grpo": r - r.mean(1, keepdim=True)}[advantage]
+    (_, received, epsilon_low, epsilon_high), (_, loss_type) = seen
+    assert (received != 0).any()
+    torch.testing.assert_close(received, expected.flatten(), rtol=1e-5, atol=1e-5)
+    assert loss_type == (flags[flags.index("--loss-type") + 1] if "--loss-type" in flags else "grpo")
+    assert (epsilon_low, epsilon_high) == (0.2, 0.28 if "--epsilon-high" in flags else 0.2)
