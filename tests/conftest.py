@@ -132,3 +132,52 @@ def same_seed_scalars(script, flags, tmp_path):
         runs.append(({tag: values for tag, values in scalars.items()
                       if not any(word in tag for word in ("SPS", "per_second", "time_fraction"))}, saved))
     return runs
+
+
+def reference_after_training(script, flags, cwd, monkeypatch):
+    """Run `script` in this process and return (its logged scalars, the reference it trained against, as the run
+    left it): the first frozen model it placed."""
+    import importlib
+
+    module = importlib.import_module(script[: -len(".py")])
+    placed, real = [], module.place_model
+
+    def placing(model, device, args, trained=True):
+        out = real(model, device, args, trained)
+        if not trained:
+            placed.append(out)
+        return out
+
+    monkeypatch.setattr(module, "place_model", placing)
+    run_in_process(script, *flags, cwd=cwd)
+    return read_scalars(only_run_dir(cwd)), placed[0]
+
+
+def assert_the_reference_stayed(start, trained, reference, scalars):
+    """The logged KL is 0 at the evaluation before the first update and not after training (where the run's
+    reference is its policy, it stays 0); after training, the reference's logits are the starting checkpoint's and
+    the policy's are not: KL[π_θ ‖ π_ref] > 0, computed exactly on the next-token distributions of a few prompts."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert scalars["eval/kl"][0] == (0, 0.0) and scalars["eval/kl"][-1][1] != 0.0  # a policy that is its reference: 0
+    tokenizer = AutoTokenizer.from_pretrained(start)
+    ids = torch.tensor([tokenizer("sort 83519:", add_special_tokens=False)["input_ids"],
+                        tokenizer("sort 20471:", add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(start).eval()(input_ids=ids).logits
+        if os.path.exists(os.path.join(trained, "adapter_config.json")):  # LoRA: the adapter on the SFT model
+            import warnings
+
+            from peft import PeftModel
+
+            with warnings.catch_warnings():  # peft 0.21 on transformers 5
+                warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated")
+                policy = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(start), trained)
+        else:
+            policy = AutoModelForCausalLM.from_pretrained(trained)
+        policy = policy.eval()(input_ids=ids).logits
+        got = reference(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    kl = (policy.log_softmax(-1).exp() * (policy.log_softmax(-1) - got.log_softmax(-1))).sum(-1)
+    assert kl.mean() > 1e-6, kl

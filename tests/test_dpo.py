@@ -4,7 +4,8 @@ import math
 
 import pytest
 import torch
-from conftest import read_scalars, run_in_process, run_script, same_seed_scalars
+from conftest import (assert_the_reference_stayed, read_scalars, reference_after_training, run_in_process, run_script,
+                      same_seed_scalars)
 from lm_models import PositionLogits, by_hand
 
 import dpo
@@ -126,3 +127,16 @@ def test_one_step_raises_the_implicit_reward_margin_on_its_batch(tiny_checkpoint
     margin = ((completion_logps(new, rows, "chosen") - completion_logps(ref, rows, "chosen"))
               - (completion_logps(new, rows, "rejected") - completion_logps(ref, rows, "rejected")))
     assert margin.mean() > 1e-3, margin
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_reference_stays_the_starting_model(tiny_checkpoints, tmp_path, monkeypatch, lora):
+    """KL 0 before the first update; after training the reference computes the SFT model's logits exactly (with
+    LoRA: the policy itself, its adapters off) while the policy has moved away from it (KL > 0)."""
+    if lora:
+        pytest.importorskip("peft")
+    sft = tiny_checkpoints["sft"]
+    flags = ["--model-name-or-path", str(sft), "--reward-model-path", "None", "--max-steps", "4", "--batch-size", "8",
+                  "--num-train-pairs", "64", "--eval-size", "8", "--eval-every", "4", "--warmup-steps", "0", "--output-dir", "out", *(["--lora-r", "4"] if lora else [])]
+    scalars, reference = reference_after_training("dpo.py", flags, tmp_path, monkeypatch)
+    assert_the_reference_stayed(sft, tmp_path / "out", reference, scalars)

@@ -5,8 +5,8 @@ import math
 
 import pytest
 import torch
-from conftest import (TINY_LM, assert_one_line_error, one_line_exit, read_scalars, run_in_process, run_script,
-                      same_seed_scalars)
+from conftest import (TINY_LM, assert_one_line_error, assert_the_reference_stayed, one_line_exit, read_scalars,
+                      reference_after_training, run_in_process, run_script, same_seed_scalars)
 from lm_models import PositionLogits, by_hand
 
 import grpo
@@ -344,3 +344,16 @@ def test_the_variant_flags_reach_the_loss(stopping_sft, tmp_path, monkeypatch, f
     torch.testing.assert_close(received, expected.flatten(), rtol=1e-5, atol=1e-5)
     assert loss_type == (flags[flags.index("--loss-type") + 1] if "--loss-type" in flags else "grpo")
     assert (epsilon_low, epsilon_high) == (0.2, 0.28 if "--epsilon-high" in flags else 0.2)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_reference_stays_the_starting_model(stopping_sft, tmp_path, monkeypatch, lora):
+    """KL 0 before the first update; after training the reference computes the SFT model's logits exactly (with
+    LoRA: the policy itself, its adapters off) while the policy has moved away from it (KL > 0)."""
+    if lora:
+        pytest.importorskip("peft")
+    sft = stopping_sft  # its completions stop and differ in reward: GRPO has something to learn
+    flags = ["--sft-model-path", str(sft), "--num-iterations", "2", "--batch-size", "16", "--num-generations", "4",
+                  "--mini-batch-size", "8", "--eval-size", "8", "--eval-every", "2", "--output-dir", "out", *(["--lora-r", "4"] if lora else [])]
+    scalars, reference = reference_after_training("grpo.py", flags, tmp_path, monkeypatch)
+    assert_the_reference_stayed(sft, tmp_path / "out", reference, scalars)

@@ -4,7 +4,8 @@ import os
 
 import pytest
 import torch
-from conftest import assert_one_line_error, one_line_exit, read_scalars, run_in_process, run_script, same_seed_scalars
+from conftest import (assert_one_line_error, assert_the_reference_stayed, one_line_exit, read_scalars,
+                      reference_after_training, run_in_process, run_script, same_seed_scalars)
 from lm_models import PositionLogits, by_hand
 
 import rlhf_ppo
@@ -277,3 +278,16 @@ def test_the_advantages_that_reach_the_loss_are_whitened_gae_of_the_rollout(tiny
     whitened = (by_hand - mean) / by_hand[mask.bool()].var(unbiased=False).sqrt() * mask
     assert len(received) == 1 and received[0].shape == mask.shape
     torch.testing.assert_close(received[0].double() * mask, whitened, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_reference_stays_the_starting_model(tiny_checkpoints, tmp_path, monkeypatch, lora):
+    """KL 0 before the first update; after training the reference computes the SFT model's logits exactly (with
+    LoRA: the policy itself, its adapters off) while the policy has moved away from it (KL > 0)."""
+    if lora:
+        pytest.importorskip("peft")
+    sft = tiny_checkpoints["sft"]
+    flags = ["--sft-model-path", str(sft), "--reward-model-path", str(tiny_checkpoints["reward_model"]),
+                  "--num-iterations", "2", "--batch-size", "8", "--mini-batch-size", "8", "--eval-size", "8", "--eval-every", "2", "--output-dir", "out", *(["--lora-r", "4"] if lora else [])]
+    scalars, reference = reference_after_training("rlhf_ppo.py", flags, tmp_path, monkeypatch)
+    assert_the_reference_stayed(sft, tmp_path / "out", reference, scalars)
