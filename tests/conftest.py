@@ -69,6 +69,27 @@ def tiny_checkpoints(tmp_path_factory):
     return {"cwd": cwd, "sft": cwd / "models" / "sft", "reward_model": cwd / "models" / "reward_model"}
 
 
+@pytest.fixture(scope="session")
+def small_checkpoints(tmp_path_factory):
+    """An SFT model of the built-in task trained long enough (300 steps) that its completions stop and differ in
+    gold score, and a reward model trained from it (60 steps; 75% held-out accuracy): what the RL scripts need to
+    have something to learn in a few iterations. {name: path}, made once for all pytest-xdist workers."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if "PYTEST_XDIST_WORKER" in os.environ else root
+    cwd = root / "small"
+    with FileLock(str(root / "small.lock")):
+        if not (cwd / "done").exists():
+            os.makedirs(cwd, exist_ok=True)
+            run_script("sft.py", *TINY_LM, "--max-steps", "300", "--eval-every", "300", "--num-train-examples", "4000",
+                       "--eval-size", "32", "--batch-size", "32", cwd=cwd)
+            run_script("reward_model.py", "--max-steps", "60", "--eval-every", "60", "--num-train-pairs", "2000",
+                       "--eval-size", "64", "--batch-size", "32", cwd=cwd)
+            (cwd / "done").touch()
+    return {"sft": cwd / "models" / "sft", "reward_model": cwd / "models" / "reward_model"}
+
+
 def run_in_process(script, *flags, cwd):
     """Run a script's real entry point, `main(tyro.cli(Args))`, in this process (no 4 s of imports per run)."""
     import importlib
@@ -107,7 +128,7 @@ def pytest_collection_modifyitems(items):
     """A test that runs a script needs a directory to run it in (or the tiny checkpoints, or monkeypatch
     to chdir): those are the slow tier."""
     for item in items:
-        if {"tmp_path", "tmp_path_factory", "tiny_checkpoints", "monkeypatch"} & set(item.fixturenames):
+        if {"tmp_path", "tmp_path_factory", "tiny_checkpoints", "small_checkpoints", "monkeypatch"} & set(item.fixturenames):
             item.add_marker(pytest.mark.slow)
 
 

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import (TINY_LM, assert_one_line_error, assert_the_reference_stayed, one_line_exit, read_scalars,
+from conftest import (assert_one_line_error, assert_the_reference_stayed, one_line_exit, only_run_dir, read_scalars,
                       reference_after_training, run_in_process, run_script, same_seed_scalars)
 from lm_models import PositionLogits, by_hand
 
@@ -274,17 +274,7 @@ def recorded_rollout(module, monkeypatch, rows):
     return lambda: next(call for call in calls if len(call[0]) == rows)
 
 
-@pytest.fixture(scope="module")
-def stopping_sft(tmp_path_factory):
-    """A tiny SFT model trained long enough (300 steps, 8 s) that its completions end with a stop token and their
-    gold scores differ within a group: the tiny_checkpoints one rarely stops within 12 tokens."""
-    cwd = tmp_path_factory.mktemp("stopping_sft")
-    run_script("sft.py", *TINY_LM, "--max-steps", "300", "--eval-every", "300", "--num-train-examples", "4000",
-               "--eval-size", "8", "--batch-size", "32", cwd=cwd)
-    return cwd / "models" / "sft"
-
-
-def test_one_step_raises_the_clipped_surrogate_on_the_sampled_completions(stopping_sft, tmp_path, monkeypatch):
+def test_one_step_raises_the_clipped_surrogate_on_the_sampled_completions(small_checkpoints, tmp_path, monkeypatch):
     """The direction of the update: one step (β = 0, a small learning rate) on one rollout raises GRPO's surrogate
     J = mean_i Â_i · mean_t π_θ(o_i,t) / π_old(o_i,t) on that rollout's completions, the advantages computed here
     from the gold score of each completion (−1 without a stop token) within its group of 4. A loss or an advantage
@@ -292,7 +282,7 @@ def test_one_step_raises_the_clipped_surrogate_on_the_sampled_completions(stoppi
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     rollout = recorded_rollout(grpo, monkeypatch, 16)
-    sft_path = stopping_sft
+    sft_path = small_checkpoints["sft"]
     run_in_process("grpo.py", "--sft-model-path", str(sft_path), "--num-iterations", "1", "--batch-size", "16",
                    "--num-generations", "4", "--mini-batch-size", "16", "--ppo-epochs", "1", "--beta", "0", "--lr", "1e-4",
                    "--eval-size", "8", "--output-dir", "out", cwd=tmp_path)
@@ -313,7 +303,7 @@ def test_one_step_raises_the_clipped_surrogate_on_the_sampled_completions(stoppi
     (("--advantage", "rloo", "--loss-type", "dapo", "--epsilon-high", "0.28"), "rloo"),
     (("--no-scale-rewards", "--loss-type", "dr_grpo"), "dr_grpo"),
 ])
-def test_the_variant_flags_reach_the_loss(stopping_sft, tmp_path, monkeypatch, flags, advantage):
+def test_the_variant_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypatch, flags, advantage):
     """The advantages the surrogate receives are, by hand from the gold scores of the recorded completions, GRPO's
     (r − mean) / (std + 1e-4), RLOO's r − mean of the other three, or Dr. GRPO's r − mean; --loss-type and
     --epsilon-high reach the loss's normalization and clip."""
@@ -332,11 +322,11 @@ def test_the_variant_flags_reach_the_loss(stopping_sft, tmp_path, monkeypatch, f
 
     monkeypatch.setattr(grpo, "clipped_surrogate", surrogate_spy)
     monkeypatch.setattr(grpo, "aggregate_loss", aggregate_spy)
-    run_in_process("grpo.py", "--sft-model-path", str(stopping_sft), "--num-iterations", "1", "--batch-size", "16",
+    run_in_process("grpo.py", "--sft-model-path", str(small_checkpoints["sft"]), "--num-iterations", "1", "--batch-size", "16",
                    "--num-generations", "4", "--mini-batch-size", "16", "--ppo-epochs", "1", "--beta", "0",
                    "--eval-size", "8", "--output-dir", "out", *flags, cwd=tmp_path)
     sequences, _, width, mask = rollout()
-    r = gold_rewards(AutoTokenizer.from_pretrained(stopping_sft), sequences, width, mask).view(4, 4)
+    r = gold_rewards(AutoTokenizer.from_pretrained(small_checkpoints["sft"]), sequences, width, mask).view(4, 4)
     expected = {"grpo": (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4),
                 "rloo": r - (r.sum(1, keepdim=True) - r) / 3, "dr_grpo": r - r.mean(1, keepdim=True)}[advantage]
     (_, received, epsilon_low, epsilon_high), (_, loss_type) = seen
@@ -347,13 +337,24 @@ def test_the_variant_flags_reach_the_loss(stopping_sft, tmp_path, monkeypatch, f
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_the_reference_stays_the_starting_model(stopping_sft, tmp_path, monkeypatch, lora):
+def test_the_reference_stays_the_starting_model(small_checkpoints, tmp_path, monkeypatch, lora):
     """KL 0 before the first update; after training the reference computes the SFT model's logits exactly (with
     LoRA: the policy itself, its adapters off) while the policy has moved away from it (KL > 0)."""
     if lora:
         pytest.importorskip("peft")
-    sft = stopping_sft  # its completions stop and differ in reward: GRPO has something to learn
+    sft = small_checkpoints["sft"]  # its completions stop and differ in reward: GRPO has something to learn
     flags = ["--sft-model-path", str(sft), "--num-iterations", "2", "--batch-size", "16", "--num-generations", "4",
                   "--mini-batch-size", "8", "--eval-size", "8", "--eval-every", "2", "--output-dir", "out", *(["--lora-r", "4"] if lora else [])]
     scalars, reference = reference_after_training("grpo.py", flags, tmp_path, monkeypatch)
     assert_the_reference_stayed(sft, tmp_path / "out", reference, scalars)
+
+
+def test_it_raises_the_reward_in_20_iterations(small_checkpoints, tmp_path):
+    """From the small SFT model, 20 iterations of 16 prompts × 8 completions (lr 5e-4): the mean reward of the
+    sampled completions over the last 5 iterations exceeds that of the first 5 by 0.054-0.086 (seeds 1-3), at
+    least 0.02; with the policy loss's sign flipped it falls by 0.83."""
+    run_in_process("grpo.py", "--sft-model-path", str(small_checkpoints["sft"]), "--num-iterations", "20",
+                   "--batch-size", "128", "--num-generations", "8", "--mini-batch-size", "64", "--lr", "5e-4",
+                   "--eval-every", "20", "--eval-size", "16", "--output-dir", "out", cwd=tmp_path)
+    reward = [v for _, v in read_scalars(only_run_dir(tmp_path))["objective/reward"]]
+    assert len(reward) == 20 and sum(reward[-5:]) / 5 > sum(reward[:5]) / 5 + 0.02, reward

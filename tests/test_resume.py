@@ -330,3 +330,63 @@ def test_rl_bad_resume_input_is_one_line(tmp_path):
     # and once through the real entry point: the same line on stderr, no traceback
     assert_one_line_error(run_script("ppo_clip.py", *base, "--resume", "runs", cwd=tmp_path, check=False),
                           "no checkpoint-<iteration>.pt there")
+
+
+def wait_for_training(proc, cwd, seconds=60):
+    """Wait until a run started in `cwd` trains (its run directory appears right before the loop), then a little."""
+    for _ in range(seconds * 10):
+        if (cwd / "runs").exists() and os.listdir(cwd / "runs"):
+            break
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    time.sleep(0.5)
+
+
+def test_an_rl_run_stopped_by_sigterm_saves_and_its_resume_finishes(tmp_path):
+    """SIGTERM in the middle of a PPO run: exit code 0, one checkpoint-<iteration>.pt, no final agent, the command
+    that resumes it, which finishes the run."""
+    flags = ["--total-timesteps", "102400", "--num-envs", "2", "--num-steps", "128", "--eval-episodes", "0",
+             "--save-model"]
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "ppo_clip.py"), *flags], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_training(proc, tmp_path)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    run_dir = only_run_dir(tmp_path)
+    checkpoints = [name for name in os.listdir(run_dir) if name.startswith("checkpoint-")]
+    assert len(checkpoints) == 1 and 0 < int(checkpoints[0][len("checkpoint-") : -len(".pt")]) < 400, checkpoints
+    assert not [name for name in os.listdir(run_dir) if name == "ppo_clip.pt"]  # not over: no final agent
+    command = out.split("resume with:\n")[1].strip().split()
+    assert command[2:] == [*flags, "--resume", os.path.join("runs", os.path.basename(run_dir))]
+    run_script("ppo_clip.py", *command[2:], cwd=tmp_path)
+    assert os.path.exists(os.path.join(run_dir, "ppo_clip.pt"))
+    assert max(step for step, _ in read_scalars(run_dir)["charts/SPS"]) == 102400
+
+
+def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    """Under torchrun a scheduler may signal one process only: rank 1 alone gets SIGTERM, and both ranks still stop
+    after the same step, write one checkpoint together and exit 0."""
+    flags = [*TINY_LM, "--max-steps", "2000", "--num-train-examples", "300", "--eval-size", "8", "--batch-size", "8",
+             "--eval-every", "10000", "--output-dir", "models/m"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             os.path.join(ROOT, "sft.py"), *flags], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    wait_for_training(proc, tmp_path, seconds=120)
+    ranks = {}
+    for child in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split():
+        with open(f"/proc/{child}/environ", "rb") as f:
+            environ = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        ranks[int(environ[b"RANK"])] = int(child)
+    assert sorted(ranks) == [0, 1]
+    os.kill(ranks[1], signal.SIGTERM)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err[-3000:]
+    run_dir = only_run_dir(tmp_path)
+    checkpoints = [name for name in os.listdir(run_dir) if name.startswith("checkpoint-")]
+    assert len(checkpoints) == 1 and 0 < int(checkpoints[0].split("-")[1]) < 2000, checkpoints
+    step = json.load(open(os.path.join(run_dir, checkpoints[0], "checkpoint.json")))["step"]
+    saved = sorted(name for name in os.listdir(os.path.join(run_dir, checkpoints[0])) if name.startswith("rank"))
+    assert saved == ["rank0.pt", "rank1.pt"] and f"stopped after step {step}" in out
+    assert not (tmp_path / "models" / "m").exists()

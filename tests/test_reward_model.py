@@ -101,3 +101,12 @@ def test_one_step_raises_p_chosen_over_rejected_on_its_batch(tiny_checkpoints, t
                    "--output-dir", "out", cwd=tmp_path)
     before, after = p_chosen(tiny_checkpoints["reward_model"], rows), p_chosen(tmp_path / "out", rows)
     assert after > before + 1e-5, (before, after)
+
+
+def test_it_learns_the_built_in_preferences_in_40_steps(small_checkpoints, tmp_path):
+    """From the small SFT model, 40 steps of 32 pairs: held-out pairwise accuracy 0.72-0.77 (seeds 1-3), at least
+    0.65; trained on swapped pairs it is 0.23."""
+    run_in_process("reward_model.py", "--model-name-or-path", str(small_checkpoints["sft"]), "--max-steps", "40",
+                   "--batch-size", "32", "--eval-every", "40", "--eval-size", "64", "--num-train-pairs", "2000",
+                   "--output-dir", "out", cwd=tmp_path)
+    assert read_scalars(only_run_dir(tmp_path))["eval/accuracy"][-1][1] >= 0.65

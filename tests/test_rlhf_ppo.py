@@ -4,7 +4,7 @@ import os
 
 import pytest
 import torch
-from conftest import (assert_one_line_error, assert_the_reference_stayed, one_line_exit, read_scalars,
+from conftest import (assert_one_line_error, assert_the_reference_stayed, one_line_exit, only_run_dir, read_scalars,
                       reference_after_training, run_in_process, run_script, same_seed_scalars)
 from lm_models import PositionLogits, by_hand
 
@@ -291,3 +291,13 @@ def test_the_reference_stays_the_starting_model(tiny_checkpoints, tmp_path, monk
                   "--num-iterations", "2", "--batch-size", "8", "--mini-batch-size", "8", "--eval-size", "8", "--eval-every", "2", "--output-dir", "out", *(["--lora-r", "4"] if lora else [])]
     scalars, reference = reference_after_training("rlhf_ppo.py", flags, tmp_path, monkeypatch)
     assert_the_reference_stayed(sft, tmp_path / "out", reference, scalars)
+
+
+def test_it_raises_the_reward_in_10_iterations(small_checkpoints, tmp_path):
+    """From the small SFT and reward models, 10 iterations of 32 prompts: the held-out reward rises by 0.27-0.37
+    (seeds 1-3), at least 0.15; with the policy loss's sign flipped it falls by 2.5."""
+    run_in_process("rlhf_ppo.py", "--sft-model-path", str(small_checkpoints["sft"]), "--reward-model-path",
+                   str(small_checkpoints["reward_model"]), "--num-iterations", "10", "--batch-size", "32",
+                   "--mini-batch-size", "16", "--eval-every", "10", "--eval-size", "64", "--output-dir", "out", cwd=tmp_path)
+    reward = [v for _, v in read_scalars(only_run_dir(tmp_path))["eval/reward"]]
+    assert reward[-1] > reward[0] + 0.15, reward
