@@ -1,0 +1,96 @@
+"""Break a script on purpose, run its tests, and say which fail: the check that a test guards what it claims to.
+
+Each break below changes one line of one script, in a copy of the repository (the checkout is never touched),
+then runs that script's test file; a break that no test catches is a hole in the tests.
+
+    python benchmarks/deliberate_breaks.py                    # every break, one after another
+    python benchmarks/deliberate_breaks.py grpo_loss_sign     # one
+    python benchmarks/deliberate_breaks.py --list
+"""
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# name: (script, the text replaced, what replaces it, the test file that must fail)
+BREAKS = {
+    "sft_loss_sign": ("sft.py", "loss = sft_loss(logits, labels, num_items)", "loss = -sft_loss(logits, labels, num_items)",
+                      "tests/test_sft.py"),
+    "reward_model_swapped_pairs": ("reward_model.py", "loss = bradley_terry_loss(r_c, r_r, margin,",
+                                   "loss = bradley_terry_loss(r_r, r_c, margin,", "tests/test_reward_model.py"),
+    "dpo_swapped_in_the_update": ("dpo.py", "dpo_loss(chosen, rejected, ref_chosen, ref_rejected, args.beta",
+                                  "dpo_loss(rejected, chosen, ref_rejected, ref_chosen, args.beta", "tests/test_dpo.py"),
+    "dpo_references_swapped_in_the_loss": ("dpo.py", "rejected_logratios = policy_rejected_logps - ref_rejected_logps",
+                                           "rejected_logratios = policy_rejected_logps - ref_chosen_logps",
+                                           "tests/test_dpo.py"),
+    "dpo_reference_is_the_policy": ("dpo.py", "    ref = place_model(ref, device, args, trained=False)\n",
+                                    "    ref = place_model(ref, device, args, trained=False)\n    ref = policy\n",
+                                    "tests/test_dpo.py"),
+    "grpo_loss_sign": ("grpo.py", "    return -torch.min(ratio * advantages,", "    return torch.min(ratio * advantages,",
+                       "tests/test_grpo.py"),
+    "grpo_advantage_sign": ("grpo.py", "advantages = group_advantages(rewards, G, args.scale_rewards)",
+                            "advantages = -group_advantages(rewards, G, args.scale_rewards)", "tests/test_grpo.py"),
+    "grpo_ignores_no_scale_rewards": ("grpo.py", "advantages = group_advantages(rewards, G, args.scale_rewards)",
+                                      "advantages = group_advantages(rewards, G)", "tests/test_grpo.py"),
+    "rlhf_ppo_loss_sign": ("rlhf_ppo.py", "((pg_loss + args.vf_coef * vf_loss) * world_size).backward()",
+                           "((-pg_loss + args.vf_coef * vf_loss) * world_size).backward()", "tests/test_rlhf_ppo.py"),
+    "rlhf_ppo_value_loss_sign": ("rlhf_ppo.py", "((pg_loss + args.vf_coef * vf_loss) * world_size).backward()",
+                                 "((pg_loss - args.vf_coef * vf_loss) * world_size).backward()", "tests/test_rlhf_ppo.py"),
+    "rlhf_ppo_gamma_lambda_swapped": ("rlhf_ppo.py", "masked_gae(rewards, values, mask, args.gamma, args.lam)",
+                                      "masked_gae(rewards, values, mask, args.lam, args.gamma)", "tests/test_rlhf_ppo.py"),
+    "ppo_clip_gamma_lambda_swapped": ("ppo_clip.py", "args.gamma, args.gae_lambda)", "args.gae_lambda, args.gamma)",
+                                      "tests/test_ppo_clip.py"),
+    "ppo_clip_loss_sign": ("ppo_clip.py", "loss = pg_loss - args.ent_coef", "loss = -pg_loss - args.ent_coef",
+                           "tests/test_ppo_clip.py"),
+    "ppo_kl_gamma_lambda_swapped": ("ppo_kl.py", "args.gamma, args.gae_lambda)", "args.gae_lambda, args.gamma)",
+                                    "tests/test_ppo_kl.py"),
+    "ppo_continuous_gamma_lambda_swapped": ("ppo_continuous.py", "args.gamma, args.gae_lambda)",
+                                            "args.gae_lambda, args.gamma)", "tests/test_ppo_continuous.py"),
+    "sigterm_on_one_rank_only": ("sft.py", 'sigterm = bool(all_reduce_sum({"sigterm": preemption.received}, device)["sigterm"])',
+                                 "sigterm = preemption.received", "tests/test_resume.py"),
+}
+
+
+def run(name, keyword=None):
+    """Apply one break in a copy of the repository, run its test file; returns (the failed tests, pytest's last line)."""
+    script, old, new, tests = BREAKS[name]
+    with tempfile.TemporaryDirectory(prefix=f"break_{name}_") as copy:
+        shutil.copytree(ROOT, copy, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns(".git", ".venv", "venv", "runs", "models", "__pycache__"))
+        path = os.path.join(copy, script)
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        if text.count(old) != 1:
+            sys.exit(f"error: break {name}: the text to replace is in {script} {text.count(old)} times, not once")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text.replace(old, new))
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", tests]
+        proc = subprocess.run(cmd + (["-k", keyword] if keyword else []), cwd=copy, capture_output=True, text=True)
+    failed = re.findall(r"^FAILED \S+::(\S+)", proc.stdout, flags=re.M)
+    return failed, (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="*", help="breaks to run (all by default)")
+    parser.add_argument("-k", dest="keyword", help="run only the tests pytest -k selects")
+    parser.add_argument("--list", action="store_true", help="list the breaks and exit")
+    args = parser.parse_args()
+    if args.list:
+        for name, (script, old, new, tests) in BREAKS.items():
+            print(f"{name}: {script}: {old.strip()!r} -> {new.strip()!r} ({tests})")
+        return
+    for name in args.names or BREAKS:
+        if name not in BREAKS:
+            sys.exit(f"error: no break {name!r}; --list shows them")
+        failed, summary = run(name, args.keyword)
+        print(f"| {name} | {BREAKS[name][3]} | {', '.join(failed) or 'NONE FAILS'} | {summary} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
