@@ -1,10 +1,11 @@
 """dpo.py: the math against hand-computed values, then the script end to end."""
 import json
 import math
+import os
 
 import pytest
 import torch
-from conftest import (assert_the_reference_stayed, only_run_dir, read_scalars, reference_after_training,
+from conftest import (assert_the_reference_stayed, one_line_exit, only_run_dir, read_scalars, reference_after_training,
                       run_in_process, run_script, same_seed_scalars)
 from lm_models import PositionLogits, by_hand
 
@@ -149,3 +150,28 @@ def test_it_learns_the_built_in_preferences_in_30_steps(small_checkpoints, tmp_p
                    "--max-steps", "30", "--batch-size", "32", "--eval-every", "30", "--eval-size", "64",
                    "--num-train-pairs", "1000", "--output-dir", "out", cwd=tmp_path)
     assert read_scalars(only_run_dir(tmp_path))["eval/accuracy"][-1][1] >= 0.6
+
+
+def test_bad_input_says_which_script_to_run_first(tiny_checkpoints, tmp_path):
+    assert "models/sft" in one_line_exit("dpo.py", cwd=tmp_path) and "python sft.py" in one_line_exit("dpo.py", cwd=tmp_path)
+    message = one_line_exit("dpo.py", "--model-name-or-path", str(tiny_checkpoints["sft"]), "--loss-type", "nope", cwd=tmp_path)
+    assert "sigmoid" in message
+    assert not os.path.exists(tmp_path / "runs") and not os.path.exists(tmp_path / "models")
+
+
+def test_implicit_prompt_pairs_from_a_local_file(tiny_checkpoints, tmp_path):
+    """TRL's implicit-prompt preference format, as a local .jsonl file, with a reward model for eval/score; a dataset
+    without chosen and rejected is one line naming the columns it has."""
+    (tmp_path / "prefs.jsonl").write_text("\n".join(
+        json.dumps({"chosen": f"sort {i}9:{i}9", "rejected": f"sort {i}9:9{i}"}) for i in range(40)))
+    models = tiny_checkpoints["cwd"] / "models"
+    run_in_process("dpo.py", "--dataset-name", "prefs.jsonl", "--model-name-or-path", str(models / "sft"),
+                   "--reward-model-path", str(models / "reward_model"), "--max-steps", "4", "--batch-size", "4",
+                   "--eval-every", "2", "--warmup-steps", "1", "--output-dir", "dpo", cwd=tmp_path)
+    scalars = read_scalars(only_run_dir(tmp_path))
+    assert "eval/kl" in scalars and "eval/score" in scalars and "eval/gold_accuracy" not in scalars
+    assert (tmp_path / "dpo" / "config.json").exists()
+    (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": f"sort {i}1:"}) for i in range(40)))
+    message = one_line_exit("dpo.py", "--dataset-name", "prompts.jsonl", "--model-name-or-path", str(models / "sft"),
+                            cwd=tmp_path)
+    assert "['prompt']" in message and "chosen and rejected" in message

@@ -3,7 +3,7 @@ import json
 
 import pytest
 import torch
-from conftest import only_run_dir, read_scalars, run_in_process, run_script, same_seed_scalars
+from conftest import assert_one_line_error, only_run_dir, read_scalars, run_in_process, run_script, same_seed_scalars
 
 import reward_model
 
@@ -110,3 +110,7 @@ def test_it_learns_the_built_in_preferences_in_40_steps(small_checkpoints, tmp_p
                    "--batch-size", "32", "--eval-every", "40", "--eval-size", "64", "--num-train-pairs", "2000",
                    "--output-dir", "out", cwd=tmp_path)
     assert read_scalars(only_run_dir(tmp_path))["eval/accuracy"][-1][1] >= 0.65
+
+
+def test_before_sft_it_says_what_to_run_first(tmp_path):
+    assert_one_line_error(run_script("reward_model.py", cwd=tmp_path, check=False), "models/sft", "python sft.py")
