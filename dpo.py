@@ -739,7 +739,7 @@ def load_config(path, head):
 
 
 def load_model(path, head, dtype, config=None):
-    """A checkpoint as a causal LM (head "lm") or with a scalar head (head "score", with load_config's config:
+    """A checkpoint as a causal LM (head "lm") or with a scalar head (head "score", with a config of num_labels 1:
     a sequence classifier with one label, its head new when the checkpoint has none), its weights in `dtype`
     whatever they were saved in. Trained models take float32 (master weights: in fp16 AdamW's eps underflows
     to 0, in bf16 most small updates round away); --bf16 is the mixed-precision choice on top."""
