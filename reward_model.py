@@ -28,6 +28,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass
+from typing import Annotated
 
 import numpy as np
 import torch
@@ -36,7 +37,8 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 import transformers
 import tyro
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -72,10 +74,10 @@ class Args:
     """preference pairs per optimizer step, over all ranks: each of N ranks (torchrun) takes batch_size / N of them"""
     gradient_accumulation_steps: int = 1
     """split each rank's share of a batch into this many micro-batches (the same update, less memory)"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass (less memory, one more forward pass of compute)"""
-    eval_batch_size: int = 128
-    """pairs per forward pass in evaluation, on each rank"""
+    gradient_checkpointing: Annotated[bool | None, tyro.conf.DisallowNone] = None
+    """(default: on under --fsdp, else off) recompute activations in the backward pass (less memory, one more forward pass of compute)"""
+    eval_batch_size: int | None = None
+    """pairs per forward pass in evaluation, on each rank (None: training's micro-batch size)"""
     lr: float = 1e-3
     """peak learning rate of AdamW (a pretrained model wants ~1e-5; TRL: learning_rate)"""
     warmup_steps: int = 50
@@ -86,8 +88,8 @@ class Args:
     """clip the global gradient norm to this"""
     max_length: int = 64
     """longest prompt + completion in tokens: pairs with a longer side are dropped (and counted)"""
-    bf16: bool = False
-    """mixed precision: compute in bfloat16 (autocast; FSDP2's MixedPrecisionPolicy under --fsdp), weights and
+    bf16: Annotated[bool | None, tyro.conf.DisallowNone] = None
+    """(default: on with CUDA, off on the CPU) mixed precision: compute in bfloat16 (autocast; FSDP2's MixedPrecisionPolicy under --fsdp), weights and
     AdamW state float32; the scalar head computes in float32"""
     fsdp: bool = False
     """under torchrun, shard the model, its gradients and AdamW state across the ranks (FSDP2) instead of a full
@@ -174,9 +176,11 @@ def check_args(args):
 
 
 def main(args: Args):
+    settle_defaults(args)  # --bf16 and --gradient-checkpointing, where not given
     check_args(args)
     checkpoint = find_checkpoint(args, int(os.environ.get("WORLD_SIZE", "1")))  # --resume: checked before any work
     rank, world_size, device = setup_distributed(args.cuda)
+    run_dir = run_directory(args, checkpoint, device)  # under torchrun: seen by every rank, or one line
     random.seed(args.seed)  # the data order: the same on every rank
     torch.manual_seed(args.seed + rank)  # a stream of its own on each rank
     transformers.logging.set_verbosity_error()
@@ -213,7 +217,6 @@ def main(args: Args):
         margin = torch.tensor([m for _, _, m in batch], device=device) if has_margin else None
         return rewards[: len(batch)], rewards[len(batch) :], margin
 
-    run_dir = run_directory(args, checkpoint)
     writer = make_writer(args, rank, run_dir, checkpoint["step"] if checkpoint else 0)
     print(f"{parameter_count(raw_model)}, {len(train):,} training pairs")
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
@@ -227,8 +230,8 @@ def main(args: Args):
         mine, weights = shard(list(zip(evals, eval_rows)), rank, world_size)
         chosen, rejected, margins = [], [], []
         with torch.no_grad():
-            for i in range(0, len(mine), args.eval_batch_size):
-                r_c, r_r, margin = pair_rewards([pair for pair, _ in mine[i : i + args.eval_batch_size]])
+            for i in range(0, len(mine), eval_batch_size):
+                r_c, r_r, margin = pair_rewards([pair for pair, _ in mine[i : i + eval_batch_size]])
                 chosen.append(r_c), rejected.append(r_r), margins.append(margin)
         keep = torch.tensor(weights, device=device).bool()
         chosen, rejected = torch.cat(chosen)[keep], torch.cat(rejected)[keep]
@@ -256,6 +259,7 @@ def main(args: Args):
     model.train()
     per_rank = args.batch_size // world_size
     micro_size = per_rank // args.gradient_accumulation_steps
+    eval_batch_size = args.eval_batch_size or micro_size
     order, position = list(range(len(train))), len(train)
     first_step, elapsed, model_time, tokens_seen = 1, 0.0, 0.0, 0
     if checkpoint is not None:  # the weights and head, AdamW, every random stream, and where the loop was
@@ -657,11 +661,16 @@ def load_model(path, head, dtype, config=None):
     """A checkpoint as a causal LM (head "lm") or with a scalar head (head "score", with a config of num_labels 1:
     a sequence classifier with one label, its head new when the checkpoint has none), its weights in `dtype`
     whatever they were saved in. Trained models take float32 (master weights: in fp16 AdamW's eps underflows
-    to 0, in bf16 most small updates round away); --bf16 is the mixed-precision choice on top."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    to 0, in bf16 most small updates round away); --bf16 is the mixed-precision choice on top. Under torchrun
+    only rank 0 reads the weights: the other ranks build the model on the meta device (shapes, no memory), and
+    place_model gives them rank 0's weights, or under --fsdp only their shards of them."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     try:
         model_class = AutoModelForCausalLM if head == "lm" else AutoModelForSequenceClassification
+        if dist.is_initialized() and dist.get_rank() != 0:
+            with torch.device("meta"):
+                return model_class.from_config(config or AutoConfig.from_pretrained(path), dtype=dtype)
         return model_class.from_pretrained(path, config=config, dtype=dtype)
     except (OSError, ValueError) as e:
         sys.exit(f"error: cannot load a model from {path!r}: {first_line(e)}")
@@ -745,7 +754,11 @@ PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=60)
 def setup_distributed(cuda):
     """(rank, world_size, device). Under torchrun, which sets RANK, WORLD_SIZE and LOCAL_RANK, join the
     process group: NCCL with one GPU per process, or gloo on the CPU. Ranks other than 0 print nothing (an
-    error that stops the run is one line from the first rank of each node)."""
+    error that stops the run is one line from the first rank of each node). On CUDA: float32 matrix products in TF32,
+and PyTorch's expandable segments unless PYTORCH_CUDA_ALLOC_CONF says otherwise."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # less fragmentation as shapes vary
+    if torch.cuda.is_available() and cuda:
+        torch.backends.cuda.matmul.fp32_precision = "tf32"  # float32 products in TF32 (Ampere and later), as TRL's
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() and cuda else "cpu")
     if torch.cuda.is_available() and cuda:
@@ -764,6 +777,17 @@ def setup_distributed(cuda):
     return dist.get_rank(), dist.get_world_size(), device
 
 
+def settle_defaults(args):
+    """The defaults that depend on where the run is, settled before any work (and logged and checkpointed as
+    settled). --bf16: on where CUDA computes and has bfloat16, as in TRL's configs (bf16 unless fp16); off on the
+    CPU, where bfloat16 products are slower than float32 on most processors. --gradient-checkpointing: on under
+    --fsdp, the runs of models whose every block's activations do not fit beside the weights."""
+    if args.bf16 is None:
+        args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if args.gradient_checkpointing is None:
+        args.gradient_checkpointing = args.fsdp
+
+
 def autocast(device, args):
     """--bf16 as torch.autocast: matrix products in bfloat16 over float32 weights. Off under FSDP, whose
     MixedPrecisionPolicy (place_model) casts the weights themselves: autocast there would keep a bfloat16
@@ -773,38 +797,54 @@ def autocast(device, args):
 
 
 def place_model(model, device, args, trained=True):
-    """Put a model on the device. In one process: moved there whole. Under torchrun every rank first takes rank
-    0's weights (a model built from scratch, or a new scalar head, starts from other random values on each),
-    one tensor at a time through the device. Then without --fsdp: a full copy per rank, and a trained model
-    in DDP (gradients averaged in the backward pass). With --fsdp: FSDP2 shards the model while it is still
-    on the CPU, so that each rank's device receives only its shard of every weight (and one block whole
-    while it is cut); each transformer block is gathered only while it computes. Trained and frozen models
-    alike: the frozen ones are what --fsdp is for too at 7-8B. With --bf16, FSDP's MixedPrecisionPolicy:
-    the weights are gathered and computed with in bfloat16 and the gradients reduced in float32, the kept
-    weights and AdamW state float32. Build the optimizer after this (FSDP2 replaces the parameters)."""
+    """Put a model on the device. In one process: moved there whole. Under torchrun, rank 0 holds the weights
+    (load_model built the model on the meta device elsewhere; a model built from scratch, or a new scalar head,
+    starts from other random values on each rank) and the others receive them. Without --fsdp: a full copy per
+    rank, and a trained model in DDP (gradients averaged in the backward pass). With --fsdp: FSDP2 shards the
+    model first, then each rank receives only its shard of every weight from rank 0's copy, which is then freed
+    (set_model_state_dict's broadcast_from_rank0): no rank but 0 ever holds the whole model, and rank 0 one at
+    a time when the models are placed as they are loaded. Each transformer block is gathered only while it
+    computes; a frozen model's root (embeddings, LM head) is resharded after its forward too, which FSDP2 skips
+    for a root that expects its backward next. With --bf16, FSDP's MixedPrecisionPolicy: the weights are
+    gathered and computed with in bfloat16 and the gradients reduced in float32, the kept weights and AdamW
+    state float32. Buffers outside the state dict (rotary inv_freq) come from rank 0 too. Build the optimizer
+    after this (FSDP2 replaces the parameters)."""
     if not dist.is_initialized():
         return model.to(device)
-    for tensor in model.state_dict().values():
-        moved = tensor.to(device)
-        dist.broadcast(moved, src=0)
-        tensor.copy_(moved)
-    if not args.fsdp:
-        model.to(device)
+    full = model.state_dict() if dist.get_rank() == 0 else {}  # rank 0's weights, on its CPU
+    if args.fsdp:
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else MixedPrecisionPolicy()
+        block_names = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or []}
+        for module in model.modules():
+            if type(module).__name__ in block_names:
+                fully_shard(module, mesh=mesh, mp_policy=policy)
+        model = fully_shard(model, mesh=mesh, mp_policy=policy)
         if not trained:
-            return model
-        config = next(m.config for m in model.modules() if hasattr(m, "config"))
-        # a mixture of experts routes each batch to some experts only: where each expert is a module of its
-        # own, the others get no gradient this step (transformers 5.23 fuses a layer's experts: not needed there)
-        moe = any(getattr(config, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                       find_unused_parameters=moe)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else MixedPrecisionPolicy()
-    block_names = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or []}
-    for module in model.modules():
-        if type(module).__name__ in block_names:
-            fully_shard(module, mesh=mesh, mp_policy=policy)
-    return fully_shard(model, mesh=mesh, mp_policy=policy).to(device)
+            model.register_forward_hook(lambda module, inputs, output: module.reshard())
+    if dist.get_rank() == 0:
+        model.to(device)
+    else:  # room for the weights (or shards) on the device, their values to come
+        tied = {}
+        for name, parameter in model.named_parameters(remove_duplicate=False):
+            tied.setdefault(parameter, []).append(name)
+        model.to_empty(device=device)
+        for first, *others in tied.values():  # to_empty gives each name a tensor of its own: tie them again
+            for name in others:
+                module, _, attribute = name.rpartition(".")
+                setattr(model.get_submodule(module), attribute, model.get_parameter(first))
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    del full
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+    if args.fsdp or not trained:
+        return model
+    config = next(m.config for m in model.modules() if hasattr(m, "config"))
+    # a mixture of experts routes each batch to some experts only: where each expert is a module of its own,
+    # the others get no gradient this step (transformers 5.23 fuses a layer's experts: not needed there)
+    moe = any(getattr(config, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                   find_unused_parameters=moe)
 
 
 def gradient_sync(model, enabled):
@@ -855,15 +895,39 @@ def make_writer(args, rank, run_dir, start_step=0):
     return writer
 
 
-def run_directory(args, checkpoint):
-    """runs/<exp>__<seed>__<time> (rank 0's clock, on every rank), or the run directory of the checkpoint
-    that --resume continues."""
-    if checkpoint is not None:
-        return os.path.dirname(checkpoint["path"])
-    name = [f"runs/{args.exp_name}__{args.seed}__{int(time.time())}"]
-    if dist.is_initialized():
-        dist.broadcast_object_list(name, src=0)
-    return name[0]
+def run_directory(args, checkpoint, device):
+    """runs/<exp>__<seed>__<time> (rank 0's clock, on every rank), or the run directory of the checkpoint that
+    --resume continues. Under torchrun every rank must see it: each writes its shard of a checkpoint there (SIGTERM
+    writes one even without --save-every) and rank 0 renames the whole. So rank 0 writes a file there that every
+    rank reads, and a rank that does not see it (several nodes without a shared filesystem) stops the run on every
+    node with one line, before any training."""
+    run_dir = [os.path.dirname(checkpoint["path"]) if checkpoint is not None else
+               f"runs/{args.exp_name}__{args.seed}__{int(time.time())}"]
+    if not dist.is_initialized():
+        return run_dir[0]
+    dist.broadcast_object_list(run_dir, src=0)
+    run_dir, probe, token = run_dir[0], os.path.join(run_dir[0], "every-rank-sees-this"), str(time.time())
+    if dist.get_rank() == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write(token)
+    token = [token]
+    dist.broadcast_object_list(token, src=0)  # after rank 0 wrote the file
+    try:
+        with open(probe) as f:
+            seen = f.read() == token[0]
+    except OSError:
+        seen = False
+    blind = int(all_reduce_sum({"blind": not seen}, device)["blind"])
+    if dist.get_rank() == 0:
+        os.remove(probe)
+        if blind and checkpoint is None and not os.listdir(run_dir):
+            os.rmdir(run_dir)
+    if blind:
+        sys.exit(f"error: {blind} of {dist.get_world_size()} ranks do not see the run directory {run_dir!r}, where "
+                 "every rank writes its share of a checkpoint: start every node from one directory on a filesystem "
+                 "they share (runs/ is made there)" if os.environ.get("LOCAL_RANK", "0") == "0" else 1)
+    return run_dir
 
 
 # ---------------------------------------------------------------------------------------------

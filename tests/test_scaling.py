@@ -1,0 +1,218 @@
+"""The 8-GPU path, on what a CPU can show: rank 0 alone reads a checkpoint and the other ranks receive the weights
+(DDP) or only their shards (FSDP2); frozen FSDP roots reshard; every rank sees the run directory; the memory-safe
+defaults (evaluation at the micro-batch size, no gradients through the rollout, --bf16 and
+--gradient-checkpointing settled by the machine and --fsdp, the KV cache checked before sampling on CUDA)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, TINY_LM, run_in_process
+from lm_models import save_checkpoint
+
+import dpo
+import grpo
+import reward_model
+import rlhf_ppo
+import sft
+
+LM_SCRIPTS = [sft, reward_model, dpo, rlhf_ppo, grpo]
+
+
+# ------------------------------------------------------------------------------------------------
+# Loading: rank 0 reads, the others build on the meta device and receive
+# ------------------------------------------------------------------------------------------------
+def _place_on_rank(rank, init_file, cases, out_file):
+    """On each of 2 gloo ranks: load_model + prepare_models + place_model as the scripts do, then one forward pass of
+    the same tokens; rank 0 also computes them with its model as loaded, before placing, and shares them."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    results = []
+    for path, head, fsdp, trained in cases:
+        args = type("Args", (), {"fsdp": fsdp, "bf16": False})()
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = dpo.load_model(path, head, torch.float32, dpo.load_config(path, head))
+        on_meta = all(p.is_meta for p in model.parameters())
+        dpo.prepare_models(tokenizer, dpo.stop_token_ids(tokenizer), [model], [] if trained else [model])
+        x = torch.tensor([[1, 5, 9, 13, 2, 7], [3, 4, 8, 6, 11, tokenizer.pad_token_id]])
+        model.eval()
+        expected = model(input_ids=x).logits.detach() if rank == 0 else torch.zeros(1)
+        shape = [list(expected.shape)]
+        dist.broadcast_object_list(shape, src=0)
+        expected = expected if rank == 0 else torch.zeros(shape[0])
+        dist.broadcast(expected, src=0)
+        whole = sum(p.numel() for p in model.parameters())
+        placed = dpo.place_model(model, torch.device("cpu"), args, trained=trained)
+        inner = getattr(placed, "module", placed)
+        local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in placed.parameters())
+        with torch.no_grad():
+            logits = placed(input_ids=x).logits
+        tied = (inner.get_output_embeddings() is not None
+                and inner.get_output_embeddings().weight is inner.get_input_embeddings().weight)
+        results.append({"on_meta": on_meta, "error": (logits - expected).abs().max().item(), "tied": tied,
+                        "local": local, "whole": whole,
+                        "sharded_after_forward": all(isinstance(p, DTensor) for p in placed.parameters())})
+    torch.save(results, f"{out_file}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_only_rank_0_reads_the_weights_and_every_rank_computes_with_them(tmp_path):
+    """2 gloo ranks, the scripts' load_model, prepare_models and place_model. Rank 1 builds each model on the meta
+    device (it never holds one whole before placing); after placing, both ranks compute exactly what rank 0's model
+    computed as loaded: under DDP and FSDP2, for a bf16 Llama checkpoint (untied; the rotary inv_freq is a buffer
+    outside the state dict), a Qwen2 with tied embeddings grown for a new pad token, and a GPT-2 loaded with a new
+    scalar head (initialised at random on rank 0 only). Tied weights stay one tensor; under FSDP each rank holds
+    about half the weights, and a frozen model's root is resharded after its forward (nothing stays gathered)."""
+    llama = save_checkpoint(str(tmp_path / "llama"), "llama", "eos_no_pad", "bfloat16")
+    qwen = save_checkpoint(str(tmp_path / "qwen"), "qwen2", "bos", "float32", tie_word_embeddings=True)
+    gpt2 = save_checkpoint(str(tmp_path / "gpt2"), "gpt2", "pad_is_eos", "float32")
+    cases = [(path, head, fsdp, trained) for fsdp in (False, True)
+             for path, head, trained in ((llama, "lm", True), (qwen, "lm", False), (gpt2, "score", True))]
+    torch.multiprocessing.spawn(_place_on_rank, args=(str(tmp_path / "init"), cases, str(tmp_path / "out")), nprocs=2)
+    results = [torch.load(tmp_path / f"out.{rank}") for rank in range(2)]
+    for (path, head, fsdp, trained), r0, r1 in zip(cases, *results):
+        case = f"{os.path.basename(path)} {head} {'fsdp' if fsdp else 'ddp'}"
+        assert not r0["on_meta"] and r1["on_meta"], case
+        assert r0["error"] == 0 and r1["error"] == 0, (case, r0["error"], r1["error"])
+        if os.path.basename(path) in ("qwen", "gpt2") and head == "lm":
+            assert r0["tied"] and r1["tied"], case
+        if fsdp:
+            assert r0["local"] + r1["local"] >= r0["whole"] and max(r0["local"], r1["local"]) < 0.6 * r0["whole"], case
+            assert r0["sharded_after_forward"] == r1["sharded_after_forward"] == (not trained), case
+        else:
+            assert r0["local"] == r1["local"] == r0["whole"], case
+
+
+def test_a_rank_that_does_not_see_the_run_directory_stops_every_rank(tmp_path):
+    """Two ranks on one machine, each started in a directory of its own (as two nodes without a shared
+    filesystem): rank 1 does not see the run directory rank 0 made, and the run stops before any training with one
+    line from the first rank of each node, no run directory left behind."""
+    from test_distributed import rank_output
+
+    wrapper = tmp_path / "own_directory.py"
+    wrapper.write_text("import os, runpy, sys\nos.makedirs(f\"node{os.environ['RANK']}\", exist_ok=True)\n"
+                       "os.chdir(f\"node{os.environ['RANK']}\")\nsys.argv = sys.argv[1:]\n"
+                       "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--log-dir",
+           str(tmp_path / "torchrun_logs"), "--redirects", "3", str(wrapper), os.path.join(ROOT, "sft.py"), *TINY_LM,
+           "--max-steps", "2", "--batch-size", "4", "--num-train-examples", "20", "--eval-size", "4"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    errors = rank_output(tmp_path, 0, "stderr").strip().splitlines()
+    assert errors and errors[-1].startswith("error: 1 of 2 ranks do not see the run directory 'runs/sft__1__"), errors
+    assert "filesystem they share" in errors[-1] and "Traceback" not in rank_output(tmp_path, 0, "stderr")
+    assert not (tmp_path / "node0" / "runs").exists() or not any((tmp_path / "node0" / "runs").iterdir())
+    assert not (tmp_path / "node0" / "models").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# Memory-safe defaults
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("script", LM_SCRIPTS, ids=lambda m: m.__name__)
+def test_defaults_settled_by_the_machine_and_fsdp(script, monkeypatch):
+    """--bf16: on where CUDA computes in bfloat16, off on the CPU or with --no-cuda; --gradient-checkpointing: on
+    under --fsdp; a flag given either way is kept."""
+    import tyro
+
+    def settled(*flags):
+        args = tyro.cli(script.Args, args=list(flags))
+        script.settle_defaults(args)
+        return args.bf16, args.gradient_checkpointing
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert settled() == (False, False)
+    assert settled("--fsdp") == (False, True)
+    assert settled("--fsdp", "--no-gradient-checkpointing", "--bf16") == (True, False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    assert settled() == (True, False)
+    assert settled("--no-bf16", "--gradient-checkpointing") == (False, True)
+    assert settled("--no-cuda") == (False, False)
+
+
+@pytest.mark.parametrize("script", [rlhf_ppo, grpo], ids=lambda m: m.__name__)
+def test_the_kv_cache_is_checked_before_sampling_on_cuda(script, monkeypatch):
+    """A Llama-3-8B-shaped config (32 layers, 8 KV heads of 128): 256 rows × 1,536 tokens in bf16 are
+    2·32·8·128·256·1536·2 bytes = 48 GiB of KV cache: one line with a size that fits when 40 GiB are free, nothing
+    when 100 GiB are; and nothing on the CPU."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096)
+    model = type("Model", (), {"config": config})()
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (40 * 2**30, 80 * 2**30))
+    with pytest.raises(SystemExit) as stop:
+        script.check_kv_cache(model, 256, 1536, cuda, bf16=True)
+    assert str(stop.value.code) == ("error: --generation-batch-size 256 × 1536 tokens needs a KV cache of 48.0 GiB, "
+                                    "more than half the 40.0 GiB free on the GPU; pass --generation-batch-size 106 or less")
+    script.check_kv_cache(model, 106, 1536, cuda, bf16=True)  # 19.9 GiB: fits in half of 40
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (100 * 2**30, 140 * 2**30))
+    script.check_kv_cache(model, 256, 1536, cuda, bf16=True)
+    script.check_kv_cache(model, 10**6, 1536, torch.device("cpu"), bf16=True)
+
+
+def test_cuda_settings_leave_a_users_allocator_setting(monkeypatch):
+    """PyTorch's expandable segments by default, a PYTORCH_CUDA_ALLOC_CONF the user set kept."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    sft.setup_distributed(cuda=False)
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    sft.setup_distributed(cuda=False)
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+
+
+@pytest.mark.parametrize("script,flags", [
+    ("sft.py", [*TINY_LM, "--num-train-examples", "40", "--eval-size", "20", "--max-new-tokens", "3"]),
+    ("dpo.py", ["--model-name-or-path", "SFT", "--reward-model-path", "None", "--num-train-pairs", "40",
+                "--eval-size", "20", "--response-length", "3"]),
+    ("reward_model.py", ["--model-name-or-path", "SFT", "--num-train-pairs", "40", "--eval-size", "20"]),
+])
+def test_evaluation_runs_at_the_micro_batch_size(tiny_checkpoints, tmp_path, monkeypatch, script, flags):
+    """Without --eval-batch-size, evaluation samples (sft, dpo) and scores (reward_model: chosen and rejected in one
+    pass) at most a training micro-batch at a time: 8 / 2 = 4 here, of 20 eval rows; --eval-batch-size 16 asks
+    for more."""
+    module = sys.modules[script[:-3]]
+    flags = [str(tiny_checkpoints["sft"]) if f == "SFT" else f for f in flags]
+    common = [*flags, "--max-steps", "1", "--batch-size", "8", "--gradient-accumulation-steps", "2", "--eval-every", "1",
+              "--output-dir", "out"]
+    sizes = []
+    if script == "reward_model.py":
+        original = module.batch_tensors
+        monkeypatch.setattr(module, "batch_tensors", lambda seqs, *a: sizes.append(len(seqs) // 2) or original(seqs, *a))
+    else:
+        original = module.sample
+        monkeypatch.setattr(module, "sample", lambda m, ids, *a, **k: sizes.append(len(ids)) or original(m, ids, *a, **k))
+    run_in_process(script, *common, cwd=tmp_path)
+    assert sizes and max(sizes) == 4, sizes
+    sizes.clear()
+    run_in_process(script, *common, "--eval-batch-size", "16", "--exp-name", "big", cwd=tmp_path)
+    assert max(sizes) == 16, sizes
+
+
+@pytest.mark.parametrize("script,flags", [
+    ("rlhf_ppo.py", ["--batch-size", "4", "--mini-batch-size", "2", "--ppo-epochs", "1"]),
+    ("grpo.py", ["--batch-size", "4", "--num-generations", "2", "--mini-batch-size", "2"]),
+])
+def test_no_gradients_live_through_a_rollout(tiny_checkpoints, tmp_path, monkeypatch, script, flags):
+    """Gradients are freed right after each optimizer step: at every rollout after the first, no trained parameter
+    holds a gradient (they would be the size of the trained weights, through the whole sampling)."""
+    module = sys.modules[script[:-3]]
+    held = []
+    original = module.sample_in_chunks
+
+    def recorded(model, *a, **k):
+        held.append(sum(p.grad is not None for p in model.parameters()))
+        return original(model, *a, **k)
+
+    monkeypatch.setattr(module, "sample_in_chunks", recorded)
+    reward = (["--reward-model-path", str(tiny_checkpoints["reward_model"])] if script == "rlhf_ppo.py" else [])
+    run_in_process(script, "--sft-model-path", str(tiny_checkpoints["sft"]), *reward, *flags, "--num-iterations", "3",
+                   "--eval-every", "100", "--eval-size", "2", "--response-length", "3", "--output-dir", "out", cwd=tmp_path)
+    assert len(held) >= 4 and held == [0] * len(held), held
