@@ -191,9 +191,10 @@ def test_evaluation_runs_at_the_micro_batch_size(tiny_checkpoints, tmp_path, mon
         monkeypatch.setattr(module, "sample", lambda m, ids, *a, **k: sizes.append(len(ids)) or original(m, ids, *a, **k))
     run_in_process(script, *common, cwd=tmp_path)
     assert sizes and max(sizes) == 4, sizes
-    sizes.clear()
-    run_in_process(script, *common, "--eval-batch-size", "16", "--exp-name", "big", cwd=tmp_path)
-    assert max(sizes) == 16, sizes
+    if script == "sft.py":  # the flag itself (the same lines in each script)
+        sizes.clear()
+        run_in_process(script, *common, "--eval-batch-size", "16", "--exp-name", "big", cwd=tmp_path)
+        assert max(sizes) == 16, sizes
 
 
 @pytest.mark.parametrize("script,flags", [
