@@ -172,19 +172,19 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_r
 # ---------------------------------------------------------------------------------------------
 def sequence_logps(model, input_ids, attention_mask, labels):
     """Σ_t log π(y_t | x, y_<t) over the completion tokens (labels ≠ −100), one value per sequence."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                   position_ids=position_ids_of(attention_mask)).logits[:, :-1]
-    labels = labels[:, 1:]
-    return (token_logprobs(logits, labels.clamp(min=0)) * (labels != -100)).sum(-1)
+    targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # position t predicts token t + 1
+    logprobs = head_logprobs(model, targets.clamp(min=0), input_ids=input_ids, attention_mask=attention_mask,
+                             position_ids=position_ids_of(attention_mask))
+    return (logprobs * (targets != -100)).sum(-1)
 
 
 @torch.no_grad()
 def response_logps(model, sequences, attention_mask, context_length, temperature):
     """Σ_t log π(a_t | s_t) over each sampled response's valid tokens."""
-    scored = sequences.shape[1] - context_length + 1  # the logits of the response positions only
-    logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_of(attention_mask),
-                   logits_to_keep=scored).logits[:, :-1]
-    logprobs = token_logprobs(logits, sequences[:, context_length:], temperature=temperature)
+    scored = sequences.shape[1] - context_length + 1  # the response positions only (the last predicts nothing)
+    logprobs = head_logprobs(model, F.pad(sequences[:, context_length:], (0, 1)), temperature, input_ids=sequences,
+                             attention_mask=attention_mask, position_ids=position_ids_of(attention_mask),
+                             logits_to_keep=scored)[:, :-1]
     return (logprobs * attention_mask[:, context_length:]).sum(1)
 
 
@@ -814,40 +814,59 @@ def collate(batch, pad_token_id):
     return input_ids, attention_mask, labels
 
 
-ROW_CHUNK_ELEMENTS = 2**22  # float32 elements of logits processed at once: 16 MiB
+HEAD_CHUNK_ELEMENTS = 2**26  # logits made at once by head_logprobs, in float32: 256 MiB
 
 
-def rowwise(fn, *tensors):
-    """fn over a few rows (sequences) of `tensors` at a time, as many as keep a chunk of logits within
-    ROW_CHUNK_ELEMENTS (one row at 1,024 tokens and a 128k vocabulary; the whole batch on the built-in task),
-    the results concatenated. With gradients on, each chunk's forward is recomputed in the backward pass
-    (activation checkpointing), so that the float32 intermediates ([length, vocabulary] per row: 0.5 GB at
-    1,024 tokens and 128k) exist one chunk at a time and only the logits themselves, as the model returned
-    them, are kept for the backward pass."""
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    rows = max(1, ROW_CHUNK_ELEMENTS // max(1, tensors[0][0].numel()))
-    chunks = zip(*(t.split(rows) for t in tensors))
-    return torch.cat([checkpoint(fn, *chunk, use_reentrant=False) if grad else fn(*chunk) for chunk in chunks])
+def head_logprobs(model, targets, temperature=1.0, with_entropy=False, **inputs):
+    """`model(**inputs)` with its LM head applied a chunk of positions at a time inside the forward pass: log π of
+    `targets` ([batch, positions], one per position whose logits the pass computes) as [batch, positions] float32,
+    z = head(h) upcast to float32, then divided by the temperature (as `sample` draws tokens), log π = z(target) −
+    logsumexp(z); with_entropy, also the entropy H = logsumexp(z) − Σ softmax(z)·z (no gradient). Each chunk's
+    logits are recomputed in the backward pass (activation checkpointing), so that no [batch, length, vocabulary]
+    tensor exists in any dtype, only [chunk, vocabulary] (torchtune's chunked cross-entropy and Liger's fused linear
+    cross-entropy do the same). The head still runs inside the model's forward, so DDP, FSDP and autocast see the
+    usual pass. Logit softcapping (Gemma 2, 3) is applied in the chunk; a model that changes its logits after the
+    head in another way, or an adapted head, stops the run with one line."""
+    lm = model.module if isinstance(model, DistributedDataParallel) else model
+    lm = getattr(lm, "policy", [lm])[0]  # a LoRA reference (AdaptersOff) computes with its policy's head
+    head, config, returned = lm.get_output_embeddings(), lm.config, []
+    if not isinstance(head, torch.nn.Linear):
+        sys.exit(f"error: the LM head of {type(lm).__name__} is a {type(head).__name__}, not a linear layer; leave it "
+                 "out of --lora-target-modules")
+    cap = getattr(config, "final_logit_softcapping", None)
 
+    def chunk(h, y):
+        z = F.linear(h, head.weight, head.bias).float()
+        z = (torch.tanh(z / cap) * cap if cap else z) / temperature
+        normalizer = torch.logsumexp(z, -1)
+        logprobs = z.gather(-1, y.unsqueeze(-1)).squeeze(-1) - normalizer
+        if not with_entropy:
+            return logprobs
+        with torch.no_grad():
+            entropy = normalizer - (torch.softmax(z, -1) * z).sum(-1)
+        return torch.stack([logprobs, entropy], -1)
 
-def token_logprobs(logits, tokens, with_entropy=False, temperature=1.0):
-    """log π(token) = z(token) − logsumexp(z) at each position, z = logits / temperature in float32 (as
-    `sample` draws tokens: the logits upcast before the temperature divides them), and optionally the
-    entropy H = logsumexp(z) − Σ softmax(z)·z. A few rows at a time (rowwise): no float32 [batch, length,
-    vocabulary] tensor is made or kept."""
-    def chunk_logprobs(rows, row_tokens):
-        z = rows.float() / temperature
-        return z.gather(-1, row_tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, -1)
+    def forward(hidden):  # [batch, positions, width] → [batch, positions(, 2)]
+        size = max(1, HEAD_CHUNK_ELEMENTS // head.weight.shape[0])
+        grad = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
+        parts = [checkpoint(chunk, h, y, use_reentrant=False) if grad else chunk(h, y)
+                 for h, y in zip(hidden.flatten(0, 1).split(size), targets.flatten().split(size))]
+        returned.append(torch.cat(parts).view(*hidden.shape[:2], *parts[0].shape[1:]))
+        return returned[-1]
 
-    def chunk_entropy(rows):
-        z = rows.float() / temperature
-        return torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
-
-    logprobs = rowwise(chunk_logprobs, logits, tokens)
-    if not with_entropy:
-        return logprobs
-    with torch.no_grad():
-        return logprobs, rowwise(chunk_entropy, logits)
+    head.forward = forward
+    if cap:
+        config.final_logit_softcapping = None  # applied in the chunk instead
+    try:
+        out = model(**inputs).logits
+    finally:
+        del head.forward
+        if cap:
+            config.final_logit_softcapping = cap
+    if not returned or out is not returned[0]:
+        sys.exit(f"error: {type(lm).__name__} changes its logits after the LM head; head_logprobs cannot compute "
+                 "its log-probs in chunks")
+    return (out[..., 0], out[..., 1]) if with_entropy else out
 
 
 def position_ids_of(attention_mask):
@@ -1044,7 +1063,7 @@ def place_model(model, device, args, trained=True):
     after this (FSDP2 replaces the parameters)."""
     if not dist.is_initialized():
         return model.to(device)
-    full = model.state_dict() if dist.get_rank() == 0 else {}  # rank 0's weights, on its CPU
+    full = model.state_dict() if dist.get_rank() == 0 and args.fsdp else {}  # rank 0's weights, on its CPU
     if args.fsdp:
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else MixedPrecisionPolicy()
@@ -1066,8 +1085,12 @@ def place_model(model, device, args, trained=True):
             for name in others:
                 module, _, attribute = name.rpartition(".")
                 setattr(model.get_submodule(module), attribute, model.get_parameter(first))
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    del full
+    if args.fsdp:  # each rank copies its shard of each tensor rank 0 sends
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        del full
+    else:  # a full copy on every rank: straight into its tensors, no temporary copies
+        for tensor in model.state_dict().values():
+            dist.broadcast(tensor, src=0)
     for buffer in model.buffers():
         dist.broadcast(buffer, src=0)
     if args.fsdp or not trained:

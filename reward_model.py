@@ -811,7 +811,7 @@ def place_model(model, device, args, trained=True):
     after this (FSDP2 replaces the parameters)."""
     if not dist.is_initialized():
         return model.to(device)
-    full = model.state_dict() if dist.get_rank() == 0 else {}  # rank 0's weights, on its CPU
+    full = model.state_dict() if dist.get_rank() == 0 and args.fsdp else {}  # rank 0's weights, on its CPU
     if args.fsdp:
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else MixedPrecisionPolicy()
@@ -833,8 +833,12 @@ def place_model(model, device, args, trained=True):
             for name in others:
                 module, _, attribute = name.rpartition(".")
                 setattr(model.get_submodule(module), attribute, model.get_parameter(first))
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    del full
+    if args.fsdp:  # each rank copies its shard of each tensor rank 0 sends
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        del full
+    else:  # a full copy on every rank: straight into its tensors, no temporary copies
+        for tensor in model.state_dict().values():
+            dist.broadcast(tensor, src=0)
     for buffer in model.buffers():
         dist.broadcast(buffer, src=0)
     if args.fsdp or not trained:

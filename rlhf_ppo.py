@@ -1151,6 +1151,61 @@ def token_logprobs(logits, tokens, with_entropy=False, temperature=1.0):
         return logprobs, rowwise(chunk_entropy, logits)
 
 
+HEAD_CHUNK_ELEMENTS = 2**26  # logits made at once by head_logprobs, in float32: 256 MiB
+
+
+def head_logprobs(model, targets, temperature=1.0, with_entropy=False, **inputs):
+    """`model(**inputs)` with its LM head applied a chunk of positions at a time inside the forward pass: log π of
+    `targets` ([batch, positions], one per position whose logits the pass computes) as [batch, positions] float32,
+    z = head(h) upcast to float32, then divided by the temperature (as `sample` draws tokens), log π = z(target) −
+    logsumexp(z); with_entropy, also the entropy H = logsumexp(z) − Σ softmax(z)·z (no gradient). Each chunk's
+    logits are recomputed in the backward pass (activation checkpointing), so that no [batch, length, vocabulary]
+    tensor exists in any dtype, only [chunk, vocabulary] (torchtune's chunked cross-entropy and Liger's fused linear
+    cross-entropy do the same). The head still runs inside the model's forward, so DDP, FSDP and autocast see the
+    usual pass. Logit softcapping (Gemma 2, 3) is applied in the chunk; a model that changes its logits after the
+    head in another way, or an adapted head, stops the run with one line."""
+    lm = model.module if isinstance(model, DistributedDataParallel) else model
+    lm = getattr(lm, "policy", [lm])[0]  # a LoRA reference (AdaptersOff) computes with its policy's head
+    head, config, returned = lm.get_output_embeddings(), lm.config, []
+    if not isinstance(head, torch.nn.Linear):
+        sys.exit(f"error: the LM head of {type(lm).__name__} is a {type(head).__name__}, not a linear layer; leave it "
+                 "out of --lora-target-modules")
+    cap = getattr(config, "final_logit_softcapping", None)
+
+    def chunk(h, y):
+        z = F.linear(h, head.weight, head.bias).float()
+        z = (torch.tanh(z / cap) * cap if cap else z) / temperature
+        normalizer = torch.logsumexp(z, -1)
+        logprobs = z.gather(-1, y.unsqueeze(-1)).squeeze(-1) - normalizer
+        if not with_entropy:
+            return logprobs
+        with torch.no_grad():
+            entropy = normalizer - (torch.softmax(z, -1) * z).sum(-1)
+        return torch.stack([logprobs, entropy], -1)
+
+    def forward(hidden):  # [batch, positions, width] → [batch, positions(, 2)]
+        size = max(1, HEAD_CHUNK_ELEMENTS // head.weight.shape[0])
+        grad = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
+        parts = [checkpoint(chunk, h, y, use_reentrant=False) if grad else chunk(h, y)
+                 for h, y in zip(hidden.flatten(0, 1).split(size), targets.flatten().split(size))]
+        returned.append(torch.cat(parts).view(*hidden.shape[:2], *parts[0].shape[1:]))
+        return returned[-1]
+
+    head.forward = forward
+    if cap:
+        config.final_logit_softcapping = None  # applied in the chunk instead
+    try:
+        out = model(**inputs).logits
+    finally:
+        del head.forward
+        if cap:
+            config.final_logit_softcapping = cap
+    if not returned or out is not returned[0]:
+        sys.exit(f"error: {type(lm).__name__} changes its logits after the LM head; head_logprobs cannot compute "
+                 "its log-probs in chunks")
+    return (out[..., 0], out[..., 1]) if with_entropy else out
+
+
 def position_ids_of(attention_mask):
     """Positions count real tokens only, so left padding does not shift them."""
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -1164,16 +1219,18 @@ def last_token_index(attention_mask):
 
 
 def response_logprobs(model, sequences, attention_mask, context_length, temperature):
-    """log π(a_t | s_t) of each response token and the entropy of π(·|s_t), with the logits of the scored
-    positions only (not of every prompt position), divided by the sampling temperature in float32 as when
-    sampling: from one forward pass over prompt + response, or, where rows repeat a prompt (GRPO's G
-    completions of each), from shared_prompt_logits."""
-    logits = shared_prompt_logits(model, sequences, attention_mask, context_length)
-    if logits is None:
-        scored = sequences.shape[1] - context_length + 1  # position t predicts token t + 1: context_length − 1 onwards
-        logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_of(attention_mask),
-                       logits_to_keep=scored).logits[:, :-1]
-    return token_logprobs(logits, sequences[:, context_length:], with_entropy=True, temperature=temperature)
+    """(log π(a_t | s_t) of each response token, the entropy of π(·|s_t)), z divided by the sampling temperature
+    in float32 as when sampling: from one forward pass over prompt + response, the LM head applied to the response
+    positions only and in chunks (head_logprobs), or, where rows repeat a prompt (GRPO's G completions of each),
+    from shared_prompt_logprobs."""
+    shared = shared_prompt_logprobs(model, sequences, attention_mask, context_length, temperature)
+    if shared is not None:
+        return shared
+    scored = sequences.shape[1] - context_length + 1  # position t predicts token t + 1: context_length − 1 onwards
+    logprobs, entropy = head_logprobs(model, F.pad(sequences[:, context_length:], (0, 1)), temperature, True,
+                                      input_ids=sequences, attention_mask=attention_mask,
+                                      position_ids=position_ids_of(attention_mask), logits_to_keep=scored)
+    return logprobs[:, :-1], entropy[:, :-1]  # the last position predicts nothing
 
 
 # The KV cache's name as a model's forward takes and returns it: transformers 5.24 renamed past_key_values to cache
@@ -1181,17 +1238,17 @@ def response_logprobs(model, sequences, attention_mask, context_length, temperat
 CACHE = "cache" if tuple(int(v) for v in transformers.__version__.split(".")[:2]) >= (5, 24) else "past_key_values"
 
 
-def shared_prompt_logits(model, sequences, attention_mask, context_length):
-    """The logits that predict each response token, with each distinct prompt of the batch computed once:
-    one forward pass over the distinct prompts, whose keys and values (the KV cache, as in generation) every
-    row that repeats the prompt reuses, then one over the responses. A causal model's prompt positions never
-    see the response, so this is the same function of the weights as one pass over prompt + response (equal
-    up to float rounding; the rollout and the update both take this path, so the first ratio stays exactly
-    1), with the prompt's FLOPs divided by the rows that share it; gradients flow through the cache like any
-    activation. None, for one pass instead, when no prompt repeats, the responses are one token long, with
-    activation checkpointing (which keeps no cache), or on a GPU: there a pass costs its kernel launches more
-    than its FLOPs, and two passes took twice as long as one (an H100, a 0.5B model, 8 completions of each
-    200-token prompt in micro-batches of 16: docs/rollout_speed.md); on the CPU the FLOPs saved count."""
+def shared_prompt_logprobs(model, sequences, attention_mask, context_length, temperature):
+    """response_logprobs with each distinct prompt of the batch computed once: one forward pass over the distinct
+    prompts, whose keys and values (the KV cache, as in generation) every row that repeats the prompt reuses, then
+    one over the responses. A causal model's prompt positions never see the response, so this is the same function
+    of the weights as one pass over prompt + response (equal up to float rounding; the rollout and the update both
+    take this path, so the first ratio stays exactly 1), with the prompt's FLOPs divided by the rows that share it;
+    gradients flow through the cache like any activation. None, for one pass instead, when no prompt repeats, the
+    responses are one token long, with activation checkpointing (which keeps no cache), or on a GPU: there a pass
+    costs its kernel launches more than its FLOPs, and two passes took twice as long as one (an H100, a 0.5B model,
+    8 completions of each 200-token prompt in micro-batches of 16: docs/rollout_speed.md); on the CPU the FLOPs
+    saved count."""
     if sequences.device.type != "cpu" or any(getattr(m, "gradient_checkpointing", False) is True
                                              for m in model.modules()):
         return None
@@ -1202,12 +1259,14 @@ def shared_prompt_logits(model, sequences, attention_mask, context_length):
     prompt_ids, prompt_mask = distinct[:, :context_length], distinct[:, context_length:]
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids_of(prompt_mask),
                 use_cache=True, logits_to_keep=1)  # the last prompt position predicts the first response token
+    first = token_logprobs(out.logits[row_prompt], sequences[:, context_length : context_length + 1], True, temperature)
     cache = out[CACHE]
     cache.batch_select_indices(row_prompt)  # each row's prompt: a gather, differentiable
     positions = position_ids_of(attention_mask)
-    logits = model(input_ids=sequences[:, context_length:-1], attention_mask=attention_mask[:, :-1],
-                   position_ids=positions[:, context_length:-1], use_cache=True, **{CACHE: cache}).logits
-    return torch.cat([out.logits[row_prompt], logits], 1)
+    rest = head_logprobs(model, sequences[:, context_length + 1 :], temperature, True,
+                         input_ids=sequences[:, context_length:-1], attention_mask=attention_mask[:, :-1],
+                         position_ids=positions[:, context_length:-1], use_cache=True, **{CACHE: cache})
+    return torch.cat([first[0], rest[0]], 1), torch.cat([first[1], rest[1]], 1)
 
 
 def token_scores(model, sequences, attention_mask):
@@ -1424,7 +1483,7 @@ def place_model(model, device, args, trained=True):
     after this (FSDP2 replaces the parameters)."""
     if not dist.is_initialized():
         return model.to(device)
-    full = model.state_dict() if dist.get_rank() == 0 else {}  # rank 0's weights, on its CPU
+    full = model.state_dict() if dist.get_rank() == 0 and args.fsdp else {}  # rank 0's weights, on its CPU
     if args.fsdp:
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else MixedPrecisionPolicy()
@@ -1446,8 +1505,12 @@ def place_model(model, device, args, trained=True):
             for name in others:
                 module, _, attribute = name.rpartition(".")
                 setattr(model.get_submodule(module), attribute, model.get_parameter(first))
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    del full
+    if args.fsdp:  # each rank copies its shard of each tensor rank 0 sends
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        del full
+    else:  # a full copy on every rank: straight into its tensors, no temporary copies
+        for tensor in model.state_dict().values():
+            dist.broadcast(tensor, src=0)
     for buffer in model.buffers():
         dist.broadcast(buffer, src=0)
     if args.fsdp or not trained:

@@ -137,20 +137,19 @@ class Args:
 # ---------------------------------------------------------------------------------------------
 # The math: the loss, a pure function checked against hand-computed values in tests/test_sft.py
 # ---------------------------------------------------------------------------------------------
-def sft_loss(logits, labels, num_items=None):
+def sft_loss(logprobs, labels, num_items=None):
     """Cross-entropy of the next-token predictions on the labeled tokens (completion and its stop token;
-    the prompt and the padding carry the label −100):
+    the prompt and the padding carry the label −100), from `logprobs`[:, t] = log p_θ(labels[:, t + 1] | x_≤t),
+    the model's log-prob at position t of the token that follows (head_logprobs):
 
         L = −(1/N) Σ_{t: y_t ≠ −100} log p_θ(y_t | x_<t)
 
     N is the number of labeled tokens in the whole batch: pass it as `num_items` when the batch is
     split into micro-batches, so that every token weighs the same whatever micro-batch it is in.
     """
-    shift_logits, shift_labels = logits[:, :-1], labels[:, 1:]
-    # a few sequences at a time, in float32 (rowwise: no float32 copy of the whole [batch, length, vocabulary])
-    nll = rowwise(lambda z, y: F.cross_entropy(z.float().transpose(1, 2), y, ignore_index=-100, reduction="none"),
-                  shift_logits, shift_labels).sum()
-    return nll / (num_items if num_items is not None else (shift_labels != -100).sum())
+    labeled = labels[:, 1:] != -100
+    nll = -(logprobs[:, :-1] * labeled).sum()
+    return nll / (num_items if num_items is not None else labeled.sum())
 
 
 def check_args(args):
@@ -230,8 +229,8 @@ def main(args: Args):
                 for i in range(0, len(mine), micro_size):
                     batch = mine[i : i + micro_size]
                     input_ids, attention_mask, labels = (t.to(device) for t in collate(batch, tokenizer.pad_token_id))
-                    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-                    total += sft_loss(logits, labels, num_items=1).item()  # the summed NLL of the batch
+                    logprobs = head_logprobs(model, next_tokens(labels), input_ids=input_ids, attention_mask=attention_mask)
+                    total += sft_loss(logprobs, labels, num_items=1).item()  # the summed NLL of the batch
                     count += (labels[:, 1:] != -100).sum().item()
             sums = all_reduce_sum({"nll": total, "tokens": count}, device)
             writer.add_scalar("eval/loss", sums["nll"] / sums["tokens"], step)
@@ -288,9 +287,9 @@ def main(args: Args):
         for m in range(rank * per_rank, (rank + 1) * per_rank, micro_size):
             gradient_sync(model, m + micro_size == (rank + 1) * per_rank)  # once per step, with the last micro-batch
             input_ids, attention_mask, labels = (t.to(device) for t in collate(batch[m : m + micro_size], tokenizer.pad_token_id))
-            with amp():
-                logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-            loss = sft_loss(logits, labels, num_items)
+            with amp():  # the LM head in chunks: no [batch, length, vocabulary] logits
+                logprobs = head_logprobs(model, next_tokens(labels), input_ids=input_ids, attention_mask=attention_mask)
+            loss = sft_loss(logprobs, labels, num_items)
             # DDP and FSDP average the ranks' gradients; × world_size turns that into the sum over the whole batch
             (loss * world_size).backward()
             batch_loss += loss.item()
@@ -698,6 +697,12 @@ def save_dtype_of(args, path):
 # ---------------------------------------------------------------------------------------------
 # Forward passes and sampling
 # ---------------------------------------------------------------------------------------------
+def next_tokens(labels):
+    """The token each position predicts, labels[:, t + 1], as head_logprobs takes them (0 where unlabeled, and at
+    the last position, which predicts nothing): sft_loss masks those."""
+    return F.pad(labels[:, 1:], (0, 1), value=-100).clamp(min=0)
+
+
 def collate(batch, pad_token_id):
     """Right-pad a list of (input_ids, labels): (input_ids, attention_mask, labels) tensors, labels −100 on padding."""
     width = max(len(ids) for ids, _ in batch)
@@ -707,20 +712,59 @@ def collate(batch, pad_token_id):
     return input_ids, attention_mask, labels
 
 
-ROW_CHUNK_ELEMENTS = 2**22  # float32 elements of logits processed at once: 16 MiB
+HEAD_CHUNK_ELEMENTS = 2**26  # logits made at once by head_logprobs, in float32: 256 MiB
 
 
-def rowwise(fn, *tensors):
-    """fn over a few rows (sequences) of `tensors` at a time, as many as keep a chunk of logits within
-    ROW_CHUNK_ELEMENTS (one row at 1,024 tokens and a 128k vocabulary; the whole batch on the built-in task),
-    the results concatenated. With gradients on, each chunk's forward is recomputed in the backward pass
-    (activation checkpointing), so that the float32 intermediates ([length, vocabulary] per row: 0.5 GB at
-    1,024 tokens and 128k) exist one chunk at a time and only the logits themselves, as the model returned
-    them, are kept for the backward pass."""
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    rows = max(1, ROW_CHUNK_ELEMENTS // max(1, tensors[0][0].numel()))
-    chunks = zip(*(t.split(rows) for t in tensors))
-    return torch.cat([checkpoint(fn, *chunk, use_reentrant=False) if grad else fn(*chunk) for chunk in chunks])
+def head_logprobs(model, targets, temperature=1.0, with_entropy=False, **inputs):
+    """`model(**inputs)` with its LM head applied a chunk of positions at a time inside the forward pass: log π of
+    `targets` ([batch, positions], one per position whose logits the pass computes) as [batch, positions] float32,
+    z = head(h) upcast to float32, then divided by the temperature (as `sample` draws tokens), log π = z(target) −
+    logsumexp(z); with_entropy, also the entropy H = logsumexp(z) − Σ softmax(z)·z (no gradient). Each chunk's
+    logits are recomputed in the backward pass (activation checkpointing), so that no [batch, length, vocabulary]
+    tensor exists in any dtype, only [chunk, vocabulary] (torchtune's chunked cross-entropy and Liger's fused linear
+    cross-entropy do the same). The head still runs inside the model's forward, so DDP, FSDP and autocast see the
+    usual pass. Logit softcapping (Gemma 2, 3) is applied in the chunk; a model that changes its logits after the
+    head in another way, or an adapted head, stops the run with one line."""
+    lm = model.module if isinstance(model, DistributedDataParallel) else model
+    lm = getattr(lm, "policy", [lm])[0]  # a LoRA reference (AdaptersOff) computes with its policy's head
+    head, config, returned = lm.get_output_embeddings(), lm.config, []
+    if not isinstance(head, torch.nn.Linear):
+        sys.exit(f"error: the LM head of {type(lm).__name__} is a {type(head).__name__}, not a linear layer; leave it "
+                 "out of --lora-target-modules")
+    cap = getattr(config, "final_logit_softcapping", None)
+
+    def chunk(h, y):
+        z = F.linear(h, head.weight, head.bias).float()
+        z = (torch.tanh(z / cap) * cap if cap else z) / temperature
+        normalizer = torch.logsumexp(z, -1)
+        logprobs = z.gather(-1, y.unsqueeze(-1)).squeeze(-1) - normalizer
+        if not with_entropy:
+            return logprobs
+        with torch.no_grad():
+            entropy = normalizer - (torch.softmax(z, -1) * z).sum(-1)
+        return torch.stack([logprobs, entropy], -1)
+
+    def forward(hidden):  # [batch, positions, width] → [batch, positions(, 2)]
+        size = max(1, HEAD_CHUNK_ELEMENTS // head.weight.shape[0])
+        grad = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
+        parts = [checkpoint(chunk, h, y, use_reentrant=False) if grad else chunk(h, y)
+                 for h, y in zip(hidden.flatten(0, 1).split(size), targets.flatten().split(size))]
+        returned.append(torch.cat(parts).view(*hidden.shape[:2], *parts[0].shape[1:]))
+        return returned[-1]
+
+    head.forward = forward
+    if cap:
+        config.final_logit_softcapping = None  # applied in the chunk instead
+    try:
+        out = model(**inputs).logits
+    finally:
+        del head.forward
+        if cap:
+            config.final_logit_softcapping = cap
+    if not returned or out is not returned[0]:
+        sys.exit(f"error: {type(lm).__name__} changes its logits after the LM head; head_logprobs cannot compute "
+                 "its log-probs in chunks")
+    return (out[..., 0], out[..., 1]) if with_entropy else out
 
 
 def position_ids_of(attention_mask):
@@ -875,7 +919,7 @@ def place_model(model, device, args, trained=True):
     after this (FSDP2 replaces the parameters)."""
     if not dist.is_initialized():
         return model.to(device)
-    full = model.state_dict() if dist.get_rank() == 0 else {}  # rank 0's weights, on its CPU
+    full = model.state_dict() if dist.get_rank() == 0 and args.fsdp else {}  # rank 0's weights, on its CPU
     if args.fsdp:
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else MixedPrecisionPolicy()
@@ -897,8 +941,12 @@ def place_model(model, device, args, trained=True):
             for name in others:
                 module, _, attribute = name.rpartition(".")
                 setattr(model.get_submodule(module), attribute, model.get_parameter(first))
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    del full
+    if args.fsdp:  # each rank copies its shard of each tensor rank 0 sends
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        del full
+    else:  # a full copy on every rank: straight into its tensors, no temporary copies
+        for tensor in model.state_dict().values():
+            dist.broadcast(tensor, src=0)
     for buffer in model.buffers():
         dist.broadcast(buffer, src=0)
     if args.fsdp or not trained:

@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # name: (script, the text replaced, what replaces it, the test file that must fail)
 BREAKS = {
-    "sft_loss_sign": ("sft.py", "loss = sft_loss(logits, labels, num_items)", "loss = -sft_loss(logits, labels, num_items)",
+    "sft_loss_sign": ("sft.py", "loss = sft_loss(logprobs, labels, num_items)", "loss = -sft_loss(logprobs, labels, num_items)",
                       "tests/test_sft.py"),
     "reward_model_swapped_pairs": ("reward_model.py", "loss = bradley_terry_loss(r_c, r_r, margin,",
                                    "loss = bradley_terry_loss(r_r, r_c, margin,", "tests/test_reward_model.py"),

@@ -95,16 +95,31 @@ def save_checkpoint(path, arch, kind, dtype, padded_vocab=False, generation=None
 
 class PositionLogits(torch.nn.Module):
     """A stand-in LM whose next-token distribution differs at every position (and row): logits[b, t, v] =
-    3 sin(1 + 0.7 t + 1.3 v + b). Uniform logits cannot show a log-prob taken one position off; these do."""
+    3 sin(1 + 0.7 t + 1.3 v + b). Uniform logits cannot show a log-prob taken one position off; these do. They
+    come out of a linear LM head, as head_logprobs needs: 3 sin(a + 1.3 v) = h · w_v with the hidden state
+    h = 3 (sin a, cos a), a = 1 + 0.7 t + b, and the head's row w_v = (cos 1.3 v, sin 1.3 v)."""
 
     vocab = 11
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        super().__init__()
+        v = torch.arange(self.vocab).float()
+        self.lm_head, self.config = torch.nn.Linear(2, self.vocab, bias=False), SimpleNamespace()
+        with torch.no_grad():
+            self.lm_head.weight.copy_(torch.stack([torch.cos(1.3 * v), torch.sin(1.3 * v)], 1))
+
+    def get_output_embeddings(self):
+        return self.lm_head
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep=0):
         from types import SimpleNamespace
 
-        b, t, v = (torch.arange(n).float() for n in (*input_ids.shape, self.vocab))
-        logits = 3 * torch.sin(1 + 0.7 * t.view(1, -1, 1) + 1.3 * v.view(1, 1, -1) + b.view(-1, 1, 1))
-        return SimpleNamespace(logits=logits[:, -logits_to_keep:])  # as transformers: the last k positions (0: all)
+        b, t = (torch.arange(n).float() for n in input_ids.shape)
+        a = 1 + 0.7 * t.view(1, -1) + b.view(-1, 1)
+        hidden = 3 * torch.stack([torch.sin(a), torch.cos(a)], -1)
+        return SimpleNamespace(logits=self.lm_head(hidden[:, -logits_to_keep:]))  # as transformers: the last k (0: all)
 
 
 def by_hand(logits, sequences, positions):

@@ -35,9 +35,17 @@ def test_dpo_loss_variants():
 def test_dpo_sequence_logps_sum_the_completion_only():
     # A model whose logits are uniform over 4 tokens: every token costs log 4, so a completion of
     # 3 labeled tokens (prompt of 2 masked, 1 padding) sums to −3 log 4 = −4.158883
-    class Uniform(torch.nn.Module):
+    class Uniform(torch.nn.Module):  # an LM head of zeros over 4 tokens
+        def __init__(self):
+            super().__init__()
+            self.lm_head, self.config = torch.nn.Linear(2, 4, bias=False), type("Config", (), {})()
+            torch.nn.init.zeros_(self.lm_head.weight)
+
+        def get_output_embeddings(self):
+            return self.lm_head
+
         def forward(self, input_ids, attention_mask, position_ids):
-            return type("Out", (), {"logits": torch.zeros(*input_ids.shape, 4)})()
+            return type("Out", (), {"logits": self.lm_head(torch.ones(*input_ids.shape, 2))})()
 
     labels = T([[-100, -100, 1, 2, 3, -100]]).long()
     logps = dpo.sequence_logps(Uniform(), torch.zeros(1, 6).long(), torch.ones(1, 6).long(), labels)

@@ -216,7 +216,7 @@ def test_rows_that_repeat_a_prompt_share_its_forward_pass(arch):
     grpo.response_logprobs(model, sequences[::2], attention_mask[::2], 3, 0.7)
     assert batch_sizes == [3]
     # off the CPU (a GPU; here the meta device stands in for one) the one pass is taken: no model call made here
-    assert grpo.shared_prompt_logits(model, sequences.to("meta"), attention_mask.to("meta"), 3) is None
+    assert grpo.shared_prompt_logprobs(model, sequences.to("meta"), attention_mask.to("meta"), 3, 0.7) is None
     assert batch_sizes == [3]
 
 

@@ -7,10 +7,11 @@ from lm_models import make_model, save_checkpoint
 from test_real_models import state, write_data
 
 import dpo
+import grpo
 import rlhf_ppo
 
 
-@pytest.mark.parametrize("script", [dpo, rlhf_ppo])
+@pytest.mark.parametrize("script", [grpo, rlhf_ppo])
 def test_token_logprobs_equal_the_full_log_softmax(script):
     torch.manual_seed(0)
     logits = (3 * torch.randn(3, 5, 11)).requires_grad_()
@@ -37,7 +38,7 @@ def test_gradient_checkpointing_changes_nothing(arch):
             model.activation_checkpointing_enable({"use_reentrant": False})
         model.train().zero_grad()
         logits = model(input_ids=ids).logits
-        loss = -dpo.token_logprobs(logits[:, :-1], ids[:, 1:]).mean()
+        loss = -grpo.token_logprobs(logits[:, :-1], ids[:, 1:]).mean()
         loss.backward()
         results.append((loss.item(), [p.grad.clone() for p in model.parameters()]))
     assert results[0][0] == pytest.approx(results[1][0], abs=1e-7)

@@ -163,7 +163,8 @@ def sft_eval_loss(path, data):
     model, tokenizer = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
     examples = [sft.tokenize(row, tokenizer, sft.stop_token_ids(tokenizer)) for row in eval_rows(data)]
     input_ids, attention_mask, labels = sft.collate(examples, tokenizer.pad_token_id)
-    return sft.sft_loss(model(input_ids=input_ids, attention_mask=attention_mask).logits, labels).item()
+    logprobs = sft.head_logprobs(model, sft.next_tokens(labels), input_ids=input_ids, attention_mask=attention_mask)
+    return sft.sft_loss(logprobs, labels).item()
 
 
 @torch.no_grad()

@@ -217,3 +217,77 @@ def test_no_gradients_live_through_a_rollout(tiny_checkpoints, tmp_path, monkeyp
     run_in_process(script, "--sft-model-path", str(tiny_checkpoints["sft"]), *reward, *flags, "--num-iterations", "3",
                    "--eval-every", "100", "--eval-size", "2", "--response-length", "3", "--output-dir", "out", cwd=tmp_path)
     assert len(held) >= 4 and held == [0] * len(held), held
+
+
+# ------------------------------------------------------------------------------------------------
+# No [batch, length, vocabulary] tensor: the LM head in chunks of positions (head_logprobs)
+# ------------------------------------------------------------------------------------------------
+def tiny_lm(arch):
+    from lm_models import make_model
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    if arch == "gemma2":  # logit softcapping after the head
+        return Gemma2ForCausalLM(Gemma2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                              num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                              final_logit_softcapping=2.0)).eval()
+    return make_model(arch, 50, **(dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0) if arch == "gpt2" else {})).eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma2"])
+def test_head_logprobs_equal_the_whole_pass(arch, monkeypatch):
+    """head_logprobs with chunks of 3 positions (of 2 × 7) against one pass that makes the whole [2, 7, 50] logits:
+    the same log-probs at temperature 0.7, entropies and gradients of every weight, to float rounding; with
+    logits_to_keep, only the kept positions. GPT-2's head is its embedding (tied); Gemma 2 softcaps its logits."""
+    model = tiny_lm(arch)
+    monkeypatch.setattr(dpo, "HEAD_CHUNK_ELEMENTS", 3 * 50)
+    ids = torch.randint(1, 50, (2, 7))
+    targets = torch.nn.functional.pad(ids[:, 1:], (0, 1))
+
+    def whole():
+        z = model(input_ids=ids).logits.float() / 0.7
+        full = torch.log_softmax(z, -1)
+        return full.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(full.exp() * full).sum(-1)
+
+    results = []
+    for fn in (lambda: dpo.head_logprobs(model, targets, 0.7, True, input_ids=ids), whole):
+        model.zero_grad()
+        logprobs, entropy = fn()
+        logprobs[:, :-1].sum().backward()
+        results.append((logprobs.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters()]))
+    (chunked, chunked_entropy, chunked_grads), (expected, expected_entropy, expected_grads) = results
+    torch.testing.assert_close(chunked, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(chunked_entropy, expected_entropy, atol=1e-5, rtol=0)
+    for a, b in zip(chunked_grads, expected_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    kept = dpo.head_logprobs(model, targets[:, -3:], 0.7, input_ids=ids, logits_to_keep=3)
+    torch.testing.assert_close(kept, expected[:, -3:], atol=1e-5, rtol=0)
+
+
+def test_head_logprobs_keep_no_logits_for_the_backward_pass():
+    """A vocabulary of 32,000 at 2 × 64 positions: one pass that makes the logits keeps at least their 16 MiB for
+    the backward pass; head_logprobs keeps the hidden states and the targets, not the logits (each chunk's are
+    recomputed in the backward pass), under a tenth of that."""
+    from lm_models import make_model
+    from test_gpu_path import saved_bytes
+
+    torch.manual_seed(0)
+    model = make_model("llama", 32000)
+    ids = torch.randint(0, 32000, (2, 64))
+    logits_bytes = 2 * 64 * 32000 * 4
+    chunked, _ = saved_bytes(lambda: dpo.head_logprobs(model, ids, input_ids=ids).sum())
+    whole, _ = saved_bytes(lambda: torch.log_softmax(model(input_ids=ids).logits, -1).sum())
+    assert whole >= logits_bytes and chunked < logits_bytes / 10, (whole, chunked)  # measured: 21.2 MB, 0.7 MB
+
+
+def test_a_model_that_changes_its_logits_after_the_head_is_one_line():
+    """Cohere scales its logits after the head (logit_scale): log-probs computed in the head would be wrong, so
+    head_logprobs stops with one line instead."""
+    from transformers import CohereConfig, CohereForCausalLM
+
+    model = CohereForCausalLM(CohereConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=4, num_key_value_heads=2, logit_scale=0.5))
+    ids = torch.randint(0, 50, (1, 5))
+    with pytest.raises(SystemExit) as stop:
+        dpo.head_logprobs(model, ids, input_ids=ids)
+    assert str(stop.value.code).startswith("error: CohereForCausalLM changes its logits after the LM head")

@@ -12,21 +12,22 @@ import sft
 
 
 def test_sft_loss_masks_prompt_and_padding():
-    # Vocabulary of 2, sequences of 3; logits at position t predict label t+1.
+    # Sequences of 3; the log-prob at position t is that of label t+1 (head_logprobs' output).
     #   example 1: labels [−100 (prompt), 1, 0 (EOS)]:
-    #     position 0 logits (0, log 3) → p(1) = 3/4, nll = −log .75 = 0.287682
-    #     position 1 logits (0, 0)     → p(0) = 1/2, nll = log 2   = 0.693147
+    #     position 0: log p(1) = log 3/4 → nll 0.287682
+    #     position 1: log p(0) = log 1/2 → nll 0.693147
     #   example 2: labels [−100, 1, −100 (padding)]:
-    #     position 0 logits (log 3, 0) → p(1) = 1/4, nll = log 4   = 1.386294
-    #     position 1 would predict padding: no loss, whatever its logits (99, −99)
+    #     position 0: log p(1) = log 1/4 → nll 1.386294
+    #     position 1 would predict padding: no loss, whatever its log-prob (−99); position 2 predicts nothing (−5)
     #   mean over the 3 labeled tokens: 2.367123 / 3 = 0.789041
-    logits = torch.tensor([[[0, math.log(3)], [0, 0], [5, 5]],
-                           [[math.log(3), 0], [99, -99], [5, 5]]], dtype=torch.float32)
+    logprobs = torch.tensor([[math.log(0.75), math.log(0.5), -5.0], [math.log(0.25), -99.0, -5.0]])
     labels = torch.tensor([[-100, 1, 0], [-100, 1, -100]])
-    assert sft.sft_loss(logits, labels).item() == pytest.approx(0.789041, abs=1e-6)
+    assert sft.sft_loss(logprobs, labels).item() == pytest.approx(0.789041, abs=1e-6)
     # split into two micro-batches with num_items = 3, the halves add up to the same loss
-    halves = sft.sft_loss(logits[:1], labels[:1], 3) + sft.sft_loss(logits[1:], labels[1:], 3)
+    halves = sft.sft_loss(logprobs[:1], labels[:1], 3) + sft.sft_loss(logprobs[1:], labels[1:], 3)
     assert halves.item() == pytest.approx(0.789041, abs=1e-6)
+    # the tokens head_logprobs is asked for: each position's next label, 0 where unlabeled or past the end
+    assert sft.next_tokens(labels).tolist() == [[1, 0, 0], [1, 0, 0]]
 
 
 def test_messages_format_takes_loss_on_assistant_turns_only():
