@@ -86,7 +86,8 @@ class Args:
     gradient_accumulation_steps: int = 1
     """split each rank's share of a batch into this many micro-batches (the same update, less memory)"""
     gradient_checkpointing: Annotated[bool | None, tyro.conf.DisallowNone] = None
-    """(default: on under --fsdp, else off) recompute activations in the backward pass (less memory, one more forward pass of compute)"""
+    """(default: on under --fsdp, else off) recompute activations in the backward pass (less memory, one more forward
+    pass of compute)"""
     eval_batch_size: int | None = None
     """prompts per sampling call in evaluation, on each rank (None: training's micro-batch size; evaluation's
     forward passes run in micro-batches of training's size: what fits with gradients fits without)"""
@@ -99,9 +100,9 @@ class Args:
     max_length: int = 64
     """longest prompt + completion in tokens: pairs with a longer side are dropped (and counted)"""
     bf16: Annotated[bool | None, tyro.conf.DisallowNone] = None
-    """(default: on with CUDA, off on the CPU) mixed precision: compute in bfloat16 (autocast; FSDP2's MixedPrecisionPolicy under --fsdp), the policy's
-    weights and AdamW state float32. The reference is held and computed as the policy, on the same micro-batch
-    (at the start the margin is exactly 0); the reward model is held in bfloat16"""
+    """(default: on with CUDA, off on the CPU) mixed precision: compute in bfloat16 (autocast; FSDP2's
+    MixedPrecisionPolicy under --fsdp), the policy's weights and AdamW state float32. The reference is held and computed
+    as the policy, on the same micro-batch (at the start the margin is exactly 0); the reward model is held in bfloat16"""
     fsdp: bool = False
     """under torchrun, shard the policy, its gradients and AdamW state, and the frozen models, across the ranks
     (FSDP2) instead of a full copy on each (DDP): for models that do not fit one device"""
@@ -863,7 +864,7 @@ def head_logprobs(model, targets, temperature=1.0, with_entropy=False, **inputs)
         del head.forward
         if cap:
             config.final_logit_softcapping = cap
-    if not returned or out is not returned[0]:
+    if not returned or out.shape != returned[0].shape or not torch.equal(out, returned[0]):  # DDP may pass on a copy
         sys.exit(f"error: {type(lm).__name__} changes its logits after the LM head; head_logprobs cannot compute "
                  "its log-probs in chunks")
     return (out[..., 0], out[..., 1]) if with_entropy else out

@@ -107,7 +107,8 @@ class Args:
     """split each rank's share of a minibatch into this many micro-batches (the same update, less memory); the
     rollout's forward passes run in micro-batches too, so that the first ratio stays exactly 1"""
     gradient_checkpointing: Annotated[bool | None, tyro.conf.DisallowNone] = None
-    """(default: on under --fsdp, else off) recompute activations in the backward pass (less memory, one more forward pass of compute)"""
+    """(default: on under --fsdp, else off) recompute activations in the backward pass (less memory, one more forward
+    pass of compute)"""
     generation_batch_size: int = 256
     """prompts per sampling call, on each rank (the KV cache grows with it; forward passes run in micro-batches)"""
     lr: float = 1e-4
@@ -119,9 +120,9 @@ class Args:
     max_prompt_length: int = 64
     """prompts longer than this many tokens are dropped (and counted), never cut"""
     bf16: Annotated[bool | None, tyro.conf.DisallowNone] = None
-    """(default: on with CUDA, off on the CPU) mixed precision: compute in bfloat16 (autocast; FSDP2's MixedPrecisionPolicy under --fsdp), the policy's
-    weights and AdamW state float32. The reference is held and computed exactly as the policy (before the first
-    update the KL is exactly 0); the reward model is held in bfloat16"""
+    """(default: on with CUDA, off on the CPU) mixed precision: compute in bfloat16 (autocast; FSDP2's
+    MixedPrecisionPolicy under --fsdp), the policy's weights and AdamW state float32. The reference is held and computed
+    exactly as the policy (before the first update the KL is exactly 0); the reward model is held in bfloat16"""
     fsdp: bool = False
     """under torchrun, shard the policy, its gradients and AdamW state, and the frozen models, across the ranks
     (FSDP2) instead of a full copy on each (DDP): for models that do not fit one device"""
@@ -420,6 +421,8 @@ def main(args: Args):
     elif args.beta > 0:
         ref = load_model(args.sft_model_path, "lm", torch.float32, config)
         prepare_models(tokenizer, stop_ids, [ref], [ref])
+        if args.gradient_checkpointing:  # the policy's path, one pass (not shared_prompt_logprobs): equal at the start
+            ref.activation_checkpointing_enable({"use_reentrant": False})
     if ref is not None:
         ref = place_model(ref, device, args, trained=False)
     reward = None
@@ -1207,7 +1210,7 @@ def head_logprobs(model, targets, temperature=1.0, with_entropy=False, **inputs)
         del head.forward
         if cap:
             config.final_logit_softcapping = cap
-    if not returned or out is not returned[0]:
+    if not returned or out.shape != returned[0].shape or not torch.equal(out, returned[0]):  # DDP may pass on a copy
         sys.exit(f"error: {type(lm).__name__} changes its logits after the LM head; head_logprobs cannot compute "
                  "its log-probs in chunks")
     return (out[..., 0], out[..., 1]) if with_entropy else out

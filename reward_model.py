@@ -75,7 +75,8 @@ class Args:
     gradient_accumulation_steps: int = 1
     """split each rank's share of a batch into this many micro-batches (the same update, less memory)"""
     gradient_checkpointing: Annotated[bool | None, tyro.conf.DisallowNone] = None
-    """(default: on under --fsdp, else off) recompute activations in the backward pass (less memory, one more forward pass of compute)"""
+    """(default: on under --fsdp, else off) recompute activations in the backward pass (less memory, one more forward
+    pass of compute)"""
     eval_batch_size: int | None = None
     """pairs per forward pass in evaluation, on each rank (None: training's micro-batch size)"""
     lr: float = 1e-3
@@ -89,8 +90,8 @@ class Args:
     max_length: int = 64
     """longest prompt + completion in tokens: pairs with a longer side are dropped (and counted)"""
     bf16: Annotated[bool | None, tyro.conf.DisallowNone] = None
-    """(default: on with CUDA, off on the CPU) mixed precision: compute in bfloat16 (autocast; FSDP2's MixedPrecisionPolicy under --fsdp), weights and
-    AdamW state float32; the scalar head computes in float32"""
+    """(default: on with CUDA, off on the CPU) mixed precision: compute in bfloat16 (autocast; FSDP2's
+    MixedPrecisionPolicy under --fsdp), weights and AdamW state float32; the scalar head computes in float32"""
     fsdp: bool = False
     """under torchrun, shard the model, its gradients and AdamW state across the ranks (FSDP2) instead of a full
     copy on each (DDP): for models whose training state does not fit one device"""

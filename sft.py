@@ -76,7 +76,8 @@ class Args:
     gradient_accumulation_steps: int = 1
     """split each rank's share of a batch into this many micro-batches (the same update, less memory)"""
     gradient_checkpointing: Annotated[bool | None, tyro.conf.DisallowNone] = None
-    """(default: on under --fsdp, else off) recompute activations in the backward pass (less memory, one more forward pass of compute)"""
+    """(default: on under --fsdp, else off) recompute activations in the backward pass (less memory, one more forward
+    pass of compute)"""
     eval_batch_size: int | None = None
     """prompts per sampling call in evaluation, on each rank (None: training's micro-batch size; the eval loss runs
     in micro-batches of training's size: a forward pass that fits with gradients fits without)"""
@@ -92,8 +93,8 @@ class Args:
     """longest sequence in tokens: longer prompt/completion and messages examples are dropped (and counted);
     `text` examples are cut to it"""
     bf16: Annotated[bool | None, tyro.conf.DisallowNone] = None
-    """(default: on with CUDA, off on the CPU) mixed precision: compute in bfloat16 (autocast; FSDP2's MixedPrecisionPolicy under --fsdp), weights and
-    AdamW state float32"""
+    """(default: on with CUDA, off on the CPU) mixed precision: compute in bfloat16 (autocast; FSDP2's
+    MixedPrecisionPolicy under --fsdp), weights and AdamW state float32"""
     fsdp: bool = False
     """under torchrun, shard the model, its gradients and AdamW state across the ranks (FSDP2) instead of a full
     copy on each (DDP): for models whose training state does not fit one device"""
@@ -761,7 +762,7 @@ def head_logprobs(model, targets, temperature=1.0, with_entropy=False, **inputs)
         del head.forward
         if cap:
             config.final_logit_softcapping = cap
-    if not returned or out is not returned[0]:
+    if not returned or out.shape != returned[0].shape or not torch.equal(out, returned[0]):  # DDP may pass on a copy
         sys.exit(f"error: {type(lm).__name__} changes its logits after the LM head; head_logprobs cannot compute "
                  "its log-probs in chunks")
     return (out[..., 0], out[..., 1]) if with_entropy else out

@@ -53,6 +53,25 @@ BREAKS = {
                                             "args.gae_lambda, args.gamma)", "tests/test_ppo_continuous.py"),
     "sigterm_on_one_rank_only": ("sft.py", 'sigterm = bool(all_reduce_sum({"sigterm": preemption.received}, device)["sigterm"])',
                                  "sigterm = preemption.received", "tests/test_resume.py"),
+    # the 8-GPU path (tests/test_scaling.py; dpo.py's copy: every copy is one text, tests/test_copies.py)
+    "every_rank_reads_the_checkpoint": ("dpo.py", "        if dist.is_initialized() and dist.get_rank() != 0:\n            with torch.device(\"meta\"):",
+                                        "        if False:\n            with torch.device(\"meta\"):", "tests/test_scaling.py"),
+    "buffers_not_broadcast": ("dpo.py", "    for buffer in model.buffers():\n        dist.broadcast(buffer, src=0)\n", "",
+                              "tests/test_scaling.py"),
+    "tied_weights_not_tied_again": ("dpo.py", "                setattr(model.get_submodule(module), attribute, model.get_parameter(first))",
+                                    "                pass", "tests/test_scaling.py"),
+    "frozen_root_not_resharded": ("dpo.py", "            model.register_forward_hook(lambda module, inputs, output: module.reshard())",
+                                  "            pass", "tests/test_scaling.py"),
+    "run_directory_not_checked": ("sft.py", "            seen = f.read() == token[0]", "            seen = True",
+                                  "tests/test_scaling.py"),
+    "gradients_kept_through_the_rollout": ("grpo.py", "                optimizer.zero_grad(set_to_none=True)  # no gradients held through the next rollout\n",
+                                           "", "tests/test_scaling.py"),
+    "evaluation_at_128": ("sft.py", "    eval_batch_size = args.eval_batch_size or micro_size",
+                          "    eval_batch_size = args.eval_batch_size or 128", "tests/test_scaling.py"),
+    "head_chunks_not_recomputed": ("dpo.py", "        parts = [checkpoint(chunk, h, y, use_reentrant=False) if grad else chunk(h, y)",
+                                   "        parts = [chunk(h, y)", "tests/test_scaling.py"),
+    "softcapping_skipped": ("dpo.py", "        z = (torch.tanh(z / cap) * cap if cap else z) / temperature",
+                            "        z = z / temperature", "tests/test_scaling.py"),
 }
 
 

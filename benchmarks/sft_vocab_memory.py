@@ -63,12 +63,13 @@ def main():
         if args.cap_gib is not None:
             cmd = ["bash", "-c", f'ulimit -v {int(args.cap_gib * 2**20)} && exec "$@"', "sh", *cmd]
         # the peak of this run alone: a fresh process waits for it and reads its children's maximum resident set
-        wrapper = ("import resource, subprocess, sys; code = subprocess.run(sys.argv[1:], capture_output=True).returncode; "
-                   "print(code, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+        wrapper = ("import resource, subprocess, sys; run = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
+                   "print(run.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); "
+                   "print((run.stdout + run.stderr).strip().splitlines()[-1][:300] if run.returncode else '')")
         out = subprocess.run([sys.executable, "-c", wrapper, *cmd], cwd=work, capture_output=True, text=True).stdout
-        code, peak_kib = (int(x) for x in out.split())
+        (code, peak_kib), last = (int(x) for x in out.splitlines()[0].split()), out.splitlines()[1:]
         print(json.dumps({"root": os.path.abspath(root), "returncode": code, "peak_rss_mib": round(peak_kib / 1024),
-                          "cap_gib": args.cap_gib}), flush=True)
+                          "cap_gib": args.cap_gib, "error": last[0] if last else ""}), flush=True)
 
 
 if __name__ == "__main__":

@@ -114,16 +114,20 @@ def test_rlhf_ppo_under_torchrun(tiny_checkpoints, tmp_path, fsdp):
 
 
 def test_grpo_under_torchrun(tiny_checkpoints, tmp_path):
-    """2 ranks, each sampling whole groups: one run directory, one checkpoint, the first ratio exactly 1."""
+    """2 ranks under --fsdp, each sampling whole groups: one run directory, one checkpoint, the first ratio exactly 1,
+    and the KL to the reference exactly 0 before the first update: --fsdp turns on activation checkpointing, which
+    makes the policy's log-probs one pass over prompt + response, and the reference must take the same pass (not
+    shared_prompt_logprobs' two) to compute them bit for bit."""
     models = tiny_checkpoints["cwd"] / "models"
     torchrun("grpo.py", "--sft-model-path", str(models / "sft"), "--num-iterations", "2", "--batch-size", "16",
-             "--num-generations", "4", "--mini-batch-size", "8", "--eval-size", "9", "--eval-every", "1", cwd=tmp_path)
+             "--num-generations", "4", "--mini-batch-size", "8", "--eval-size", "9", "--eval-every", "1", "--fsdp",
+             cwd=tmp_path)
     run_dirs = glob.glob(str(tmp_path / "runs" / "*"))
     assert len(run_dirs) == 1, run_dirs
     scalars = read_scalars(run_dirs[0])
     assert [v for _, v in scalars["policy/first_ratio_max_error"]] == [0.0, 0.0]
     assert [step for step, _ in scalars["eval/gold_accuracy"]] == [0, 1, 2]
-    assert scalars["eval/kl"][0][1] == pytest.approx(0.0, abs=1e-6)
+    assert scalars["eval/kl"][0][1] == 0.0 and scalars["objective/kl"][0][1] == 0.0
     assert sorted(os.listdir(tmp_path / "models")) == ["grpo"]
     state(tmp_path / "models" / "grpo")
 

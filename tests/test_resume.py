@@ -333,9 +333,10 @@ def test_rl_bad_resume_input_is_one_line(tmp_path):
 
 
 def wait_for_training(proc, cwd, seconds=60):
-    """Wait until a run started in `cwd` trains (its run directory appears right before the loop), then a little."""
+    """Wait until a run started in `cwd` trains (its TensorBoard log appears right before the loop; the LM scripts
+    make the run directory before loading the models), then a little."""
     for _ in range(seconds * 10):
-        if (cwd / "runs").exists() and os.listdir(cwd / "runs"):
+        if list(cwd.glob("runs/*/events.out.tfevents.*")):
             break
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.1)
