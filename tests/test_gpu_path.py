@@ -134,12 +134,12 @@ with open(f"count.{{os.environ['RANK']}}", "w") as f:
 
 
 @pytest.mark.parametrize("script,flags", [  # rlhf_ppo: two trained models, the case with most to get wrong
-    ("rlhf_ppo", ["--num-iterations", "1", "--batch-size", "16", "--mini-batch-size", "8", "--ppo-epochs", "1",
-                  "--eval-size", "2"]),
+    ("rlhf_ppo", ["--num-iterations", "1", "--batch-size", "8", "--mini-batch-size", "8", "--ppo-epochs", "1",
+                  "--eval-size", "2", "--response-length", "6"]),
 ])
 def test_one_gradient_all_reduce_per_optimizer_step(tiny_checkpoints, tmp_path, script, flags):
-    """2 ranks, 4 micro-batches per optimizer step: the DDP communication hook runs as often as with 1 micro-batch
-    per step (it ran 4 times as often when every micro-batch synchronized)."""
+    """2 ranks, 2 micro-batches per optimizer step: the DDP communication hook runs as often as with 1 micro-batch
+    per step (it ran twice as often when every micro-batch synchronized)."""
     if script == "rlhf_ppo":
         models = tiny_checkpoints["cwd"] / "models"
         flags = [*flags, "--sft-model-path", str(models / "sft"), "--reward-model-path", str(models / "reward_model")]
