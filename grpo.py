@@ -12,7 +12,9 @@ surrogate plus a KL penalty to the reference (eq. 3):
 with ρ_it = π_θ(o_it | q, o_i,<t) / π_old(o_it | q, o_i,<t) and the KL estimated per token with k3 (eq. 4).
 The variants people compare are flags: RLOO's leave-one-out baseline (--advantage rloo), no std
 scaling (--no-scale-rewards, Dr. GRPO), the loss over all tokens (--loss-type dapo) or over a constant
-(--loss-type dr_grpo), a higher upper clip (--epsilon-high, DAPO).
+(--loss-type dr_grpo), a higher upper clip (--epsilon-high, DAPO), one ratio and one clip per completion
+(--importance-sampling-level sequence, GSPO), a clipped importance weight that keeps every token's gradient
+(--loss-type cispo, CISPO).
 
     python sft.py && python grpo.py                      # built-in task: the gold score is the reward
     python grpo.py --reward-model-path models/reward_model   # the reward model of reward_model.py instead
@@ -134,7 +136,12 @@ class Args:
     """divide GRPO's advantages by the group's std (--no-scale-rewards: Dr. GRPO, Liu et al. 2025)"""
     loss_type: str = "grpo"
     """grpo: mean over each completion's tokens, then over completions; dapo: mean over all tokens of the batch;
-    dr_grpo: sum over tokens / (completions × --response-length)"""
+    dr_grpo: sum over tokens / (completions × --response-length); cispo: MiniMax-M1's clipped importance weight
+    with every token's gradient kept, over all tokens of the batch (TRL: loss_type)"""
+    importance_sampling_level: str = "token"
+    """token: one ratio π_θ/π_old per token (GRPO, DAPO); sequence: GSPO's one ratio per completion, the geometric
+    mean of its tokens' (Zheng et al. 2025), clipped per completion: its ε is about 1e-3 of the token-level one
+    (the paper: --epsilon 3e-4 --epsilon-high 4e-4) (TRL: importance_sampling_level)"""
     epsilon: float = 0.2
     """ε of the clipped surrogate (the lower bound, 1 − ε; and the upper one unless --epsilon-high is set); CleanRL:
     clip_coef, rlhf_ppo.py: cliprange"""
@@ -215,23 +222,50 @@ def kl_estimators(logprobs, ref_logprobs, mask):
     return -log_r * mask, (log_r.exp() - 1 - log_r) * mask
 
 
-def clipped_surrogate(logprobs, old_logprobs, advantages, epsilon_low, epsilon_high):
+def importance_ratio(logprobs, old_logprobs, mask, level):
+    """The importance ratio of each token, [B, T]: level "token", ρ_t = π_θ(o_t | q, o_<t) / π_old(o_t | q, o_<t);
+    level "sequence", GSPO's ratio of the whole completion (Zheng et al. 2025, eq. 7), the same at each of its tokens,
+
+        s_i = (π_θ(o_i | q) / π_old(o_i | q))^(1/|o_i|) = exp( (1/|o_i|) Σ_t log ρ_it )
+
+    so that one clip decides for the whole completion and its length does not scale the ratio."""
+    log_ratio = logprobs - old_logprobs
+    if level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(log_ratio)
+    return torch.exp(log_ratio)
+
+
+def clipped_surrogate(ratio, advantages, epsilon_low, epsilon_high):
     """PPO's clipped surrogate per token, negated to be minimized, with DAPO's separate upper bound
     (clip-higher, Yu et al. 2025; epsilon_high = epsilon_low is PPO's):
 
-        l_t = −min( ρ_t Â, clip(ρ_t, 1 − ε_low, 1 + ε_high) Â ),   ρ_t = π_θ(o_t | q, o_<t) / π_old(o_t | q, o_<t)
+        l_t = −min( ρ_t Â, clip(ρ_t, 1 − ε_low, 1 + ε_high) Â ),   ρ_t from importance_ratio (GSPO: s_i)
 
-    `advantages` has one value per completion, broadcast over its tokens. Returns (l, ρ)."""
-    ratio = torch.exp(logprobs - old_logprobs)
+    `advantages` has one value per completion, broadcast over its tokens."""
     advantages = advantages.unsqueeze(1)
-    return -torch.min(ratio * advantages, torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * advantages), ratio
+    return -torch.min(ratio * advantages, torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * advantages)
 
 
-def clipped_tokens(ratio, advantages, epsilon_low, epsilon_high):
-    """1 where the clip is active, the token's gradient cut off: ρ_t below 1 − ε_low with Â < 0, or above
-    1 + ε_high with Â > 0 (out of the band on the other side, min() keeps the unclipped term). As TRL counts it."""
+def cispo_loss(ratio, logprobs, advantages, epsilon_high):
+    """CISPO (MiniMax-M1, 2025, eq. 4): clip the importance weight itself and stop its gradient, instead of
+    cutting the gradient of the tokens whose ratio leaves the band, so that every token keeps its REINFORCE
+    gradient Â ∇log π_θ, weighted by at most 1 + ε_high:
+
+        l_t = −sg( min(ρ_t, 1 + ε_high) ) Â log π_θ(o_t | q, o_<t)
+
+    No lower bound, as in TRL's and verl's (the paper sets ε_low large). Summed over the batch's tokens and
+    divided by their number (aggregate_loss's cispo, the paper's 1/Σ|o_i|)."""
+    return -torch.clamp(ratio, max=1 + epsilon_high).detach() * advantages.unsqueeze(1) * logprobs
+
+
+def clipped_tokens(ratio, advantages, epsilon_low, epsilon_high, loss_type):
+    """(low, high): where the clip is active on each side. The clipped surrogate cuts a token's gradient when ρ_t
+    falls below 1 − ε_low with Â < 0 (low) or rises above 1 + ε_high with Â > 0 (high); out of the band on the
+    other side, min() keeps the unclipped term. As TRL counts them. CISPO caps the weight above 1 + ε_high only."""
+    if loss_type == "cispo":
+        return torch.zeros_like(ratio, dtype=torch.bool), ratio > 1 + epsilon_high
     advantages = advantages.unsqueeze(1)
-    return ((ratio < 1 - epsilon_low) & (advantages < 0)) | ((ratio > 1 + epsilon_high) & (advantages > 0))
+    return (ratio < 1 - epsilon_low) & (advantages < 0), (ratio > 1 + epsilon_high) & (advantages > 0)
 
 
 def aggregate_loss(per_token_loss, mask, loss_type, num_sequences, num_tokens, max_completion_length):
@@ -241,13 +275,14 @@ def aggregate_loss(per_token_loss, mask, loss_type, num_sequences, num_tokens, m
         grpo      (1/B) Σ_i (1/|o_i|) Σ_t l_it     mean over each completion, then over completions (eq. 3)
         dapo      Σ_i Σ_t l_it / Σ_i |o_i|         every token weighs the same (Yu et al. 2025)
         dr_grpo   Σ_i Σ_t l_it / (B · L_max)       a constant normalizer: no length bias (Liu et al. 2025)
+        cispo     Σ_i Σ_t l_it / Σ_i |o_i|         as dapo, with CISPO's per-token loss (MiniMax-M1, 2025)
 
     B = `num_sequences` completions and Σ_i |o_i| = `num_tokens` tokens in the minibatch; L_max =
     `max_completion_length`. Under grpo a long wrong answer is penalized less per token than a short one."""
     summed = (per_token_loss * mask).sum(1)
     if loss_type == "grpo":
         return (summed / mask.sum(1).clamp(min=1)).sum() / num_sequences
-    if loss_type == "dapo":
+    if loss_type in ("dapo", "cispo"):
         return summed.sum() / num_tokens
     if loss_type == "dr_grpo":
         return summed.sum() / (num_sequences * max_completion_length)
@@ -338,9 +373,12 @@ def check_args(args):
     the same flags and only rank 0 prints."""
     world_size, G = int(os.environ.get("WORLD_SIZE", "1")), args.num_generations
     for flag, value, choices in (("--advantage", args.advantage, ("grpo", "rloo")),
-                                 ("--loss-type", args.loss_type, ("grpo", "dapo", "dr_grpo"))):
+                                 ("--loss-type", args.loss_type, ("grpo", "dapo", "dr_grpo", "cispo")),
+                                 ("--importance-sampling-level", args.importance_sampling_level, ("token", "sequence"))):
         if value not in choices:
             sys.exit(f"error: {flag} {value!r}: choose one of {', '.join(choices)}")
+    if args.loss_type == "cispo" and args.importance_sampling_level == "sequence":
+        sys.exit("error: --loss-type cispo weighs each token by its own ratio: use --importance-sampling-level token")
     if G < 2:
         sys.exit(f"error: --num-generations {G}: a group needs at least 2 completions, its own baseline")
     if args.batch_size % G:
@@ -562,7 +600,7 @@ def main(args: Args):
 
         # ---- update: μ passes over the rollout in shuffled minibatches ---------------------------------
         policy.train()
-        stats = {k: 0.0 for k in ("policy_loss", "kl_penalty", "clipped")}  # summed over micro-batches
+        stats = {k: 0.0 for k in ("policy_loss", "kl_penalty", "clipped_low", "clipped_high")}  # summed over micro-batches
         for epoch in range(args.ppo_epochs):
             # the first pass takes the rollout in order, so its first minibatch is exactly the rollout's first
             # chunk; later passes reshuffle (whole groups need not stay together: advantages are computed)
@@ -576,8 +614,11 @@ def main(args: Args):
                     with amp():
                         logprobs, _ = response_logprobs(policy, sequences[idx], attention_mask[idx], context_length,
                                                         args.temperature)
-                    surrogate, ratio = clipped_surrogate(logprobs, old_logprobs[idx], advantages[idx], args.epsilon,
-                                                         epsilon_high)
+                    ratio = importance_ratio(logprobs, old_logprobs[idx], mask[idx], args.importance_sampling_level)
+                    if args.loss_type == "cispo":
+                        surrogate = cispo_loss(ratio, logprobs, advantages[idx], epsilon_high)
+                    else:
+                        surrogate = clipped_surrogate(ratio, advantages[idx], args.epsilon, epsilon_high)
                     policy_loss = aggregate_loss(surrogate, mask[idx], args.loss_type, args.mini_batch_size, num_tokens,
                                                  args.response_length)
                     kl_penalty = torch.zeros((), device=device)
@@ -590,8 +631,9 @@ def main(args: Args):
                     with torch.no_grad():
                         stats["policy_loss"] += policy_loss.item()
                         stats["kl_penalty"] += kl_penalty.item()
-                        clipped = clipped_tokens(ratio, advantages[idx], args.epsilon, epsilon_high)
-                        stats["clipped"] += (clipped * mask[idx]).sum().item()
+                        low, high = clipped_tokens(ratio, advantages[idx], args.epsilon, epsilon_high, args.loss_type)
+                        stats["clipped_low"] += (low * mask[idx]).sum().item()
+                        stats["clipped_high"] += (high * mask[idx]).sum().item()
                         if epoch == 0 and start == 0 and micro == 0:  # before any step, the ratio must be exactly 1
                             first_ratio_error = (ratio - 1).abs().max()
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
@@ -616,7 +658,9 @@ def main(args: Args):
             "objective/stop_fraction": sums["stops"] / B,
             "losses/policy_loss": sums["policy_loss"] / num_minibatches,
             "losses/kl_penalty": sums["kl_penalty"] / num_minibatches,
-            "policy/clipfrac": sums["clipped"] / (args.ppo_epochs * sums["tokens"]),
+            "policy/clipfrac": (sums["clipped_low"] + sums["clipped_high"]) / (args.ppo_epochs * sums["tokens"]),
+            "policy/clipfrac_low": sums["clipped_low"] / (args.ppo_epochs * sums["tokens"]),
+            "policy/clipfrac_high": sums["clipped_high"] / (args.ppo_epochs * sums["tokens"]),
             "policy/first_ratio_max_error": first_ratio_error,
             "charts/learning_rate": lr, "charts/episodes_per_second": iteration * B / (time.time() - start_time),
         }

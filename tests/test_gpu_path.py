@@ -192,9 +192,13 @@ def test_grpo_clipfrac_counts_only_where_the_clip_is_active():
     """Ratios out of the band count only on the side the advantage pushes them (TRL's is_low/high_clipped)."""
     ratio = torch.tensor([[0.5, 1.0, 1.5], [0.5, 1.0, 1.5]])
     advantages = torch.tensor([1.0, -1.0])  # row 0 pushes the ratio up, row 1 down
-    clipped = grpo.clipped_tokens(ratio, advantages, 0.2, 0.28)
-    assert clipped.tolist() == [[False, False, True], [True, False, False]]
-    assert grpo.clipped_tokens(torch.tensor([[1.25]]), torch.tensor([1.0]), 0.2, 0.28).tolist() == [[False]]  # < 1 + ε_high
+    low, high = grpo.clipped_tokens(ratio, advantages, 0.2, 0.28, "grpo")
+    assert low.tolist() == [[False, False, False], [True, False, False]]  # row 1: 0.5 < 1 − 0.2, Â < 0
+    assert high.tolist() == [[False, False, True], [False, False, False]]  # row 0: 1.5 > 1 + 0.28, Â > 0
+    assert grpo.clipped_tokens(torch.tensor([[1.25]]), torch.tensor([1.0]), 0.2, 0.28, "grpo")[1].tolist() == [[False]]
+    # CISPO caps the weight above 1 + ε_high whatever the advantage's sign, and has no lower bound
+    low, high = grpo.clipped_tokens(ratio, advantages, 0.2, 0.28, "cispo")
+    assert not low.any() and high.tolist() == [[False, False, True], [False, False, True]]
 
 
 def test_sampling_keeps_the_models_generation_config(tmp_path):

@@ -36,18 +36,56 @@ def test_rloo_advantages():
 
 def test_clipped_surrogate_both_signs_and_clip_higher():
     ratios = torch.tensor([[1.5, 0.5, 1.1]])
-    old = torch.zeros(1, 3)
-    new = ratios.log()
-    # Â = 2: −min(ρÂ, clip(ρ, 0.8, 1.2)Â): 1.5 → −min(3, 2.4) = −2.4; 0.5 → −min(1, 1.6) = −1; 1.1 → −2.2
-    loss, ratio = grpo.clipped_surrogate(new, old, torch.tensor([2.0]), 0.2, 0.2)
-    torch.testing.assert_close(loss, torch.tensor([[-2.4, -1.0, -2.2]]))
+    mask = torch.ones(1, 3)
+    ratio = grpo.importance_ratio(ratios.log(), torch.zeros(1, 3), mask, "token")
     torch.testing.assert_close(ratio, ratios)
+    # Â = 2: −min(ρÂ, clip(ρ, 0.8, 1.2)Â): 1.5 → −min(3, 2.4) = −2.4; 0.5 → −min(1, 1.6) = −1; 1.1 → −2.2
+    loss = grpo.clipped_surrogate(ratio, torch.tensor([2.0]), 0.2, 0.2)
+    torch.testing.assert_close(loss, torch.tensor([[-2.4, -1.0, -2.2]]))
     # Â = −1: 1.5 → −min(−1.5, −1.2) = 1.5; 0.5 → −min(−0.5, −0.8) = 0.8; 1.1 → −min(−1.1, −1.1) = 1.1
-    loss, _ = grpo.clipped_surrogate(new, old, torch.tensor([-1.0]), 0.2, 0.2)
+    loss = grpo.clipped_surrogate(ratio, torch.tensor([-1.0]), 0.2, 0.2)
     torch.testing.assert_close(loss, torch.tensor([[1.5, 0.8, 1.1]]))
     # clip-higher, ε_high = 0.28, Â = 2: 1.5 → −min(3, 1.28 · 2 = 2.56) = −2.56; the lower bound is still 0.8
-    loss, _ = grpo.clipped_surrogate(new, old, torch.tensor([2.0]), 0.2, 0.28)
+    loss = grpo.clipped_surrogate(ratio, torch.tensor([2.0]), 0.2, 0.28)
     torch.testing.assert_close(loss, torch.tensor([[-2.56, -1.0, -2.2]]))
+
+
+def test_gspo_one_ratio_and_one_clip_per_completion():
+    """GSPO's s_i = exp(mean_t log ρ_it) over the completion's tokens (Zheng et al. 2025, eq. 7). Completion 1: log ρ =
+    0.2 and −0.4 on its 2 tokens (the third is padding, log ρ 5 ignored): s = e^−0.1 = 0.904837 at both tokens.
+    Completion 2: one token, log ρ = 0.3: s = e^0.3 = 1.349859. With ε_low 0.05, ε_high 0.1 (band 0.95 to 1.1):
+    Â = 2: −min(0.904837 · 2, 0.95 · 2) = −1.809675 for completion 1 (unclipped), −min(2.699718, 2.2) = −2.2 for 2;
+    Â = −1: −min(−0.904837, −0.95) = 0.95 (clipped) and −min(−1.349859, −1.1) = 1.349859."""
+    logprobs = torch.tensor([[0.2, -0.4, 5.0], [0.3, 0.0, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    ratio = grpo.importance_ratio(logprobs, torch.zeros(2, 3), mask, "sequence")
+    torch.testing.assert_close(ratio * mask, torch.tensor([[0.904837, 0.904837, 0.0], [1.349859, 0.0, 0.0]]))
+    loss = grpo.clipped_surrogate(ratio, torch.tensor([2.0, 2.0]), 0.05, 0.1) * mask
+    torch.testing.assert_close(loss, torch.tensor([[-1.809675, -1.809675, 0.0], [-2.2, 0.0, 0.0]]))
+    loss = grpo.clipped_surrogate(ratio, torch.tensor([-1.0, -1.0]), 0.05, 0.1) * mask
+    torch.testing.assert_close(loss, torch.tensor([[0.95, 0.95, 0.0], [1.349859, 0.0, 0.0]]))
+    # the gradient of completion 1's mean loss to each token's log-prob: −Â ∂s/∂log π_t = −2 · s / 2 = −0.904837,
+    # the same for both tokens, none to the padding
+    (grpo.clipped_surrogate(ratio, torch.tensor([2.0, 2.0]), 0.05, 0.1)[0, :2].mean()).backward()
+    torch.testing.assert_close(logprobs.grad[0], torch.tensor([-0.904837, -0.904837, 0.0]))
+
+
+def test_cispo_keeps_every_tokens_gradient_with_a_clipped_weight():
+    """CISPO (MiniMax-M1): l_t = −sg(min(ρ_t, 1 + ε_high)) Â log π_t. ρ = 1.5, 0.5, 1.1 with ε_high 0.2: weights
+    1.2, 0.5, 1.1; Â = 2 and log π = log 0.6, log 0.2, log 0.9: l = −1.2·2·(−0.510826) = 1.225982,
+    −0.5·2·(−1.609438) = 1.609438, −1.1·2·(−0.105361) = 0.231793. The gradient to log π_t is −w_t Â = −2.4, −1, −2.2:
+    every token's, the clipped first one's too (the clipped surrogate gives it none), and nothing through the
+    weight (not detached, it would add −w_t Â log π_t to the unclipped ones)."""
+    old = torch.log(torch.tensor([[0.4, 0.4, 0.9 / 1.1]]))
+    logprobs = torch.log(torch.tensor([[0.6, 0.2, 0.9]])).requires_grad_()
+    ratio = grpo.importance_ratio(logprobs, old, torch.ones(1, 3), "token")
+    torch.testing.assert_close(ratio.detach(), torch.tensor([[1.5, 0.5, 1.1]]))
+    loss = grpo.cispo_loss(ratio, logprobs, torch.tensor([2.0]), 0.2)
+    torch.testing.assert_close(loss.detach(), torch.tensor([[1.225982, 1.609438, 0.231793]]))
+    loss.sum().backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-2.4, -1.0, -2.2]]))
+    # the batch's loss: the sum over its tokens over their number, as dapo's
+    assert grpo.aggregate_loss(loss.detach(), torch.ones(1, 3), "cispo", 1, 3, 8).item() == pytest.approx(3.067213 / 3)
 
 
 def test_kl_k3():
@@ -86,7 +124,8 @@ def test_grpo_smoke_gold_reward_first_ratio_is_exactly_one(tiny_checkpoints, tmp
     logs = read_run(tmp_path, "grpo")
     assert [v for _, v in logs["policy/first_ratio_max_error"]] == [0.0, 0.0]
     for tag in ("eval/gold_accuracy", "eval/gold_score", "eval/kl", "objective/reward", "objective/reward_std",
-                "objective/zero_std_fraction", "policy/clipfrac", "objective/completion_length", "losses/policy_loss"):
+                "objective/zero_std_fraction", "policy/clipfrac", "policy/clipfrac_low", "policy/clipfrac_high",
+                "objective/completion_length", "losses/policy_loss"):
         assert tag in logs, tag
     assert [step for step, _ in logs["eval/gold_accuracy"]] == [0, 1, 2]
     assert logs["eval/kl"][0][1] == 0.0  # before any update the policy is the reference
@@ -142,7 +181,9 @@ def test_a_completion_without_a_stop_token_gets_the_penalty_not_its_gold_score(t
 @pytest.mark.parametrize("flags,words", [
     (["--num-generations", "1"], ["--num-generations 1", "at least 2"]),
     (["--batch-size", "20", "--num-generations", "8"], ["--batch-size 20", "groups of --num-generations 8"]),
-    (["--loss-type", "mean"], ["--loss-type 'mean'", "grpo, dapo, dr_grpo"]),
+    (["--loss-type", "mean"], ["--loss-type 'mean'", "grpo, dapo, dr_grpo, cispo"]),
+    (["--loss-type", "cispo", "--importance-sampling-level", "sequence"], ["cispo", "--importance-sampling-level token"]),
+    (["--importance-sampling-level", "group"], ["--importance-sampling-level 'group'", "token, sequence"]),
     (["--reward-model-path", "models/nope"], ["models/nope", "python reward_model.py"]),
 ])
 def test_bad_input_is_one_line(tiny_checkpoints, tmp_path, flags, words):
@@ -300,28 +341,39 @@ def test_one_step_raises_the_clipped_surrogate_on_the_sampled_completions(small_
 
 @pytest.mark.parametrize("flags,advantage", [
     ((), "grpo"),
-    (("--advantage", "rloo", "--loss-type", "dapo", "--epsilon-high", "0.28"), "rloo"),
-    (("--no-scale-rewards", "--loss-type", "dr_grpo"), "dr_grpo"),
+    (("--advantage", "rloo", "--loss-type", "cispo", "--epsilon-high", "4.0"), "rloo"),
+    (("--no-scale-rewards", "--loss-type", "dr_grpo", "--importance-sampling-level", "sequence",
+      "--epsilon-high", "0.28"), "dr_grpo"),
 ])
 def test_the_variant_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypatch, flags, advantage):
-    """The advantages the surrogate receives are, by hand from the gold scores of the recorded completions, GRPO's
-    (r − mean) / (std + 1e-4), RLOO's r − mean of the other three, or Dr. GRPO's r − mean; --loss-type and
-    --epsilon-high reach the loss's normalization and clip."""
+    """The advantages the loss receives are, by hand from the gold scores of the recorded completions, GRPO's
+    (r − mean) / (std + 1e-4), RLOO's r − mean of the other three, or Dr. GRPO's r − mean; --loss-type,
+    --epsilon-high and --importance-sampling-level reach the loss's normalization, its clip, the ratio, and CISPO's
+    loss in place of the clipped surrogate."""
     from transformers import AutoTokenizer
 
     rollout, seen = recorded_rollout(grpo, monkeypatch, 16), []
-    real_surrogate, real_aggregate = grpo.clipped_surrogate, grpo.aggregate_loss
+    real = {name: getattr(grpo, name) for name in ("importance_ratio", "clipped_surrogate", "cispo_loss", "aggregate_loss")}
 
-    def surrogate_spy(logprobs, old_logprobs, advantages, epsilon_low, epsilon_high):
+    def ratio_spy(logprobs, old_logprobs, mask, level):
+        seen.append(("ratio", level))
+        return real["importance_ratio"](logprobs, old_logprobs, mask, level)
+
+    def surrogate_spy(ratio, advantages, epsilon_low, epsilon_high):
         seen.append(("surrogate", advantages.detach().clone(), epsilon_low, epsilon_high))
-        return real_surrogate(logprobs, old_logprobs, advantages, epsilon_low, epsilon_high)
+        return real["clipped_surrogate"](ratio, advantages, epsilon_low, epsilon_high)
+
+    def cispo_spy(ratio, logprobs, advantages, epsilon_high):
+        seen.append(("cispo", advantages.detach().clone(), None, epsilon_high))
+        return real["cispo_loss"](ratio, logprobs, advantages, epsilon_high)
 
     def aggregate_spy(per_token, mask, loss_type, *rest):
         seen.append(("aggregate", loss_type))
-        return real_aggregate(per_token, mask, loss_type, *rest)
+        return real["aggregate_loss"](per_token, mask, loss_type, *rest)
 
-    monkeypatch.setattr(grpo, "clipped_surrogate", surrogate_spy)
-    monkeypatch.setattr(grpo, "aggregate_loss", aggregate_spy)
+    for name, spy in (("importance_ratio", ratio_spy), ("clipped_surrogate", surrogate_spy), ("cispo_loss", cispo_spy),
+                      ("aggregate_loss", aggregate_spy)):
+        monkeypatch.setattr(grpo, name, spy)
     run_in_process("grpo.py", "--sft-model-path", str(small_checkpoints["sft"]), "--num-iterations", "1", "--batch-size", "16",
                    "--num-generations", "4", "--mini-batch-size", "16", "--ppo-epochs", "1", "--beta", "0",
                    "--eval-size", "8", "--output-dir", "out", *flags, cwd=tmp_path)
@@ -329,11 +381,15 @@ def test_the_variant_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypat
     r = gold_rewards(AutoTokenizer.from_pretrained(small_checkpoints["sft"]), sequences, width, mask).view(4, 4)
     expected = {"grpo": (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4),
                 "rloo": r - (r.sum(1, keepdim=True) - r) / 3, "dr_grpo": r - r.mean(1, keepdim=True)}[advantage]
-    (_, received, epsilon_low, epsilon_high), (_, loss_type) = seen
+    (_, level), (loss, received, epsilon_low, epsilon_high), (_, loss_type) = seen
+    assert level == (flags[flags.index("--importance-sampling-level") + 1] if "--importance-sampling-level" in flags
+                     else "token")
     assert (received != 0).any()
     torch.testing.assert_close(received, expected.flatten(), rtol=1e-5, atol=1e-5)
     assert loss_type == (flags[flags.index("--loss-type") + 1] if "--loss-type" in flags else "grpo")
-    assert (epsilon_low, epsilon_high) == (0.2, 0.28 if "--epsilon-high" in flags else 0.2)
+    assert loss == ("cispo" if loss_type == "cispo" else "surrogate")
+    assert epsilon_high == (float(flags[flags.index("--epsilon-high") + 1]) if "--epsilon-high" in flags else 0.2)
+    assert epsilon_low == (None if loss_type == "cispo" else 0.2)
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
