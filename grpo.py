@@ -10,7 +10,8 @@ surrogate plus a KL penalty to the reference (eq. 3):
     J = E[ (1/G) Σ_i (1/|o_i|) Σ_t  min( ρ_it Â_i, clip(ρ_it, 1 − ε, 1 + ε) Â_i ) − β D_KL[π_θ ‖ π_ref] ]
 
 with ρ_it = π_θ(o_it | q, o_i,<t) / π_old(o_it | q, o_i,<t) and the KL estimated per token with k3 (eq. 4).
-The variants people compare are flags: RLOO's leave-one-out baseline (--advantage rloo), no std
+The variants people compare are flags: RLOO's leave-one-out baseline (--advantage rloo), REINFORCE++'s
+normalization over the whole batch (--advantage reinforce_pp, reinforce_pp_baseline), no std
 scaling (--no-scale-rewards, Dr. GRPO), the loss over all tokens (--loss-type dapo) or over a constant
 (--loss-type dr_grpo), a higher upper clip (--epsilon-high, DAPO), one ratio and one clip per completion
 (--importance-sampling-level sequence, GSPO), a clipped importance weight that keeps every token's gradient
@@ -131,7 +132,9 @@ class Args:
     temperature: float = 1.0
     """sampling temperature; the log-probs of training divide the logits by it too"""
     advantage: str = "grpo"
-    """grpo: (r − group mean) / group std; rloo: r − the mean of the other G − 1 rewards (Ahmadian et al. 2024)"""
+    """grpo: (r − group mean) / group std; rloo: r − the mean of the other G − 1 rewards (Ahmadian et al. 2024);
+    reinforce_pp: r normalized over the whole batch, all ranks (REINFORCE++, Hu 2025); reinforce_pp_baseline: the
+    group mean subtracted first (OpenRLHF: advantage_estimator reinforce / reinforce_baseline)"""
     scale_rewards: bool = True
     """divide GRPO's advantages by the group's std (--no-scale-rewards: Dr. GRPO, Liu et al. 2025)"""
     loss_type: str = "grpo"
@@ -210,6 +213,28 @@ def rloo_advantages(rewards, num_generations):
     groups = rewards.view(-1, num_generations)
     baseline = (groups.sum(1, keepdim=True) - groups) / (num_generations - 1)
     return (groups - baseline).flatten()
+
+
+def reinforce_pp_advantages(rewards, num_generations, group_baseline, eps=1e-8):
+    """REINFORCE++ (Hu 2025): no group statistics in the scale; the rewards are normalized over the whole batch,
+    the completions of every rank (the sums are added up over the ranks), which keeps the estimate's scale
+    steady where a group's own std would blow up the advantages of a group that barely differs:
+
+        reinforce_pp            Â_i = (r_i − mean_B(r)) / std_B(r)
+        reinforce_pp_baseline   Â_i = (r'_i − mean_B(r')) / std_B(r'),   r'_i = r_i − mean(r of its group)
+
+    mean_B and std_B (population) over the B completions of the batch. With the group baseline a group of equal
+    rewards gets Â = 0; without it, its completions are compared with the batch."""
+    x = rewards.view(-1, num_generations)
+    x = (x - x.mean(1, keepdim=True) if group_baseline else x).flatten()
+    sums = torch.stack([x.sum(), torch.tensor(float(len(x)), device=x.device)])
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+    mean = sums[0] / sums[1]
+    square_sum = ((x - mean) ** 2).sum()
+    if dist.is_initialized():
+        dist.all_reduce(square_sum)
+    return (x - mean) * torch.rsqrt(square_sum / sums[1] + eps)
 
 
 def kl_estimators(logprobs, ref_logprobs, mask):
@@ -372,11 +397,14 @@ def check_args(args):
     """Every flag checked before any work: one line that says what to change. Under torchrun each rank checks
     the same flags and only rank 0 prints."""
     world_size, G = int(os.environ.get("WORLD_SIZE", "1")), args.num_generations
-    for flag, value, choices in (("--advantage", args.advantage, ("grpo", "rloo")),
+    advantages = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+    for flag, value, choices in (("--advantage", args.advantage, advantages),
                                  ("--loss-type", args.loss_type, ("grpo", "dapo", "dr_grpo", "cispo")),
                                  ("--importance-sampling-level", args.importance_sampling_level, ("token", "sequence"))):
         if value not in choices:
             sys.exit(f"error: {flag} {value!r}: choose one of {', '.join(choices)}")
+    if not args.scale_rewards and args.advantage != "grpo":
+        sys.exit(f"error: --no-scale-rewards changes --advantage grpo only; --advantage {args.advantage} has its own scale")
     if args.loss_type == "cispo" and args.importance_sampling_level == "sequence":
         sys.exit("error: --loss-type cispo weighs each token by its own ratio: use --importance-sampling-level token")
     if G < 2:
@@ -590,6 +618,8 @@ def main(args: Args):
             rewards, table, _, has_stop = rewards_of(rows, sequences, attention_mask, context_length, mask)
             if args.advantage == "rloo":
                 advantages = rloo_advantages(rewards, G)
+            elif args.advantage.startswith("reinforce_pp"):  # over the whole batch, all ranks together
+                advantages = reinforce_pp_advantages(rewards, G, args.advantage == "reinforce_pp_baseline")
             else:
                 advantages = group_advantages(rewards, G, args.scale_rewards)
             old_logprobs, entropy = logprobs_of(policy, sequences, attention_mask, context_length)

@@ -88,6 +88,38 @@ def test_cispo_keeps_every_tokens_gradient_with_a_clipped_weight():
     assert grpo.aggregate_loss(loss.detach(), torch.ones(1, 3), "cispo", 1, 3, 8).item() == pytest.approx(3.067213 / 3)
 
 
+def test_reinforce_pp_normalizes_over_the_batch():
+    """Rewards 1, 0 | 0, 0 in groups of 2. REINFORCE++: batch mean 0.25, deviations 0.75, −0.25 ×3, population
+    variance (0.5625 + 3 · 0.0625) / 4 = 0.1875, std 0.433013: Â = 1.732051, −0.577350 ×3 (the all-zero group is
+    compared with the batch). With the group baseline: r' = 0.5, −0.5, 0, 0, mean 0, variance 0.5 / 4 = 0.125,
+    std 0.353553: Â = 1.414214, −1.414214, 0, 0 (a group of equal rewards teaches nothing)."""
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    torch.testing.assert_close(grpo.reinforce_pp_advantages(rewards, 2, False),
+                               torch.tensor([1.732051, -0.577350, -0.577350, -0.577350]))
+    torch.testing.assert_close(grpo.reinforce_pp_advantages(rewards, 2, True), torch.tensor([1.414214, -1.414214, 0.0, 0.0]))
+
+
+def _reinforce_pp_on_rank(rank, init_file, rewards, out_file):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    half = len(rewards) // 2
+    torch.save(grpo.reinforce_pp_advantages(rewards[rank * half : (rank + 1) * half], 2, True), f"{out_file}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_reinforce_pp_normalizes_over_every_rank(tmp_path):
+    """Two gloo processes, each with half of the groups (the halves with different spreads): together they give the
+    one-process advantages of the whole batch, not each half's own normalization."""
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 3.0, -1.0, 0.2, 0.0])
+    torch.multiprocessing.spawn(_reinforce_pp_on_rank, args=(str(tmp_path / "init"), rewards, str(tmp_path / "out")),
+                                nprocs=2)
+    together = torch.cat([torch.load(tmp_path / f"out.{rank}") for rank in range(2)])
+    torch.testing.assert_close(together, grpo.reinforce_pp_advantages(rewards, 2, True), atol=1e-6, rtol=0)
+    assert (together[:4] - grpo.reinforce_pp_advantages(rewards[:4], 2, True)).abs().max() > 0.1
+
+
 def test_kl_k3():
     # log π = log 0.5, log π_ref = log 0.25: log r = log 0.5; k3 = r − 1 − log r = 0.5 − 1 + 0.693147 = 0.193147
     _, k3 = grpo.kl_estimators(torch.tensor([[math.log(0.5)]]), torch.tensor([[math.log(0.25)]]), torch.ones(1, 1))
@@ -184,6 +216,7 @@ def test_a_completion_without_a_stop_token_gets_the_penalty_not_its_gold_score(t
     (["--loss-type", "mean"], ["--loss-type 'mean'", "grpo, dapo, dr_grpo, cispo"]),
     (["--loss-type", "cispo", "--importance-sampling-level", "sequence"], ["cispo", "--importance-sampling-level token"]),
     (["--importance-sampling-level", "group"], ["--importance-sampling-level 'group'", "token, sequence"]),
+    (["--advantage", "reinforce_pp", "--no-scale-rewards"], ["--no-scale-rewards", "--advantage reinforce_pp"]),
     (["--reward-model-path", "models/nope"], ["models/nope", "python reward_model.py"]),
 ])
 def test_bad_input_is_one_line(tiny_checkpoints, tmp_path, flags, words):
@@ -344,10 +377,12 @@ def test_one_step_raises_the_clipped_surrogate_on_the_sampled_completions(small_
     (("--advantage", "rloo", "--loss-type", "cispo", "--epsilon-high", "4.0"), "rloo"),
     (("--no-scale-rewards", "--loss-type", "dr_grpo", "--importance-sampling-level", "sequence",
       "--epsilon-high", "0.28"), "dr_grpo"),
+    (("--advantage", "reinforce_pp_baseline"), "reinforce_pp_baseline"),
 ])
 def test_the_variant_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypatch, flags, advantage):
     """The advantages the loss receives are, by hand from the gold scores of the recorded completions, GRPO's
-    (r − mean) / (std + 1e-4), RLOO's r − mean of the other three, or Dr. GRPO's r − mean; --loss-type,
+    (r − mean) / (std + 1e-4), RLOO's r − mean of the other three, Dr. GRPO's r − mean, or REINFORCE++'s r − mean
+    over the batch's root mean square (the centered rewards' batch mean is 0); --loss-type,
     --epsilon-high and --importance-sampling-level reach the loss's normalization, its clip, the ratio, and CISPO's
     loss in place of the clipped surrogate."""
     from transformers import AutoTokenizer
@@ -379,8 +414,9 @@ def test_the_variant_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypat
                    "--eval-size", "8", "--output-dir", "out", *flags, cwd=tmp_path)
     sequences, _, width, mask = rollout()
     r = gold_rewards(AutoTokenizer.from_pretrained(small_checkpoints["sft"]), sequences, width, mask).view(4, 4)
-    expected = {"grpo": (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4),
-                "rloo": r - (r.sum(1, keepdim=True) - r) / 3, "dr_grpo": r - r.mean(1, keepdim=True)}[advantage]
+    centered = r - r.mean(1, keepdim=True)
+    expected = {"grpo": centered / (r.std(1, keepdim=True) + 1e-4), "rloo": r - (r.sum(1, keepdim=True) - r) / 3,
+                "dr_grpo": centered, "reinforce_pp_baseline": centered / centered.pow(2).mean().sqrt()}[advantage]
     (_, level), (loss, received, epsilon_low, epsilon_high), (_, loss_type) = seen
     assert level == (flags[flags.index("--importance-sampling-level") + 1] if "--importance-sampling-level" in flags
                      else "token")
