@@ -15,7 +15,7 @@ normalization over the whole batch (--advantage reinforce_pp, reinforce_pp_basel
 scaling (--no-scale-rewards, Dr. GRPO), the loss over all tokens (--loss-type dapo) or over a constant
 (--loss-type dr_grpo), a higher upper clip (--epsilon-high, DAPO), one ratio and one clip per completion
 (--importance-sampling-level sequence, GSPO), a clipped importance weight that keeps every token's gradient
-(--loss-type cispo, CISPO).
+(--loss-type cispo, CISPO), no loss on completions cut at the length limit (--mask-truncated-completions, DAPO).
 
     python sft.py && python grpo.py                      # built-in task: the gold score is the reward
     python grpo.py --reward-model-path models/reward_model   # the reward model of reward_model.py instead
@@ -155,6 +155,9 @@ class Args:
     missing_eos_penalty: float = -1.0
     """the reward of a completion with no stop token (EOS or end of turn) in its --response-length tokens, as in
     rlhf_ppo.py (an unfinished answer is not scored)"""
+    mask_truncated_completions: bool = False
+    """DAPO's overlong filtering: a completion cut at --response-length (no stop token) gets no loss and no KL
+    penalty; its reward, --missing-eos-penalty, still enters its group's baseline (TRL: mask_truncated_completions)"""
     max_grad_norm: float = 1.0
     """clip the global gradient norm to this"""
     eval_every: int = 20
@@ -627,6 +630,8 @@ def main(args: Args):
             if ref is not None:
                 ref_logprobs, _ = logprobs_of(ref, sequences, attention_mask, context_length)
             k1, k3 = kl_estimators(old_logprobs, ref_logprobs, mask)
+            # the tokens the loss sees: with --mask-truncated-completions not those of a completion with no stop token
+            loss_mask = mask * has_stop.unsqueeze(1) if args.mask_truncated_completions else mask
 
         # ---- update: μ passes over the rollout in shuffled minibatches ---------------------------------
         policy.train()
@@ -637,7 +642,8 @@ def main(args: Args):
             order = torch.randperm(per_rank, device=device) if epoch > 0 else torch.arange(per_rank, device=device)
             for start in range(0, per_rank, mini_per_rank):
                 mb = order[start : start + mini_per_rank]
-                num_tokens = all_reduce_sum({"tokens": mask[mb].sum()}, device)["tokens"]  # of the minibatch, all ranks
+                # of the minibatch, all ranks (1 where every completion of it is masked: its loss is then 0)
+                num_tokens = max(1.0, all_reduce_sum({"tokens": loss_mask[mb].sum()}, device)["tokens"])
                 for micro in range(0, mini_per_rank, micro_size):
                     idx = mb[micro : micro + micro_size]
                     gradient_sync(policy, micro + micro_size == mini_per_rank)  # once per step, with the last micro-batch
@@ -649,13 +655,13 @@ def main(args: Args):
                         surrogate = cispo_loss(ratio, logprobs, advantages[idx], epsilon_high)
                     else:
                         surrogate = clipped_surrogate(ratio, advantages[idx], args.epsilon, epsilon_high)
-                    policy_loss = aggregate_loss(surrogate, mask[idx], args.loss_type, args.mini_batch_size, num_tokens,
-                                                 args.response_length)
+                    policy_loss = aggregate_loss(surrogate, loss_mask[idx], args.loss_type, args.mini_batch_size,
+                                                 num_tokens, args.response_length)
                     kl_penalty = torch.zeros((), device=device)
                     if ref is not None:
-                        _, new_k3 = kl_estimators(logprobs, ref_logprobs[idx], mask[idx])
-                        kl_penalty = args.beta * aggregate_loss(new_k3, mask[idx], args.loss_type, args.mini_batch_size,
-                                                                num_tokens, args.response_length)
+                        _, new_k3 = kl_estimators(logprobs, ref_logprobs[idx], loss_mask[idx])
+                        kl_penalty = args.beta * aggregate_loss(new_k3, loss_mask[idx], args.loss_type,
+                                                                args.mini_batch_size, num_tokens, args.response_length)
                     # DDP and FSDP average the ranks' gradients; × world_size turns that into the minibatch's sum
                     ((policy_loss + kl_penalty) * world_size).backward()
                     with torch.no_grad():

@@ -377,12 +377,13 @@ def test_one_step_raises_the_clipped_surrogate_on_the_sampled_completions(small_
     (("--advantage", "rloo", "--loss-type", "cispo", "--epsilon-high", "4.0"), "rloo"),
     (("--no-scale-rewards", "--loss-type", "dr_grpo", "--importance-sampling-level", "sequence",
       "--epsilon-high", "0.28"), "dr_grpo"),
-    (("--advantage", "reinforce_pp_baseline"), "reinforce_pp_baseline"),
+    (("--advantage", "reinforce_pp_baseline", "--mask-truncated-completions"), "reinforce_pp_baseline"),
 ])
 def test_the_variant_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypatch, flags, advantage):
     """The advantages the loss receives are, by hand from the gold scores of the recorded completions, GRPO's
     (r − mean) / (std + 1e-4), RLOO's r − mean of the other three, Dr. GRPO's r − mean, or REINFORCE++'s r − mean
-    over the batch's root mean square (the centered rewards' batch mean is 0); --loss-type,
+    over the batch's root mean square (the centered rewards' batch mean is 0); --mask-truncated-completions
+    removes the completions with no stop token from the loss; --loss-type,
     --epsilon-high and --importance-sampling-level reach the loss's normalization, its clip, the ratio, and CISPO's
     loss in place of the clipped surrogate."""
     from transformers import AutoTokenizer
@@ -403,7 +404,7 @@ def test_the_variant_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypat
         return real["cispo_loss"](ratio, logprobs, advantages, epsilon_high)
 
     def aggregate_spy(per_token, mask, loss_type, *rest):
-        seen.append(("aggregate", loss_type))
+        seen.append(("aggregate", loss_type, mask.detach().clone()))
         return real["aggregate_loss"](per_token, mask, loss_type, *rest)
 
     for name, spy in (("importance_ratio", ratio_spy), ("clipped_surrogate", surrogate_spy), ("cispo_loss", cispo_spy),
@@ -417,7 +418,7 @@ def test_the_variant_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypat
     centered = r - r.mean(1, keepdim=True)
     expected = {"grpo": centered / (r.std(1, keepdim=True) + 1e-4), "rloo": r - (r.sum(1, keepdim=True) - r) / 3,
                 "dr_grpo": centered, "reinforce_pp_baseline": centered / centered.pow(2).mean().sqrt()}[advantage]
-    (_, level), (loss, received, epsilon_low, epsilon_high), (_, loss_type) = seen
+    (_, level), (loss, received, epsilon_low, epsilon_high), (_, loss_type, loss_mask) = seen
     assert level == (flags[flags.index("--importance-sampling-level") + 1] if "--importance-sampling-level" in flags
                      else "token")
     assert (received != 0).any()
@@ -426,6 +427,12 @@ def test_the_variant_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypat
     assert loss == ("cispo" if loss_type == "cispo" else "surrogate")
     assert epsilon_high == (float(flags[flags.index("--epsilon-high") + 1]) if "--epsilon-high" in flags else 0.2)
     assert epsilon_low == (None if loss_type == "cispo" else 0.2)
+    # --mask-truncated-completions: the loss sees no token of a completion with no stop token, all of the others'
+    tokenizer = AutoTokenizer.from_pretrained(small_checkpoints["sft"])
+    stops = torch.isin(sequences[:, width:], torch.tensor(grpo.stop_token_ids(tokenizer))) & mask.bool()
+    kept = stops.any(1) if "--mask-truncated-completions" in flags else torch.ones(len(mask), dtype=torch.bool)
+    torch.testing.assert_close(loss_mask, mask.float() * kept.unsqueeze(1))
+    assert kept.any() and ("--mask-truncated-completions" not in flags or not kept.all()), kept
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
