@@ -1,7 +1,8 @@
 """The 8-GPU path, on what a CPU can show: rank 0 alone reads a checkpoint and the other ranks receive the weights
 (DDP) or only their shards (FSDP2); frozen FSDP roots reshard; every rank sees the run directory; the memory-safe
 defaults (evaluation at the micro-batch size, no gradients through the rollout, --bf16 and
---gradient-checkpointing settled by the machine and --fsdp, the KV cache checked before sampling on CUDA)."""
+--gradient-checkpointing settled by the machine and --fsdp, the KV cache checked before sampling on CUDA); the LM
+head in chunks of positions (head_logprobs), equal to one whole pass and keeping no logits for the backward pass."""
 import os
 import subprocess
 import sys
