@@ -2,13 +2,21 @@
 # The arithmetic task of the README's grpo card, end to end on the CPU: a GSM8K-format file, mapped to the
 # scripts' columns; sft.py; then grpo.py and rlhf_ppo.py with the numeric reward, each from that SFT model.
 # Writes each run's log and wall time to $OUT (benchmarks/arithmetic); summarize with
-# `python benchmarks/summarize_arithmetic.py`. SEED=2 bash benchmarks/arithmetic.sh for another seed.
+# `python benchmarks/summarize_arithmetic.py`. SEED=2 bash benchmarks/arithmetic.sh for another seed;
+# TASK=heldout for the held-out task of benchmarks/make_heldout.py (to $OUT, default benchmarks/heldout).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seed=${SEED:-1}
-out=${OUT:-benchmarks/arithmetic}/seed$seed
+task=${TASK:-arithmetic}
+out=${OUT:-benchmarks/$task}/seed$seed
 mkdir -p "$out"
-python benchmarks/make_arithmetic.py --out "$out/gsm8k_format.jsonl" --num-rows 6000 --seed "$seed"
+response_length=24  # the longest answer and its EOS: 24 bytes (ByT5's tokens) on the arithmetic task, 36 held out
+if [ "$task" = heldout ]; then
+    python benchmarks/make_heldout.py --out "$out/gsm8k_format.jsonl" --num-rows 6000 --seed "$seed"
+    response_length=40
+else
+    python benchmarks/make_arithmetic.py --out "$out/gsm8k_format.jsonl" --num-rows 6000 --seed "$seed"
+fi
 python - "$out" <<'PY'
 import json, sys
 out = sys.argv[1]
@@ -29,7 +37,7 @@ rm -f "$out/times.txt"
 timed sft python sft.py --dataset-name "$out/sft.jsonl" --max-length 128 --max-steps 750 --eval-every 250 \
     --seed "$seed" --exp-name "arith_sft" --output-dir "$out/sft"
 rl=(--sft-model-path "$out/sft" --dataset-name "$out/rl.jsonl" --reward-fn numeric_match --max-prompt-length 96
-    --response-length 24 --seed "$seed")
+    --response-length "$response_length" --seed "$seed")
 timed grpo python grpo.py "${rl[@]}" --exp-name "arith_grpo" --output-dir "$out/grpo"
 timed rlhf_ppo python rlhf_ppo.py "${rl[@]}" --kl-coef 0.05 --missing-eos-penalty -1 --exp-name "arith_rlhf_ppo" \
     --output-dir "$out/rlhf_ppo"

@@ -7,6 +7,8 @@ import pytest
 from torch.utils.tensorboard import SummaryWriter
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import make_arithmetic  # noqa: E402
+import make_heldout  # noqa: E402
 import plot_curves  # noqa: E402
 import plot_ppo_kl_beta  # noqa: E402
 import rollout_speed  # noqa: E402
@@ -111,3 +113,29 @@ def test_side_by_side_pairs_alternate_and_report_every_ratio(tmp_path, capsys):
     assert order.read_text() == "ABBAAB"
     table = capsys.readouterr().out
     assert "| 10.0, 20.0, 10.0 | 15.0, 20.0, 40.0 | 1.50, 1.00, 4.00 | **1.50×** | 1.00–4.00 |" in table
+
+
+def test_the_held_out_task_is_another_task_whose_answers_are_right():
+    """make_heldout.py's problems: every answer's work and its `####` number are right, the gold reward
+    (numeric_match) gives the answer itself 1, a quarter take two steps, and they share no question with the
+    arithmetic task (another operation, other sentences); its answers run longer (arithmetic.sh samples 40 tokens)."""
+    import random
+
+    import grpo
+
+    rng = random.Random(1)
+    rows = [make_heldout.problem(rng) for _ in range(400)]
+    two_steps = 0
+    for row in rows:
+        work, number = row["answer"].split("\n#### ")
+        steps = [step.split(" = ") for step in work.split(", ")]
+        for expression, result in steps:
+            a, b = (int(x) for x in expression.split(" - "))
+            assert a - b == int(result) and int(result) > 0, row
+        assert int(steps[-1][1]) == int(number)
+        assert grpo.numeric_match([row["question"]], [" " + row["answer"]], [row["answer"]]) == [1.0]
+        two_steps += len(steps) == 2
+    assert 0.15 < two_steps / len(rows) < 0.35
+    arithmetic = {make_arithmetic.problem(random.Random(i), 50)["question"] for i in range(400)}
+    assert not arithmetic & {row["question"] for row in rows}
+    assert max(len(" " + row["answer"]) for row in rows) + 1 <= 40
