@@ -756,10 +756,10 @@ def setup_distributed(cuda):
     """(rank, world_size, device). Under torchrun, which sets RANK, WORLD_SIZE and LOCAL_RANK, join the
     process group: NCCL with one GPU per process, or gloo on the CPU. Ranks other than 0 print nothing (an
     error that stops the run is one line from the first rank of each node). On CUDA: float32 matrix products in TF32,
-and PyTorch's expandable segments unless PYTORCH_CUDA_ALLOC_CONF says otherwise."""
+    and PyTorch's expandable segments unless PYTORCH_CUDA_ALLOC_CONF says otherwise."""
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # less fragmentation as shapes vary
     if torch.cuda.is_available() and cuda:
-        torch.backends.cuda.matmul.fp32_precision = "tf32"  # float32 products in TF32 (Ampere and later), as TRL's
+        torch.backends.cuda.matmul.fp32_precision = "tf32"  # float32 products in TF32 (Ampere and later)
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() and cuda else "cpu")
     if torch.cuda.is_available() and cuda:

@@ -67,20 +67,27 @@ def main():
     def ids(batch, length):
         return torch.randint(0, args.vocab, (batch, length), device=device)
 
+    def sft_loss(input_ids, labels, num_items=None):
+        """sft.py's loss as its version computes it: from the LM head in chunks (head_logprobs, since it exists),
+        or from the whole logits before."""
+        if hasattr(sft, "head_logprobs"):
+            logprobs = sft.head_logprobs(model, sft.next_tokens(labels), input_ids=input_ids)
+            return sft.sft_loss(logprobs, labels, num_items)
+        return sft.sft_loss(model(input_ids=input_ids).logits, labels, num_items)
+
     def sft_train():
         input_ids = ids(args.micro, args.length)
         labels = input_ids.clone()
         labels[:, : args.length // 2] = -100  # the prompt half carries no loss
         with amp():
-            logits = model(input_ids=input_ids).logits
-        sft.sft_loss(logits, labels).backward()
+            loss = sft_loss(input_ids, labels)
+        loss.backward()
 
     @torch.no_grad()
     def sft_eval():
         input_ids = ids(args.eval_batch, args.length)
         with amp():
-            logits = model(input_ids=input_ids).logits
-            sft.sft_loss(logits, input_ids, num_items=1).item()
+            sft_loss(input_ids, input_ids, num_items=1).item()
 
     def ppo_update():
         sequences = ids(args.micro, args.length)
