@@ -15,7 +15,9 @@ normalization over the whole batch (--advantage reinforce_pp, reinforce_pp_basel
 scaling (--no-scale-rewards, Dr. GRPO), the loss over all tokens (--loss-type dapo) or over a constant
 (--loss-type dr_grpo), a higher upper clip (--epsilon-high, DAPO), one ratio and one clip per completion
 (--importance-sampling-level sequence, GSPO), a clipped importance weight that keeps every token's gradient
-(--loss-type cispo, CISPO), no loss on completions cut at the length limit (--mask-truncated-completions, DAPO).
+(--loss-type cispo, CISPO), no loss on completions cut at the length limit (--mask-truncated-completions, DAPO),
+a reward penalty that grows near that limit (--soft-overlong-cache, DAPO), and groups of equal rewards replaced by
+newly sampled ones (--dynamic-sampling, DAPO).
 
     python sft.py && python grpo.py                      # built-in task: the gold score is the reward
     python grpo.py --reward-model-path models/reward_model   # the reward model of reward_model.py instead
@@ -158,6 +160,18 @@ class Args:
     mask_truncated_completions: bool = False
     """DAPO's overlong filtering: a completion cut at --response-length (no stop token) gets no loss and no KL
     penalty; its reward, --missing-eos-penalty, still enters its group's baseline (TRL: mask_truncated_completions)"""
+    soft_overlong_cache: int = 0
+    """DAPO's soft overlong punishment, L_cache tokens: a completion that stops within the last L_cache of the
+    --response-length tokens gets a reward penalty growing linearly to −1 at the limit (soft_overlong_punishment);
+    one cut at the limit keeps --missing-eos-penalty. 0: off (TRL: get_soft_overlong_punishment)"""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: drop each group whose G rewards are all equal (its advantages are 0, it teaches
+    nothing) and sample more prompts until every rank has a full batch of groups that differ (verl: filter_groups,
+    OpenRLHF: dynamic_filtering). The objective/ logs describe the batch trained on; objective/prompts_sampled and
+    objective/zero_std_fraction_sampled, what was sampled"""
+    max_sampling_rounds: int = 4
+    """with --dynamic-sampling, the most batches of prompts sampled in one iteration (the sampling cost of 1 to
+    this many batches); when reached, the batch is filled with groups of equal rewards, and a line says so once"""
     max_grad_norm: float = 1.0
     """clip the global gradient norm to this"""
     eval_every: int = 20
@@ -238,6 +252,27 @@ def reinforce_pp_advantages(rewards, num_generations, group_baseline, eps=1e-8):
     if dist.is_initialized():
         dist.all_reduce(square_sum)
     return (x - mean) * torch.rsqrt(square_sum / sums[1] + eps)
+
+
+def informative_groups(rewards, num_generations):
+    """DAPO's dynamic sampling filter (Yu et al. 2025, eq. 11, the constraint 0 < |{o_i | is_equivalent(a, o_i)}| < G):
+    True for each group whose G rewards are not all equal. A group of equal rewards (every answer right, or every
+    one wrong) has Â_i = 0 under grpo's and rloo's advantages and reinforce_pp_baseline's: it gives no gradient but
+    still counts in the batch's normalizers and KL penalty, so the batch learns from fewer prompts."""
+    groups = rewards.view(-1, num_generations)
+    return groups.amax(1) > groups.amin(1)
+
+
+def soft_overlong_punishment(lengths, max_length, cache):
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), added to the reward of a completion of |o| tokens,
+    with L_max = `max_length` (--response-length) and L_cache = `cache`:
+
+        R_length(o) = 0                                   |o| ≤ L_max − L_cache
+                      ((L_max − L_cache) − |o|) / L_cache   L_max − L_cache < |o| ≤ L_max
+                      −1                                  L_max < |o|
+
+    so that length is discouraged before the limit cuts a completion (which then gets --missing-eos-penalty)."""
+    return ((max_length - cache - lengths) / cache).clamp(-1.0, 0.0)
 
 
 def kl_estimators(logprobs, ref_logprobs, mask):
@@ -408,6 +443,11 @@ def check_args(args):
             sys.exit(f"error: {flag} {value!r}: choose one of {', '.join(choices)}")
     if not args.scale_rewards and args.advantage != "grpo":
         sys.exit(f"error: --no-scale-rewards changes --advantage grpo only; --advantage {args.advantage} has its own scale")
+    if args.max_sampling_rounds < 1:
+        sys.exit(f"error: --max-sampling-rounds {args.max_sampling_rounds}: at least 1 (the batch itself)")
+    if not 0 <= args.soft_overlong_cache < args.response_length:
+        sys.exit(f"error: --soft-overlong-cache {args.soft_overlong_cache}: the last tokens before --response-length "
+                 f"{args.response_length} where the penalty grows, from 0 (off) to {args.response_length - 1}")
     if args.loss_type == "cispo" and args.importance_sampling_level == "sequence":
         sys.exit("error: --loss-type cispo weighs each token by its own ratio: use --importance-sampling-level token")
     if G < 2:
@@ -523,8 +563,8 @@ def main(args: Args):
 
     def rewards_of(rows, sequences, attention_mask, context_length, response_mask):
         """The reward of each completion, r = Σ_k w_k r_k over the reward functions and the reward model's score
-        (combine_rewards), or --missing-eos-penalty for a completion with no stop token: an unfinished answer is
-        not scored. Returns (rewards, the [B, K] table of the terms, completions as text, has_stop)."""
+        (combine_rewards) plus any soft overlong punishment, or --missing-eos-penalty for a completion with no stop
+        token: an unfinished answer is not scored. Returns (rewards, the [B, K] table of the terms, completions as text, has_stop)."""
         prompts = [row["prompt"] for row in rows]
         # the text up to the stop token: the stop token and the padding after it are special tokens
         completions = tokenizer.batch_decode(sequences[:, context_length:], skip_special_tokens=True)
@@ -539,6 +579,9 @@ def main(args: Args):
         responses = sequences[:, context_length:]
         has_stop = (torch.isin(responses, torch.tensor(stop_ids, device=device)) & response_mask.bool()).any(1)
         rewards = combine_rewards(table, weights)
+        if args.soft_overlong_cache:  # a completion that stops near the limit loses up to 1
+            rewards = rewards + soft_overlong_punishment(response_mask.sum(1), args.response_length,
+                                                         args.soft_overlong_cache)
         rewards = torch.where(has_stop, rewards, torch.full_like(rewards, args.missing_eos_penalty))
         return rewards, table, completions, has_stop
 
@@ -597,6 +640,7 @@ def main(args: Args):
         policy.train()
 
     rng, first_iteration, elapsed = random.Random(args.seed), 1, 0.0  # rng: the prompts drawn
+    cap_reported = False  # --dynamic-sampling: the line when --max-sampling-rounds is reached, once
     if checkpoint is None:
         evaluate(0)  # the SFT model, before any update
     else:  # the weights, AdamW, every random stream, and where the loop was
@@ -610,15 +654,36 @@ def main(args: Args):
         optimizer.param_groups[0]["lr"] = lr
         # ---- rollout: G completions per prompt, their rewards, advantages within each group ----------
         policy.eval()
-        chosen = rng.sample(range(len(train_ids)), args.batch_size // G)[rank * prompts_per_rank : (rank + 1) * prompts_per_rank]
-        prompt_ids = [train_ids[i] for i in chosen for _ in range(G)]  # each prompt G times, in adjacent rows
-        rows = [train_rows[i] for i in chosen for _ in range(G)]
+        rounds = []  # (sample, rows, rewards, table, has_stop) of each batch of prompts sampled
         with torch.no_grad(), amp():
-            sequences, attention_mask, context_length, mask = sample_in_chunks(
-                raw_policy, prompt_ids, tokenizer.pad_token_id, stop_ids, args.response_length, args.temperature,
-                args.generation_batch_size)
-            mask = mask.float()
-            rewards, table, _, has_stop = rewards_of(rows, sequences, attention_mask, context_length, mask)
+            while True:  # one batch of prompts; with --dynamic-sampling more, until every rank's groups differ
+                chosen = rng.sample(range(len(train_ids)), args.batch_size // G)[rank * prompts_per_rank : (rank + 1) * prompts_per_rank]
+                prompt_ids = [train_ids[i] for i in chosen for _ in range(G)]  # each prompt G times, in adjacent rows
+                rows = [train_rows[i] for i in chosen for _ in range(G)]
+                sampled = sample_in_chunks(raw_policy, prompt_ids, tokenizer.pad_token_id, stop_ids, args.response_length,
+                                           args.temperature, args.generation_batch_size)
+                rounds.append((sampled, rows, *rewards_of(rows, *sampled[:3], sampled[3].float())))
+                informative = torch.cat([informative_groups(r[2], G) for r in rounds])  # of every group sampled
+                if not args.dynamic_sampling:
+                    break
+                # every rank samples as many rounds as the rank that is shortest of groups that differ
+                short = all_reduce_sum({"short": max(0, prompts_per_rank - int(informative.sum()))}, device)["short"]
+                if short == 0 or len(rounds) == args.max_sampling_rounds:
+                    break
+            groups = torch.arange(prompts_per_rank, device=device)
+            if args.dynamic_sampling:  # groups that differ first, in the order sampled; equal ones only to fill up
+                if short and not cap_reported:
+                    print(f"dynamic sampling: after --max-sampling-rounds {args.max_sampling_rounds} batches of prompts "
+                          f"the ranks were {int(short)} group(s) short of groups that differ; the batch is filled with "
+                          "groups of equal rewards (objective/zero_std_fraction > 0) whenever this happens")
+                    cap_reported = True
+                groups = torch.argsort((~informative).int(), stable=True)[:prompts_per_rank]
+            idx = (groups[:, None] * G + torch.arange(G, device=device)).flatten()  # their completions' rows
+            sequences, attention_mask, context_length, mask = join_samples([r[0] for r in rounds], tokenizer.pad_token_id)
+            rows = [row for r in rounds for row in r[1]]
+            rows = [rows[i] for i in idx.tolist()]
+            sequences, attention_mask, mask = sequences[idx], attention_mask[idx], mask[idx].float()
+            rewards, table, has_stop = (torch.cat([r[k] for r in rounds])[idx] for k in (2, 3, 5))
             if args.advantage == "rloo":
                 advantages = rloo_advantages(rewards, G)
             elif args.advantage.startswith("reinforce_pp"):  # over the whole batch, all ranks together
@@ -680,7 +745,8 @@ def main(args: Args):
         # ---- log: statistics of the whole batch, sums added up over the ranks --------------------------
         groups = rewards.view(-1, G)
         sums = all_reduce_sum({"reward": rewards.sum(), "reward_std": groups.std(1).sum(),
-                               "zero_std": (groups.std(1) == 0).sum(), "tokens": mask.sum(), "k1": k1.sum(),
+                               "zero_std": (groups.std(1) == 0).sum(), "zero_std_sampled": (~informative).sum(),
+                               "prompts_sampled": len(informative), "tokens": mask.sum(), "k1": k1.sum(),
                                "k3": k3.sum(), "entropy": (entropy * mask).sum(), "stops": has_stop.sum(), **stats,
                                **term_sums(table, "rewards/")}, device)
         if dist.is_initialized():
@@ -690,6 +756,8 @@ def main(args: Args):
         logs = {
             "objective/reward": sums["reward"] / B, "objective/reward_std": sums["reward_std"] / num_groups,
             "objective/zero_std_fraction": sums["zero_std"] / num_groups, "objective/completion_length": sums["tokens"] / B,
+            "objective/zero_std_fraction_sampled": sums["zero_std_sampled"] / sums["prompts_sampled"],
+            "objective/prompts_sampled": sums["prompts_sampled"],
             "objective/kl": sums["k1"] / B, "objective/kl_k3": sums["k3"] / B, "objective/entropy": sums["entropy"] / B,
             "objective/stop_fraction": sums["stops"] / B,
             "losses/policy_loss": sums["policy_loss"] / num_minibatches,
@@ -1492,15 +1560,19 @@ def check_kv_cache(model, rows, length, device, bf16):
 
 
 def sample_in_chunks(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature, size):
-    """`sample` in chunks of `size` prompts (the KV cache grows with it), the chunks left-padded to the longest
-    prompt and right-padded to the longest response."""
-    chunks = [sample(model, prompt_ids[i : i + size], pad_token_id, stop_ids, max_new_tokens, temperature)
-              for i in range(0, len(prompt_ids), size)]
-    width, length = max(c[2] for c in chunks), max(c[3].shape[1] for c in chunks)
+    """`sample` in chunks of `size` prompts (the KV cache grows with it), joined as one sample."""
+    return join_samples([sample(model, prompt_ids[i : i + size], pad_token_id, stop_ids, max_new_tokens, temperature)
+                         for i in range(0, len(prompt_ids), size)], pad_token_id)
+
+
+def join_samples(samples, pad_token_id):
+    """Outputs of `sample`, (sequences, attention_mask, context_length, response_mask), as one: the rows of all,
+    the prompts left-padded to the longest and the responses right-padded to the longest."""
+    width, length = max(s[2] for s in samples), max(s[3].shape[1] for s in samples)
     pad = lambda t, left, value: F.pad(t, (left, width + length - left - t.shape[1]), value=value)  # noqa: E731
-    return (torch.cat([pad(c[0], width - c[2], pad_token_id) for c in chunks]),
-            torch.cat([pad(c[1], width - c[2], 0) for c in chunks]), width,
-            torch.cat([F.pad(c[3], (0, length - c[3].shape[1])) for c in chunks]))
+    return (torch.cat([pad(s[0], width - s[2], pad_token_id) for s in samples]),
+            torch.cat([pad(s[1], width - s[2], 0) for s in samples]), width,
+            torch.cat([F.pad(s[3], (0, length - s[3].shape[1])) for s in samples]))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1406,15 +1406,19 @@ def check_kv_cache(model, rows, length, device, bf16):
 
 
 def sample_in_chunks(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature, size):
-    """`sample` in chunks of `size` prompts (the KV cache grows with it), the chunks left-padded to the longest
-    prompt and right-padded to the longest response."""
-    chunks = [sample(model, prompt_ids[i : i + size], pad_token_id, stop_ids, max_new_tokens, temperature)
-              for i in range(0, len(prompt_ids), size)]
-    width, length = max(c[2] for c in chunks), max(c[3].shape[1] for c in chunks)
+    """`sample` in chunks of `size` prompts (the KV cache grows with it), joined as one sample."""
+    return join_samples([sample(model, prompt_ids[i : i + size], pad_token_id, stop_ids, max_new_tokens, temperature)
+                         for i in range(0, len(prompt_ids), size)], pad_token_id)
+
+
+def join_samples(samples, pad_token_id):
+    """Outputs of `sample`, (sequences, attention_mask, context_length, response_mask), as one: the rows of all,
+    the prompts left-padded to the longest and the responses right-padded to the longest."""
+    width, length = max(s[2] for s in samples), max(s[3].shape[1] for s in samples)
     pad = lambda t, left, value: F.pad(t, (left, width + length - left - t.shape[1]), value=value)  # noqa: E731
-    return (torch.cat([pad(c[0], width - c[2], pad_token_id) for c in chunks]),
-            torch.cat([pad(c[1], width - c[2], 0) for c in chunks]), width,
-            torch.cat([F.pad(c[3], (0, length - c[3].shape[1])) for c in chunks]))
+    return (torch.cat([pad(s[0], width - s[2], pad_token_id) for s in samples]),
+            torch.cat([pad(s[1], width - s[2], 0) for s in samples]), width,
+            torch.cat([F.pad(s[3], (0, length - s[3].shape[1])) for s in samples]))
 
 
 # ---------------------------------------------------------------------------------------------

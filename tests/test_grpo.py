@@ -120,6 +120,17 @@ def test_reinforce_pp_normalizes_over_every_rank(tmp_path):
     assert (together[:4] - grpo.reinforce_pp_advantages(rewards[:4], 2, True)).abs().max() > 0.1
 
 
+def test_informative_groups_and_soft_overlong_punishment():
+    """DAPO: a group is kept when its rewards are not all equal (eq. 11); the soft overlong punishment (eq. 13) with
+    L_max = 20, L_cache = 4 is 0 up to 16 tokens, then (16 − |o|) / 4, and −1 at and past the limit."""
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, -1.0, -1.0, -1.0, 0.5, 0.5, 0.5001])
+    assert grpo.informative_groups(rewards, 3).tolist() == [False, True, False, True]
+    assert grpo.informative_groups(rewards, 6).tolist() == [True, True]
+    lengths = torch.tensor([3.0, 16.0, 17.0, 19.0, 20.0, 21.0])
+    assert grpo.soft_overlong_punishment(lengths, 20, 4).tolist() == [0.0, 0.0, -0.25, -0.75, -1.0, -1.0]
+    assert grpo.soft_overlong_punishment(lengths, 20, 1).tolist() == [0.0, 0.0, 0.0, 0.0, -1.0, -1.0]
+
+
 def test_kl_k3():
     # log π = log 0.5, log π_ref = log 0.25: log r = log 0.5; k3 = r − 1 − log r = 0.5 − 1 + 0.693147 = 0.193147
     _, k3 = grpo.kl_estimators(torch.tensor([[math.log(0.5)]]), torch.tensor([[math.log(0.25)]]), torch.ones(1, 1))
@@ -218,6 +229,8 @@ def test_a_completion_without_a_stop_token_gets_the_penalty_not_its_gold_score(t
     (["--importance-sampling-level", "group"], ["--importance-sampling-level 'group'", "token, sequence"]),
     (["--advantage", "reinforce_pp", "--no-scale-rewards"], ["--no-scale-rewards", "--advantage reinforce_pp"]),
     (["--reward-model-path", "models/nope"], ["models/nope", "python reward_model.py"]),
+    (["--dynamic-sampling", "--max-sampling-rounds", "0"], ["--max-sampling-rounds 0", "at least 1"]),
+    (["--soft-overlong-cache", "12"], ["--soft-overlong-cache 12", "--response-length 12", "to 11"]),
 ])
 def test_bad_input_is_one_line(tiny_checkpoints, tmp_path, flags, words):
     models = tiny_checkpoints["cwd"] / "models"
@@ -378,12 +391,14 @@ def test_one_step_raises_the_clipped_surrogate_on_the_sampled_completions(small_
     (("--no-scale-rewards", "--loss-type", "dr_grpo", "--importance-sampling-level", "sequence",
       "--epsilon-high", "0.28"), "dr_grpo"),
     (("--advantage", "reinforce_pp_baseline", "--mask-truncated-completions"), "reinforce_pp_baseline"),
+    (("--soft-overlong-cache", "5"), "grpo"),
 ])
 def test_the_variant_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypatch, flags, advantage):
     """The advantages the loss receives are, by hand from the gold scores of the recorded completions, GRPO's
     (r − mean) / (std + 1e-4), RLOO's r − mean of the other three, Dr. GRPO's r − mean, or REINFORCE++'s r − mean
     over the batch's root mean square (the centered rewards' batch mean is 0); --mask-truncated-completions
-    removes the completions with no stop token from the loss; --loss-type,
+    removes the completions with no stop token from the loss; --soft-overlong-cache adds DAPO's length penalty to
+    the rewards; --loss-type,
     --epsilon-high and --importance-sampling-level reach the loss's normalization, its clip, the ratio, and CISPO's
     loss in place of the clipped surrogate."""
     from transformers import AutoTokenizer
@@ -414,7 +429,13 @@ def test_the_variant_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypat
                    "--num-generations", "4", "--mini-batch-size", "16", "--ppo-epochs", "1", "--beta", "0",
                    "--eval-size", "8", "--output-dir", "out", *flags, cwd=tmp_path)
     sequences, _, width, mask = rollout()
-    r = gold_rewards(AutoTokenizer.from_pretrained(small_checkpoints["sft"]), sequences, width, mask).view(4, 4)
+    r = gold_rewards(AutoTokenizer.from_pretrained(small_checkpoints["sft"]), sequences, width, mask)
+    if "--soft-overlong-cache" in flags:  # DAPO's penalty by hand, L_max 12, L_cache 5: (7 − |o|) / 5 past 7 tokens
+        lengths, stopped = mask.sum(1).float(), r != -1
+        penalty = torch.where(stopped & (lengths > 7), (7 - lengths) / 5, torch.zeros_like(r))
+        assert (penalty < 0).any(), lengths
+        r = r + penalty
+    r = r.view(4, 4)
     centered = r - r.mean(1, keepdim=True)
     expected = {"grpo": centered / (r.std(1, keepdim=True) + 1e-4), "rloo": r - (r.sum(1, keepdim=True) - r) / 3,
                 "dr_grpo": centered, "reinforce_pp_baseline": centered / centered.pow(2).mean().sqrt()}[advantage]
@@ -457,3 +478,82 @@ def test_it_raises_the_reward_in_20_iterations(small_checkpoints, tmp_path):
                    "--eval-every", "20", "--eval-size", "16", "--output-dir", "out", cwd=tmp_path)
     reward = [v for _, v in read_scalars(only_run_dir(tmp_path))["objective/reward"]]
     assert len(reward) == 20 and sum(reward[-5:]) / 5 > sum(reward[:5]) / 5 + 0.02, reward
+
+
+# ------------------------------------------------------------------------ DAPO's dynamic sampling
+HALF_CONSTANT = """import re
+
+def half_constant(prompts, completions, **columns):
+    # a prompt whose digits add up to an even number: 1.0 for every completion (a group of equal rewards);
+    # otherwise the parity of the completion's length, which differs within most groups
+    return [1.0 if sum(map(int, re.findall(r"[0-9]", p))) % 2 == 0 else float(len(c) % 2)
+            for p, c in zip(prompts, completions)]
+"""
+
+
+def half_constant_rewards(tokenizer, sequences, width, mask):
+    """HALF_CONSTANT's reward of each recorded completion, or −1 without a stop token (--missing-eos-penalty)."""
+    prompts = tokenizer.batch_decode(sequences[:, :width], skip_special_tokens=True)
+    completions = tokenizer.batch_decode(sequences[:, width:], skip_special_tokens=True)
+    stopped = ((sequences[:, width:] == tokenizer.eos_token_id) & mask.bool()).any(1)
+    return torch.tensor([(1.0 if sum(int(ch) for ch in p if ch.isdigit()) % 2 == 0 else float(len(c) % 2)) if stop
+                         else -1.0 for p, c, stop in zip(prompts, completions, stopped)])
+
+
+def test_dynamic_sampling_trains_on_the_groups_that_differ(small_checkpoints, tmp_path, monkeypatch):
+    """--dynamic-sampling: batches of 4 prompts are sampled until 4 groups whose rewards differ are found; the loss
+    receives exactly those groups' GRPO advantages, in the order sampled, computed here by hand from each recorded
+    batch's rewards; the groups of equal rewards are dropped (a filter that keeps them fails: their advantages are
+    0); the logs count the prompts sampled and the zero-std fraction before and after."""
+    from transformers import AutoTokenizer
+
+    (tmp_path / "half.py").write_text(HALF_CONSTANT)
+    calls, real_sample, seen = [], grpo.sample_in_chunks, []
+
+    def recording(*args, **kwargs):
+        calls.append(real_sample(*args, **kwargs))
+        return calls[-1]
+
+    real_surrogate = grpo.clipped_surrogate
+
+    def surrogate_spy(ratio, advantages, epsilon_low, epsilon_high):
+        seen.append(advantages.detach().clone())
+        return real_surrogate(ratio, advantages, epsilon_low, epsilon_high)
+
+    monkeypatch.setattr(grpo, "sample_in_chunks", recording)
+    monkeypatch.setattr(grpo, "clipped_surrogate", surrogate_spy)
+    run_in_process("grpo.py", "--sft-model-path", str(small_checkpoints["sft"]), "--reward-fn",
+                   str(tmp_path / "half.py") + ":half_constant", "--num-iterations", "1", "--batch-size", "16",
+                   "--num-generations", "4", "--mini-batch-size", "16", "--ppo-epochs", "1", "--beta", "0",
+                   "--eval-size", "8", "--dynamic-sampling", "--max-sampling-rounds", "6", "--output-dir", "out",
+                   cwd=tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(small_checkpoints["sft"])
+    batches = [call for call in calls if len(call[0]) == 16]  # the training batches (the evaluations sample 8)
+    groups = torch.cat([half_constant_rewards(tokenizer, s, w, m) for s, _, w, m in batches]).view(-1, 4)
+    differ = groups.amax(1) > groups.amin(1)
+    # as many batches as it took to find 4 groups that differ, and one or more groups of equal rewards dropped
+    assert int(differ[:-4].sum()) < 4 <= int(differ.sum()) and len(batches) <= 6
+    assert len(batches) > 1 and (~differ).any(), differ
+    kept = groups[differ][:4]
+    expected = (kept - kept.mean(1, keepdim=True)) / (kept.std(1, keepdim=True) + 1e-4)
+    (received,) = seen
+    torch.testing.assert_close(received, expected.flatten(), rtol=1e-5, atol=1e-5)
+    logs = read_run(tmp_path, "grpo")
+    assert logs["objective/prompts_sampled"] == [(1, 4.0 * len(batches))]
+    assert logs["objective/zero_std_fraction_sampled"][0][1] == pytest.approx(float((~differ).float().mean()))
+    assert logs["objective/zero_std_fraction"] == [(1, 0.0)]
+
+
+def test_dynamic_sampling_fills_the_batch_when_the_cap_is_reached(tiny_checkpoints, tmp_path):
+    """Every group's rewards equal: --max-sampling-rounds 2 batches of prompts per iteration, then the batch is
+    filled with groups of equal rewards, and one line says so, once for the whole run."""
+    (tmp_path / "same.py").write_text("def same(prompts, completions, **columns):\n    return [0.5] * len(completions)\n")
+    proc = run_script("grpo.py", "--sft-model-path", str(tiny_checkpoints["cwd"] / "models" / "sft"), "--reward-fn",
+                      "same.py:same", "--missing-eos-penalty", "0.5", "--num-iterations", "2", "--batch-size", "8",
+                      "--num-generations", "4", "--mini-batch-size", "8", "--eval-size", "4", "--dynamic-sampling",
+                      "--max-sampling-rounds", "2", cwd=tmp_path)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("dynamic sampling:")]
+    assert len(lines) == 1 and "--max-sampling-rounds 2" in lines[0], proc.stdout
+    logs = read_run(tmp_path, "grpo")
+    assert logs["objective/prompts_sampled"] == [(1, 4.0), (2, 4.0)]
+    assert [v for _, v in logs["objective/zero_std_fraction"]] == [1.0, 1.0]

@@ -97,6 +97,34 @@ def test_exact_resume_two_ranks(tiny_checkpoints, tmp_path, script, fsdp):
     check_exact_resume(script, flags + ["--fsdp"] * fsdp, n, tmp_path, run=torchrun)
 
 
+BY_RANK = """import os, re
+
+def by_rank(prompts, completions, **columns):
+    # rank 0: the parity of each completion's length; rank 1 the same, but 1.0 for every completion of a prompt
+    # whose digits add up to an even number: groups of equal rewards, which --dynamic-sampling replaces
+    if os.environ["RANK"] == "1":
+        return [1.0 if sum(map(int, re.findall(r"[0-9]", p))) % 2 == 0 else float(len(c) % 2)
+                for p, c in zip(prompts, completions)]
+    return [float(len(c) % 2) for c in completions]
+"""
+
+
+def test_dynamic_sampling_two_ranks_agree_and_resume_exactly(small_checkpoints, tmp_path):
+    """grpo.py --dynamic-sampling under torchrun, 2 gloo ranks whose groups of equal rewards differ in number: every
+    rank samples as many extra batches of prompts as the rank that needs most (else a collective would hang), and
+    the extra prompts drawn are part of the state a checkpoint restores (exact resume)."""
+    (tmp_path / "by_rank.py").write_text(BY_RANK)
+    flags, n = lm_flags("grpo.py", small_checkpoints["sft"].parent)  # an SFT model whose completions stop
+    flags += ["--reward-fn", str(tmp_path / "by_rank.py") + ":by_rank", "--dynamic-sampling"]
+    check_exact_resume("grpo.py", flags, n, tmp_path, run=torchrun)
+    logs = read_scalars(only_run_dir(tmp_path / "saver"))
+    sampled, zero_std = ([v for _, v in logs[tag]] for tag in ("objective/prompts_sampled", "objective/zero_std_fraction"))
+    print(sampled, zero_std, [v for _, v in logs["objective/zero_std_fraction_sampled"]])
+    assert any(4 < k < 16 for k in sampled), sampled  # extra batches, without reaching --max-sampling-rounds 4
+    # with fewer than --max-sampling-rounds batches, no group of equal rewards is left in the batch
+    assert [z for k, z in zip(sampled, zero_std) if k < 16] == [0.0] * sum(k < 16 for k in sampled), (sampled, zero_std)
+
+
 def test_writing_checkpoints_changes_nothing(tiny_checkpoints, tmp_path):
     """sft.py with a checkpoint every 3 steps logs and saves what it does without any."""
     flags, _ = lm_flags("sft.py", tiny_checkpoints["cwd"] / "models")
