@@ -1,17 +1,67 @@
 #!/usr/bin/env bash
-# grpo.py on the built-in task from models/sft (run sft.py and reward_model.py first): the default and the
-# variants of the README, each timed, then the README tables. Run it on an otherwise idle machine.
-#   bash benchmarks/grpo_variants.sh
+# grpo.py's variants side by side: each one flag (or one paper's set of flags), everything else at the defaults,
+# every run from the same SFT model. Tasks:
+#   builtin     the sort task, gold reward, from models/sft (`python sft.py` first)
+#   arithmetic  benchmarks/arithmetic/seed1 (`ONLY_SFT=1 bash benchmarks/arithmetic.sh` first), numeric_match
+#   heldout     benchmarks/heldout/seed1 (`TASK=heldout ONLY_SFT=1 bash benchmarks/arithmetic.sh` first)
+# TASKS, VARIANTS and SEEDS pick the runs (all variants, seed 1 by default), JOBS how many run at once (1), each on
+# one thread; EXTRA is added to every command (e.g. --no-cuda). Each run's log and TensorBoard run go to
+# $OUT/<task> (default benchmarks/variants), its wall time to $OUT/<task>/times.txt; then
+#   python benchmarks/summarize_variants.py benchmarks/variants/arithmetic
+# e.g. TASKS="builtin" SEEDS="1 2 3" JOBS=2 bash benchmarks/grpo_variants.sh
 set -euo pipefail
-cd "$(dirname "$0")/.."
-for cmd in "grpo.py" \
-           "grpo.py --reward-model-path models/reward_model --exp-name grpo_rm --output-dir models/grpo_rm" \
-           "grpo.py --advantage rloo --exp-name rloo --output-dir models/rloo" \
-           "grpo.py --no-scale-rewards --exp-name grpo_noscale --output-dir models/grpo_noscale" \
-           "grpo.py --loss-type dapo --exp-name grpo_dapo --output-dir models/grpo_dapo" \
-           "grpo.py --loss-type dr_grpo --no-scale-rewards --exp-name dr_grpo --output-dir models/dr_grpo"; do
+root=$(cd "$(dirname "$0")/.." && pwd)
+out=$(mkdir -p "${OUT:-$root/benchmarks/variants}" && cd "${OUT:-$root/benchmarks/variants}" && pwd)
+ALL="grpo dapo_loss dr_grpo rloo reinforce_pp reinforce_pp_baseline clip_higher gspo cispo mask_truncated
+     soft_overlong dynamic_sampling dapo trl_defaults"
+
+flags_of() {  # VARIANT RESPONSE_LENGTH: its flags; L_cache a fifth of the response length (DAPO: 4,096 of 20,480)
+  local cache=$(( $2 / 5 ))
+  case $1 in
+    grpo) ;;                                                          # the defaults
+    dapo_loss) echo "--loss-type dapo" ;;                             # every token weighs the same
+    dr_grpo) echo "--loss-type dr_grpo --no-scale-rewards" ;;         # Dr. GRPO
+    rloo) echo "--advantage rloo" ;;
+    reinforce_pp) echo "--advantage reinforce_pp" ;;
+    reinforce_pp_baseline) echo "--advantage reinforce_pp_baseline" ;;
+    clip_higher) echo "--epsilon-high 0.28" ;;                        # DAPO's clip-higher alone
+    gspo) echo "--importance-sampling-level sequence --epsilon 3e-4 --epsilon-high 4e-4" ;;  # the GSPO paper's ε
+    cispo) echo "--loss-type cispo --epsilon-high 5.0" ;;            # ScaleRL's ε_max
+    mask_truncated) echo "--mask-truncated-completions" ;;
+    soft_overlong) echo "--soft-overlong-cache $cache" ;;
+    dynamic_sampling) echo "--dynamic-sampling" ;;
+    dapo) echo "--loss-type dapo --epsilon-high 0.28 --dynamic-sampling --soft-overlong-cache $cache --beta 0" ;;
+    trl_defaults) echo "--loss-type dapo --beta 0" ;;                 # TRL's GRPOConfig defaults since 2025
+    *) echo "unknown variant $1" >&2; exit 1 ;;
+  esac
+}
+
+run_one() {  # TASK VARIANT SEED
+  local task=$1 variant=$2 seed=$3 start base
+  case $task in
+    builtin) base="--sft-model-path ${SFT_BUILTIN:-$root/models/sft}"; length=12 ;;
+    arithmetic|heldout)
+      local d=${DATA:-$root/benchmarks}/$task/seed1
+      length=24; [ "$task" = heldout ] && length=40
+      base="--sft-model-path $d/sft --dataset-name $d/rl.jsonl --reward-fn numeric_match --max-prompt-length 96
+            --response-length $length" ;;
+    *) echo "unknown task $task" >&2; exit 1 ;;
+  esac
+  mkdir -p "$out/$task"
+  cd "$out/$task"
   start=$(date +%s)
-  python $cmd > "benchmarks/$(echo "$cmd" | tr ' /' '__').log"
-  echo "python $cmd: $(( $(date +%s) - start )) s"
-done
-python benchmarks/summarize_grpo.py runs
+  if OMP_NUM_THREADS=1 python "$root/grpo.py" $base $(flags_of "$variant" $length) --seed "$seed" ${EXTRA:-} \
+       --exp-name "${variant}_s$seed" --output-dir "/tmp/grpo_variants/$task/${variant}_s$seed" \
+       > "${variant}_s$seed.log" 2>&1; then
+    echo "$variant $seed $(( $(date +%s) - start ))" >> times.txt
+  else
+    echo "$variant $seed failed" >> times.txt
+  fi
+  rm -rf "/tmp/grpo_variants/$task/${variant}_s$seed"
+}
+export -f run_one flags_of
+export root out
+
+for task in ${TASKS:-builtin}; do for variant in ${VARIANTS:-$ALL}; do for seed in ${SEEDS:-1}; do
+  echo "$task $variant $seed"
+done; done; done | xargs -P "${JOBS:-1}" -L 1 bash -c 'run_one "$@"' _

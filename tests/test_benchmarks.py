@@ -13,6 +13,7 @@ import plot_curves  # noqa: E402
 import plot_ppo_kl_beta  # noqa: E402
 import rollout_speed  # noqa: E402
 import summarize_ppo  # noqa: E402
+import summarize_variants  # noqa: E402
 
 
 def fake_rl_run(root, name, last_step, with_eval=True, total=1024):
@@ -139,3 +140,10 @@ def test_the_held_out_task_is_another_task_whose_answers_are_right():
     arithmetic = {make_arithmetic.problem(random.Random(i), 50)["question"] for i in range(400)}
     assert not arithmetic & {row["question"] for row in rows}
     assert max(len(" " + row["answer"]) for row in rows) + 1 <= 40
+
+
+def test_the_variants_table_intervals():
+    """One seed: the 95% binomial interval of one evaluation of 512 prompts, 1.96 √(p(1 − p)/512); three: the 95%
+    t-interval of the mean over seeds, t(2) = 4.303 × sd / √3 (sd with n − 1)."""
+    assert summarize_variants.interval([0.5], 512) == pytest.approx((0.5, 1.96 * (0.25 / 512) ** 0.5))
+    assert summarize_variants.interval([0.80, 0.82, 0.84], 512) == pytest.approx((0.82, 4.303 * 0.02 / 3 ** 0.5))
