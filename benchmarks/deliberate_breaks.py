@@ -19,6 +19,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # name: (script, the text replaced, what replaces it, the test file that must fail)
 BREAKS = {
+    "grpo_keeps_equal_groups": ("grpo.py", "groups = torch.argsort((~informative).int(), stable=True)[:prompts_per_rank]",
+                                "groups = groups", "tests/test_grpo.py"),
+    "grpo_overlong_sign": ("grpo.py", "((max_length - cache - lengths) / cache).clamp(-1.0, 0.0)",
+                           "((lengths - max_length + cache) / cache).clamp(-1.0, 0.0)", "tests/test_grpo.py"),
+    "grpo_overlong_not_applied": ("grpo.py", "        if args.soft_overlong_cache:  # a completion that stops near the limit",
+                                  "        if False:  # a completion that stops near the limit", "tests/test_grpo.py"),
+    "grpo_sampling_rounds_not_agreed": ("grpo.py", 'short = all_reduce_sum({"short": max(0, prompts_per_rank - int(informative.sum()))}, device)["short"]',
+                                        "short = max(0, prompts_per_rank - int(informative.sum()))", "tests/test_resume.py"),
     "sft_loss_sign": ("sft.py", "loss = sft_loss(logprobs, labels, num_items)", "loss = -sft_loss(logprobs, labels, num_items)",
                       "tests/test_sft.py"),
     "reward_model_swapped_pairs": ("reward_model.py", "loss = bradley_terry_loss(r_c, r_r, margin,",
