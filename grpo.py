@@ -22,6 +22,7 @@ newly sampled ones (--dynamic-sampling, DAPO).
     python sft.py && python grpo.py                      # built-in task: the gold score is the reward
     python grpo.py --reward-model-path models/reward_model   # the reward model of reward_model.py instead
     python grpo.py --advantage rloo                      # RLOO
+    python grpo.py --dynamic-sampling                    # the recommended start (docs/grpo_variants.md)
     python grpo.py --sft-model-path my-sft --dataset-name math.jsonl --reward-fn numeric_match --lr 1e-6 --bf16
 """
 import datetime
@@ -654,7 +655,7 @@ def main(args: Args):
         optimizer.param_groups[0]["lr"] = lr
         # ---- rollout: G completions per prompt, their rewards, advantages within each group ----------
         policy.eval()
-        rounds = []  # (sample, rows, rewards, table, has_stop) of each batch of prompts sampled
+        rounds = []  # (sample, rows, rewards, table, completions, has_stop) of each batch of prompts sampled
         with torch.no_grad(), amp():
             while True:  # one batch of prompts; with --dynamic-sampling more, until every rank's groups differ
                 chosen = rng.sample(range(len(train_ids)), args.batch_size // G)[rank * prompts_per_rank : (rank + 1) * prompts_per_rank]
