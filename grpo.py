@@ -565,7 +565,8 @@ def main(args: Args):
     def rewards_of(rows, sequences, attention_mask, context_length, response_mask):
         """The reward of each completion, r = Σ_k w_k r_k over the reward functions and the reward model's score
         (combine_rewards) plus any soft overlong punishment, or --missing-eos-penalty for a completion with no stop
-        token: an unfinished answer is not scored. Returns (rewards, the [B, K] table of the terms, completions as text, has_stop)."""
+        token: an unfinished answer is not scored. Returns (rewards, the [B, K] table of the terms, completions as
+        text, has_stop)."""
         prompts = [row["prompt"] for row in rows]
         # the text up to the stop token: the stop token and the padding after it are special tokens
         completions = tokenizer.batch_decode(sequences[:, context_length:], skip_special_tokens=True)
