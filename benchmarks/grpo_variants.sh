@@ -26,7 +26,7 @@ flags_of() {  # VARIANT RESPONSE_LENGTH: its flags; L_cache a fifth of the respo
     reinforce_pp_baseline) echo "--advantage reinforce_pp_baseline" ;;
     clip_higher) echo "--epsilon-high 0.28" ;;                        # DAPO's clip-higher alone
     gspo) echo "--importance-sampling-level sequence --epsilon 3e-4 --epsilon-high 4e-4" ;;  # the GSPO paper's ε
-    cispo) echo "--loss-type cispo --epsilon-high 5.0" ;;            # ScaleRL's ε_max
+    cispo) echo "--loss-type cispo --epsilon-high 5.0" ;;            # a wide cap on the weight, not tuned
     mask_truncated) echo "--mask-truncated-completions" ;;
     soft_overlong) echo "--soft-overlong-cache $cache" ;;
     dynamic_sampling) echo "--dynamic-sampling" ;;

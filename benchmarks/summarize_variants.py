@@ -73,8 +73,9 @@ def main(task_dir, csv=None):
         gain = sum(by_seed[s][1] - by_seed[s][0] for s in seeds) / len(seeds)
         kl = sum(by_seed[s][2] for s in seeds) / len(seeds)
         wall = sum(float(times[variant][s]) for s in seeds) / len(seeds)
+        kl_text = "—" if math.isnan(kl) else f"{kl:.2f}"  # none: β = 0 loads no reference
         print(f"| {variant} | {','.join(seeds)} | {100 * mean:.1f}% ± {100 * half:.1f} | "
-              f"{', '.join(f'{100 * v:.1f}' for v in final)} | {100 * gain:+.1f} | {kl:.2f} | {wall:.0f} s |")
+              f"{', '.join(f'{100 * v:.1f}' for v in final)} | {100 * gain:+.1f} | {kl_text} | {wall:.0f} s |")
     starts = {s: r[0] for by_seed in rows.values() for s, r in by_seed.items()}
     print("\nSFT model (the evaluation before the first update), by seed: "
           + ", ".join(f"{s}: {100 * v:.1f}%" for s, v in sorted(starts.items())))
