@@ -119,7 +119,6 @@ def test_dynamic_sampling_two_ranks_agree_and_resume_exactly(small_checkpoints, 
     check_exact_resume("grpo.py", flags, n, tmp_path, run=torchrun)
     logs = read_scalars(only_run_dir(tmp_path / "saver"))
     sampled, zero_std = ([v for _, v in logs[tag]] for tag in ("objective/prompts_sampled", "objective/zero_std_fraction"))
-    print(sampled, zero_std, [v for _, v in logs["objective/zero_std_fraction_sampled"]])
     assert any(4 < k < 16 for k in sampled), sampled  # extra batches, without reaching --max-sampling-rounds 4
     # with fewer than --max-sampling-rounds batches, no group of equal rewards is left in the batch
     assert [z for k, z in zip(sampled, zero_std) if k < 16] == [0.0] * sum(k < 16 for k in sampled), (sampled, zero_std)
