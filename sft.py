@@ -1325,6 +1325,10 @@ if __name__ == "__main__":
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun's stop must end the wait (Preemption)
             time.sleep(60)
             sys.exit(1)
+        if dist.is_initialized():  # a process group left to the exit can abort it ("terminate called ...")
+            e.__traceback__ = None  # which holds main's frame: its models go first, as below
+            gc.collect()
+            dist.destroy_process_group()
         raise
     if dist.is_initialized():
         # Only now, with main's models freed: a DDP model that outlives the process group tears gloo down
