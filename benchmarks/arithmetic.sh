@@ -4,7 +4,8 @@
 # Writes each run's log and wall time to $OUT (benchmarks/arithmetic); summarize with
 # `python benchmarks/summarize_arithmetic.py`. SEED=2 bash benchmarks/arithmetic.sh for another seed;
 # TASK=heldout for the held-out task of benchmarks/make_heldout.py (to $OUT, default benchmarks/heldout).
-# ONLY_SFT=1: the data and the SFT model alone (what benchmarks/grpo_variants.sh starts from).
+# ONLY_SFT=1: the data and the SFT model alone (what benchmarks/grpo_variants.sh starts from); SFT_STEPS: sft.py's
+# --max-steps (750).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seed=${SEED:-1}
@@ -35,8 +36,8 @@ timed() {  # name, command...: run it, its output to $out/<name>.log, its wall t
     echo "$name $(( $(date +%s) - start ))" >> "$out/times.txt"
 }
 rm -f "$out/times.txt"
-timed sft python sft.py --dataset-name "$out/sft.jsonl" --max-length 128 --max-steps 750 --eval-every 250 \
-    --seed "$seed" --exp-name "arith_sft" --output-dir "$out/sft"
+timed sft python sft.py --dataset-name "$out/sft.jsonl" --max-length 128 --max-steps "${SFT_STEPS:-750}" \
+    --eval-every 250 --seed "$seed" --exp-name "arith_sft" --output-dir "$out/sft"
 [ -z "${ONLY_SFT:-}" ] || exit 0
 rl=(--sft-model-path "$out/sft" --dataset-name "$out/rl.jsonl" --reward-fn numeric_match --max-prompt-length 96
     --response-length "$response_length" --seed "$seed")
