@@ -8,40 +8,28 @@ Terry 1952):
     loss = −log σ(r(x, y_chosen) − r(x, y_rejected) − margin)
 
     python sft.py && python reward_model.py                          # built-in task: ~100 s, then ~80 s on 2 CPU cores
-    python reward_model.py --model-name-or-path my-sft --dataset-name trl-lib/ultrafeedback_binarized --lr 1e-5 --bf16
+    python reward_model.py --model-name-or-path my-sft --dataset-name trl-lib/ultrafeedback_binarized --lr 1e-5
 
 Datasets in TRL's preference formats, text or conversational: `prompt`/`chosen`/`rejected`, or
 `chosen`/`rejected` with the prompt inside each; an optional `margin` column. Dropout is off, as in TRL.
+
+This is the one-device reference. scale/reward_model.py computes the same thing and adds what larger runs
+need: torchrun (DDP, FSDP2), LoRA, gradient accumulation and checkpointing, checkpoints that resume exactly.
 """
-import datetime
-import gc
-import importlib.util
 import json
 import math
 import os
 import random
-import re
-import shlex
 import shutil
-import signal
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Annotated
 
-import numpy as np
 import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 import transformers
 import tyro
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.tensorboard import SummaryWriter
 
 
@@ -71,14 +59,7 @@ class Args:
     max_steps: int = 600
     """optimizer steps (the data is cycled, reshuffled each pass)"""
     batch_size: int = 64
-    """preference pairs per optimizer step, over all ranks: each of N ranks (torchrun) takes batch_size / N of them"""
-    gradient_accumulation_steps: int = 1
-    """split each rank's share of a batch into this many micro-batches (the same update, less memory)"""
-    gradient_checkpointing: Annotated[bool | None, tyro.conf.DisallowNone] = None
-    """(default: on under --fsdp, else off) recompute activations in the backward pass (less memory, one more forward
-    pass of compute)"""
-    eval_batch_size: int | None = None
-    """pairs per forward pass in evaluation, on each rank (None: training's micro-batch size)"""
+    """preference pairs per optimizer step"""
     lr: float = 1e-3
     """peak learning rate of AdamW (a pretrained model wants ~1e-5; TRL: learning_rate)"""
     warmup_steps: int = 50
@@ -90,11 +71,8 @@ class Args:
     max_length: int = 64
     """longest prompt + completion in tokens: pairs with a longer side are dropped (and counted)"""
     bf16: Annotated[bool | None, tyro.conf.DisallowNone] = None
-    """(default: on with CUDA, off on the CPU) mixed precision: compute in bfloat16 (autocast; FSDP2's
-    MixedPrecisionPolicy under --fsdp), weights and AdamW state float32; the scalar head computes in float32"""
-    fsdp: bool = False
-    """under torchrun, shard the model, its gradients and AdamW state across the ranks (FSDP2) instead of a full
-    copy on each (DDP): for models whose training state does not fit one device"""
+    """(default: on with CUDA, off on the CPU) mixed precision: compute in bfloat16 (autocast), weights and AdamW
+    state float32; the scalar head computes in float32"""
     center_rewards_coefficient: float | None = None
     """add this × mean((r_chosen + r_rejected)²) to keep rewards centered on 0 (Eisenstein et al. 2023)"""
     eval_every: int = 200
@@ -104,26 +82,6 @@ class Args:
     num_train_pairs: int = 50_000
     """size of the built-in task's training set"""
 
-    save_every: int = 0
-    """write a checkpoint to resume from every this many steps, to runs/<run>/checkpoint-<step> (0: none;
-    SIGTERM always writes one, then ends the run)"""
-    keep_checkpoints: int = 2
-    """keep the last this many checkpoints, deleting older ones"""
-    resume: str | None = None
-    """resume from this checkpoint-<step> directory, or from the latest in this runs/<run> directory; the other
-    flags must be those of the run it continues"""
-    lora_r: int = 0
-    """LoRA rank: train low-rank adapters on every linear layer instead of all the weights (0: full fine-tuning;
-    needs peft). A reference model is then the policy with its adapters off; a scalar head trains whole"""
-    lora_alpha: float = 32.0
-    """LoRA's α: the adapters' update is scaled by α / r"""
-    lora_dropout: float = 0.0
-    """dropout on the adapters' input"""
-    lora_target_modules: tuple[str, ...] = ()
-    """the layers to adapt, by name (e.g. q_proj v_proj); none: every linear layer but the output head"""
-    merge_lora: bool = False
-    """save the adapters merged into the weights, a model that from_pretrained loads alone (else the adapter,
-    which peft's PeftModel.from_pretrained puts on the base model)"""
 
 # ---------------------------------------------------------------------------------------------
 # The math: a pure function, checked against hand-computed values in tests/test_reward_model.py
@@ -145,48 +103,22 @@ def bradley_terry_loss(rewards_chosen, rewards_rejected, margin=None, center_rew
     return loss
 
 
-# ---------------------------------------------------------------------------------------------
-# The reward of a sequence: the scalar head at its last token
-# ---------------------------------------------------------------------------------------------
-def get_rewards(scorer, input_ids, attention_mask):
-    """One reward per sequence: the scalar head (a TokenScorer, or DDP/FSDP around one) at its last non-pad
-    token, the stop token."""
-    scores = scorer(input_ids, attention_mask)
-    return scores[torch.arange(len(scores), device=scores.device), last_token_index(attention_mask)]
-
-
-def batch_tensors(sequences, pad_token_id, device):
-    """Right-pad token lists: (input_ids, attention_mask)."""
-    width = max(len(s) for s in sequences)
-    input_ids = torch.tensor([s + [pad_token_id] * (width - len(s)) for s in sequences], device=device)
-    attention_mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences], device=device)
-    return input_ids, attention_mask
-
-
 def check_args(args):
-    """Every flag checked before any work: one line that says what to change. Under torchrun each rank checks
-    the same flags and only rank 0 prints."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.batch_size % (world_size * args.gradient_accumulation_steps):
-        sys.exit(f"error: --batch-size {args.batch_size} does not split into {world_size} rank(s) × "
-                 f"{args.gradient_accumulation_steps} micro-batches; make it a multiple of "
-                 f"{world_size * args.gradient_accumulation_steps}")
-    if args.save_every < 0 or args.keep_checkpoints < 1:
-        sys.exit("error: --save-every must be ≥ 0 and --keep-checkpoints ≥ 1")
-    check_lora(args)
+    """Every flag checked before any work: one line that says what to change."""
+    if args.batch_size < 1 or args.max_steps < 1 or args.eval_every < 1:
+        sys.exit("error: --batch-size, --max-steps and --eval-every must be ≥ 1")
 
 
 def main(args: Args):
-    settle_defaults(args)  # --bf16 and --gradient-checkpointing, where not given
+    if args.bf16 is None:  # as in TRL's configs: bf16 where CUDA has it; on the CPU float32 is faster
+        args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     check_args(args)
-    checkpoint = find_checkpoint(args, int(os.environ.get("WORLD_SIZE", "1")))  # --resume: checked before any work
-    rank, world_size, device = setup_distributed(args.cuda)
-    run_dir = run_directory(args, checkpoint, device)  # under torchrun: seen by every rank, or one line
-    random.seed(args.seed)  # the data order: the same on every rank
-    torch.manual_seed(args.seed + rank)  # a stream of its own on each rank
+    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
+    random.seed(args.seed)  # the data order
+    torch.manual_seed(args.seed)
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    amp = lambda: autocast(device, args)  # noqa: E731  --bf16 without FSDP
+    amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
 
     # The tokenizer (fast, and it checks the model path) and the data come before the model
     hint = "run `python sft.py` first" if args.model_name_or_path == "models/sft" else "pass an existing directory or a hub id"
@@ -196,80 +128,32 @@ def main(args: Args):
     train_rows, eval_rows = load_data(args, "preference", args.num_train_pairs, [("chosen", "rejected")],
                                       "needs chosen and rejected (and optionally prompt and margin)")
     has_margin = any(row.get("margin") is not None for row in train_rows + eval_rows)
-    train_pairs = tokenize_pairs(tokenizer, train_rows, stop_ids, args.max_length, "train")
-    eval_pairs = tokenize_pairs(tokenizer, eval_rows, stop_ids, args.max_length, "eval")
-    # (chosen sequence, rejected sequence, margin): prompt + completion each, and 0 where a row has no margin
-    train = [(p + c, p + r, float(row.get("margin") or 0.0)) for p, c, r, row in train_pairs]
-    evals = [(p + c, p + r, float(row.get("margin") or 0.0)) for p, c, r, row in eval_pairs]
-    eval_rows = [row for _, _, _, row in eval_pairs]
-    raw_model = load_model(args.model_name_or_path, "score", base_dtype(args), load_config(args.model_name_or_path, "score"))
-    prepare_models(tokenizer, stop_ids, [raw_model])  # raw_model: the one to save
-    if args.gradient_checkpointing:
-        raw_model.activation_checkpointing_enable({"use_reentrant": False})
-    raw_model = add_lora(raw_model, args)  # --lora-r: adapters on the frozen weights, the head trained whole
-    model = place_model(TokenScorer(raw_model), device, args)  # forward and backward passes
+    # (chosen sequence, rejected sequence, margin, row): prompt + completion each, and 0 where a row has no margin
+    train, evals = ([(p + c, p + r, float(row.get("margin") or 0.0), row) for p, c, r, row in
+                     tokenize_pairs(tokenizer, rows, stop_ids, args.max_length, split)]
+                    for rows, split in ((train_rows, "train"), (eval_rows, "eval")))
+    model = load_pretrained(args.model_name_or_path, "score", load_config(args.model_name_or_path, "score"))
+    prepare_models(tokenizer, stop_ids, [model])
+    model = model.to(device)
+    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    writer = SummaryWriter(f"runs/{run_name}")
+    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+    print(f"{sum(p.numel() for p in model.parameters()):,} parameters, {len(train):,} training pairs")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 
     def pair_rewards(batch):
         """Chosen and rejected sequences in one forward pass: (r_chosen, r_rejected, margin or None)."""
-        input_ids, attention_mask = batch_tensors([c for c, _, _ in batch] + [r for _, r, _ in batch],
+        input_ids, attention_mask = batch_tensors([c for c, _, _, _ in batch] + [r for _, r, _, _ in batch],
                                                   tokenizer.pad_token_id, device)
         with amp():
-            rewards = get_rewards(model, input_ids, attention_mask)
-        margin = torch.tensor([m for _, _, m in batch], device=device) if has_margin else None
+            rewards = sequence_rewards(model, input_ids, attention_mask)
+        margin = torch.tensor([m for _, _, m, _ in batch], device=device) if has_margin else None
         return rewards[: len(batch)], rewards[len(batch) :], margin
 
-    writer = make_writer(args, rank, run_dir, checkpoint["step"] if checkpoint else 0)
-    print(f"{parameter_count(raw_model)}, {len(train):,} training pairs")
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
-                                  weight_decay=args.weight_decay)
-
-    def evaluate(step):
-        """Each rank evaluates its shard of the eval pairs; the sums are added up over the ranks."""
-        if not evals:
-            return
-        model.eval()
-        mine, weights = shard(list(zip(evals, eval_rows)), rank, world_size)
-        chosen, rejected, margins = [], [], []
-        with torch.no_grad():
-            for i in range(0, len(mine), eval_batch_size):
-                r_c, r_r, margin = pair_rewards([pair for pair, _ in mine[i : i + eval_batch_size]])
-                chosen.append(r_c), rejected.append(r_r), margins.append(margin)
-        keep = torch.tensor(weights, device=device).bool()
-        chosen, rejected = torch.cat(chosen)[keep], torch.cat(rejected)[keep]
-        margin = torch.cat(margins)[keep] if has_margin else None
-        loss = bradley_terry_loss(chosen, rejected, margin).item() * len(chosen) if len(chosen) else 0.0
-        sums = all_reduce_sum({"loss": loss, "correct": (chosen > rejected).sum(), "n": len(chosen)}, device)
-        writer.add_scalar("eval/loss", sums["loss"] / sums["n"], step)
-        writer.add_scalar("eval/accuracy", sums["correct"] / sums["n"], step)
-        line = f"step {step}: eval/loss {sums['loss'] / sums['n']:.4f}, eval/accuracy {sums['correct'] / sums['n']:.3f}"
-        if args.dataset_name is None:
-            # how well the learned reward tracks the gold one, over every held-out candidate: Pearson's r,
-            # from sums that add up over the ranks
-            rows = [row for (_, row), w in zip(mine, weights) if w]
-            x = torch.cat([chosen, rejected]).double().cpu()
-            y = torch.tensor([gold_score(row[k], row["target"]) for k in ("chosen", "rejected") for row in rows]).double()
-            s = all_reduce_sum({"n": len(x), "x": x.sum(), "y": y.sum(), "xx": (x * x).sum(), "yy": (y * y).sum(),
-                                "xy": (x * y).sum()}, device)
-            correlation = ((s["n"] * s["xy"] - s["x"] * s["y"])
-                           / math.sqrt((s["n"] * s["xx"] - s["x"] ** 2) * (s["n"] * s["yy"] - s["y"] ** 2)))
-            writer.add_scalar("eval/gold_correlation", correlation, step)
-            line += f", eval/gold_correlation {correlation:.3f}"
-        print(line)
-        model.train()
-
     model.train()
-    per_rank = args.batch_size // world_size
-    micro_size = per_rank // args.gradient_accumulation_steps
-    eval_batch_size = args.eval_batch_size or micro_size
     order, position = list(range(len(train))), len(train)
-    first_step, elapsed, model_time, tokens_seen = 1, 0.0, 0.0, 0
-    if checkpoint is not None:  # the weights and head, AdamW, every random stream, and where the loop was
-        loop = load_checkpoint(checkpoint, model, optimizer)
-        first_step, order, position = loop["step"] + 1, loop["order"], loop["position"]
-        elapsed, model_time, tokens_seen = loop["elapsed"], loop["model_time"], loop["tokens_seen"]
-    preemption = Preemption()
-    start_time = time.time() - elapsed  # the speeds count the time before a resume
-    for step in range(first_step, args.max_steps + 1):
+    start_time, model_time, tokens_seen = time.time(), 0.0, 0
+    for step in range(1, args.max_steps + 1):
         if position + args.batch_size > len(order):  # a new pass over the data, reshuffled
             random.shuffle(order)
             position = 0
@@ -279,62 +163,68 @@ def main(args: Args):
         for group in optimizer.param_groups:
             group["lr"] = lr
 
-        # ---- update: this rank's share of the batch, in micro-batches -----------------------------
-        tick, parts = time.time(), []
-        for m in range(rank * per_rank, (rank + 1) * per_rank, micro_size):
-            gradient_sync(model, m + micro_size == (rank + 1) * per_rank)  # once per step, with the last micro-batch
-            r_c, r_r, margin = pair_rewards(batch[m : m + micro_size])
-            loss = bradley_terry_loss(r_c, r_r, margin, args.center_rewards_coefficient) / args.gradient_accumulation_steps
-            loss.backward()  # the mean over micro-batches = the rank's mean; DDP and FSDP average over the ranks
-            parts.append((loss.detach(), r_c.detach(), r_r.detach()))
-        loss = sum(p[0] for p in parts)
-        r_c, r_r = torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts])
+        # ---- update: the chosen completion's reward above the rejected one's ----------------------
+        tick = time.time()
+        r_c, r_r, margin = pair_rewards(batch)
+        loss = bradley_terry_loss(r_c, r_r, margin, args.center_rewards_coefficient)
+        loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         check_finite(step, loss=loss, grad_norm=grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         model_time += time.time() - tick
-        tokens_seen += sum(len(c) + len(r) for c, r, _ in batch[rank * per_rank : (rank + 1) * per_rank])
+        tokens_seen += sum(len(c) + len(r) for c, r, _, _ in batch)
 
-        # ---- log and evaluate: means over the whole batch, sums added up over the ranks -------------
+        # ---- log and evaluate -----------------------------------------------------------------------
         if step % 10 == 0:
             elapsed = time.time() - start_time
-            sums = all_reduce_sum({"loss": loss, "correct": (r_c > r_r).sum(), "chosen": r_c.sum(),
-                                   "rejected": r_r.sum(), "tokens": tokens_seen}, device)
-            writer.add_scalar("losses/loss", sums["loss"] / world_size, step)
+            writer.add_scalar("losses/loss", loss.item(), step)
             writer.add_scalar("train/grad_norm", float(grad_norm), step)
-            writer.add_scalar("train/accuracy", sums["correct"] / args.batch_size, step)
-            writer.add_scalar("train/reward_chosen", sums["chosen"] / args.batch_size, step)
-            writer.add_scalar("train/reward_rejected", sums["rejected"] / args.batch_size, step)
-            writer.add_scalar("train/margin", (sums["chosen"] - sums["rejected"]) / args.batch_size, step)
+            chosen, rejected = r_c.sum().item(), r_r.sum().item()
+            writer.add_scalar("train/accuracy", (r_c > r_r).sum().item() / len(batch), step)
+            writer.add_scalar("train/reward_chosen", chosen / len(batch), step)
+            writer.add_scalar("train/reward_rejected", rejected / len(batch), step)
+            writer.add_scalar("train/margin", (chosen - rejected) / len(batch), step)
             writer.add_scalar("charts/learning_rate", lr, step)
             writer.add_scalar("charts/samples_per_second", step * args.batch_size / elapsed, step)
-            writer.add_scalar("charts/tokens_per_second", sums["tokens"] / elapsed, step)
+            writer.add_scalar("charts/tokens_per_second", tokens_seen / elapsed, step)
             writer.add_scalar("charts/model_time_fraction", model_time / elapsed, step)
-        if step % args.eval_every == 0 or step == args.max_steps:
-            evaluate(step)
+        if (step % args.eval_every == 0 or step == args.max_steps) and evals:
+            evaluate(model, pair_rewards, evals, args, writer, step)
 
-        # ---- checkpoint: every --save-every steps, and at SIGTERM, which then ends the run (exit code 0) -----
-        sigterm = bool(all_reduce_sum({"sigterm": preemption.received}, device)["sigterm"])  # on any rank
-        if sigterm or (args.save_every and step % args.save_every == 0):
-            save_checkpoint(run_dir, step, model, optimizer, args, {
-                "order": order, "position": position, "elapsed": time.time() - start_time, "model_time": model_time,
-                "tokens_seen": tokens_seen}, sigterm)
-        if sigterm:
-            return writer.close()
-
-    elapsed = time.time() - start_time
-    tokens_seen = all_reduce_sum({"tokens": tokens_seen}, device)["tokens"]
-    print(f"{args.max_steps * args.batch_size / elapsed:.0f} pairs/s, {tokens_seen / elapsed:.0f} tokens/s, "
-          f"{100 * model_time / elapsed:.0f}% of the time in forward/backward/optimizer, {elapsed:.0f} s in all")
-    save_atomically(raw_model, tokenizer, args, args.output_dir, save_dtype)
+    save_model(model, tokenizer, args, args.output_dir, save_dtype)
     print(f"saved to {args.output_dir}")
     writer.close()
 
 
+@torch.no_grad()
+def evaluate(model, pair_rewards, evals, args, writer, step):
+    """The loss and accuracy on held-out pairs; on the built-in task also how well the learned reward tracks the
+    gold one over every held-out candidate (Pearson's r), which an accuracy on pairs cannot show."""
+    model.eval()
+    chosen, rejected, margins = [], [], []
+    for i in range(0, len(evals), args.batch_size):
+        r_c, r_r, margin = pair_rewards(evals[i : i + args.batch_size])
+        chosen.append(r_c), rejected.append(r_r), margins.append(margin)
+    chosen, rejected = torch.cat(chosen), torch.cat(rejected)
+    margin = torch.cat(margins) if margins[0] is not None else None
+    loss, accuracy = bradley_terry_loss(chosen, rejected, margin).item(), (chosen > rejected).float().mean().item()
+    writer.add_scalar("eval/loss", loss, step)
+    writer.add_scalar("eval/accuracy", accuracy, step)
+    line = f"step {step}: eval/loss {loss:.4f}, eval/accuracy {accuracy:.3f}"
+    if args.dataset_name is None:
+        x = torch.cat([chosen, rejected]).double().cpu()
+        y = torch.tensor([gold_score(row[k], row["target"]) for k in ("chosen", "rejected") for *_, row in evals]).double()
+        correlation = torch.corrcoef(torch.stack([x, y]))[0, 1].item()
+        writer.add_scalar("eval/gold_correlation", correlation, step)
+        line += f", eval/gold_correlation {correlation:.3f}"
+    print(line)
+    model.train()
+
+
 # =============================================================================================
-# Plumbing: the built-in task, tokenization, data and model loading, forward passes, many processes,
-# saving. Each definition below is pasted from the LM scripts that share it, one text in all of them
+# Plumbing: the built-in task, tokenization, data and model loading, saving. Each
+# definition below is pasted from the scripts that share it, one text in all of them
 # (tests/test_copies.py checks each), and this file holds only those its main reaches. A reader learning
 # the algorithm can stop here.
 # =============================================================================================
@@ -658,21 +548,16 @@ def load_config(path, head):
         sys.exit(f"error: cannot load a model from {path!r}: {first_line(e)}")
 
 
-def load_model(path, head, dtype, config=None):
+def load_pretrained(path, head, config=None):
     """A checkpoint as a causal LM (head "lm") or with a scalar head (head "score", with a config of num_labels 1:
-    a sequence classifier with one label, its head new when the checkpoint has none), its weights in `dtype`
-    whatever they were saved in. Trained models take float32 (master weights: in fp16 AdamW's eps underflows
-    to 0, in bf16 most small updates round away); --bf16 is the mixed-precision choice on top. Under torchrun
-    only rank 0 reads the weights: the other ranks build the model on the meta device (shapes, no memory), and
-    place_model gives them rank 0's weights, or under --fsdp only their shards of them."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+    a sequence classifier with one label, its head new when the checkpoint has none), its weights in float32
+    whatever they were saved in: AdamW needs float32 master weights (in fp16 its eps underflows to 0, in bf16
+    most small updates round away); --bf16 is the mixed-precision choice on top."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     try:
         model_class = AutoModelForCausalLM if head == "lm" else AutoModelForSequenceClassification
-        if dist.is_initialized() and dist.get_rank() != 0:
-            with torch.device("meta"):
-                return model_class.from_config(config or AutoConfig.from_pretrained(path), dtype=dtype)
-        return model_class.from_pretrained(path, config=config, dtype=dtype)
+        return model_class.from_pretrained(path, config=config, dtype=torch.float32)
     except (OSError, ValueError) as e:
         sys.exit(f"error: cannot load a model from {path!r}: {first_line(e)}")
 
@@ -702,8 +587,14 @@ def save_dtype_of(args, path):
 
 
 # ---------------------------------------------------------------------------------------------
-# Forward passes and sampling
+# Forward passes
 # ---------------------------------------------------------------------------------------------
+def batch_tensors(sequences, pad_token_id, device):
+    """Right-pad token lists: (input_ids, attention_mask)."""
+    width = max(len(s) for s in sequences)
+    input_ids = torch.tensor([s + [pad_token_id] * (width - len(s)) for s in sequences], device=device)
+    attention_mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences], device=device)
+    return input_ids, attention_mask
 
 
 def position_ids_of(attention_mask):
@@ -718,221 +609,15 @@ def last_token_index(attention_mask):
     return (positions * attention_mask).argmax(-1)
 
 
-def token_scores(model, sequences, attention_mask):
-    """The scalar head of a sequence-classification model on every position: [batch, length], computed in
-    float32 (a value or reward is one number: it gets float32's precision, not bfloat16's 3 digits)."""
-    if hasattr(model, "get_base_model"):  # a LoRA model (peft): the classifier inside, its adapters in place
-        model = model.get_base_model()
-    hidden = model.base_model(input_ids=sequences, attention_mask=attention_mask,
+def sequence_rewards(model, input_ids, attention_mask):
+    """One reward per sequence: a sequence classifier's scalar head at the sequence's last token (the stop token),
+    computed in float32 (a reward is one number: it gets float32's precision, not bfloat16's 3 digits)."""
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
                               position_ids=position_ids_of(attention_mask)).last_hidden_state
     head = model.score
     with torch.autocast(hidden.device.type, enabled=False):
-        return F.linear(hidden.float(), head.weight.float(), None if head.bias is None else head.bias.float()).squeeze(-1)
-
-
-class TokenScorer(torch.nn.Module):
-    """token_scores as a module's forward. DDP and FSDP act in the forward of the module they wrap, so a
-    trained scalar head is wrapped in this: its forward, unlike the classifier's own, keeps every position."""
-
-    def __init__(self, classifier):
-        super().__init__()
-        self.classifier = classifier
-
-    def forward(self, sequences, attention_mask):
-        return token_scores(self.classifier, sequences, attention_mask)
-
-
-# ---------------------------------------------------------------------------------------------
-# Many processes. `torchrun --nproc-per-node N X.py` starts one process (rank) per device; each takes
-# its share of every batch, and the gradients are averaged. Under plain `python X.py` these helpers
-# change nothing.
-# ---------------------------------------------------------------------------------------------
-# How long a rank waits in a collective for the others: long enough for rank 0 to gather and write a
-# checkpoint of an 8B model (16-32 GB) while the others wait to hear whether it worked (NCCL's default: 10 min).
-PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=60)
-
-
-def setup_distributed(cuda):
-    """(rank, world_size, device). Under torchrun, which sets RANK, WORLD_SIZE and LOCAL_RANK, join the
-    process group: NCCL with one GPU per process, or gloo on the CPU. Ranks other than 0 print nothing (an
-    error that stops the run is one line from the first rank of each node). On CUDA: float32 matrix products in TF32,
-    and PyTorch's expandable segments unless PYTORCH_CUDA_ALLOC_CONF says otherwise."""
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # less fragmentation as shapes vary
-    if torch.cuda.is_available() and cuda:
-        torch.backends.cuda.matmul.fp32_precision = "tf32"  # float32 products in TF32 (Ampere and later)
-    if "RANK" not in os.environ:
-        return 0, 1, torch.device("cuda" if torch.cuda.is_available() and cuda else "cpu")
-    if torch.cuda.is_available() and cuda:
-        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's; a launcher may not set it
-        if local_world_size > torch.cuda.device_count():  # one GPU per process
-            sys.exit(f"error: {local_world_size} processes on this node and {torch.cuda.device_count()} "
-                     f"GPU(s): run --nproc-per-node {torch.cuda.device_count()}, or --no-cuda to run on the CPU")
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device, timeout=PROCESS_GROUP_TIMEOUT)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
-    if dist.get_rank() != 0:
-        sys.stdout = open(os.devnull, "w")
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def settle_defaults(args):
-    """The defaults that depend on where the run is, settled before any work (and logged and checkpointed as
-    settled). --bf16: on where CUDA computes and has bfloat16, as in TRL's configs (bf16 unless fp16); off on the
-    CPU, where bfloat16 products are slower than float32 on most processors. --gradient-checkpointing: on under
-    --fsdp, the runs of models whose every block's activations do not fit beside the weights."""
-    if args.bf16 is None:
-        args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    if args.gradient_checkpointing is None:
-        args.gradient_checkpointing = args.fsdp
-
-
-def autocast(device, args):
-    """--bf16 as torch.autocast: matrix products in bfloat16 over float32 weights. Off under FSDP, whose
-    MixedPrecisionPolicy (place_model) casts the weights themselves: autocast there would keep a bfloat16
-    copy of every gathered weight, the full-size copy that sharding is there to avoid."""
-    enabled = args.bf16 and not (args.fsdp and dist.is_initialized())
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
-
-
-def place_model(model, device, args, trained=True):
-    """Put a model on the device. In one process: moved there whole. Under torchrun, rank 0 holds the weights
-    (load_model built the model on the meta device elsewhere; a model built from scratch, or a new scalar head,
-    starts from other random values on each rank) and the others receive them. Without --fsdp: a full copy per
-    rank, and a trained model in DDP (gradients averaged in the backward pass). With --fsdp: FSDP2 shards the
-    model first, then each rank receives only its shard of every weight from rank 0's copy, which is then freed
-    (set_model_state_dict's broadcast_from_rank0): no rank but 0 ever holds the whole model, and rank 0 one at
-    a time when the models are placed as they are loaded. Each transformer block is gathered only while it
-    computes; a frozen model's root (embeddings, LM head) is resharded after its forward too, which FSDP2 skips
-    for a root that expects its backward next. With --bf16, FSDP's MixedPrecisionPolicy: the weights are
-    gathered and computed with in bfloat16 and the gradients reduced in float32, the kept weights and AdamW
-    state float32. Buffers outside the state dict (rotary inv_freq) come from rank 0 too. Build the optimizer
-    after this (FSDP2 replaces the parameters)."""
-    if not dist.is_initialized():
-        return model.to(device)
-    full = model.state_dict() if dist.get_rank() == 0 and args.fsdp else {}  # rank 0's weights, on its CPU
-    if args.fsdp:
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else MixedPrecisionPolicy()
-        block_names = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or []}
-        for module in model.modules():
-            if type(module).__name__ in block_names:
-                fully_shard(module, mesh=mesh, mp_policy=policy)
-        model = fully_shard(model, mesh=mesh, mp_policy=policy)
-        if not trained:
-            model.register_forward_hook(lambda module, inputs, output: module.reshard())
-    if dist.get_rank() == 0:
-        model.to(device)
-    else:  # room for the weights (or shards) on the device, their values to come
-        tied = {}
-        for name, parameter in model.named_parameters(remove_duplicate=False):
-            tied.setdefault(parameter, []).append(name)
-        model.to_empty(device=device)
-        for first, *others in tied.values():  # to_empty gives each name a tensor of its own: tie them again
-            for name in others:
-                module, _, attribute = name.rpartition(".")
-                setattr(model.get_submodule(module), attribute, model.get_parameter(first))
-    if args.fsdp:  # each rank copies its shard of each tensor rank 0 sends
-        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-        del full
-    else:  # a full copy on every rank: straight into its tensors, no temporary copies
-        for tensor in model.state_dict().values():
-            dist.broadcast(tensor, src=0)
-    for buffer in model.buffers():
-        dist.broadcast(buffer, src=0)
-    if args.fsdp or not trained:
-        return model
-    config = next(m.config for m in model.modules() if hasattr(m, "config"))
-    # a mixture of experts routes each batch to some experts only: where each expert is a module of its own,
-    # the others get no gradient this step (transformers 5.23 fuses a layer's experts: not needed there)
-    moe = any(getattr(config, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                   find_unused_parameters=moe)
-
-
-def gradient_sync(model, enabled):
-    """Whether the next backward passes of a DDP model average the gradients over the ranks: off for every
-    micro-batch of an optimizer step but the last, so that the gradients cross the network once per step.
-    FSDP2 keeps reducing every micro-batch: each rank holds only its shard of the gradients, where skipping
-    the reduction would hold the whole float32 gradient (32 GB at 8B) on every rank until the last one."""
-    if isinstance(model, DistributedDataParallel):
-        model.require_backward_grad_sync = enabled
-
-
-def shard(items, rank, world_size):
-    """This rank's share of an evaluation list, items[rank::world_size], padded with copies of items[0] to the
-    same length on every rank, and a weight per entry (0 on the copies): a sharded model needs every rank in
-    each forward pass, so every rank must run as many. Metrics are weighted sums, added up over the ranks."""
-    mine = items[rank::world_size]
-    padding = -(-len(items) // world_size) - len(mine)
-    return mine + items[:1] * padding, [1] * len(mine) + [0] * padding
-
-
-def all_reduce_sum(sums, device):
-    """{name: number} with each number summed over the ranks (the numbers themselves in one process), in one
-    all-reduce: per-rank sums and counts become global ones, read back by name."""
-    values = [float(v) for v in sums.values()]
-    if dist.is_initialized():
-        total = torch.tensor(values, dtype=torch.float64, device=device)
-        dist.all_reduce(total)
-        values = total.tolist()
-    return dict(zip(sums, values))
-
-
-class NoWriter:
-    """Stands in for the SummaryWriter on ranks other than 0: only rank 0 writes TensorBoard logs."""
-
-    def __getattr__(self, name):
-        return lambda *args, **kwargs: None
-
-
-def make_writer(args, rank, run_dir, start_step=0):
-    """TensorBoard's writer for run_dir on rank 0 (a NoWriter elsewhere), the flags logged as a table. A resumed
-    run (start_step > 0) appends to its run's logs and drops what they hold after start_step (purge_step): the
-    steps a preempted run took after its last checkpoint are taken again."""
-    if rank != 0:
-        return NoWriter()
-    writer = SummaryWriter(run_dir, purge_step=start_step + 1 if start_step else None)
-    if not start_step:
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
-    return writer
-
-
-def run_directory(args, checkpoint, device):
-    """runs/<exp>__<seed>__<time> (rank 0's clock, on every rank), or the run directory of the checkpoint that
-    --resume continues. Under torchrun every rank must see it: each writes its shard of a checkpoint there (SIGTERM
-    writes one even without --save-every) and rank 0 renames the whole. So rank 0 writes a file there that every
-    rank reads, and a rank that does not see it (several nodes without a shared filesystem) stops the run on every
-    node with one line, before any training."""
-    run_dir = [os.path.dirname(checkpoint["path"]) if checkpoint is not None else
-               f"runs/{args.exp_name}__{args.seed}__{int(time.time())}"]
-    if not dist.is_initialized():
-        return run_dir[0]
-    dist.broadcast_object_list(run_dir, src=0)
-    run_dir, probe, token = run_dir[0], os.path.join(run_dir[0], "every-rank-sees-this"), str(time.time())
-    if dist.get_rank() == 0:
-        os.makedirs(run_dir, exist_ok=True)
-        with open(probe, "w") as f:
-            f.write(token)
-    token = [token]
-    dist.broadcast_object_list(token, src=0)  # after rank 0 wrote the file
-    try:
-        with open(probe) as f:
-            seen = f.read() == token[0]
-    except OSError:
-        seen = False
-    blind = int(all_reduce_sum({"blind": not seen}, device)["blind"])
-    if dist.get_rank() == 0:
-        os.remove(probe)
-        if blind and checkpoint is None and not os.listdir(run_dir):
-            os.rmdir(run_dir)
-    if blind:
-        sys.exit(f"error: {blind} of {dist.get_world_size()} ranks do not see the run directory {run_dir!r}, where "
-                 "every rank writes its share of a checkpoint: start every node from one directory on a filesystem "
-                 "they share (runs/ is made there)" if os.environ.get("LOCAL_RANK", "0") == "0" else 1)
-    return run_dir
+        scores = F.linear(hidden.float(), head.weight.float(), None if head.bias is None else head.bias.float())
+    return scores.squeeze(-1)[torch.arange(len(scores), device=scores.device), last_token_index(attention_mask)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -957,273 +642,22 @@ def check_finite(step, **values):
                      "(lower --lr; with a half-precision model, train without --bf16 to check)")
 
 
-def save_atomically(model, tokenizer, args, output_dir, dtype):
-    """Save a Hugging Face model (the one inside any DDP wrapper), its weights in `dtype` (save_dtype_of), so
-    that a crash never leaves a half-written checkpoint: rank 0 writes to a temporary directory, then renames
-    it. Every rank calls this: under FSDP they first gather the full weights (to rank 0's CPU memory), and all
-    learn whether the write worked: if not, every node says so in one line and nothing is left half-written.
-    On several nodes without a shared filesystem the checkpoint is on the first node only: the others say so.
-    A LoRA model (--lora-r) is saved as its adapter (and trained head) in float32, which peft's
-    PeftModel.from_pretrained puts back on the base model; with --merge-lora, merged into the weights."""
-    if args.lora_r:
-        if args.merge_lora:
-            model = model.merge_and_unload()  # W₀ + (α/r) B A: a plain model of the base's architecture
-        else:
-            dtype = torch.float32
-    if any(isinstance(module, FSDPModule) for module in model.modules()):
-        state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    else:
-        state_dict = model.state_dict()
-    names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
-    problem = None
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        # a tied weight once, under its first name; floating-point weights in the dtype asked for
-        state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items() if k in names}
-        tmp_dir = f"{output_dir.rstrip('/')}.tmp-{os.getpid()}"
-        try:
-            model.save_pretrained(tmp_dir, state_dict=state_dict)
-            if os.path.exists(os.path.join(tmp_dir, "config.json")):  # not in an adapter's directory
-                with open(os.path.join(tmp_dir, "config.json")) as f:
-                    config = json.load(f)
-                with open(os.path.join(tmp_dir, "config.json"), "w") as f:  # the dtype the weights are saved in
-                    json.dump({**config, "dtype": str(dtype).removeprefix("torch.")}, f, indent=2)
-            tokenizer.save_pretrained(tmp_dir)
-            with open(os.path.join(tmp_dir, "training_args.json"), "w") as f:
-                json.dump(vars(args), f, indent=2)
-            if os.path.exists(output_dir):
-                shutil.rmtree(output_dir)
-            os.replace(tmp_dir, output_dir)
-        except OSError as e:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-            problem = f"error: cannot write the checkpoint to {output_dir!r}: {e}; nothing was saved"
-    # rank 0's outcome, known to every rank
-    if all_reduce_sum({"failed": problem is not None}, next(model.parameters()).device)["failed"] and problem is None:
-        problem = f"error: rank 0 could not write the checkpoint to {output_dir!r} (its line says why); nothing was saved"
-    if problem is not None:
-        sys.exit(problem)
-    if os.environ.get("LOCAL_RANK", "0") == "0" and not os.path.isdir(output_dir):
-        print(f"note: the checkpoint {output_dir!r} is on the first node only (this node does not share its "
-              "filesystem): copy it from there", file=sys.stderr)
-
-
-# ---------------------------------------------------------------------------------------------
-# LoRA (--lora-r): low-rank adapters on frozen weights, through peft, which is imported only then
-# ---------------------------------------------------------------------------------------------
-def check_lora(args):
-    """The LoRA flags, checked before any work (part of every LM script's check_args)."""
-    if args.lora_r < 0 or (args.lora_r and (args.lora_alpha <= 0 or not 0 <= args.lora_dropout < 1)):
-        sys.exit("error: --lora-r must be ≥ 0, --lora-alpha > 0 and --lora-dropout in [0, 1)")
-    if args.merge_lora and not args.lora_r:
-        sys.exit("error: --merge-lora merges LoRA adapters into the weights; pass --lora-r too")
-    if args.lora_r and args.fsdp:
-        sys.exit("error: --lora-r with --fsdp is not supported; drop --fsdp (LoRA trains few weights: DDP holds their "
-                 "AdamW state easily, and --bf16 keeps the frozen base in bfloat16)")
-    if args.lora_r and importlib.util.find_spec("peft") is None:
-        sys.exit("error: --lora-r needs peft: pip install peft")
-
-
-def base_dtype(args):
-    """The dtype of a trained model's weights: float32 for full fine-tuning (master weights for AdamW); with LoRA
-    and --bf16, bfloat16: nothing updates them, so they are held as they are computed with (half the memory)."""
-    return torch.bfloat16 if args.lora_r and args.bf16 else torch.float32
-
-
-def add_lora(model, args):
-    """--lora-r > 0: LoRA (Hu et al. 2021, eq. 3), h = W₀x + (α/r)·B·A·x on every linear layer but the output
-    head (or those of --lora-target-modules), W₀ frozen. B starts at 0, so the model computes exactly what it
-    did until the first update. A scalar head (a reward model's, a critic's) is new or task-specific: it trains
-    whole. The trained weights are float32 whatever the base's dtype. Without --lora-r: `model` unchanged."""
-    if not args.lora_r:
-        return model
-    from peft import LoraConfig, get_peft_model
-
-    heads = [name for name, _ in model.named_children() if name != model.base_model_prefix]
-    config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                        target_modules=list(args.lora_target_modules) or "all-linear",
-                        modules_to_save=heads if type(model).__name__.endswith("ForSequenceClassification") else None)
-    with warnings.catch_warnings():  # GPT-2's Conv1D layers: peft transposes them itself and says so
-        warnings.filterwarnings("ignore", "fan_in_fan_out")
-        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated")  # peft 0.21 on transformers 5
-        model = get_peft_model(model, config)
-    for parameter in model.parameters():
-        if parameter.requires_grad:
-            parameter.data = parameter.data.float()
-    return model
-
-
-def parameter_count(*models):
-    """"N parameters (M trained)" of the models together: what LoRA saves is in the second number."""
-    params = {id(p): p for model in models for p in model.parameters()}.values()  # a shared weight once
-    return f"{sum(p.numel() for p in params):,} parameters ({sum(p.numel() for p in params if p.requires_grad):,} trained)"
-
-
-# ---------------------------------------------------------------------------------------------
-# Long runs: checkpoints that resume exactly, and SIGTERM. A checkpoint is the directory
-# runs/<run>/checkpoint-<step>: the trained weights and AdamW state (torch.distributed.checkpoint: under
-# --fsdp each rank writes and reads its own shards, nothing is gathered), each rank's random streams and
-# the loop's state (rank<r>.pt), and checkpoint.json (script, step, ranks, flags).
-# ---------------------------------------------------------------------------------------------
-# The flags a resumed run may change: where things go, not what is computed
-CHANGEABLE_ON_RESUME = ("exp_name", "output_dir", "resume", "save_every", "keep_checkpoints")
-# Frozen weights are not saved (they are reloaded from the model path): with LoRA a checkpoint is the adapters
-CHECKPOINT_OPTIONS = StateDictOptions(ignore_frozen_params=True)
-
-
-def find_checkpoint(args, world_size):
-    """The checkpoint --resume names (a checkpoint-<step> directory, or a run directory: its latest), checked
-    before any work: one of this script, saved with the same flags and as many ranks. Returns its
-    checkpoint.json with its "path", or None without --resume."""
-    if args.resume is None:
-        return None
-    path = args.resume.rstrip("/")
-    if not os.path.isfile(os.path.join(path, "checkpoint.json")):
-        steps = [int(name[len("checkpoint-") :]) for name in (os.listdir(path) if os.path.isdir(path) else [])
-                 if re.fullmatch(r"checkpoint-\d+", name) and os.path.isfile(os.path.join(path, name, "checkpoint.json"))]
-        if not steps:
-            sys.exit(f"error: --resume {args.resume}: no checkpoint there; pass a runs/<run> directory that holds "
-                     "checkpoint-<step> directories (written with --save-every, or at SIGTERM), or one of them")
-        path = os.path.join(path, f"checkpoint-{max(steps)}")
-    with open(os.path.join(path, "checkpoint.json")) as f:
-        saved = json.load(f)
-    script = os.path.basename(__file__)
-    if saved["script"] != script:
-        sys.exit(f"error: --resume {path} is a checkpoint of {saved['script']}; resume it with that script, not {script}")
-    now = json.loads(json.dumps(vars(args)))  # as checkpoint.json holds them (tuples as lists)
-    for name, value in now.items():
-        if name not in CHANGEABLE_ON_RESUME and saved["args"].get(name) != value:
-            sys.exit(f"error: --{name.replace('_', '-')} is {value} here but {saved['args'].get(name)} in {path}; a "
-                     "resumed run takes the flags of the run it continues (only --save-every, --keep-checkpoints, "
-                     "--output-dir and --exp-name may change)")
-    if saved["world_size"] != world_size:
-        sys.exit(f"error: {path} was saved by {saved['world_size']} rank(s) and this run has {world_size}; resume with "
-                 f"{saved['world_size']} (each rank's random streams and share of every batch are part of the checkpoint)")
-    return {**saved, "path": path}
-
-
-def random_streams():
-    """This process's random streams: python's, numpy's, torch's on the CPU and on its GPU."""
-    name, keys, position, has_gauss, gauss = np.random.get_state()
-    return {"python": random.getstate(), "numpy": (name, keys.tolist(), position, has_gauss, gauss),
-            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}
-
-
-def set_random_streams(streams):
-    random.setstate(streams["python"])
-    name, keys, position, has_gauss, gauss = streams["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), position, has_gauss, gauss))
-    torch.set_rng_state(streams["torch"])
-    if streams["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(streams["cuda"])
-
-
-def save_checkpoint(run_dir, step, trained, optimizer, args, loop_state, sigterm=False):
-    """Write runs/<run>/checkpoint-<step> atomically: every rank writes into checkpoint-<step>.tmp, then rank 0
-    renames it and deletes all but the last --keep-checkpoints; a crash mid-write leaves the earlier ones as
-    they were. `trained`: the module (as placed: DDP or FSDP) whose trained weights `optimizer` updates;
-    `loop_state`: what the loop needs to go on (data position, controllers, counters), with `step`. Every
-    rank calls this. A multi-node run needs a filesystem that every node shares (each writes its shards)."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    path = os.path.join(run_dir, f"checkpoint-{step}")
-    tmp = f"{path}.tmp"
-
-    def write(part):
-        """Run part() on every rank; if it fails on any (a full disk, a permission), every rank stops with one line."""
-        problem = None
-        try:
-            part()
-        except Exception as e:  # noqa: BLE001
-            problem = f"error: cannot write the checkpoint {path}: {first_line(e)}"
-        if all_reduce_sum({"failed": problem is not None}, next(trained.parameters()).device)["failed"]:
-            sys.exit(problem or f"error: another rank could not write the checkpoint {path} (rank 0's line says why)")
-
-    def make_directory():
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # what a crash during an earlier write left
-            os.makedirs(tmp)
-
-    def write_state():
-        model_state, optimizer_state = get_state_dict(trained, optimizer, options=CHECKPOINT_OPTIONS)
-        with warnings.catch_warnings():  # in one process DCP warns at every call that it assumes one process
-            warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)  # collective
-        torch.save({"random": random_streams(), "loop": {**loop_state, "step": step}}, os.path.join(tmp, f"rank{rank}.pt"))
-        if rank == 0:
-            with open(os.path.join(tmp, "checkpoint.json"), "w") as f:
-                json.dump({"script": os.path.basename(__file__), "step": step, "args": vars(args),
-                           "world_size": dist.get_world_size() if dist.is_initialized() else 1}, f, indent=2)
-
-    write(make_directory)
-    write(write_state)
-    if rank == 0:  # every rank has written its part: the checkpoint is complete once it has its name
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
-        steps = sorted(int(name[len("checkpoint-") :]) for name in os.listdir(run_dir) if re.fullmatch(r"checkpoint-\d+", name))
-        for old in steps[: -args.keep_checkpoints]:
-            shutil.rmtree(os.path.join(run_dir, f"checkpoint-{old}"))
-    if dist.is_initialized():
-        dist.barrier()  # the checkpoint is complete before any rank goes on (or exits)
-    if sigterm:
-        argv = sys.argv[1:]  # the same command, --resume pointing at this run
-        flags = [a for i, a in enumerate(argv) if not a.startswith("--resume") and (i == 0 or argv[i - 1] != "--resume")]
-        launcher = f"torchrun --nproc-per-node {dist.get_world_size()}" if dist.is_initialized() else "python"
-        print(f"SIGTERM: stopped after step {step}, checkpoint saved; resume with:\n"
-              f"    {launcher} {shlex.join([sys.argv[0], *flags, '--resume', run_dir])}")
-
-
-def load_checkpoint(checkpoint, trained, optimizer):
-    """Restore a checkpoint (find_checkpoint's) into the trained module and its optimizer, placed as they were
-    when it was saved, and this rank's random streams; returns the loop's state. Call it right before the
-    loop: the random streams go on from here."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    model_state, optimizer_state = get_state_dict(trained, optimizer, options=CHECKPOINT_OPTIONS)
-    state = {"model": model_state, "optimizer": optimizer_state}
+def save_model(model, tokenizer, args, output_dir, dtype):
+    """Save a Hugging Face model, its weights in `dtype` (save_dtype_of), with its tokenizer and the flags
+    (training_args.json): written to a temporary directory, then renamed, so that a crash never leaves a
+    half-written checkpoint."""
+    tmp_dir = f"{output_dir.rstrip('/')}.tmp-{os.getpid()}"
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=checkpoint["path"])
-    except Exception as e:  # noqa: BLE001  another model's weights: missing names, other shapes
-        sys.exit(f"error: {checkpoint['path']} does not fit this model ({first_line(e)[:200]}); resume with "
-                 "the model it was saved from")
-    # strict=False: the frozen weights are not in the checkpoint (dcp.load has failed on any trained one missing)
-    set_state_dict(trained, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
-    saved = torch.load(os.path.join(checkpoint["path"], f"rank{rank}.pt"), weights_only=True)
-    set_random_streams(saved["random"])
-    print(f"resumed from {checkpoint['path']} (step {saved['loop']['step']})")
-    return saved["loop"]
-
-
-class Preemption:
-    """SIGTERM, which Slurm, Kubernetes and cloud schedulers send before they stop a job, noted when it arrives
-    and acted on at the next step boundary: the run saves a checkpoint there and exits 0 (a scheduler's grace
-    period must cover one step and one checkpoint). torchrun passes the signal to every rank; the loop then
-    adds up the ranks' `received`, so that all of them stop after the same step."""
-
-    def __init__(self):
-        self.received = False
-        signal.signal(signal.SIGTERM, self.note)
-
-    def note(self, signum, frame):
-        self.received = True
+        model.to(dtype).save_pretrained(tmp_dir)  # config.json says the dtype; a tied weight is saved once
+        tokenizer.save_pretrained(tmp_dir)
+        with open(os.path.join(tmp_dir, "training_args.json"), "w") as f:
+            json.dump(vars(args), f, indent=2)
+        shutil.rmtree(output_dir, ignore_errors=True)
+        os.replace(tmp_dir, output_dir)
+    except OSError as e:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        sys.exit(f"error: cannot write the checkpoint to {output_dir!r}: {e}; nothing was saved")
 
 
 if __name__ == "__main__":
-    try:
-        main(tyro.cli(Args, description=__doc__))
-    except SystemExit as e:  # under torchrun every rank stops on the same bad input: one line per node says so
-        if isinstance(e.code, str) and os.environ.get("LOCAL_RANK", "0") != "0":
-            # Local rank 0 prints the line. torchrun stops every rank as soon as one fails, so the others
-            # wait for it first: exiting at once could stop rank 0 before it has printed.
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun's stop must end the wait (Preemption)
-            time.sleep(60)
-            sys.exit(1)
-        if dist.is_initialized():  # a process group left to the exit can abort it ("terminate called ...")
-            e.__traceback__ = None  # which holds main's frame: its models go first, as below
-            gc.collect()
-            dist.destroy_process_group()
-        raise
-    if dist.is_initialized():
-        # Only now, with main's models freed: a DDP model that outlives the process group tears gloo down
-        # while holding the GIL, which can deadlock with gloo's worker threads.
-        gc.collect()
-        dist.destroy_process_group()
+    main(tyro.cli(Args))

@@ -90,13 +90,18 @@ def small_checkpoints(tmp_path_factory):
     return {"sft": cwd / "models" / "sft", "reward_model": cwd / "models" / "reward_model"}
 
 
+def module_name(script):
+    """The module a script path imports as: "sft.py" -> "sft", "scale/sft.py" -> "scale.sft"."""
+    return script[: -len(".py")].replace("/", ".")
+
+
 def run_in_process(script, *flags, cwd):
     """Run a script's real entry point, `main(tyro.cli(Args))`, in this process (no 4 s of imports per run)."""
     import importlib
 
     import tyro
 
-    module = importlib.import_module(script[: -len(".py")])
+    module = importlib.import_module(module_name(script))
     old = os.getcwd()
     os.chdir(cwd)
     try:
@@ -143,7 +148,7 @@ def same_seed_scalars(script, flags, tmp_path):
     for name in ("a", "b"):
         cwd = tmp_path / name
         os.makedirs(cwd)
-        if script in ("sft.py", "reward_model.py", "dpo.py", "rlhf_ppo.py", "grpo.py"):
+        if os.path.basename(script) in ("sft.py", "reward_model.py", "dpo.py", "rlhf_ppo.py", "grpo.py"):
             run_in_process(script, *flags, cwd=cwd)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
         else:
@@ -160,7 +165,7 @@ def reference_after_training(script, flags, cwd, monkeypatch):
     left it): the first frozen model it placed."""
     import importlib
 
-    module = importlib.import_module(script[: -len(".py")])
+    module = importlib.import_module(module_name(script))
     placed, real = [], module.place_model
 
     def placing(model, device, args, trained=True):

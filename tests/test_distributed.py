@@ -8,11 +8,11 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, TINY_LM, read_scalars, run_in_process
+from conftest import ROOT, TINY_LM, module_name, read_scalars, run_in_process
 from lm_models import save_checkpoint
 from test_real_models import state, write_data
 
-import rlhf_ppo
+from scale import rlhf_ppo
 
 
 def torchrun(script, *flags, cwd, nproc=2, check=True):
@@ -39,7 +39,7 @@ def rank_output(cwd, rank, stream):
 # ------------------------------------------------------------------------------------------------
 # The same update: 2 ranks × 4 = 1 process × 8 = 1 process × 2 micro-batches of 4, for DDP and FSDP
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("script,data", [("sft.py", None), ("reward_model.py", "explicit"), ("dpo.py", "explicit")])
+@pytest.mark.parametrize("script,data", [("scale/sft.py", None), ("scale/reward_model.py", "explicit"), ("scale/dpo.py", "explicit")])
 def test_two_ranks_give_the_same_update_as_one_process(tmp_path, script, data):
     """10 steps of a batch of 8 at lr 1e-3 from a tiny Llama (data None: sft.py's built-in task and tiny GPT-2 built
     from scratch, which starts from different random weights on each rank until rank 0's are broadcast): one
@@ -47,7 +47,7 @@ def test_two_ranks_give_the_same_update_as_one_process(tmp_path, script, data):
     2 (FSDP2). The same logged loss and gradient norm (AdamW is blind to a gradient's scale, so the norm is what
     shows a wrong normalization across ranks) and the same weights within 1e-4, 1% of the distance they moved
     (Adam turns rounding noise in near-zero gradients into steps of up to lr)."""
-    auto = "AutoModelForSequenceClassification" if script == "reward_model.py" else "AutoModelForCausalLM"
+    auto = "AutoModelForSequenceClassification" if script == "scale/reward_model.py" else "AutoModelForCausalLM"
     loss_tag = "losses/loss"
     common = ["--max-steps", "10", "--batch-size", "8", "--lr", "1e-3", "--warmup-steps", "1", "--eval-every", "10",
               "--eval-batch-size", "3"]
@@ -56,7 +56,7 @@ def test_two_ranks_give_the_same_update_as_one_process(tmp_path, script, data):
     else:
         base = save_checkpoint(str(tmp_path / "base"), "llama", "bos", "float32")
         common += ["--model-name-or-path", base, "--dataset-name", write_data(tmp_path / "d.jsonl", data)]
-        common += ["--reward-model-path", "None"] if script == "dpo.py" else []
+        common += ["--reward-model-path", "None"] if script == "scale/dpo.py" else []
     runs = {"one": [], "one_accum2": ["--gradient-accumulation-steps", "2"]}
     for name, flags in runs.items():
         run_in_process(script, *common, *flags, "--output-dir", name, "--exp-name", name, cwd=tmp_path)
@@ -97,7 +97,7 @@ def test_rlhf_ppo_under_torchrun(tiny_checkpoints, tmp_path, fsdp):
     """2 ranks, 2 iterations: one run directory, one checkpoint that loads, the first ratio exactly 1 on every
     rank (the logged value is the largest over the ranks), finite logs, and evaluation over all the prompts."""
     models = tiny_checkpoints["cwd"] / "models"
-    torchrun("rlhf_ppo.py", "--sft-model-path", str(models / "sft"), "--reward-model-path", str(models / "reward_model"),
+    torchrun("scale/rlhf_ppo.py", "--sft-model-path", str(models / "sft"), "--reward-model-path", str(models / "reward_model"),
              "--num-iterations", "2", "--batch-size", "16", "--mini-batch-size", "8", "--gradient-accumulation-steps", "2",
              "--eval-size", "9", "--generation-batch-size", "3", *(["--fsdp"] if fsdp else []), cwd=tmp_path)
     run_dirs = glob.glob(str(tmp_path / "runs" / "*"))
@@ -119,7 +119,7 @@ def test_grpo_under_torchrun(tiny_checkpoints, tmp_path):
     makes the policy's log-probs one pass over prompt + response, and the reference must take the same pass (not
     shared_prompt_logprobs' two) to compute them bit for bit."""
     models = tiny_checkpoints["cwd"] / "models"
-    torchrun("grpo.py", "--sft-model-path", str(models / "sft"), "--num-iterations", "2", "--batch-size", "16",
+    torchrun("scale/grpo.py", "--sft-model-path", str(models / "sft"), "--num-iterations", "2", "--batch-size", "16",
              "--num-generations", "4", "--mini-batch-size", "8", "--eval-size", "9", "--eval-every", "1", "--fsdp",
              cwd=tmp_path)
     run_dirs = glob.glob(str(tmp_path / "runs" / "*"))
@@ -139,7 +139,7 @@ def test_a_reward_that_raises_on_one_rank_stops_every_rank(tiny_checkpoints, tmp
                                        "    if os.environ['RANK'] == '1':\n        raise RuntimeError('rank 1 only')\n"
                                        "    return [1.0] * len(completions)\n")
     models = tiny_checkpoints["cwd"] / "models"
-    proc = torchrun("grpo.py", "--sft-model-path", str(models / "sft"), "--reward-fn", "flaky.py:flaky",
+    proc = torchrun("scale/grpo.py", "--sft-model-path", str(models / "sft"), "--reward-fn", "flaky.py:flaky",
                     "--num-iterations", "1", "--batch-size", "8", "--num-generations", "4", "--mini-batch-size", "8",
                     "--eval-size", "4", cwd=tmp_path, check=False)
     assert proc.returncode != 0
@@ -179,11 +179,11 @@ def test_masked_whiten_uses_the_whole_batch_over_ranks(tmp_path):
 # Bad input: one line from rank 0, every rank exits, nothing written
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("script,flags", [
-    ("sft.py", ["--batch-size", "6", "--gradient-accumulation-steps", "2"]),
-    ("reward_model.py", ["--batch-size", "6", "--gradient-accumulation-steps", "2"]),
-    ("dpo.py", ["--batch-size", "6", "--gradient-accumulation-steps", "2"]),
-    ("rlhf_ppo.py", ["--batch-size", "12", "--mini-batch-size", "6", "--gradient-accumulation-steps", "2"]),
-    ("grpo.py", ["--batch-size", "12", "--num-generations", "2", "--mini-batch-size", "6",
+    ("scale/sft.py", ["--batch-size", "6", "--gradient-accumulation-steps", "2"]),
+    ("scale/reward_model.py", ["--batch-size", "6", "--gradient-accumulation-steps", "2"]),
+    ("scale/dpo.py", ["--batch-size", "6", "--gradient-accumulation-steps", "2"]),
+    ("scale/rlhf_ppo.py", ["--batch-size", "12", "--mini-batch-size", "6", "--gradient-accumulation-steps", "2"]),
+    ("scale/grpo.py", ["--batch-size", "12", "--num-generations", "2", "--mini-batch-size", "6",
                  "--gradient-accumulation-steps", "2"]),
 ])
 def test_batch_that_does_not_split_over_ranks_is_one_line_on_rank_0(tmp_path, script, flags):
@@ -201,7 +201,7 @@ def test_more_processes_than_gpus_is_one_line(monkeypatch, script):
     (it was CUDA's "invalid device ordinal" traceback on rank 1). The GPU is faked: this runs anywhere."""
     import importlib
 
-    module = importlib.import_module(script)
+    module = importlib.import_module("scale." + script)
     for name, value in (("RANK", "1"), ("LOCAL_RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2")):
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -232,7 +232,7 @@ def test_a_mixture_of_experts_trains_under_ddp(tmp_path):
                            eos_token_id=tokenizer.eos_token_id)
     MixtralForCausalLM(config).save_pretrained(tmp_path / "base")
     tokenizer.save_pretrained(tmp_path / "base")
-    torchrun("sft.py", "--model-name-or-path", str(tmp_path / "base"), "--dataset-name",
+    torchrun("scale/sft.py", "--model-name-or-path", str(tmp_path / "base"), "--dataset-name",
              write_data(tmp_path / "d.jsonl", "prompt_completion"), "--max-steps", "3", "--batch-size", "4", "--lr", "1e-2",
              "--warmup-steps", "0", "--eval-every", "3", "--eval-size", "4", "--output-dir", "moe", cwd=tmp_path)
     start, end = state(tmp_path / "base")[1], state(tmp_path / "moe")[1]
@@ -267,9 +267,9 @@ script.main(script.tyro.cli(script.Args, args=sys.argv[1:]))
 
 
 @pytest.mark.parametrize("script,flags", [
-    ("rlhf_ppo.py", ["--batch-size", "16", "--mini-batch-size", "16"]),
-    ("grpo.py", ["--batch-size", "16", "--num-generations", "4", "--mini-batch-size", "16"]),
-    ("grpo.py", ["--batch-size", "16", "--num-generations", "4", "--mini-batch-size", "16", "--fsdp"]),
+    ("scale/rlhf_ppo.py", ["--batch-size", "16", "--mini-batch-size", "16"]),
+    ("scale/grpo.py", ["--batch-size", "16", "--num-generations", "4", "--mini-batch-size", "16"]),
+    ("scale/grpo.py", ["--batch-size", "16", "--num-generations", "4", "--mini-batch-size", "16", "--fsdp"]),
 ])
 def test_one_update_on_a_given_rollout_is_the_same_on_two_ranks(small_checkpoints, tmp_path, monkeypatch, script,
                                                                  flags):
@@ -279,7 +279,7 @@ def test_one_update_on_a_given_rollout_is_the_same_on_two_ranks(small_checkpoint
     rounding (1e-5, where the update moved them by 1e-3; see below for the few it cannot hold)."""
     import importlib
 
-    module = importlib.import_module(script[: -len(".py")])
+    module = importlib.import_module(module_name(script))
     real, recorded = module.sample_in_chunks, []
 
     def recording(model, prompt_ids, *args, **kwargs):
@@ -290,17 +290,17 @@ def test_one_update_on_a_given_rollout_is_the_same_on_two_ranks(small_checkpoint
 
     monkeypatch.setattr(module, "sample_in_chunks", recording)
     models = ["--sft-model-path", str(small_checkpoints["sft"])]
-    models += ["--reward-model-path", str(small_checkpoints["reward_model"])] if script == "rlhf_ppo.py" else []
+    models += ["--reward-model-path", str(small_checkpoints["reward_model"])] if script == "scale/rlhf_ppo.py" else []
     common = [*models, "--num-iterations", "1", "--ppo-epochs", "1", "--lr", "1e-3", "--eval-size", "2", *flags]
     run_in_process(script, *common, "--output-dir", "one", "--exp-name", "one", cwd=tmp_path)
     torch.save(recorded[0], tmp_path / "rollout.pt")
-    (tmp_path / "replay.py").write_text(REPLAY.format(root=ROOT, script=script[: -len(".py")]))
+    (tmp_path / "replay.py").write_text(REPLAY.format(root=ROOT, script=module_name(script)))
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                     "replay.py", *common, "--output-dir", "two", "--exp-name", "two"], cwd=tmp_path, env=env, check=True,
                    capture_output=True, timeout=300)
     logs = {name: read_scalars(str(next((tmp_path / "runs").glob(f"{name}__*")))) for name in ("one", "two")}
-    for tag in ("losses/policy_loss", "objective/reward") + (("losses/value_loss",) if script == "rlhf_ppo.py" else ()):
+    for tag in ("losses/policy_loss", "objective/reward") + (("losses/value_loss",) if script == "scale/rlhf_ppo.py" else ()):
         assert logs["two"][tag][-1][1] == pytest.approx(logs["one"][tag][-1][1], rel=1e-4, abs=1e-6), tag
     one, two = (state(tmp_path / name)[1] for name in ("one", "two"))
     start = state(small_checkpoints["sft"])[1]

@@ -13,10 +13,10 @@ from conftest import ROOT, assert_one_line_error, read_scalars, run_in_process, 
 from lm_models import save_checkpoint
 from test_real_models import state, write_data
 
-import dpo
-import grpo
-import rlhf_ppo
-import sft
+from scale import dpo
+from scale import grpo
+from scale import rlhf_ppo
+from scale import sft
 
 
 def scalars_of(cwd, name):
@@ -31,10 +31,10 @@ def test_bf16_kl_is_exactly_zero_before_the_first_update(tiny_checkpoints, tmp_p
     0.2 before any update. Now held and computed as the policy: rlhf_ppo's and grpo's KL (k1 and k3) of the first
     rollout and eval/kl before training are exactly 0, and the first ratio exactly 1."""
     models = tiny_checkpoints["cwd"] / "models"
-    run_in_process("rlhf_ppo.py", "--sft-model-path", str(models / "sft"), "--reward-model-path",
+    run_in_process("scale/rlhf_ppo.py", "--sft-model-path", str(models / "sft"), "--reward-model-path",
                    str(models / "reward_model"), "--num-iterations", "1", "--batch-size", "16", "--mini-batch-size", "8",
                    "--eval-size", "16", "--bf16", "--temperature", "0.7", "--output-dir", "ppo", cwd=tmp_path)
-    run_in_process("grpo.py", "--sft-model-path", str(models / "sft"), "--num-iterations", "1", "--batch-size", "16",
+    run_in_process("scale/grpo.py", "--sft-model-path", str(models / "sft"), "--num-iterations", "1", "--batch-size", "16",
                    "--num-generations", "4", "--mini-batch-size", "8", "--eval-size", "16", "--bf16", "--temperature",
                    "0.7", "--output-dir", "grpo", cwd=tmp_path)
     for name in ("rlhf_ppo", "grpo"):
@@ -52,7 +52,7 @@ def test_bf16_dpo_margin_is_exactly_zero_before_the_first_update(tiny_checkpoint
     policy by rounding (margin −3.0e-8 on this batch of 64 of 400 pairs); computed on the micro-batch the
     policy sees, it cannot."""
     models = tiny_checkpoints["cwd"] / "models"
-    run_in_process("dpo.py", "--model-name-or-path", str(models / "sft"), "--reward-model-path", "None",
+    run_in_process("scale/dpo.py", "--model-name-or-path", str(models / "sft"), "--reward-model-path", "None",
                    "--max-steps", "1", "--num-train-pairs", "400", "--eval-size", "16", "--bf16", "--output-dir", "dpo",
                    cwd=tmp_path)
     logs = scalars_of(tmp_path, "dpo")
@@ -143,7 +143,7 @@ def test_one_gradient_all_reduce_per_optimizer_step(tiny_checkpoints, tmp_path, 
     if script == "rlhf_ppo":
         models = tiny_checkpoints["cwd"] / "models"
         flags = [*flags, "--sft-model-path", str(models / "sft"), "--reward-model-path", str(models / "reward_model")]
-    (tmp_path / "counting.py").write_text(COUNTING.format(root=ROOT, script=script))
+    (tmp_path / "counting.py").write_text(COUNTING.format(root=ROOT, script="scale." + script))
     counts = []
     for accumulation in ("1", "2"):
         cwd = tmp_path / accumulation
@@ -165,21 +165,21 @@ def test_a_bf16_checkpoint_is_saved_in_bf16_and_save_dtype_overrides(tmp_path):
     data = write_data(tmp_path / "d.jsonl", "prompt_completion")
     common = ["--model-name-or-path", base, "--dataset-name", data, "--max-steps", "1", "--batch-size", "4",
               "--eval-every", "1", "--warmup-steps", "0"]
-    run_in_process("sft.py", *common, "--output-dir", "own", cwd=tmp_path)
-    run_in_process("sft.py", *common, "--output-dir", "fp32", "--save-dtype", "float32", cwd=tmp_path)
+    run_in_process("scale/sft.py", *common, "--output-dir", "own", cwd=tmp_path)
+    run_in_process("scale/sft.py", *common, "--output-dir", "fp32", "--save-dtype", "float32", cwd=tmp_path)
     from safetensors import safe_open
 
     for name, dtype in (("own", torch.bfloat16), ("fp32", torch.float32)):
         with safe_open(str(tmp_path / name / "model.safetensors"), "pt") as f:
             assert {f.get_tensor(k).dtype for k in f.keys()} == {dtype}, name
         assert json.load(open(tmp_path / name / "config.json"))["dtype"] == str(dtype).split(".")[1]
-    assert_one_line_error(run_script("sft.py", *common, "--save-dtype", "int8", cwd=tmp_path, check=False),
+    assert_one_line_error(run_script("scale/sft.py", *common, "--save-dtype", "int8", cwd=tmp_path, check=False),
                           "--save-dtype", "bfloat16")
 
 
 def test_a_checkpoint_that_cannot_be_written_is_one_line(tmp_path):
     (tmp_path / "blocker").write_text("a file where the output's parent directory should be")
-    proc = run_script("sft.py", "--max-steps", "1", "--eval-size", "2", "--num-train-examples", "64",
+    proc = run_script("scale/sft.py", "--max-steps", "1", "--eval-size", "2", "--num-train-examples", "64",
                       "--output-dir", "blocker/sft", cwd=tmp_path, check=False)
     assert_one_line_error(proc, "cannot write the checkpoint", "blocker/sft", "nothing was saved")
     assert not list(tmp_path.glob("blocker*.tmp-*"))
@@ -252,7 +252,7 @@ def test_fsdp_bf16_mixed_precision_policy_keeps_the_kl_exactly_zero(tiny_checkpo
     from test_distributed import torchrun
 
     models = tiny_checkpoints["cwd"] / "models"
-    torchrun("rlhf_ppo.py", "--sft-model-path", str(models / "sft"), "--reward-model-path", str(models / "reward_model"),
+    torchrun("scale/rlhf_ppo.py", "--sft-model-path", str(models / "sft"), "--reward-model-path", str(models / "reward_model"),
              "--num-iterations", "1", "--batch-size", "16", "--mini-batch-size", "8", "--gradient-accumulation-steps",
              "2", "--eval-size", "9", "--generation-batch-size", "3", "--fsdp", "--bf16", cwd=tmp_path)
     logs = scalars_of(tmp_path, "rlhf_ppo")

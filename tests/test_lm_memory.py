@@ -6,9 +6,9 @@ from conftest import read_scalars, run_in_process
 from lm_models import make_model, save_checkpoint
 from test_real_models import state, write_data
 
-import dpo
-import grpo
-import rlhf_ppo
+from scale import dpo
+from scale import grpo
+from scale import rlhf_ppo
 
 
 @pytest.mark.parametrize("script", [grpo, rlhf_ppo])
@@ -46,8 +46,8 @@ def test_gradient_checkpointing_changes_nothing(arch):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("script,data", [("sft.py", "prompt_completion"), ("reward_model.py", "explicit"),
-                                         ("dpo.py", "explicit")])
+@pytest.mark.parametrize("script,data", [("scale/sft.py", "prompt_completion"), ("scale/reward_model.py", "explicit"),
+                                         ("scale/dpo.py", "explicit")])
 def test_gradient_accumulation_gives_the_same_update(tmp_path, script, data):
     """A batch of 8 in one step, in 2 micro-batches of 4, and in 4 of 2: the same loss and gradient norm (AdamW is
     blind to a gradient's scale, so the logged norm is what shows a wrong normalization), and the same weights
@@ -59,12 +59,12 @@ def test_gradient_accumulation_gives_the_same_update(tmp_path, script, data):
     loss_tag = "losses/loss"
     for accumulation in (1, 2, 4):
         out = f"out{accumulation}"
-        extra = ["--reward-model-path", "None"] if script == "dpo.py" else []
+        extra = ["--reward-model-path", "None"] if script == "scale/dpo.py" else []
         run_in_process(script, "--model-name-or-path", base, "--dataset-name", data, "--max-steps", "10", "--batch-size", "8",
                        "--gradient-accumulation-steps", str(accumulation), "--lr", "1e-3", "--warmup-steps", "1",
                        "--eval-every", "10", "--eval-batch-size", "3", "--output-dir", out, "--exp-name", out, *extra,
                        cwd=tmp_path)
-        weights.append(state(tmp_path / out, "AutoModelForSequenceClassification" if script == "reward_model.py"
+        weights.append(state(tmp_path / out, "AutoModelForSequenceClassification" if script == "scale/reward_model.py"
                              else "AutoModelForCausalLM")[1])
         logs.append(read_scalars(str(next((tmp_path / "runs").glob(f"{out}__*")))))
     for other, other_logs in zip(weights[1:], logs[1:]):
@@ -79,7 +79,7 @@ def test_rlhf_ppo_micro_batches_keep_the_first_ratio_exact_and_the_update(tiny_c
     models = tiny_checkpoints["cwd"] / "models"
     outs = []
     for accumulation in (1, 2):
-        run_in_process("rlhf_ppo.py", "--sft-model-path", str(models / "sft"), "--reward-model-path",
+        run_in_process("scale/rlhf_ppo.py", "--sft-model-path", str(models / "sft"), "--reward-model-path",
                        str(models / "reward_model"), "--num-iterations", "2", "--batch-size", "16", "--mini-batch-size", "8",
                        "--gradient-accumulation-steps", str(accumulation), "--eval-size", "8", "--generation-batch-size", "6",
                        "--output-dir", f"ppo{accumulation}", "--exp-name", f"ppo{accumulation}", cwd=tmp_path)
@@ -93,7 +93,7 @@ def test_rlhf_ppo_micro_batches_keep_the_first_ratio_exact_and_the_update(tiny_c
         assert logs_two[tag][0][1] == pytest.approx(logs_one[tag][0][1], abs=1e-5), tag
 
 
-@pytest.mark.parametrize("script", ["rlhf_ppo.py", "grpo.py"])
+@pytest.mark.parametrize("script", ["scale/rlhf_ppo.py", "scale/grpo.py"])
 def test_rollout_forward_passes_use_the_update_micro_batch_size(tiny_checkpoints, tmp_path, script):
     """The first ratio is exactly 1 because the rollout's log-probs come from forward passes of the same size as
     the update's. On this CPU a batch of 4 and one of 8 happen to give the same bits, so the sizes are checked."""
@@ -118,7 +118,7 @@ def test_rollout_forward_passes_use_the_update_micro_batch_size(tiny_checkpoints
 
     GPT2LMHeadModel.forward = forward
     try:
-        flags = (["--reward-model-path", str(models / "reward_model"), "--num-iterations", "1"] if script == "rlhf_ppo.py"
+        flags = (["--reward-model-path", str(models / "reward_model"), "--num-iterations", "1"] if script == "scale/rlhf_ppo.py"
                  else ["--num-iterations", "1", "--num-generations", "4"])
         run_in_process(script, "--sft-model-path", str(models / "sft"), *flags, "--batch-size", "16", "--mini-batch-size",
                        "8", "--gradient-accumulation-steps", "2", "--eval-size", "6", "--generation-batch-size", "6",

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, TINY_LM, assert_one_line_error, only_run_dir, read_scalars, run_in_process, run_script
+from conftest import ROOT, TINY_LM, assert_one_line_error, module_name, only_run_dir, read_scalars, run_in_process, run_script
 from test_distributed import torchrun
 from test_resume import check_exact_resume, lm_flags, one_line_exit
 
@@ -18,7 +18,7 @@ def trained_model_of(script, flags, cwd, monkeypatch):
     """Run a script in this process and return the model it hands to save_atomically (a peft model)."""
     import importlib
 
-    module = importlib.import_module(script[: -len(".py")])
+    module = importlib.import_module(module_name(script))
     captured = []
     real = module.save_atomically
     monkeypatch.setattr(module, "save_atomically", lambda model, *a: (captured.append(model), real(model, *a)))
@@ -26,14 +26,14 @@ def trained_model_of(script, flags, cwd, monkeypatch):
     return captured[0]
 
 
-@pytest.mark.parametrize("script", ["reward_model.py", "rlhf_ppo.py"])
+@pytest.mark.parametrize("script", ["scale/reward_model.py", "scale/rlhf_ppo.py"])
 def test_only_the_adapters_and_the_head_change(tiny_checkpoints, tmp_path, monkeypatch, script):
     """After training with --lora-r 4: every base weight is the checkpoint's, bitwise; every LoRA B (zero at the
     start) and the reward model's score head have moved."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     models = tiny_checkpoints["cwd"] / "models"
-    if script == "reward_model.py":
+    if script == "scale/reward_model.py":
         flags = ["--model-name-or-path", str(models / "sft"), "--max-steps", "10", "--num-train-pairs", "200",
                  "--eval-size", "8", "--batch-size", "8", "--eval-every", "10", "--lr", "1e-2"]
         base = AutoModelForSequenceClassification.from_pretrained(models / "sft", num_labels=1)
@@ -49,7 +49,7 @@ def test_only_the_adapters_and_the_head_change(tiny_checkpoints, tmp_path, monke
     original = base.state_dict()
     frozen = {k.replace(".base_layer", "").replace(".original_module", ""): v for k, v in state.items()
               if "lora_" not in k and "modules_to_save" not in k}
-    head = "score.weight" if script == "reward_model.py" else None
+    head = "score.weight" if script == "scale/reward_model.py" else None
     for name, value in original.items():
         if name == head:  # a new head, random at the start: only its trained copy moves
             continue
@@ -73,11 +73,11 @@ def test_adapters_off_is_the_base_model_and_the_merged_save_is_the_adapter_model
     flags = ["--model-name-or-path", str(models / "sft"), "--reward-model-path", "None", "--max-steps", "10",
              "--batch-size", "8", "--num-train-pairs", "200", "--eval-size", "8", "--eval-every", "10",
              "--lr", "1e-2", "--lora-r", "4", "--lora-dropout", "0.1"]
-    run_script("dpo.py", *flags, "--output-dir", "models/adapter", cwd=tmp_path)
+    run_script("scale/dpo.py", *flags, "--output-dir", "models/adapter", cwd=tmp_path)
     scalars = read_scalars(only_run_dir(tmp_path))
     assert scalars["train/margin"][0] == (1, 0.0) and scalars["eval/kl"][0] == (0, 0.0)
     assert scalars["eval/kl"][-1][1] != 0.0  # the reference did not follow the policy
-    run_script("dpo.py", *flags, "--merge-lora", "--output-dir", "models/merged", cwd=tmp_path)
+    run_script("scale/dpo.py", *flags, "--merge-lora", "--output-dir", "models/merged", cwd=tmp_path)
     assert not (tmp_path / "models" / "adapter" / "config.json").exists()
     base = AutoModelForCausalLM.from_pretrained(models / "sft").eval()
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(models / "sft"),
@@ -95,8 +95,8 @@ def test_adapters_off_is_the_base_model_and_the_merged_save_is_the_adapter_model
 def test_exact_resume_with_lora(tiny_checkpoints, tmp_path):
     """rlhf_ppo.py's actor and critic both adapted, the critic's head trained whole: the checkpoint holds the adapters
     and the head only (the frozen weights come from the model paths), and the run resumes exactly."""
-    flags, n = lm_flags("rlhf_ppo.py", tiny_checkpoints["cwd"] / "models")
-    check_exact_resume("rlhf_ppo.py", [*flags, "--lora-r", "4", "--merge-lora"], n, tmp_path)
+    flags, n = lm_flags("scale/rlhf_ppo.py", tiny_checkpoints["cwd"] / "models")
+    check_exact_resume("scale/rlhf_ppo.py", [*flags, "--lora-r", "4", "--merge-lora"], n, tmp_path)
 
 
 def test_lora_under_torchrun_ddp_is_the_one_process_update(tmp_path):
@@ -106,7 +106,7 @@ def test_lora_under_torchrun_ddp_is_the_one_process_update(tmp_path):
     logs = {}
     for name, run in (("one", run_script), ("two", torchrun)):
         os.makedirs(tmp_path / name)
-        run("sft.py", *flags, cwd=tmp_path / name)
+        run("scale/sft.py", *flags, cwd=tmp_path / name)
         logs[name] = read_scalars(only_run_dir(tmp_path / name))
     for tag in ("losses/loss", "train/grad_norm"):
         assert [s for s, _ in logs["one"][tag]] == [s for s, _ in logs["two"][tag]] == [10]
@@ -119,7 +119,7 @@ def test_lora_under_torchrun_ddp_is_the_one_process_update(tmp_path):
     (["--lora-r", "-1"], ["--lora-r must be ≥ 0"]),
 ])
 def test_bad_lora_flags_are_one_line(tmp_path, flags, words):
-    message = one_line_exit("sft.py", *TINY_LM, *flags, cwd=tmp_path)
+    message = one_line_exit("scale/sft.py", *TINY_LM, *flags, cwd=tmp_path)
     assert all(word in message for word in words), message
     assert not os.path.exists(tmp_path / "runs")
 
@@ -129,7 +129,7 @@ def test_a_copied_script_runs_without_peft(tmp_path):
     install, in one line."""
     code = ("import runpy, sys; sys.modules['peft'] = None; sys.argv = sys.argv[1:]; "
             "runpy.run_path(sys.argv[0], run_name='__main__')")
-    base = [sys.executable, "-c", code, os.path.join(ROOT, "sft.py"), *TINY_LM, "--max-steps", "2", "--num-train-examples",
+    base = [sys.executable, "-c", code, os.path.join(ROOT, "scale/sft.py"), *TINY_LM, "--max-steps", "2", "--num-train-examples",
             "50", "--eval-size", "2", "--eval-every", "2", "--batch-size", "4"]
     subprocess.run(base, cwd=tmp_path, check=True, capture_output=True, timeout=300)
     proc = subprocess.run([*base, "--lora-r", "4"], cwd=tmp_path, capture_output=True, text=True, timeout=300)

@@ -64,17 +64,17 @@ def check_exact_resume(script, flags, n, tmp_path, run=in_process):
 def lm_flags(script, models):
     """(flags, N) of a short run of each LM script from the tiny checkpoints: 2N steps or iterations."""
     sft, rm = str(models / "sft"), str(models / "reward_model")
-    if script == "sft.py":
+    if script == "scale/sft.py":
         return [*TINY_LM, "--max-steps", "20", "--eval-every", "5", "--num-train-examples", "300", "--eval-size", "8",
                 "--batch-size", "8", "--warmup-steps", "3", "--output-dir", "models/m"], 10
-    if script == "reward_model.py":
+    if script == "scale/reward_model.py":
         return ["--model-name-or-path", sft, "--max-steps", "20", "--eval-every", "5", "--num-train-pairs", "200",
                 "--eval-size", "8", "--batch-size", "8", "--output-dir", "models/m"], 10
-    if script == "dpo.py":
+    if script == "scale/dpo.py":
         return ["--model-name-or-path", sft, "--reward-model-path", rm, "--max-steps", "20", "--batch-size", "4",
                 "--num-train-pairs", "100", "--eval-size", "8", "--eval-every", "5", "--warmup-steps", "2",
                 "--output-dir", "models/m"], 10
-    if script == "rlhf_ppo.py":  # the adaptive KL controller on: its coefficient is part of what is restored
+    if script == "scale/rlhf_ppo.py":  # the adaptive KL controller on: its coefficient is part of what is restored
         return ["--sft-model-path", sft, "--reward-model-path", rm, "--num-iterations", "4", "--batch-size", "16",
                 "--mini-batch-size", "8", "--ppo-epochs", "2", "--eval-size", "8", "--eval-every", "2",
                 "--kl-target", "0.001", "--kl-horizon", "100", "--output-dir", "models/m"], 2
@@ -82,13 +82,13 @@ def lm_flags(script, models):
             "--mini-batch-size", "8", "--eval-size", "8", "--eval-every", "2", "--output-dir", "models/m"], 2
 
 
-@pytest.mark.parametrize("script", ["sft.py", "reward_model.py", "dpo.py", "rlhf_ppo.py", "grpo.py"])
+@pytest.mark.parametrize("script", ["scale/sft.py", "scale/reward_model.py", "scale/dpo.py", "scale/rlhf_ppo.py", "scale/grpo.py"])
 def test_exact_resume_one_process(tiny_checkpoints, tmp_path, script):
     flags, n = lm_flags(script, tiny_checkpoints["cwd"] / "models")
     check_exact_resume(script, flags, n, tmp_path)
 
 
-@pytest.mark.parametrize("script,fsdp", [("sft.py", False), ("rlhf_ppo.py", True)], ids=["sft-ddp", "rlhf_ppo-fsdp"])
+@pytest.mark.parametrize("script,fsdp", [("scale/sft.py", False), ("scale/rlhf_ppo.py", True)], ids=["sft-ddp", "rlhf_ppo-fsdp"])
 def test_exact_resume_two_ranks(tiny_checkpoints, tmp_path, script, fsdp):
     """torchrun, 2 gloo ranks: under --fsdp each rank saves and loads its own shards (torch.distributed.checkpoint).
     Two of the four cells of docs/long_runs.md's table (sft with --fsdp and rlhf_ppo with DDP: measured there, not
@@ -114,9 +114,9 @@ def test_dynamic_sampling_two_ranks_agree_and_resume_exactly(small_checkpoints, 
     rank samples as many extra batches of prompts as the rank that needs most (else a collective would hang), and
     the extra prompts drawn are part of the state a checkpoint restores (exact resume)."""
     (tmp_path / "by_rank.py").write_text(BY_RANK)
-    flags, n = lm_flags("grpo.py", small_checkpoints["sft"].parent)  # an SFT model whose completions stop
+    flags, n = lm_flags("scale/grpo.py", small_checkpoints["sft"].parent)  # an SFT model whose completions stop
     flags += ["--reward-fn", str(tmp_path / "by_rank.py") + ":by_rank", "--dynamic-sampling"]
-    check_exact_resume("grpo.py", flags, n, tmp_path, run=torchrun)
+    check_exact_resume("scale/grpo.py", flags, n, tmp_path, run=torchrun)
     logs = read_scalars(only_run_dir(tmp_path / "saver"))
     sampled, zero_std = ([v for _, v in logs[tag]] for tag in ("objective/prompts_sampled", "objective/zero_std_fraction"))
     assert any(4 < k < 16 for k in sampled), sampled  # extra batches, without reaching --max-sampling-rounds 4
@@ -126,10 +126,10 @@ def test_dynamic_sampling_two_ranks_agree_and_resume_exactly(small_checkpoints, 
 
 def test_writing_checkpoints_changes_nothing(tiny_checkpoints, tmp_path):
     """sft.py with a checkpoint every 3 steps logs and saves what it does without any."""
-    flags, _ = lm_flags("sft.py", tiny_checkpoints["cwd"] / "models")
+    flags, _ = lm_flags("scale/sft.py", tiny_checkpoints["cwd"] / "models")
     for name, extra in (("plain", []), ("saving", ["--save-every", "3"])):
         os.makedirs(tmp_path / name)
-        in_process("sft.py", *flags, *extra, cwd=tmp_path / name)
+        in_process("scale/sft.py", *flags, *extra, cwd=tmp_path / name)
     assert scalars_and_weights(tmp_path / "plain") == scalars_and_weights(tmp_path / "saving")
 
 
@@ -139,13 +139,13 @@ def test_the_checkpoint_holds_what_resuming_needs(tiny_checkpoints, tmp_path):
     --keep-checkpoints are kept."""
     import torch
 
-    flags, _ = lm_flags("rlhf_ppo.py", tiny_checkpoints["cwd"] / "models")
-    in_process("rlhf_ppo.py", *flags, "--save-every", "1", "--keep-checkpoints", "2", cwd=tmp_path)
+    flags, _ = lm_flags("scale/rlhf_ppo.py", tiny_checkpoints["cwd"] / "models")
+    in_process("scale/rlhf_ppo.py", *flags, "--save-every", "1", "--keep-checkpoints", "2", cwd=tmp_path)
     run_dir = only_run_dir(tmp_path)
     assert sorted(name for name in os.listdir(run_dir) if name.startswith("checkpoint")) == ["checkpoint-3", "checkpoint-4"]
     path = os.path.join(run_dir, "checkpoint-4")
     meta = json.load(open(os.path.join(path, "checkpoint.json")))
-    assert (meta["script"], meta["step"], meta["world_size"], meta["args"]["kl_target"]) == ("rlhf_ppo.py", 4, 1, 0.001)
+    assert (meta["script"], meta["step"], meta["world_size"], meta["args"]["kl_target"]) == ("scale/rlhf_ppo.py", 4, 1, 0.001)
     rank0 = torch.load(os.path.join(path, "rank0.pt"), weights_only=True)
     assert set(rank0["random"]) == {"python", "numpy", "torch", "cuda"}
     assert rank0["loop"]["step"] == 4 and rank0["loop"]["kl_coef"] != 0.05 and len(rank0["loop"]["rng"][1]) == 625
@@ -161,7 +161,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_0_then_resume_finishes(tmp_path):
     and the command to resume, which finishes the run."""
     flags = [*TINY_LM, "--max-steps", "300", "--num-train-examples", "300", "--eval-size", "8", "--batch-size", "8",
              "--eval-every", "1000", "--output-dir", "models/m"]
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "sft.py"), *flags], cwd=tmp_path,
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "scale/sft.py"), *flags], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for _ in range(600):  # wait until it trains: the run directory appears right before the loop
         if (tmp_path / "runs").exists() and os.listdir(tmp_path / "runs"):
@@ -176,9 +176,9 @@ def test_sigterm_saves_a_checkpoint_and_exits_0_then_resume_finishes(tmp_path):
     assert len(checkpoints) == 1 and 0 < int(checkpoints[0].split("-")[1]) < 300, checkpoints
     assert not (tmp_path / "models" / "m").exists()  # the run is not over: no final model
     command = out.split("resume with:\n")[1].strip().split()
-    assert command[:2] == ["python", os.path.join(ROOT, "sft.py")]
+    assert command[:2] == ["python", os.path.join(ROOT, "scale/sft.py")]
     assert command[2:] == [*flags, "--resume", os.path.join("runs", os.path.basename(run_dir))]
-    done = run_script("sft.py", *command[2:], cwd=tmp_path)
+    done = run_script("scale/sft.py", *command[2:], cwd=tmp_path)
     assert f"resumed from runs/{os.path.basename(run_dir)}/{checkpoints[0]}" in done.stdout
     assert (tmp_path / "models" / "m" / "model.safetensors").exists()
     assert max(step for step, _ in read_scalars(run_dir)["losses/loss"]) == 300
@@ -213,30 +213,30 @@ def test_a_crash_while_writing_leaves_the_previous_checkpoint(tiny_checkpoints, 
     run_dir = only_run_dir(tmp_path)
     assert sorted(os.listdir(run_dir)) == ["checkpoint-2", "checkpoint-4.tmp", *[n for n in os.listdir(run_dir) if n.startswith("events")]]
     monkeypatch.setattr(torch, "save", real_save)
-    resumed = run_script("sft.py", *flags, "--resume", run_dir, cwd=tmp_path)
+    resumed = run_script("scale/sft.py", *flags, "--resume", run_dir, cwd=tmp_path)
     assert "resumed from" in resumed.stdout and "checkpoint-2 (step 2)" in resumed.stdout
     assert not os.path.exists(os.path.join(run_dir, "checkpoint-4.tmp")) and os.path.isdir(os.path.join(run_dir, "checkpoint-6"))
 
 
 def test_bad_resume_input_is_one_line_and_writes_nothing(tiny_checkpoints, tmp_path, monkeypatch):
-    flags, _ = lm_flags("sft.py", tiny_checkpoints["cwd"] / "models")
-    in_process("sft.py", *flags, "--save-every", "10", cwd=tmp_path)
+    flags, _ = lm_flags("scale/sft.py", tiny_checkpoints["cwd"] / "models")
+    in_process("scale/sft.py", *flags, "--save-every", "10", cwd=tmp_path)
     run_dir = only_run_dir(tmp_path)
     before = sorted(p for p in tmp_path.rglob("*"))
     cases = [
-        ("sft.py", [*flags, "--resume", "runs/nothing"], ["no checkpoint there"]),
-        ("sft.py", [*flags, "--resume", str(tmp_path / "models")], ["no checkpoint there"]),
-        ("reward_model.py", ["--model-name-or-path", str(tiny_checkpoints["sft"]), "--resume", run_dir],
-         ["checkpoint of sft.py", "reward_model.py"]),
-        ("sft.py", [*flags[:-2], "--batch-size", "16", "--output-dir", "models/m", "--resume", run_dir],
+        ("scale/sft.py", [*flags, "--resume", "runs/nothing"], ["no checkpoint there"]),
+        ("scale/sft.py", [*flags, "--resume", str(tmp_path / "models")], ["no checkpoint there"]),
+        ("scale/reward_model.py", ["--model-name-or-path", str(tiny_checkpoints["sft"]), "--resume", run_dir],
+         ["checkpoint of sft.py", "scale/reward_model.py"]),
+        ("scale/sft.py", [*flags[:-2], "--batch-size", "16", "--output-dir", "models/m", "--resume", run_dir],
          ["--batch-size is 16 here but 8"]),
-        ("sft.py", [*flags, "--n-embd", "64", "--resume", run_dir], ["--n-embd is 64 here but 32"]),
+        ("scale/sft.py", [*flags, "--n-embd", "64", "--resume", run_dir], ["--n-embd is 64 here but 32"]),
     ]
     for script, case, words in cases:
         message = one_line_exit(script, *case, cwd=tmp_path)
         assert all(word in message for word in words), message
     monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun sets: checked before the process group is joined
-    assert "saved by 1 rank(s) and this run has 2" in one_line_exit("sft.py", *flags, "--resume", run_dir, cwd=tmp_path)
+    assert "saved by 1 rank(s) and this run has 2" in one_line_exit("scale/sft.py", *flags, "--resume", run_dir, cwd=tmp_path)
     assert sorted(p for p in tmp_path.rglob("*")) == before  # nothing written, not even a run directory
 
 
@@ -399,7 +399,7 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
              "--eval-every", "10000", "--output-dir", "models/m"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             os.path.join(ROOT, "sft.py"), *flags], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                             os.path.join(ROOT, "scale/sft.py"), *flags], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     wait_for_training(proc, tmp_path, seconds=120)
     ranks = {}

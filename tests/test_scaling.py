@@ -9,14 +9,14 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, TINY_LM, run_in_process
+from conftest import ROOT, TINY_LM, module_name, run_in_process
 from lm_models import save_checkpoint
 
-import dpo
-import grpo
-import reward_model
-import rlhf_ppo
-import sft
+from scale import dpo
+from scale import grpo
+from scale import reward_model
+from scale import rlhf_ppo
+from scale import sft
 
 LM_SCRIPTS = [sft, reward_model, dpo, rlhf_ppo, grpo]
 
@@ -101,7 +101,7 @@ def test_a_rank_that_does_not_see_the_run_directory_stops_every_rank(tmp_path):
                        "runpy.run_path(sys.argv[0], run_name='__main__')\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--log-dir",
-           str(tmp_path / "torchrun_logs"), "--redirects", "3", str(wrapper), os.path.join(ROOT, "sft.py"), *TINY_LM,
+           str(tmp_path / "torchrun_logs"), "--redirects", "3", str(wrapper), os.path.join(ROOT, "scale/sft.py"), *TINY_LM,
            "--max-steps", "2", "--batch-size", "4", "--num-train-examples", "20", "--eval-size", "4"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
@@ -170,21 +170,21 @@ def test_cuda_settings_leave_a_users_allocator_setting(monkeypatch):
 
 
 @pytest.mark.parametrize("script,flags", [
-    ("sft.py", [*TINY_LM, "--num-train-examples", "40", "--eval-size", "20", "--max-new-tokens", "3"]),
-    ("dpo.py", ["--model-name-or-path", "SFT", "--reward-model-path", "None", "--num-train-pairs", "40",
+    ("scale/sft.py", [*TINY_LM, "--num-train-examples", "40", "--eval-size", "20", "--max-new-tokens", "3"]),
+    ("scale/dpo.py", ["--model-name-or-path", "SFT", "--reward-model-path", "None", "--num-train-pairs", "40",
                 "--eval-size", "20", "--response-length", "3"]),
-    ("reward_model.py", ["--model-name-or-path", "SFT", "--num-train-pairs", "40", "--eval-size", "20"]),
+    ("scale/reward_model.py", ["--model-name-or-path", "SFT", "--num-train-pairs", "40", "--eval-size", "20"]),
 ])
 def test_evaluation_runs_at_the_micro_batch_size(tiny_checkpoints, tmp_path, monkeypatch, script, flags):
     """Without --eval-batch-size, evaluation samples (sft, dpo) and scores (reward_model: chosen and rejected in one
     pass) at most a training micro-batch at a time: 8 / 2 = 4 here, of 20 eval rows; --eval-batch-size 16 asks
     for more."""
-    module = sys.modules[script[:-3]]
+    module = sys.modules[module_name(script)]
     flags = [str(tiny_checkpoints["sft"]) if f == "SFT" else f for f in flags]
     common = [*flags, "--max-steps", "1", "--batch-size", "8", "--gradient-accumulation-steps", "2", "--eval-every", "1",
               "--output-dir", "out"]
     sizes = []
-    if script == "reward_model.py":
+    if script == "scale/reward_model.py":
         original = module.batch_tensors
         monkeypatch.setattr(module, "batch_tensors", lambda seqs, *a: sizes.append(len(seqs) // 2) or original(seqs, *a))
     else:
@@ -192,20 +192,20 @@ def test_evaluation_runs_at_the_micro_batch_size(tiny_checkpoints, tmp_path, mon
         monkeypatch.setattr(module, "sample", lambda m, ids, *a, **k: sizes.append(len(ids)) or original(m, ids, *a, **k))
     run_in_process(script, *common, cwd=tmp_path)
     assert sizes and max(sizes) == 4, sizes
-    if script == "sft.py":  # the flag itself (the same lines in each script)
+    if script == "scale/sft.py":  # the flag itself (the same lines in each script)
         sizes.clear()
         run_in_process(script, *common, "--eval-batch-size", "16", "--exp-name", "big", cwd=tmp_path)
         assert max(sizes) == 16, sizes
 
 
 @pytest.mark.parametrize("script,flags", [
-    ("rlhf_ppo.py", ["--batch-size", "4", "--mini-batch-size", "2", "--ppo-epochs", "1"]),
-    ("grpo.py", ["--batch-size", "4", "--num-generations", "2", "--mini-batch-size", "2"]),
+    ("scale/rlhf_ppo.py", ["--batch-size", "4", "--mini-batch-size", "2", "--ppo-epochs", "1"]),
+    ("scale/grpo.py", ["--batch-size", "4", "--num-generations", "2", "--mini-batch-size", "2"]),
 ])
 def test_no_gradients_live_through_a_rollout(tiny_checkpoints, tmp_path, monkeypatch, script, flags):
     """Gradients are freed right after each optimizer step: at every rollout after the first, no trained parameter
     holds a gradient (they would be the size of the trained weights, through the whole sampling)."""
-    module = sys.modules[script[:-3]]
+    module = sys.modules[module_name(script)]
     held = []
     original = module.sample_in_chunks
 
@@ -214,7 +214,7 @@ def test_no_gradients_live_through_a_rollout(tiny_checkpoints, tmp_path, monkeyp
         return original(model, *a, **k)
 
     monkeypatch.setattr(module, "sample_in_chunks", recorded)
-    reward = (["--reward-model-path", str(tiny_checkpoints["reward_model"])] if script == "rlhf_ppo.py" else [])
+    reward = (["--reward-model-path", str(tiny_checkpoints["reward_model"])] if script == "scale/rlhf_ppo.py" else [])
     run_in_process(script, "--sft-model-path", str(tiny_checkpoints["sft"]), *reward, *flags, "--num-iterations", "3",
                    "--eval-every", "100", "--eval-size", "2", "--response-length", "3", "--output-dir", "out", cwd=tmp_path)
     assert len(held) >= 4 and held == [0] * len(held), held
