@@ -223,7 +223,7 @@ def evaluate(model, pair_rewards, evals, args, writer, step):
 
 
 # =============================================================================================
-# Plumbing: the built-in task, tokenization, data and model loading, saving. Each
+# Plumbing: the built-in task, tokenization, data and model loading, forward passes, saving. Each
 # definition below is pasted from the scripts that share it, one text in all of them
 # (tests/test_copies.py checks each), and this file holds only those its main reaches. A reader learning
 # the algorithm can stop here.
@@ -587,7 +587,7 @@ def save_dtype_of(args, path):
 
 
 # ---------------------------------------------------------------------------------------------
-# Forward passes
+# Forward passes and sampling
 # ---------------------------------------------------------------------------------------------
 def batch_tensors(sequences, pad_token_id, device):
     """Right-pad token lists: (input_ids, attention_mask)."""

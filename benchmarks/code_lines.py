@@ -1,8 +1,13 @@
 """Lines and code lines (not blank, not only a comment, not part of a docstring) of the scripts, per file and
-in all, at the working tree or at a commit:
+in all, at the working tree or at a commit, and the algorithm's share of each LM script's code lines:
 
     python benchmarks/code_lines.py                 # the working tree
-    python benchmarks/code_lines.py b089432         # a commit (git show)
+    python benchmarks/code_lines.py aee7bdc         # a commit (git show); a file it does not have is left out
+
+The algorithm, counted the same way in every file: the code lines of the math section (from its "# The math"
+header to check_args: the pure functions with their equations) and of main's loop sections that compute it
+(from a "# ---- rollout" or "# ---- update" comment to the next "# ---- " one). Loading, evaluation, logging
+and the plumbing below the banner are not the algorithm.
 """
 import ast
 import io
@@ -12,6 +17,7 @@ import sys
 import tokenize
 
 LM = ["sft", "reward_model", "dpo", "rlhf_ppo", "grpo"]
+SCALE = [f"scale/{script}" for script in LM]
 RL = ["ppo_clip", "ppo_kl", "ppo_continuous"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,24 +37,57 @@ def code_lines(text):
     return len(code - docstrings)
 
 
+def algorithm_lines(text):
+    """Code lines of the math section and of the loop's rollout and update sections (see the docstring above)."""
+    lines = text.splitlines(keepends=True)
+    spans = []
+    if "# The math" in text and "\ndef check_args(" in text:
+        spans.append((text[: text.index("# The math")].count("\n"), text[: text.index("\ndef check_args(")].count("\n") + 1))
+    markers = [i for i, line in enumerate(lines) if line.strip().startswith("# ---- ")]
+    for start, end in zip(markers, markers[1:] + [len(lines)]):
+        if lines[start].strip().startswith(("# ---- rollout", "# ---- update")):
+            spans.append((start, end))
+    code = code_line_numbers(text)
+    return len({n for start, end in spans for n in range(start + 1, end + 1)} & code)
+
+
+def code_line_numbers(text):
+    """The 1-based numbers of the lines that hold code (code_lines counts them)."""
+    docstrings = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            docstrings |= set(range(node.lineno, node.end_lineno + 1))
+    code = set()
+    skip = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if token.type not in skip:
+            code |= set(range(token.start[0], token.end[0] + 1))
+    return code - docstrings
+
+
 def source(script, commit):
     if commit is None:
         with open(os.path.join(ROOT, f"{script}.py"), encoding="utf-8") as f:
             return f.read()
-    return subprocess.run(["git", "show", f"{commit}:{script}.py"], cwd=ROOT, check=True, capture_output=True,
-                          text=True).stdout
+    shown = subprocess.run(["git", "show", f"{commit}:{script}.py"], cwd=ROOT, capture_output=True, text=True)
+    return shown.stdout if shown.returncode == 0 else None
 
 
 def main():
     commit = sys.argv[1] if len(sys.argv) > 1 else None
-    print("| script | lines | code lines |\n|-|-|-|")
-    for family in (LM, RL):
-        total = 0
+    print("| script | lines | code lines | the algorithm's code lines |\n|-|-|-|-|")
+    for family, name in ((LM, "the five LM scripts"), (SCALE, "scale/"), (RL, "the three RL scripts")):
+        total, found = 0, False
         for script in family:
             text = source(script, commit)
-            total += code_lines(text)
-            print(f"| `{script}.py` | {text.count(chr(10)):,} | {code_lines(text):,} |")
-        print(f"| {'the five LM scripts' if family is LM else 'the three RL scripts'} | | {total:,} |")
+            if text is None:
+                continue
+            found, n, algorithm = True, code_lines(text), algorithm_lines(text)
+            total += n
+            share = f"{algorithm} ({100 * algorithm / n:.1f}%)" if family is not RL else ""
+            print(f"| `{script}.py` | {text.count(chr(10)):,} | {n:,} | {share} |")
+        if found:
+            print(f"| {name} | | {total:,} | |")
 
 
 if __name__ == "__main__":

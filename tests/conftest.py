@@ -162,19 +162,30 @@ def same_seed_scalars(script, flags, tmp_path):
 
 def reference_after_training(script, flags, cwd, monkeypatch):
     """Run `script` in this process and return (its logged scalars, the reference it trained against, as the run
-    left it): the first frozen model it placed."""
+    left it): the first frozen model a scale/ script placed, or the reference a top-level one's load_models returned."""
     import importlib
 
     module = importlib.import_module(module_name(script))
-    placed, real = [], module.place_model
+    placed = []
+    if hasattr(module, "place_model"):
+        real = module.place_model
 
-    def placing(model, device, args, trained=True):
-        out = real(model, device, args, trained)
-        if not trained:
-            placed.append(out)
-        return out
+        def placing(model, device, args, trained=True):
+            out = real(model, device, args, trained)
+            if not trained:
+                placed.append(out)
+            return out
 
-    monkeypatch.setattr(module, "place_model", placing)
+        monkeypatch.setattr(module, "place_model", placing)
+    else:
+        real = module.load_models
+
+        def loading(*args):
+            out = real(*args)
+            placed.append(out[3])  # (tokenizer, stop_ids, policy, reference, ...)
+            return out
+
+        monkeypatch.setattr(module, "load_models", loading)
     run_in_process(script, *flags, cwd=cwd)
     return read_scalars(only_run_dir(cwd)), placed[0]
 

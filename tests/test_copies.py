@@ -14,6 +14,7 @@ import sft
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RL_SCRIPTS = ["ppo_clip", "ppo_kl", "ppo_continuous"]
 LM_SCRIPTS = ["sft", "reward_model", "dpo", "rlhf_ppo", "grpo"]
+SCALE_SCRIPTS = [f"scale/{script}" for script in LM_SCRIPTS]  # the full programs the top-level LM files are the reference of
 OWN = {"Args", "Agent", "act", "evaluate", "main", "check_args"}  # each script's own
 BANNER = "# Plumbing"
 REWARDS = "# Rewards as plain Python functions"
@@ -83,7 +84,7 @@ def shared_names(found):
 
 
 def all_definitions():
-    return {s: definitions(read(s)) for s in RL_SCRIPTS + LM_SCRIPTS}
+    return {s: definitions(read(s)) for s in RL_SCRIPTS + LM_SCRIPTS + SCALE_SCRIPTS}
 
 
 def test_a_name_in_two_scripts_is_one_text_in_all():
@@ -126,7 +127,7 @@ def test_one_character_changed_in_any_copy_is_caught():
     assert len(shared) > 80 and in_text == set(found)
 
 
-@pytest.mark.parametrize("script", RL_SCRIPTS + LM_SCRIPTS)
+@pytest.mark.parametrize("script", RL_SCRIPTS + LM_SCRIPTS + SCALE_SCRIPTS)
 def test_every_top_level_definition_is_reached(script):
     assert unreached(read(script)) == []
 
@@ -135,7 +136,8 @@ def test_an_unreached_definition_is_caught():
     text = read("sft") + "\n\ndef never_called():\n    return gold_score('1', '1')\n"
     assert unreached(text) == ["never_called"]
     # reached through another definition counts: main reaches head_logprobs, which reaches HEAD_CHUNK_ELEMENTS
-    assert "HEAD_CHUNK_ELEMENTS" not in unreached(read("sft")) and "HEAD_CHUNK_ELEMENTS = " in read("sft")
+    text = read("scale/sft")
+    assert "HEAD_CHUNK_ELEMENTS" not in unreached(text) and "HEAD_CHUNK_ELEMENTS = " in text
 
 
 def sections(text):
@@ -149,7 +151,7 @@ def sections(text):
 def test_one_banner_and_one_order_of_sections(family):
     """Every script has the banner; its sections are in the family's one order (a script may lack some), and a
     definition below the banner lies in the same section in every script that has it."""
-    scripts = RL_SCRIPTS if family == "rl" else LM_SCRIPTS
+    scripts = RL_SCRIPTS if family == "rl" else LM_SCRIPTS + SCALE_SCRIPTS
     texts = {s: read(s) for s in scripts}
     assert all(text.count("\n" + BANNER) == 1 for text in texts.values())
     order = max((sections(text) for text in texts.values()), key=len)  # the script that has every section
@@ -173,15 +175,15 @@ def rewards_section(text):
 
 
 def test_the_reward_functions_are_one_text_in_grpo_and_rlhf_ppo():
-    first, second = (rewards_section(read(script)) for script in ("grpo", "rlhf_ppo"))
-    assert first == second and "BUILTIN_REWARDS = {" in first and first.count("\ndef ") == 8
+    first, *others = (rewards_section(read(script)) for script in ("grpo", "rlhf_ppo", "scale/grpo", "scale/rlhf_ppo"))
+    assert all(other == first for other in others) and "BUILTIN_REWARDS = {" in first and first.count("\ndef ") == 8
 
 
 def test_no_script_imports_another():
-    for script in RL_SCRIPTS + LM_SCRIPTS:
+    for script in RL_SCRIPTS + LM_SCRIPTS + SCALE_SCRIPTS:
         source = read(script)
         for other in RL_SCRIPTS + LM_SCRIPTS:
-            assert f"import {other}\n" not in source and f"from {other} " not in source
+            assert f"import {other}\n" not in source and f"from {other} " not in source and "from scale" not in source
 
 
 # ------------------------------------------------------------------------- the built-in sort task

@@ -32,7 +32,7 @@ def test_dpo_loss_variants():
     assert dpo.dpo_loss(*args, beta=0.5, loss_type="hinge")[0].item() == pytest.approx(0.0)
 
 
-def test_dpo_sequence_logps_sum_the_completion_only():
+def test_dpo_completion_logps_sum_the_completion_only():
     # A model whose logits are uniform over 4 tokens: every token costs log 4, so a completion of
     # 3 labeled tokens (prompt of 2 masked, 1 padding) sums to −3 log 4 = −4.158883
     class Uniform(torch.nn.Module):  # an LM head of zeros over 4 tokens
@@ -48,7 +48,7 @@ def test_dpo_sequence_logps_sum_the_completion_only():
             return type("Out", (), {"logits": self.lm_head(torch.ones(*input_ids.shape, 2))})()
 
     labels = T([[-100, -100, 1, 2, 3, -100]]).long()
-    logps = dpo.sequence_logps(Uniform(), torch.zeros(1, 6).long(), torch.ones(1, 6).long(), labels)
+    logps = dpo.completion_logps(Uniform(), torch.zeros(1, 6).long(), torch.ones(1, 6).long(), labels)
     assert logps.item() == pytest.approx(-3 * math.log(4))
 
 
@@ -78,11 +78,14 @@ def test_dpo_log_probs_are_those_of_the_token_after_each_position():
     logits = model(input_ids).logits
     expected = torch.stack([by_hand(logits, input_ids, [(0, 2), (0, 3), (0, 4)]).sum(),
                             by_hand(logits, input_ids, [(1, 1), (1, 2)]).sum()])
-    torch.testing.assert_close(dpo.sequence_logps(model, input_ids, attention_mask, labels), expected)
-    # the sampled-response version: a context of 2 then 3 response tokens (the second row stops after 1)
+    torch.testing.assert_close(dpo.completion_logps(model, input_ids, attention_mask, labels), expected)
+    # sampled responses, as the evaluation labels them: a context of 2 then 3 response tokens (the second row stops
+    # after 1), at a temperature of 2: the log-softmax of logits / 2
     sequences, mask = torch.tensor([[5, 3, 4, 6, 2], [5, 1, 9, 0, 0]]), torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
-    expected = torch.stack([by_hand(logits, sequences, [(0, 2), (0, 3), (0, 4)]).sum(), by_hand(logits, sequences, [(1, 2)]).sum()])
-    torch.testing.assert_close(dpo.response_logps(model, sequences, mask, 2, 1.0), expected)
+    labels = sequences.masked_fill(torch.nn.functional.pad(torch.tensor([[1, 1, 1], [1, 0, 0]]), (2, 0)) == 0, -100)
+    expected = torch.stack([by_hand(logits / 2, sequences, [(0, 2), (0, 3), (0, 4)]).sum(),
+                            by_hand(logits / 2, sequences, [(1, 2)]).sum()])
+    torch.testing.assert_close(dpo.completion_logps(model, sequences, mask, labels, temperature=2.0), expected)
 
 
 def test_same_seed_same_logs_and_weights(tiny_checkpoints, tmp_path):
@@ -147,7 +150,7 @@ def test_the_reference_stays_the_starting_model(tiny_checkpoints, tmp_path, monk
     sft = tiny_checkpoints["sft"]
     flags = ["--model-name-or-path", str(sft), "--reward-model-path", "None", "--max-steps", "4", "--batch-size", "8",
                   "--num-train-pairs", "64", "--eval-size", "8", "--eval-every", "4", "--warmup-steps", "0", "--output-dir", "out", *(["--lora-r", "4"] if lora else [])]
-    scalars, reference = reference_after_training("dpo.py", flags, tmp_path, monkeypatch)
+    scalars, reference = reference_after_training("scale/dpo.py" if lora else "dpo.py", flags, tmp_path, monkeypatch)
     assert_the_reference_stayed(sft, tmp_path / "out", reference, scalars)
 
 

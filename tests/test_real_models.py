@@ -15,6 +15,7 @@ import grpo
 import reward_model
 import rlhf_ppo
 import sft
+from scale import dpo as scale_dpo
 
 ARCHS = ["llama", "qwen2", "gpt_neox", "gpt2"]
 DTYPES = ["float32", "bfloat16", "float16"]
@@ -157,7 +158,7 @@ def eval_rows(data):
 
 @torch.no_grad()
 def sft_eval_loss(path, data):
-    import sft
+    from scale import sft  # the full program's chunked head: another computation than sft.py's
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model, tokenizer = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
@@ -169,7 +170,7 @@ def sft_eval_loss(path, data):
 
 @torch.no_grad()
 def rm_eval_loss(path, data):
-    import reward_model as rm
+    from scale import reward_model as rm  # the full program's scorer, on every position
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     model, tokenizer = AutoModelForSequenceClassification.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
@@ -181,7 +182,7 @@ def rm_eval_loss(path, data):
 
 @torch.no_grad()
 def dpo_eval_loss(root, data):
-    import dpo
+    from scale import dpo  # the full program's chunked head: another computation than dpo.py's
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(root / "dpo")
@@ -276,13 +277,14 @@ def test_sampling_draws_from_the_models_own_distribution(tmp_path, script):
     with torch.no_grad():
         model.lm_head.weight *= 20  # a peaked distribution: the right temperature, and the right position, show
     never = [len(tokenizer) - 1]  # a stop token that greedy sampling does not produce here
-    sequences, _, width, _ = script.sample(model, prompts, pad, never, 8, greedy=True)
+    sample = getattr(script, "sample", None) or script.generate  # the top-level references call it generate
+    sequences, _, width, _ = sample(model, prompts, pad, never, 8, greedy=True)
     stop = [sequences[0, width + 1].item()]  # row 0 stops at its second token; the others go on longer
     steps = []  # the logits of each step after the first, of the rows still running
     model.register_forward_hook(lambda m, args, kwargs, out: steps.append(out.logits[:, -1])
                                 if kwargs.get(script.CACHE) is not None and kwargs["input_ids"].shape[1] == 1
                                 else None, with_kwargs=True)
-    sequences, attention_mask, width, response_mask = script.sample(model, prompts, pad, stop, 8, greedy=True)
+    sequences, attention_mask, width, response_mask = sample(model, prompts, pad, stop, 8, greedy=True)
     assert response_mask[0].sum() <= 2 and response_mask.sum(1).max() == 8 and len(steps) == 7
     with torch.no_grad():
         logits = model(input_ids=sequences, attention_mask=attention_mask,
@@ -294,7 +296,7 @@ def test_sampling_draws_from_the_models_own_distribution(tmp_path, script):
 
     torch.manual_seed(0)
     n = 4000
-    sequences, _, width, _ = script.sample(model, [prompts[0]] * n, pad, never, 1, temperature=0.7)
+    sequences, _, width, _ = sample(model, [prompts[0]] * n, pad, never, 1, temperature=0.7)
     with torch.no_grad():
         p = torch.softmax(model(input_ids=torch.tensor([prompts[0]])).logits[0, -1].float() / 0.7, -1)
     assert p.max() < 0.9  # not all on one token
@@ -389,15 +391,20 @@ def test_sampling_and_scoring_stop_at_the_end_of_turn_token():
     class Output(dict):  # a model output: fields by name and by key
         __getattr__ = dict.__getitem__
 
-    for script in (rlhf_ppo, dpo, grpo):
-        sequences, attention_mask, width, mask = script.sample(ScriptedModel(), [[3, 4], [6]], pad, stop_ids, 4)
+    for script in (rlhf_ppo, scale_dpo, grpo, dpo):
+        sample = getattr(script, "sample", None) or script.generate  # the top-level references call it generate
+        sequences, attention_mask, width, mask = sample(ScriptedModel(), [[3, 4], [6]], pad, stop_ids, 4)
         assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]  # cut after the end-of-turn token
         assert sequences[:, width:].tolist() == [[5, eot, pad, pad], [5, 6, 6, 6]]
         reward = AutoModelForSequenceClassification.from_config(GPT2Config(vocab_size=10, n_embd=8, n_layer=1, n_head=2,
                                                                            num_labels=1, pad_token_id=pad)).eval()
-        scores, has_stop = script.score_responses(script.TokenScorer(reward), sequences, attention_mask, mask, stop_ids, -7.0)
+        if hasattr(script, "response_scores"):  # the top-level references: the scalar head at the last token only
+            scores, has_stop = script.response_scores(reward, sequences, attention_mask, mask, stop_ids, -7.0)
+        else:
+            scores, has_stop = script.score_responses(script.TokenScorer(reward), sequences, attention_mask, mask,
+                                                      stop_ids, -7.0)
         assert has_stop.tolist() == [True, False] and scores[1].item() == -7.0
-        expected = script.token_scores(reward, sequences[:1, :4], attention_mask[:1, :4])[0, -1]  # at the eot
+        expected = grpo.token_scores(reward, sequences[:1, :4], attention_mask[:1, :4])[0, -1]  # at the eot
         assert scores[0].item() == pytest.approx(expected.item(), abs=1e-6)
 
 
@@ -490,10 +497,10 @@ def test_dropout_is_off_also_where_it_is_a_config_number(tmp_path):
         make_tokenizer("bos").save_pretrained(rm_path)
         tokenizer = dpo.load_tokenizer(base, "")
         # what dpo, rlhf_ppo and grpo load as the policy and the critic, and reward_model.py as the model it trains
-        policy = dpo.load_model(base, "lm", torch.float32, dpo.load_config(base, "lm"))
+        policy = dpo.load_pretrained(base, "lm", dpo.load_config(base, "lm"))
         actor = rlhf_ppo.load_model(base, "lm", torch.float32, rlhf_ppo.load_config(base, "lm"))
         critic = rlhf_ppo.load_model(rm_path, "score", torch.float32, rlhf_ppo.load_config(rm_path, "score"))
-        trained_rm = reward_model.load_model(rm_path, "score", torch.float32, reward_model.load_config(rm_path, "score"))
+        trained_rm = reward_model.load_pretrained(rm_path, "score", reward_model.load_config(rm_path, "score"))
         ids = torch.tensor([tokenizer("sort 3 1 2: 1 2 3")["input_ids"] * 4])
         for model in (policy, actor, critic, trained_rm):
             model.train()

@@ -29,14 +29,13 @@ def test_rewards_do_not_depend_on_padding(tiny_checkpoints):
     from transformers import AutoModelForSequenceClassification
 
     classifier = AutoModelForSequenceClassification.from_pretrained(tiny_checkpoints["reward_model"]).eval()
-    model = reward_model.TokenScorer(classifier)
     seq = torch.tensor([[118, 114, 117, 119, 35, 52, 53, 61, 52, 53, 1]])
     ones = torch.ones_like(seq)
     pad = torch.zeros(1, 3, dtype=torch.long)
     with torch.no_grad():
-        plain = reward_model.get_rewards(model, seq, ones)
-        right = reward_model.get_rewards(model, torch.cat([seq, pad], 1), torch.cat([ones, pad], 1))
-        left = reward_model.get_rewards(model, torch.cat([pad, seq], 1), torch.cat([pad, ones], 1))
+        plain = reward_model.sequence_rewards(classifier, seq, ones)
+        right = reward_model.sequence_rewards(classifier, torch.cat([seq, pad], 1), torch.cat([ones, pad], 1))
+        left = reward_model.sequence_rewards(classifier, torch.cat([pad, seq], 1), torch.cat([pad, ones], 1))
     assert right.item() == pytest.approx(plain.item(), abs=1e-5)
     assert left.item() == pytest.approx(plain.item(), abs=1e-5)
 

@@ -71,7 +71,7 @@ def test_sft_on_a_local_jsonl_file_from_a_saved_model(tiny_checkpoints, tmp_path
     rows = [{"prompt": f"add {i} {i}:", "completion": str(2 * i)} for i in range(60)]
     (tmp_path / "data.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     run_script("sft.py", "--model-name-or-path", str(tiny_checkpoints["sft"]), "--dataset-name", "data.jsonl",
-               "--max-steps", "4", "--batch-size", "8", "--gradient-accumulation-steps", "2", "--eval-every", "2",
+               "--max-steps", "4", "--batch-size", "8", "--eval-every", "2",
                "--output-dir", "out", cwd=tmp_path)
     scalars = read_scalars(only_run_dir(tmp_path))
     assert "eval/loss" in scalars and "eval/gold_accuracy" not in scalars  # no gold reward for real data
