@@ -148,3 +148,21 @@ def test_it_learns_the_built_in_task_in_100_steps(tmp_path):
                    "--eval-size", "32", "--num-train-examples", "2000", "--output-dir", "out", cwd=tmp_path)
     losses = [v for _, v in read_scalars(only_run_dir(tmp_path))["eval/loss"]]
     assert losses[-1] < 3.5 and losses[-1] < losses[0] - 0.3, losses
+
+
+def test_the_logged_loss_is_the_completion_nll_of_the_starting_model(tiny_checkpoints, tmp_path):
+    """What main hands the loss: at --lr 0 the model never moves, and with the whole dataset as the batch the loss
+    logged at step 10 is the mean NLL of the completion tokens and their EOS under the starting model, computed here
+    row by row. A loss also taken on the prompt tokens (or on the padding, or one position off) logs another number."""
+    rows = sort_rows(8, seed=5)
+    (tmp_path / "batch.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    run_in_process("sft.py", "--model-name-or-path", str(tiny_checkpoints["sft"]), "--dataset-name", "batch.jsonl",
+                   "--max-steps", "10", "--batch-size", "8", "--lr", "0", "--warmup-steps", "0", "--eval-every", "10",
+                   "--output-dir", "out", cwd=tmp_path)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoints["sft"])
+    tokens = sum(len(tokenizer(r["completion"], add_special_tokens=False)["input_ids"]) + 1 for r in rows)
+    logged = read_scalars(only_run_dir(tmp_path))["losses/loss"]
+    assert logged[0][0] == 10 and logged[0][1] == pytest.approx(completion_nll(tiny_checkpoints["sft"], rows) / tokens,
+                                                                rel=1e-5), logged
