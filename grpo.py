@@ -1194,15 +1194,20 @@ def policy_logprobs(model, sequences, attention_mask, context_length, temperatur
     return logprobs.gather(-1, sequences[:, context_length:].unsqueeze(-1)).squeeze(-1), entropy
 
 
-def sequence_rewards(model, input_ids, attention_mask):
-    """One reward per sequence: a sequence classifier's scalar head at the sequence's last token (the stop token),
-    computed in float32 (a reward is one number: it gets float32's precision, not bfloat16's 3 digits)."""
+def scalar_head(model, input_ids, attention_mask):
+    """A sequence classifier's scalar head on every position, [batch, length], computed in float32 (a value or a
+    reward is one number: it gets float32's precision, not bfloat16's 3 digits)."""
     hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
                               position_ids=position_ids_of(attention_mask)).last_hidden_state
     head = model.score
     with torch.autocast(hidden.device.type, enabled=False):
-        scores = F.linear(hidden.float(), head.weight.float(), None if head.bias is None else head.bias.float())
-    return scores.squeeze(-1)[torch.arange(len(scores), device=scores.device), last_token_index(attention_mask)]
+        return F.linear(hidden.float(), head.weight.float(), None if head.bias is None else head.bias.float()).squeeze(-1)
+
+
+def sequence_rewards(model, input_ids, attention_mask):
+    """One reward per sequence: the scalar head at the sequence's last token (the stop token)."""
+    scores = scalar_head(model, input_ids, attention_mask)
+    return scores[torch.arange(len(scores), device=scores.device), last_token_index(attention_mask)]
 
 
 def response_scores(reward, sequences, attention_mask, response_mask, stop_ids, missing_eos_penalty):

@@ -14,12 +14,15 @@ a reward model, three models are in memory and the critic starts from the SFT mo
     python sft.py && python reward_model.py && python rlhf_ppo.py    # built-in task, CPU
     python rlhf_ppo.py --kl-coef 0                                   # what the KL penalty is for
     python rlhf_ppo.py --reward-fn gold                              # the gold score, no reward model
-    python rlhf_ppo.py --sft-model-path my-sft --reward-model-path my-rm --dataset-name prompts.jsonl --lr 1e-6 --bf16
+    python rlhf_ppo.py --sft-model-path my-sft --reward-model-path my-rm --dataset-name prompts.jsonl --lr 1e-6
+
+This is the one-device reference. scale/rlhf_ppo.py computes the same thing and adds what larger runs need:
+torchrun (DDP, FSDP2), LoRA, gradient accumulation and checkpointing, sampling in chunks, checkpoints that
+resume exactly.
 """
-import datetime
+
 import decimal
 import functools
-import gc
 import importlib.util
 import inspect
 import json
@@ -27,28 +30,17 @@ import math
 import os
 import random
 import re
-import shlex
 import shutil
-import signal
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Annotated
 
-import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 import transformers
 import tyro
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.checkpoint import checkpoint
 from torch.utils.tensorboard import SummaryWriter
 
 
@@ -90,18 +82,10 @@ class Args:
     num_iterations: int = 80
     """rollout-then-update iterations (CleanRL: --total-timesteps / batch; TRL: total_episodes / batch_size)"""
     batch_size: int = 128
-    """prompts (and sampled responses) per rollout, over all ranks: each of N ranks (torchrun) samples batch_size / N"""
+    """prompts (and sampled responses) per rollout"""
     mini_batch_size: int = 32
-    """responses per gradient step, over all ranks (each rank's share: mini_batch_size / N); CleanRL and TRL set the
-    count instead, num_minibatches / num_mini_batches = batch_size / mini_batch_size"""
-    gradient_accumulation_steps: int = 1
-    """split each rank's share of a minibatch into this many micro-batches (the same update, less memory); the
-    rollout's forward passes run in micro-batches too, so that the first ratio stays exactly 1"""
-    gradient_checkpointing: Annotated[bool | None, tyro.conf.DisallowNone] = None
-    """(default: on under --fsdp, else off) recompute activations in the backward pass of the actor and critic (less
-    memory, one more forward pass of compute)"""
-    generation_batch_size: int = 128
-    """prompts per sampling call, on each rank (the KV cache grows with it; forward passes run in micro-batches)"""
+    """responses per gradient step; CleanRL and TRL set the count instead, num_minibatches / num_mini_batches =
+    batch_size / mini_batch_size"""
     ppo_epochs: int = 4
     """passes over each rollout (CleanRL: update_epochs; TRL: num_ppo_epochs)"""
     lr: float = 1.5e-4
@@ -113,13 +97,9 @@ class Args:
     max_prompt_length: int = 64
     """prompts longer than this many tokens are dropped (and counted)"""
     bf16: Annotated[bool | None, tyro.conf.DisallowNone] = None
-    """(default: on with CUDA, off on the CPU) mixed precision: compute in bfloat16 (autocast; FSDP2's
-    MixedPrecisionPolicy under --fsdp), the trained weights and AdamW state float32. The reference is held and computed
-    exactly as the actor (before the first update the KL is exactly 0); the reward model is held in bfloat16; values and
-    scores are float32"""
-    fsdp: bool = False
-    """under torchrun, shard the actor and critic, their gradients and AdamW state, and the frozen models, across the
-    ranks (FSDP2) instead of a full copy on each (DDP): for models that do not fit one device"""
+    """(default: on with CUDA, off on the CPU) mixed precision: compute in bfloat16 (autocast), the trained weights and
+    AdamW state float32. The reference is held and computed exactly as the actor (before the first update the KL is
+    exactly 0); values and scores are float32"""
     temperature: float = 1.0
     """sampling temperature; the log-probs of training divide the logits by it too"""
     kl_coef: float = 1.0
@@ -149,26 +129,6 @@ class Args:
     """eval prompts: the built-in task's come from their own random stream; a dataset's are its `test` split,
     or else prompts held out from the training ones"""
 
-    save_every: int = 0
-    """write a checkpoint to resume from every this many iterations, to runs/<run>/checkpoint-<iteration> (0: none;
-    SIGTERM always writes one, then ends the run)"""
-    keep_checkpoints: int = 2
-    """keep the last this many checkpoints, deleting older ones"""
-    resume: str | None = None
-    """resume from this checkpoint-<iteration> directory, or from the latest in this runs/<run> directory; the other
-    flags must be those of the run it continues"""
-    lora_r: int = 0
-    """LoRA rank: train low-rank adapters on every linear layer instead of all the weights (0: full fine-tuning;
-    needs peft). A reference model is then the policy with its adapters off; a scalar head trains whole"""
-    lora_alpha: float = 32.0
-    """LoRA's α: the adapters' update is scaled by α / r"""
-    lora_dropout: float = 0.0
-    """dropout on the adapters' input"""
-    lora_target_modules: tuple[str, ...] = ()
-    """the layers to adapt, by name (e.g. q_proj v_proj); none: every linear layer but the output head"""
-    merge_lora: bool = False
-    """save the adapters merged into the weights, a model that from_pretrained loads alone (else the adapter,
-    which peft's PeftModel.from_pretrained puts on the base model)"""
 
 # ---------------------------------------------------------------------------------------------
 # The math: pure functions over [batch, response_length] tensors, `mask` 1 on response tokens up to
@@ -338,106 +298,50 @@ def combine_rewards(per_function, weights):
 
 
 def check_args(args):
-    """Every flag checked before any work: one line that says what to change. Under torchrun each rank checks
-    the same flags and only rank 0 prints."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    """Every flag checked before any work: one line that says what to change."""
     if args.batch_size % args.mini_batch_size:
         sys.exit(f"error: --batch-size {args.batch_size} does not split into minibatches of {args.mini_batch_size}")
-    if args.mini_batch_size % (world_size * args.gradient_accumulation_steps):
-        sys.exit(f"error: --mini-batch-size {args.mini_batch_size} does not split into {world_size} rank(s) × "
-                 f"{args.gradient_accumulation_steps} micro-batches; make it a multiple of "
-                 f"{world_size * args.gradient_accumulation_steps}")
-    if args.save_every < 0 or args.keep_checkpoints < 1:
-        sys.exit("error: --save-every must be ≥ 0 and --keep-checkpoints ≥ 1")
     terms = len(args.reward_fn) + (args.reward_model_path is not None or not args.reward_fn)
     if args.reward_weights and len(args.reward_weights) != terms:
         sys.exit(f"error: --reward-weights has {len(args.reward_weights)} values for {terms} reward terms (one per "
                  "--reward-fn, in order, then one for the reward model)")
-    check_lora(args)
 
 
 def main(args: Args):
-    settle_defaults(args)  # --bf16 and --gradient-checkpointing, where not given
+    if args.bf16 is None:  # as in TRL's configs: bf16 where CUDA has it; on the CPU float32 is faster
+        args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     check_args(args)
     # the score: the reward model's (by default), the reward functions', or their weighted sum
     reward_model_path = args.reward_model_path or (None if args.reward_fn else "models/reward_model")
     functions = load_reward_functions(args.reward_fn, BUILTIN_REWARDS, args.format_pattern)
     weights = args.reward_weights or (1.0,) * (len(functions) + (reward_model_path is not None))
-    checkpoint = find_checkpoint(args, int(os.environ.get("WORLD_SIZE", "1")))  # --resume: checked before any work
-    rank, world_size, device = setup_distributed(args.cuda)
-    run_dir = run_directory(args, checkpoint, device)  # under torchrun: seen by every rank, or one line
-    per_rank, mini_per_rank = args.batch_size // world_size, args.mini_batch_size // world_size
-    micro_size = mini_per_rank // args.gradient_accumulation_steps
-    random.seed(args.seed)  # the prompts drawn: the same on every rank, which each takes its share of
-    torch.manual_seed(args.seed + rank)  # sampling: a stream of its own on each rank
+    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
+    B, mini = args.batch_size, args.mini_batch_size
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)  # the critic's new head, and the sampling
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    amp = lambda: autocast(device, args)  # noqa: E731  --bf16 without FSDP
+    amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
 
     train_rows, eval_rows = load_data(args, "prompt", 50_000, [("prompt",)], "needs a `prompt` column")
     check_reward_signatures(functions, sorted(train_rows[0]) if train_rows else [])  # the columns they receive
-    if len(train_rows) < args.batch_size:
-        sys.exit(f"error: {len(train_rows)} training prompts, fewer than --batch-size {args.batch_size}; lower it")
-    # The four models of RLHF (three without a reward model). The trained ones in float32 (master weights) whatever
-    # the checkpoints' dtype, the reference as the actor (so that they agree exactly before the first update), the
-    # reward model in the dtype it computes in; dropout off in all (log-probs, values and scores must not be random).
-    tokenizer = load_tokenizer(args.sft_model_path, "run `python sft.py` first or pass a path")
-    if reward_model_path is not None:
-        reward_tokenizer = load_tokenizer(reward_model_path, "run `python reward_model.py` first or pass a path")
-    stop_ids = stop_token_ids(tokenizer)
+    if len(train_rows) < B:
+        sys.exit(f"error: {len(train_rows)} training prompts, fewer than --batch-size {B}; lower it")
+    tokenizer, stop_ids, actor, ref, reward, critic = load_models(args, reward_model_path, device)
     save_dtype = save_dtype_of(args, args.sft_model_path)
-    critic_path = reward_model_path or args.sft_model_path  # the reward model, or the SFT model with a new head
-    if reward_model_path is not None:
-        check_same_vocabulary(tokenizer, reward_tokenizer, stop_ids,
-                              f"the reward model {reward_model_path!r} has another tokenizer than the SFT model "
-                              f"{args.sft_model_path!r}; train it from the SFT model with reward_model.py")
-    # Each model loaded, then placed (on the device, whole or sharded) before the next: rank 0 holds one whole model
-    # at a time. The trained actor and critic are data-parallel; the frozen ones whole on every rank, or sharded.
-    lm_config, critic_config = load_config(args.sft_model_path, "lm"), load_config(critic_path, "score")
-    raw_actor = load_model(args.sft_model_path, "lm", base_dtype(args), lm_config)  # π_θ (raw: to sample and save)
-    prepare_models(tokenizer, stop_ids, [raw_actor])
-    if args.gradient_checkpointing:
-        raw_actor.activation_checkpointing_enable({"use_reentrant": False})
-    raw_actor = add_lora(raw_actor, args)  # --lora-r: adapters on the frozen weights
-    actor = place_model(raw_actor, device, args)
-    if args.lora_r:
-        ref = AdaptersOff(raw_actor)  # with LoRA, π_ref is π_θ with its adapters off
-    else:
-        ref = load_model(args.sft_model_path, "lm", torch.float32, lm_config)  # π_ref
-        prepare_models(tokenizer, stop_ids, [ref], [ref])
-        if args.gradient_checkpointing:  # the policy's path, one pass (not shared_prompt_logprobs): equal at the start
-            ref.activation_checkpointing_enable({"use_reentrant": False})
-    ref = place_model(ref, device, args, trained=False)
-    reward = None
-    if reward_model_path is not None:  # r_φ
-        reward = load_model(reward_model_path, "score", torch.bfloat16 if args.bf16 else torch.float32, critic_config)
-        prepare_models(tokenizer, stop_ids, [reward], [reward])
-        reward = place_model(TokenScorer(reward), device, args, trained=False)  # its forward: r_φ at every position
-    raw_critic = load_model(critic_path, "score", base_dtype(args), critic_config)  # V_ψ
-    prepare_models(tokenizer, stop_ids, [raw_critic])
-    if args.gradient_checkpointing:
-        raw_critic.activation_checkpointing_enable({"use_reentrant": False})
-    raw_critic = add_lora(raw_critic, args)  # --lora-r; the critic's head trains whole
-    critic = place_model(TokenScorer(raw_critic), device, args)  # its forward: V(s_t) at every position
-
     train_rows, train_ids = tokenize_prompts(tokenizer, train_rows, args.max_prompt_length, "train")
-    if len(train_ids) < args.batch_size:
-        sys.exit(f"error: {len(train_ids)} training prompts fit --max-prompt-length, fewer than --batch-size {args.batch_size}")
+    if len(train_ids) < B:
+        sys.exit(f"error: {len(train_ids)} training prompts fit --max-prompt-length, fewer than --batch-size {B}")
     eval_rows, eval_ids = tokenize_prompts(tokenizer, eval_rows, args.max_prompt_length, "eval")
-    positions, longest = model_positions(raw_actor), max(len(ids) for ids in train_ids + eval_ids)
+    positions, longest = model_positions(actor), max(len(ids) for ids in train_ids + eval_ids)
     if positions is not None and longest + args.response_length > positions:
         sys.exit(f"error: the longest prompt ({longest} tokens) + --response-length {args.response_length} exceeds the "
                  f"model's {positions} positions; lower --max-prompt-length or --response-length")
-    check_kv_cache(raw_actor, min(args.generation_batch_size, max(per_rank, -(-len(eval_ids) // world_size))),
-                   longest + args.response_length, device, args.bf16)
-
-    trained = torch.nn.ModuleList([actor, critic])  # what a checkpoint saves
-    optimizer = torch.optim.AdamW([p for p in trained.parameters() if p.requires_grad], lr=args.lr)
-    print(f"actor and critic: {parameter_count(raw_actor, raw_critic)}; "
-          f"{3 + (reward is not None) - (ref is None)} model(s) in memory")
+    optimizer = torch.optim.AdamW(list(actor.parameters()) + list(critic.parameters()), lr=args.lr)
+    print(f"{3 + (reward is not None)} model(s) in memory")
     kl_coef = args.kl_coef
-    writer = make_writer(args, rank, run_dir, checkpoint["step"] if checkpoint else 0)
-
+    writer = SummaryWriter(f"runs/{args.exp_name}__{args.seed}__{int(time.time())}")
+    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
     names = [name for name, _ in functions] + (["reward_model"] if reward is not None else [])  # the score's terms
 
     def scores_of(rows, sequences, attention_mask, context_length, response_mask):
@@ -452,7 +356,7 @@ def main(args: Args):
         table = reward_table(functions, prompts, as_passed, reward_columns(rows)).to(device)
         if reward is not None:
             scores, _ = forward_in_chunks(
-                lambda s, a, m: score_responses(reward, s, a, m, stop_ids, args.missing_eos_penalty), micro_size,
+                lambda s, a, m: response_scores(reward, s, a, m, stop_ids, args.missing_eos_penalty), mini,
                 sequences, attention_mask, response_mask)
             table = torch.cat([table, scores.float()[:, None]], 1)
         responses = sequences[:, context_length:]
@@ -461,150 +365,87 @@ def main(args: Args):
         scores = torch.where(has_stop, scores, torch.full_like(scores, args.missing_eos_penalty))
         return scores, table, completions, has_stop
 
-    def term_sums(table, prefix, w=None):
-        """{prefix + name: Σ value, prefix + name + "/n": count} of each reward term over the completions it
-        applies to (weighted by w), to be summed over the ranks; the term's mean is their ratio."""
-        w = torch.ones(len(table), device=table.device) if w is None else w
-        applies = ~table.isnan()
-        sums = {f"{prefix}{name}": (table[:, k].nan_to_num() * w).sum() for k, name in enumerate(names)}
-        return {**sums, **{f"{prefix}{name}/n": (applies[:, k] * w).sum() for k, name in enumerate(names)}}
-
     def logprobs_of(model, sequences, attention_mask, context_length):
-        """(log π(a_t | s_t), entropy) of every response token, a micro-batch at a time (what fits with gradients
-        fits without): in a rollout these are exactly the update's chunks, so the first ratio is exactly 1."""
-        return forward_in_chunks(lambda s, a: response_logprobs(model, s, a, context_length, args.temperature),
-                                 micro_size, sequences, attention_mask)
+        """(log π(a_t | s_t), entropy) of every response token, a minibatch at a time: in a rollout these are
+        exactly the update's forward passes, so the first ratio is exactly 1."""
+        return forward_in_chunks(lambda s, a: policy_logprobs(model, s, a, context_length, args.temperature),
+                                 mini, sequences, attention_mask)
 
-    def evaluate(iteration):
-        """Each rank evaluates its shard of the eval prompts; the sums are added up over the ranks."""
-        if not eval_ids:
-            return
-        actor.eval()
-        mine, weights = shard(list(range(len(eval_ids))), rank, world_size)
-        rows = [eval_rows[j] for j in mine]
-        with torch.no_grad(), amp():
-            sequences, attention_mask, context_length, response_mask = sample_in_chunks(
-                raw_actor, [eval_ids[j] for j in mine], tokenizer.pad_token_id, stop_ids, args.response_length,
-                args.temperature, args.generation_batch_size)
-            logprobs, _ = logprobs_of(actor, sequences, attention_mask, context_length)
-            ref_logprobs, _ = logprobs_of(ref, sequences, attention_mask, context_length)
-            scores, table, completions, _ = scores_of(rows, sequences, attention_mask, context_length, response_mask)
-        w = torch.tensor(weights, device=device, dtype=torch.float)
-        sums = {"kl": (((logprobs - ref_logprobs) * response_mask).sum(1) * w).sum(), "reward": (scores * w).sum(),
-                "n": w.sum(), **term_sums(table, "rewards/", w)}
-        if args.dataset_name is None:  # the built-in task: exactly the target, and the gold score
-            targets = [row["target"] for row in rows]
-            sums["correct"] = sum(v * (c == t) for c, t, v in zip(completions, targets, weights))
-            sums["gold"] = sum(v * gold_score(c, t) for c, t, v in zip(completions, targets, weights))
-        sums = all_reduce_sum(sums, device)
-        line = f"iteration {iteration}:"
-        for tag, name in (("eval/reward", "reward"), ("eval/kl", "kl"), ("eval/gold_accuracy", "correct"),
-                          ("eval/gold_score", "gold")):
-            if name in sums:
-                writer.add_scalar(tag, sums[name] / sums["n"], iteration)
-                line += f" {tag} {sums[name] / sums['n']:.3f}"
-        for name in names:  # each term's mean over the completions it applies to (the reward model's: eval/score)
-            if sums[f"rewards/{name}/n"] > 0:
-                tag = "eval/score" if name == "reward_model" and reward is not None else f"eval/rewards/{name}"
-                writer.add_scalar(tag, sums[f"rewards/{name}"] / sums[f"rewards/{name}/n"], iteration)
-                line += f" {tag} {sums[f'rewards/{name}'] / sums[f'rewards/{name}/n']:.3f}"
-        writer.add_text("eval/samples", samples_markdown([row["prompt"] for row in rows], completions, scores, table,
-                                                         names), iteration)
-        print(line)
-        actor.train()
-
-    rng, first_iteration, elapsed = random.Random(args.seed), 1, 0.0  # rng: the prompts drawn
-    if checkpoint is None:
-        evaluate(0)  # the SFT model, before any update
-    else:  # actor and critic, AdamW, every random stream, the KL coefficient, and where the loop was
-        loop = load_checkpoint(checkpoint, trained, optimizer)
-        first_iteration, elapsed, kl_coef = loop["step"] + 1, loop["elapsed"], loop["kl_coef"]
-        rng.setstate(loop["rng"])
-    preemption = Preemption()
-    start_time = time.time() - elapsed  # the speeds count the time before a resume
-    for iteration in range(first_iteration, args.num_iterations + 1):
+    evaluate(actor, ref, eval_rows, eval_ids, tokenizer, stop_ids, names, scores_of, logprobs_of, args, amp, writer, 0)
+    rng, start_time = random.Random(args.seed), time.time()  # rng: the prompts drawn
+    for iteration in range(1, args.num_iterations + 1):
         lr = get_lr(iteration - 1, args.lr, 0, args.num_iterations, "linear") if args.anneal_lr else args.lr
         optimizer.param_groups[0]["lr"] = lr
         # ---- rollout: sample, then score every token with the four models --------------------------
         actor.eval(), critic.eval()
-        chosen = rng.sample(range(len(train_ids)), args.batch_size)[rank * per_rank : (rank + 1) * per_rank]  # its share
+        chosen = rng.sample(range(len(train_ids)), B)
         prompt_ids, rows = [train_ids[i] for i in chosen], [train_rows[i] for i in chosen]
         with torch.no_grad(), amp():
-            sequences, attention_mask, context_length, mask = sample_in_chunks(
-                raw_actor, prompt_ids, tokenizer.pad_token_id, stop_ids, args.response_length, args.temperature,
-                args.generation_batch_size)
+            sequences, attention_mask, context_length, mask = generate(
+                actor, prompt_ids, tokenizer.pad_token_id, stop_ids, args.response_length, args.temperature)
             mask = mask.float()
-            # in chunks of the update's micro-batches, so that they compute exactly what the update will
             logprobs, entropy = logprobs_of(actor, sequences, attention_mask, context_length)
             ref_logprobs, _ = logprobs_of(ref, sequences, attention_mask, context_length)
             # V(s_t): the critic's value at the position that predicts response token t
-            values = forward_in_chunks(lambda s, a: critic(s, a)[:, context_length - 1 : -1], micro_size,
+            values = forward_in_chunks(lambda s, a: scalar_head(critic, s, a)[:, context_length - 1 : -1], mini,
                                        sequences, attention_mask)
             scores, table, _, has_eos = scores_of(rows, sequences, attention_mask, context_length, mask)
 
             rewards, non_score = shaped_rewards(logprobs, ref_logprobs, scores, mask, kl_coef)
             advantages, returns = masked_gae(rewards, values, mask, args.gamma, args.lam)
-            advantages = masked_whiten(advantages, mask)  # over the whole batch, all ranks together
+            advantages = masked_whiten(advantages, mask)  # over the whole batch
             k1, k3 = kl_estimators(logprobs, ref_logprobs, mask)
 
         # ---- update: several epochs of shuffled minibatches ----------------------------------------
         actor.train(), critic.train()
-        stats = {k: [] for k in ("pg_loss", "vf_loss", "approx_kl", "clipfrac", "ratio", "entropy")}  # micro-batch parts
+        stats = {k: [] for k in ("pg_loss", "vf_loss", "approx_kl", "clipfrac", "ratio", "entropy")}  # per minibatch
         for epoch in range(args.ppo_epochs):
             # the rollout's prompts are already in random order: epoch 0 takes them as they come, so its
             # first minibatch is exactly the rollout's first chunk; later epochs reshuffle
-            order = torch.randperm(per_rank, device=device) if epoch > 0 else torch.arange(per_rank, device=device)
-            for start in range(0, per_rank, mini_per_rank):  # each rank takes its share of every minibatch
-                mb = order[start : start + mini_per_rank]
-                num_tokens = all_reduce_sum({"tokens": mask[mb].sum()}, device)["tokens"]  # losses: means over these
-                for micro in range(0, mini_per_rank, micro_size):
-                    idx = mb[micro : micro + micro_size]
-                    for model in (actor, critic):  # once per step, with the last micro-batch
-                        gradient_sync(model, micro + micro_size == mini_per_rank)
-                    with amp():
-                        new_logprobs, new_entropy = response_logprobs(actor, sequences[idx], attention_mask[idx],
-                                                                      context_length, args.temperature)
-                        new_values = critic(sequences[idx], attention_mask[idx])[:, context_length - 1 : -1]
-                    pg_loss, ratio = policy_loss(new_logprobs, logprobs[idx], advantages[idx], mask[idx], args.cliprange,
-                                                 num_tokens)
-                    vf_loss = masked_value_loss(new_values, values[idx], returns[idx], mask[idx], args.cliprange_value, num_tokens)
-                    # DDP and FSDP average the ranks' gradients; × world_size turns that into the minibatch's sum
-                    ((pg_loss + args.vf_coef * vf_loss) * world_size).backward()
-                    with torch.no_grad():
-                        m = mask[idx]
-                        stats["pg_loss"].append(pg_loss.item())
-                        stats["vf_loss"].append(vf_loss.item())
-                        stats["approx_kl"].append(masked_mean(0.5 * (new_logprobs - logprobs[idx]) ** 2, m, num_tokens).item())
-                        stats["clipfrac"].append(masked_mean(((ratio - 1).abs() > args.cliprange).float(), m, num_tokens).item())
-                        stats["ratio"].append(masked_mean(ratio, m, num_tokens).item())
-                        stats["entropy"].append(masked_mean(new_entropy, m, num_tokens).item())
-                        if epoch == 0 and start == 0 and micro == 0:  # before any step, the ratio must be exactly 1
-                            first_ratio_error = (ratio - 1).abs().max()
+            order = torch.randperm(B, device=device) if epoch > 0 else torch.arange(B, device=device)
+            for start in range(0, B, mini):
+                mb = order[start : start + mini]
+                num_tokens = mask[mb].sum().item()  # the losses are means over these
+                with amp():
+                    new_logprobs, new_entropy = policy_logprobs(actor, sequences[mb], attention_mask[mb], context_length,
+                                                                args.temperature)
+                    new_values = scalar_head(critic, sequences[mb], attention_mask[mb])[:, context_length - 1 : -1]
+                pg_loss, ratio = policy_loss(new_logprobs, logprobs[mb], advantages[mb], mask[mb], args.cliprange,
+                                             num_tokens)
+                vf_loss = masked_value_loss(new_values, values[mb], returns[mb], mask[mb], args.cliprange_value, num_tokens)
+                (pg_loss + args.vf_coef * vf_loss).backward()
+                with torch.no_grad():
+                    m = mask[mb]
+                    stats["pg_loss"].append(pg_loss.item())
+                    stats["vf_loss"].append(vf_loss.item())
+                    stats["approx_kl"].append(masked_mean(0.5 * (new_logprobs - logprobs[mb]) ** 2, m, num_tokens).item())
+                    stats["clipfrac"].append(masked_mean(((ratio - 1).abs() > args.cliprange).float(), m, num_tokens).item())
+                    stats["ratio"].append(masked_mean(ratio, m, num_tokens).item())
+                    stats["entropy"].append(masked_mean(new_entropy, m, num_tokens).item())
+                    if epoch == 0 and start == 0:  # before any step, the ratio must be exactly 1
+                        first_ratio_error = (ratio - 1).abs().max()
                 grad_norm = torch.nn.utils.clip_grad_norm_(list(actor.parameters()) + list(critic.parameters()),
                                                            args.max_grad_norm)
                 check_finite(iteration, loss=pg_loss + args.vf_coef * vf_loss, grad_norm=grad_norm)
                 optimizer.step()
-                optimizer.zero_grad(set_to_none=True)  # no gradients held through the next rollout
+                optimizer.zero_grad(set_to_none=True)
 
-        # ---- log, and the KL controller: statistics of the whole batch, sums added up over the ranks -----
+        # ---- log, and the KL controller: statistics of the whole batch ---------------------------------
         valid, residual = mask.bool(), (returns - values).double()
         r = returns.double()[valid]
-        sums = all_reduce_sum({"score": scores.sum(), "k1": k1.sum(), "k3": k3.sum(), "rollout_entropy": (entropy * mask).sum(),
-                               "non_score": non_score.sum(), "eos": has_eos.sum(), "tokens": valid.sum(),
-                               "r": r.sum(), "rr": (r * r).sum(), "e": residual[valid].sum(),
-                               "ee": (residual[valid] ** 2).sum(),
-                               **{name: sum(parts) for name, parts in stats.items()}, **term_sums(table, "rewards/")},
-                              device)
-        B, num_minibatches = args.batch_size, args.ppo_epochs * args.batch_size // args.mini_batch_size
+        sums = {k: float(v) for k, v in {
+            "score": scores.sum(), "k1": k1.sum(), "k3": k3.sum(), "rollout_entropy": (entropy * mask).sum(),
+            "non_score": non_score.sum(), "eos": has_eos.sum(), "tokens": valid.sum(), "r": r.sum(), "rr": (r * r).sum(),
+            "e": residual[valid].sum(), "ee": (residual[valid] ** 2).sum(),
+            **{name: sum(parts) for name, parts in stats.items()}, **term_sums(table, names, "rewards/")}.items()}
+        num_minibatches = args.ppo_epochs * B // mini
         n = sums["tokens"]  # Var(R) and Var(R − V) over the valid tokens, both × (n − 1), which cancels
         var_returns, var_residual = sums["rr"] - sums["r"] ** 2 / n, sums["ee"] - sums["e"] ** 2 / n
-        if dist.is_initialized():
-            dist.all_reduce(first_ratio_error, op=dist.ReduceOp.MAX)  # the largest on any rank
         logs = {
             "objective/reward": sums["score"] / B, "objective/kl": sums["k1"] / B, "objective/kl_k3": sums["k3"] / B,
             "objective/entropy": sums["rollout_entropy"] / B, "objective/non_score_reward": sums["non_score"] / B,
             "objective/rlhf_reward": sums["score"] / B + sums["non_score"] / B,
-            # each of these: the sum of its micro-batch parts per minibatch, the mean over minibatches
+            # each of these: the mean over minibatches
             "policy/approx_kl": sums["approx_kl"] / num_minibatches, "policy/clipfrac": sums["clipfrac"] / num_minibatches,
             "policy/ratio_mean": sums["ratio"] / num_minibatches, "policy/entropy": sums["entropy"] / num_minibatches,
             "policy/first_ratio_max_error": first_ratio_error,
@@ -617,7 +458,7 @@ def main(args: Args):
         }
         for name in names:  # each term of the score, over the responses it applies to (the reward model's: score)
             if sums[f"rewards/{name}/n"] > 0:
-                tag = "objective/score" if name == "reward_model" and reward is not None else f"rewards/{name}"
+                tag = "objective/score" if name == "reward_model" else f"rewards/{name}"
                 logs[tag] = sums[f"rewards/{name}"] / sums[f"rewards/{name}/n"]
         for tag, value in logs.items():
             writer.add_scalar(tag, float(value), iteration)
@@ -626,26 +467,92 @@ def main(args: Args):
         if iteration % 10 == 0:
             print(f"iteration {iteration}: reward {logs['objective/reward']:.3f}, kl {logs['objective/kl']:.3f}, "
                   f"eos {sums['eos'] / B:.2f}, {time.time() - start_time:.0f} s")
-        # ---- evaluate ------------------------------------------------------------------------------
         if iteration % args.eval_every == 0 or iteration == args.num_iterations:
-            evaluate(iteration)
+            evaluate(actor, ref, eval_rows, eval_ids, tokenizer, stop_ids, names, scores_of, logprobs_of, args, amp,
+                     writer, iteration)
 
-        # ---- checkpoint: every --save-every iterations, and at SIGTERM, which then ends the run (exit code 0) --
-        sigterm = bool(all_reduce_sum({"sigterm": preemption.received}, device)["sigterm"])  # on any rank
-        if sigterm or (args.save_every and iteration % args.save_every == 0):
-            save_checkpoint(run_dir, iteration, trained, optimizer, args,
-                            {"rng": rng.getstate(), "kl_coef": kl_coef, "elapsed": time.time() - start_time}, sigterm)
-        if sigterm:
-            return writer.close()
-
-    save_atomically(raw_actor, tokenizer, args, args.output_dir, save_dtype)
+    save_model(actor, tokenizer, args, args.output_dir, save_dtype)
     print(f"saved to {args.output_dir} after {time.time() - start_time:.0f} s")
     writer.close()
 
 
+@torch.no_grad()
+def evaluate(actor, ref, eval_rows, eval_ids, tokenizer, stop_ids, names, scores_of, logprobs_of, args, amp, writer,
+             iteration):
+    """Responses to the eval prompts at --temperature: their score and each of its terms, their KL to the
+    reference (Σ_t log π_θ − log π_ref over a response) and, on the built-in task, their gold reward."""
+    if not eval_ids:
+        return
+    actor.eval()
+    with amp():
+        sequences, attention_mask, context_length, response_mask = generate(
+            actor, eval_ids, tokenizer.pad_token_id, stop_ids, args.response_length, args.temperature)
+        logprobs, _ = logprobs_of(actor, sequences, attention_mask, context_length)
+        ref_logprobs, _ = logprobs_of(ref, sequences, attention_mask, context_length)
+        scores, table, completions, _ = scores_of(eval_rows, sequences, attention_mask, context_length, response_mask)
+    sums = {"kl": ((logprobs - ref_logprobs) * response_mask).sum(1).sum(), "reward": scores.sum(),
+            "n": len(eval_ids), **term_sums(table, names, "rewards/")}
+    if args.dataset_name is None:  # the built-in task: exactly the target, and the gold score
+        sums["correct"] = sum(c == row["target"] for c, row in zip(completions, eval_rows))
+        sums["gold"] = sum(gold_score(c, row["target"]) for c, row in zip(completions, eval_rows))
+    sums = {k: float(v) for k, v in sums.items()}
+    line = f"iteration {iteration}:"
+    for tag, name in (("eval/reward", "reward"), ("eval/kl", "kl"), ("eval/gold_accuracy", "correct"),
+                      ("eval/gold_score", "gold")):
+        if name in sums:
+            writer.add_scalar(tag, sums[name] / sums["n"], iteration)
+            line += f" {tag} {sums[name] / sums['n']:.3f}"
+    for name in names:  # each term's mean over the completions it applies to (the reward model's: eval/score)
+        if sums[f"rewards/{name}/n"] > 0:
+            tag = "eval/score" if name == "reward_model" else f"eval/rewards/{name}"
+            writer.add_scalar(tag, sums[f"rewards/{name}"] / sums[f"rewards/{name}/n"], iteration)
+            line += f" {tag} {sums[f'rewards/{name}'] / sums[f'rewards/{name}/n']:.3f}"
+    writer.add_text("eval/samples", samples_markdown([row["prompt"] for row in eval_rows], completions, scores, table,
+                                                     names), iteration)
+    print(line)
+    actor.train()
+
+
+def term_sums(table, names, prefix):
+    """{prefix + name: Σ value, prefix + name + "/n": count} of each reward term over the completions it applies
+    to; the term's mean is their ratio."""
+    applies = ~table.isnan()
+    sums = {f"{prefix}{name}": table[:, k].nan_to_num().sum() for k, name in enumerate(names)}
+    return {**sums, **{f"{prefix}{name}/n": applies[:, k].sum() for k, name in enumerate(names)}}
+
+
+def load_models(args, reward_model_path, device):
+    """(tokenizer, stop_ids, actor, reference, reward model or None, critic), on the device: the four models of RLHF
+    (three without a reward model). The trained actor and critic in float32 (master weights) whatever the
+    checkpoints' dtype, the reference as the actor (so that they agree exactly before the first update); dropout
+    off in all (log-probs, values and scores must not be random). The critic starts from the reward model, or from
+    the SFT model with a new head."""
+    tokenizer = load_tokenizer(args.sft_model_path, "run `python sft.py` first or pass a path")
+    stop_ids = stop_token_ids(tokenizer)
+    critic_path = reward_model_path or args.sft_model_path
+    if reward_model_path is not None:
+        check_same_vocabulary(tokenizer, load_tokenizer(reward_model_path, "run `python reward_model.py` first or pass "
+                                                        "a path"), stop_ids,
+                              f"the reward model {reward_model_path!r} has another tokenizer than the SFT model "
+                              f"{args.sft_model_path!r}; train it from the SFT model with reward_model.py")
+    lm_config, critic_config = load_config(args.sft_model_path, "lm"), load_config(critic_path, "score")
+    actor = load_pretrained(args.sft_model_path, "lm", lm_config)  # π_θ
+    prepare_models(tokenizer, stop_ids, [actor])
+    ref = load_pretrained(args.sft_model_path, "lm", lm_config)  # π_ref
+    prepare_models(tokenizer, stop_ids, [ref], [ref])
+    reward = None
+    if reward_model_path is not None:  # r_φ
+        reward = load_pretrained(reward_model_path, "score", critic_config)
+        prepare_models(tokenizer, stop_ids, [reward], [reward])
+        reward = reward.to(device)
+    critic = load_pretrained(critic_path, "score", critic_config)  # V_ψ
+    prepare_models(tokenizer, stop_ids, [critic])
+    return tokenizer, stop_ids, actor.to(device), ref.to(device), reward, critic.to(device)
+
+
 # =============================================================================================
-# Plumbing: the built-in task, tokenization, data and model loading, forward passes, many processes,
-# saving. Each definition below is pasted from the LM scripts that share it, one text in all of them
+# Plumbing: the built-in task, tokenization, data and model loading, reward functions, forward passes and
+# sampling, saving. Each definition below is pasted from the scripts that share it, one text in all of them
 # (tests/test_copies.py checks each), and this file holds only those its main reaches. A reader learning
 # the algorithm can stop here.
 # =============================================================================================
@@ -923,21 +830,16 @@ def load_config(path, head):
         sys.exit(f"error: cannot load a model from {path!r}: {first_line(e)}")
 
 
-def load_model(path, head, dtype, config=None):
+def load_pretrained(path, head, config=None):
     """A checkpoint as a causal LM (head "lm") or with a scalar head (head "score", with a config of num_labels 1:
-    a sequence classifier with one label, its head new when the checkpoint has none), its weights in `dtype`
-    whatever they were saved in. Trained models take float32 (master weights: in fp16 AdamW's eps underflows
-    to 0, in bf16 most small updates round away); --bf16 is the mixed-precision choice on top. Under torchrun
-    only rank 0 reads the weights: the other ranks build the model on the meta device (shapes, no memory), and
-    place_model gives them rank 0's weights, or under --fsdp only their shards of them."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+    a sequence classifier with one label, its head new when the checkpoint has none), its weights in float32
+    whatever they were saved in: AdamW needs float32 master weights (in fp16 its eps underflows to 0, in bf16
+    most small updates round away); --bf16 is the mixed-precision choice on top."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     try:
         model_class = AutoModelForCausalLM if head == "lm" else AutoModelForSequenceClassification
-        if dist.is_initialized() and dist.get_rank() != 0:
-            with torch.device("meta"):
-                return model_class.from_config(config or AutoConfig.from_pretrained(path), dtype=dtype)
-        return model_class.from_pretrained(path, config=config, dtype=dtype)
+        return model_class.from_pretrained(path, config=config, dtype=torch.float32)
     except (OSError, ValueError) as e:
         sys.exit(f"error: cannot load a model from {path!r}: {first_line(e)}")
 
@@ -1117,99 +1019,6 @@ def samples_markdown(prompts, completions, rewards, table, names, n=8):
 # ---------------------------------------------------------------------------------------------
 # Forward passes and sampling
 # ---------------------------------------------------------------------------------------------
-
-
-ROW_CHUNK_ELEMENTS = 2**22  # float32 elements of logits processed at once: 16 MiB
-
-
-def rowwise(fn, *tensors):
-    """fn over a few rows (sequences) of `tensors` at a time, as many as keep a chunk of logits within
-    ROW_CHUNK_ELEMENTS (one row at 1,024 tokens and a 128k vocabulary; the whole batch on the built-in task),
-    the results concatenated. With gradients on, each chunk's forward is recomputed in the backward pass
-    (activation checkpointing), so that the float32 intermediates ([length, vocabulary] per row: 0.5 GB at
-    1,024 tokens and 128k) exist one chunk at a time and only the logits themselves, as the model returned
-    them, are kept for the backward pass."""
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    rows = max(1, ROW_CHUNK_ELEMENTS // max(1, tensors[0][0].numel()))
-    chunks = zip(*(t.split(rows) for t in tensors))
-    return torch.cat([checkpoint(fn, *chunk, use_reentrant=False) if grad else fn(*chunk) for chunk in chunks])
-
-
-def token_logprobs(logits, tokens, with_entropy=False, temperature=1.0):
-    """log π(token) = z(token) − logsumexp(z) at each position, z = logits / temperature in float32 (as
-    `sample` draws tokens: the logits upcast before the temperature divides them), and optionally the
-    entropy H = logsumexp(z) − Σ softmax(z)·z. A few rows at a time (rowwise): no float32 [batch, length,
-    vocabulary] tensor is made or kept."""
-    def chunk_logprobs(rows, row_tokens):
-        z = rows.float() / temperature
-        return z.gather(-1, row_tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, -1)
-
-    def chunk_entropy(rows):
-        z = rows.float() / temperature
-        return torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
-
-    logprobs = rowwise(chunk_logprobs, logits, tokens)
-    if not with_entropy:
-        return logprobs
-    with torch.no_grad():
-        return logprobs, rowwise(chunk_entropy, logits)
-
-
-HEAD_CHUNK_ELEMENTS = 2**26  # logits made at once by head_logprobs, in float32: 256 MiB
-
-
-def head_logprobs(model, targets, temperature=1.0, with_entropy=False, **inputs):
-    """`model(**inputs)` with its LM head applied a chunk of positions at a time inside the forward pass: log π of
-    `targets` ([batch, positions], one per position whose logits the pass computes) as [batch, positions] float32,
-    z = head(h) upcast to float32, then divided by the temperature (as `sample` draws tokens), log π = z(target) −
-    logsumexp(z); with_entropy, also the entropy H = logsumexp(z) − Σ softmax(z)·z (no gradient). Each chunk's
-    logits are recomputed in the backward pass (activation checkpointing), so that no [batch, length, vocabulary]
-    tensor exists in any dtype, only [chunk, vocabulary] (torchtune's chunked cross-entropy and Liger's fused linear
-    cross-entropy do the same). The head still runs inside the model's forward, so DDP, FSDP and autocast see the
-    usual pass. Logit softcapping (Gemma 2, 3) is applied in the chunk; a model that changes its logits after the
-    head in another way, or an adapted head, stops the run with one line."""
-    lm = model.module if isinstance(model, DistributedDataParallel) else model
-    lm = getattr(lm, "policy", [lm])[0]  # a LoRA reference (AdaptersOff) computes with its policy's head
-    head, config, returned = lm.get_output_embeddings(), lm.config, []
-    if not isinstance(head, torch.nn.Linear):
-        sys.exit(f"error: the LM head of {type(lm).__name__} is a {type(head).__name__}, not a linear layer; leave it "
-                 "out of --lora-target-modules")
-    cap = getattr(config, "final_logit_softcapping", None)
-
-    def chunk(h, y):
-        z = F.linear(h, head.weight, head.bias).float()
-        z = (torch.tanh(z / cap) * cap if cap else z) / temperature
-        normalizer = torch.logsumexp(z, -1)
-        logprobs = z.gather(-1, y.unsqueeze(-1)).squeeze(-1) - normalizer
-        if not with_entropy:
-            return logprobs
-        with torch.no_grad():
-            entropy = normalizer - (torch.softmax(z, -1) * z).sum(-1)
-        return torch.stack([logprobs, entropy], -1)
-
-    def forward(hidden):  # [batch, positions, width] → [batch, positions(, 2)]
-        size = max(1, HEAD_CHUNK_ELEMENTS // head.weight.shape[0])
-        grad = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
-        parts = [checkpoint(chunk, h, y, use_reentrant=False) if grad else chunk(h, y)
-                 for h, y in zip(hidden.flatten(0, 1).split(size), targets.flatten().split(size))]
-        returned.append(torch.cat(parts).view(*hidden.shape[:2], *parts[0].shape[1:]))
-        return returned[-1]
-
-    head.forward = forward
-    if cap:
-        config.final_logit_softcapping = None  # applied in the chunk instead
-    try:
-        out = model(**inputs).logits
-    finally:
-        del head.forward
-        if cap:
-            config.final_logit_softcapping = cap
-    if not returned or not (out is returned[0] or torch.equal(out.nan_to_num(), returned[0].nan_to_num())):  # DDP: a copy
-        sys.exit(f"error: {type(lm).__name__} changes its logits after the LM head; head_logprobs cannot compute "
-                 "its log-probs in chunks")
-    return (out[..., 0], out[..., 1]) if with_entropy else out
-
-
 def position_ids_of(attention_mask):
     """Positions count real tokens only, so left padding does not shift them."""
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -1222,87 +1031,38 @@ def last_token_index(attention_mask):
     return (positions * attention_mask).argmax(-1)
 
 
-def response_logprobs(model, sequences, attention_mask, context_length, temperature):
-    """(log π(a_t | s_t) of each response token, the entropy of π(·|s_t)), z divided by the sampling temperature
-    in float32 as when sampling: from one forward pass over prompt + response, the LM head applied to the response
-    positions only and in chunks (head_logprobs), or, where rows repeat a prompt (GRPO's G completions of each),
-    from shared_prompt_logprobs."""
-    shared = shared_prompt_logprobs(model, sequences, attention_mask, context_length, temperature)
-    if shared is not None:
-        return shared
-    scored = sequences.shape[1] - context_length + 1  # position t predicts token t + 1: context_length − 1 onwards
-    logprobs, entropy = head_logprobs(model, F.pad(sequences[:, context_length:], (0, 1)), temperature, True,
-                                      input_ids=sequences, attention_mask=attention_mask,
-                                      position_ids=position_ids_of(attention_mask), logits_to_keep=scored)
-    return logprobs[:, :-1], entropy[:, :-1]  # the last position predicts nothing
+def policy_logprobs(model, sequences, attention_mask, context_length, temperature):
+    """(log π(a_t | s_t) of each response token, the entropy of π(·|s_t)), from one forward pass over prompt +
+    response: z = logits / temperature in float32, as `generate` draws tokens, log π = log_softmax(z)."""
+    logits = model(input_ids=sequences, attention_mask=attention_mask,
+                   position_ids=position_ids_of(attention_mask)).logits[:, context_length - 1 : -1]
+    logprobs = torch.log_softmax(logits.float() / temperature, -1)
+    with torch.no_grad():
+        entropy = -(logprobs.exp() * logprobs).sum(-1)
+    return logprobs.gather(-1, sequences[:, context_length:].unsqueeze(-1)).squeeze(-1), entropy
 
 
-# The KV cache's name as a model's forward takes and returns it: transformers 5.24 renamed past_key_values to cache
-# (the old keyword still works there, with a FutureWarning on every call)
-CACHE = "cache" if tuple(int(v) for v in transformers.__version__.split(".")[:2]) >= (5, 24) else "past_key_values"
-
-
-def shared_prompt_logprobs(model, sequences, attention_mask, context_length, temperature):
-    """response_logprobs with each distinct prompt of the batch computed once: one forward pass over the distinct
-    prompts, whose keys and values (the KV cache, as in generation) every row that repeats the prompt reuses, then
-    one over the responses. A causal model's prompt positions never see the response, so this is the same function
-    of the weights as one pass over prompt + response (equal up to float rounding; the rollout and the update both
-    take this path, so the first ratio stays exactly 1), with the prompt's FLOPs divided by the rows that share it;
-    gradients flow through the cache like any activation. None, for one pass instead, when no prompt repeats, the
-    responses are one token long, with activation checkpointing (which keeps no cache), or on a GPU: there a pass
-    costs its kernel launches more than its FLOPs, and two passes took twice as long as one (an H100, a 0.5B model,
-    8 completions of each 200-token prompt in micro-batches of 16: docs/rollout_speed.md); on the CPU the FLOPs
-    saved count."""
-    if sequences.device.type != "cpu" or any(getattr(m, "gradient_checkpointing", False) is True
-                                             for m in model.modules()):
-        return None
-    prompts = torch.cat([sequences[:, :context_length], attention_mask[:, :context_length]], 1)
-    distinct, row_prompt = torch.unique(prompts, dim=0, return_inverse=True)
-    if len(distinct) == len(sequences) or sequences.shape[1] - context_length < 2:
-        return None
-    prompt_ids, prompt_mask = distinct[:, :context_length], distinct[:, context_length:]
-    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids_of(prompt_mask),
-                use_cache=True, logits_to_keep=1)  # the last prompt position predicts the first response token
-    first = token_logprobs(out.logits[row_prompt], sequences[:, context_length : context_length + 1], True, temperature)
-    cache = out[CACHE]
-    cache.batch_select_indices(row_prompt)  # each row's prompt: a gather, differentiable
-    positions = position_ids_of(attention_mask)
-    rest = head_logprobs(model, sequences[:, context_length + 1 :], temperature, True,
-                         input_ids=sequences[:, context_length:-1], attention_mask=attention_mask[:, :-1],
-                         position_ids=positions[:, context_length:-1], use_cache=True, **{CACHE: cache})
-    return torch.cat([first[0], rest[0]], 1), torch.cat([first[1], rest[1]], 1)
-
-
-def token_scores(model, sequences, attention_mask):
-    """The scalar head of a sequence-classification model on every position: [batch, length], computed in
-    float32 (a value or reward is one number: it gets float32's precision, not bfloat16's 3 digits)."""
-    if hasattr(model, "get_base_model"):  # a LoRA model (peft): the classifier inside, its adapters in place
-        model = model.get_base_model()
-    hidden = model.base_model(input_ids=sequences, attention_mask=attention_mask,
+def scalar_head(model, input_ids, attention_mask):
+    """A sequence classifier's scalar head on every position, [batch, length], computed in float32 (a value or a
+    reward is one number: it gets float32's precision, not bfloat16's 3 digits)."""
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
                               position_ids=position_ids_of(attention_mask)).last_hidden_state
     head = model.score
     with torch.autocast(hidden.device.type, enabled=False):
         return F.linear(hidden.float(), head.weight.float(), None if head.bias is None else head.bias.float()).squeeze(-1)
 
 
-class TokenScorer(torch.nn.Module):
-    """token_scores as a module's forward. DDP and FSDP act in the forward of the module they wrap, so a
-    trained scalar head is wrapped in this: its forward, unlike the classifier's own, keeps every position."""
-
-    def __init__(self, classifier):
-        super().__init__()
-        self.classifier = classifier
-
-    def forward(self, sequences, attention_mask):
-        return token_scores(self.classifier, sequences, attention_mask)
+def sequence_rewards(model, input_ids, attention_mask):
+    """One reward per sequence: the scalar head at the sequence's last token (the stop token)."""
+    scores = scalar_head(model, input_ids, attention_mask)
+    return scores[torch.arange(len(scores), device=scores.device), last_token_index(attention_mask)]
 
 
-@torch.no_grad()
-def score_responses(reward, sequences, attention_mask, response_mask, stop_ids, missing_eos_penalty):
-    """The reward model's score (`reward`: a TokenScorer, or FSDP around one) at each response's last token, its
-    stop token; `missing_eos_penalty` instead for a response with no stop token in the length sampled (an
-    unfinished answer is not scored). Returns (scores, has_stop)."""
-    scores = reward(sequences, attention_mask)[torch.arange(len(sequences)), last_token_index(attention_mask)]
+def response_scores(reward, sequences, attention_mask, response_mask, stop_ids, missing_eos_penalty):
+    """The reward model's score of each sampled sequence (at its last token, the response's stop token);
+    `missing_eos_penalty` instead for a response with no stop token in the length sampled (an unfinished answer
+    is not scored). Returns (scores, has_stop)."""
+    scores = sequence_rewards(reward, sequences, attention_mask)
     responses = sequences[:, -response_mask.shape[1] :]
     has_stop = (torch.isin(responses, torch.tensor(stop_ids, device=responses.device)) & response_mask.bool()).any(1)
     return torch.where(has_stop, scores, torch.full_like(scores, missing_eos_penalty)), has_stop
@@ -1316,302 +1076,55 @@ def forward_in_chunks(fn, size, *tensors):
     return tuple(torch.cat(parts) for parts in zip(*outs)) if isinstance(outs[0], tuple) else torch.cat(outs)
 
 
+# The KV cache's name as a model's forward takes and returns it: transformers 5.24 renamed past_key_values to cache
+# (the old keyword still works there, with a FutureWarning on every call)
+CACHE = "cache" if tuple(int(v) for v in transformers.__version__.split(".")[:2]) >= (5, 24) else "past_key_values"
+
+
 @torch.no_grad()
-def sample(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature=1.0, greedy=False):
+def generate(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature=1.0, greedy=False):
     """Complete each prompt (lists of token ids, left-padded here) with tokens drawn from softmax(logits / T) in
     float32, as `generate` draws them (the argmax if greedy), each response ending at its first stop token.
     Returns (sequences, attention_mask, context_length, response_mask), the responses as long as the longest
     one, response_mask 1 on response tokens up to and including the stop token. No sampling setting comes from
     the checkpoint's generation_config.json (top_k, repetition_penalty, ...): the distribution sampled is the one
-    whose log-probs are trained. A loop of its own rather than transformers' `generate`, for two savings that
-    change nothing sampled: each distinct prompt's forward pass runs once, its KV cache shared by the rows that
-    repeat it (GRPO's G completions), and a row that has stopped leaves the batch, so that each step costs what
-    the rows still running need."""
-    device = model.device
-    width = max(len(p) for p in prompt_ids)
+    whose log-probs are trained. Two savings change nothing sampled: each distinct prompt's forward pass runs
+    once, its KV cache copied to the rows that repeat it (GRPO's G completions), and a row that has stopped
+    leaves the batch."""
+    device, width = model.device, max(len(p) for p in prompt_ids)
     input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompt_ids], device=device)
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=device)
-    # Under FSDP: every block gathered once for the whole loop, not once per token
-    sharded = [module for module in model.modules() if isinstance(module, FSDPModule)]
-    for module in sharded:
-        module.unshard()
-        module.set_reshard_after_forward(False, recurse=False)
-    try:
-        responses = sample_tokens(model, input_ids, attention_mask, torch.tensor(stop_ids, device=device), pad_token_id,
-                                  max_new_tokens, temperature, greedy)
-    finally:
-        for module in sharded:
-            module.reshard()
-            module.set_reshard_after_forward(module is not model, recurse=False)  # fully_shard's default
-    is_stop = torch.isin(responses, torch.tensor(stop_ids, device=device))
-    # 1 up to and including the first stop token: a token is valid while no stop token came strictly before it
-    response_mask = ((is_stop.cumsum(1) - is_stop.long()) == 0).long()
-    length = int(response_mask.sum(1).max())  # the longest response: no later column is anything but padding
-    response_mask = response_mask[:, :length]
-    responses = responses[:, :length].masked_fill(response_mask == 0, pad_token_id)
-    return (torch.cat([input_ids, responses], 1), torch.cat([attention_mask, response_mask], 1), width, response_mask)
-
-
-def sample_tokens(model, input_ids, attention_mask, stops, pad_token_id, max_new_tokens, temperature, greedy):
-    """The sampling loop of `sample`: [rows, max_new_tokens] tokens, pad_token_id after a row's stop token."""
-    width = input_ids.shape[1]
+    stops = torch.tensor(stop_ids, device=device)
     distinct, row_prompt = torch.unique(torch.cat([input_ids, attention_mask], 1), dim=0, return_inverse=True)
     prompt_mask = distinct[:, width:]
     out = model(input_ids=distinct[:, :width], attention_mask=prompt_mask, position_ids=position_ids_of(prompt_mask),
                 use_cache=True, logits_to_keep=1)
     cache, logits = out[CACHE], out.logits[row_prompt, -1]
     cache.batch_select_indices(row_prompt)  # each row's copy of its prompt's keys and values
-    responses = torch.full((len(input_ids), max_new_tokens), pad_token_id, device=input_ids.device)
-    running = torch.arange(len(input_ids), device=input_ids.device)  # the rows still sampling
+    responses = torch.full((len(input_ids), max_new_tokens), pad_token_id, device=device)
+    running, mask = torch.arange(len(input_ids), device=device), attention_mask  # the rows still sampling
     positions = attention_mask.sum(1)  # of each row's next token: positions count real tokens only
     for t in range(max_new_tokens):
-        if len(running):
-            z = logits.float() / temperature
-            tokens = z.argmax(-1) if greedy else torch.multinomial(torch.softmax(z, -1), 1).squeeze(1)
-            responses[running, t] = tokens
-            going = ~torch.isin(tokens, stops)
-            if not going.all():  # the rows that stopped leave the batch, and their cache with them
-                keep = going.nonzero().squeeze(1)
-                running, tokens, positions, attention_mask = running[keep], tokens[keep], positions[keep], attention_mask[keep]
-                cache.batch_select_indices(keep)
-        left = torch.tensor(len(running), device=input_ids.device)
-        if dist.is_initialized():  # every rank steps until all are done: a sharded model's forward needs all ranks
-            dist.all_reduce(left)
-        if t + 1 == max_new_tokens or left == 0:
+        z = logits.float() / temperature
+        tokens = z.argmax(-1) if greedy else torch.multinomial(torch.softmax(z, -1), 1).squeeze(1)
+        responses[running, t] = tokens
+        going = ~torch.isin(tokens, stops)
+        if not going.all():  # the rows that stopped leave the batch, and their cache with them
+            keep = going.nonzero().squeeze(1)
+            running, tokens, positions, mask = running[keep], tokens[keep], positions[keep], mask[keep]
+            cache.batch_select_indices(keep)
+        if t + 1 == max_new_tokens or not len(running):
             break
-        if not len(running):  # done here, not elsewhere: one throwaway step keeps the ranks in step
-            model(input_ids=input_ids[:1, -1:])
-            continue
-        attention_mask = F.pad(attention_mask, (0, 1), value=1)
-        logits = model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=(positions + t)[:, None],
+        mask = F.pad(mask, (0, 1), value=1)
+        logits = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=(positions + t)[:, None],
                        use_cache=True, **{CACHE: cache}).logits[:, -1]
-    return responses
-
-
-def check_kv_cache(model, rows, length, device, bf16):
-    """On CUDA, one line before the first rollout when sampling `rows` sequences of `length` tokens at once would
-    fill the device: their KV cache, 2 (keys and values) × layers × KV heads × head size numbers per token, may
-    take at most half the memory free beside the placed models. Lower --generation-batch-size; on the CPU, no check."""
-    if device.type != "cuda":
-        return
-    config = model.config
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    need = 2 * config.num_hidden_layers * heads * head_size * rows * length * (2 if bf16 else 4)
-    free = torch.cuda.mem_get_info(device)[0]
-    if all_reduce_sum({"full": need > free / 2}, device)["full"]:  # on any rank: every rank stops
-        sys.exit(f"error: --generation-batch-size {rows} × {length} tokens needs a KV cache of {need / 2**30:.1f} GiB, "
-                 f"more than half the {free / 2**30:.1f} GiB free on the GPU; pass --generation-batch-size "
-                 f"{max(1, int(rows * free / 2 / need))} or less")
-
-
-def sample_in_chunks(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature, size):
-    """`sample` in chunks of `size` prompts (the KV cache grows with it), joined as one sample."""
-    return join_samples([sample(model, prompt_ids[i : i + size], pad_token_id, stop_ids, max_new_tokens, temperature)
-                         for i in range(0, len(prompt_ids), size)], pad_token_id)
-
-
-def join_samples(samples, pad_token_id):
-    """Outputs of `sample`, (sequences, attention_mask, context_length, response_mask), as one: the rows of all,
-    the prompts left-padded to the longest and the responses right-padded to the longest."""
-    width, length = max(s[2] for s in samples), max(s[3].shape[1] for s in samples)
-    pad = lambda t, left, value: F.pad(t, (left, width + length - left - t.shape[1]), value=value)  # noqa: E731
-    return (torch.cat([pad(s[0], width - s[2], pad_token_id) for s in samples]),
-            torch.cat([pad(s[1], width - s[2], 0) for s in samples]), width,
-            torch.cat([F.pad(s[3], (0, length - s[3].shape[1])) for s in samples]))
-
-
-# ---------------------------------------------------------------------------------------------
-# Many processes. `torchrun --nproc-per-node N X.py` starts one process (rank) per device; each takes
-# its share of every batch, and the gradients are averaged. Under plain `python X.py` these helpers
-# change nothing.
-# ---------------------------------------------------------------------------------------------
-# How long a rank waits in a collective for the others: long enough for rank 0 to gather and write a
-# checkpoint of an 8B model (16-32 GB) while the others wait to hear whether it worked (NCCL's default: 10 min).
-PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=60)
-
-
-def setup_distributed(cuda):
-    """(rank, world_size, device). Under torchrun, which sets RANK, WORLD_SIZE and LOCAL_RANK, join the
-    process group: NCCL with one GPU per process, or gloo on the CPU. Ranks other than 0 print nothing (an
-    error that stops the run is one line from the first rank of each node). On CUDA: float32 matrix products in TF32,
-    and PyTorch's expandable segments unless PYTORCH_CUDA_ALLOC_CONF says otherwise."""
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # less fragmentation as shapes vary
-    if torch.cuda.is_available() and cuda:
-        torch.backends.cuda.matmul.fp32_precision = "tf32"  # float32 products in TF32 (Ampere and later)
-    if "RANK" not in os.environ:
-        return 0, 1, torch.device("cuda" if torch.cuda.is_available() and cuda else "cpu")
-    if torch.cuda.is_available() and cuda:
-        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's; a launcher may not set it
-        if local_world_size > torch.cuda.device_count():  # one GPU per process
-            sys.exit(f"error: {local_world_size} processes on this node and {torch.cuda.device_count()} "
-                     f"GPU(s): run --nproc-per-node {torch.cuda.device_count()}, or --no-cuda to run on the CPU")
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device, timeout=PROCESS_GROUP_TIMEOUT)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
-    if dist.get_rank() != 0:
-        sys.stdout = open(os.devnull, "w")
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def settle_defaults(args):
-    """The defaults that depend on where the run is, settled before any work (and logged and checkpointed as
-    settled). --bf16: on where CUDA computes and has bfloat16, as in TRL's configs (bf16 unless fp16); off on the
-    CPU, where bfloat16 products are slower than float32 on most processors. --gradient-checkpointing: on under
-    --fsdp, the runs of models whose every block's activations do not fit beside the weights."""
-    if args.bf16 is None:
-        args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    if args.gradient_checkpointing is None:
-        args.gradient_checkpointing = args.fsdp
-
-
-def autocast(device, args):
-    """--bf16 as torch.autocast: matrix products in bfloat16 over float32 weights. Off under FSDP, whose
-    MixedPrecisionPolicy (place_model) casts the weights themselves: autocast there would keep a bfloat16
-    copy of every gathered weight, the full-size copy that sharding is there to avoid."""
-    enabled = args.bf16 and not (args.fsdp and dist.is_initialized())
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
-
-
-def place_model(model, device, args, trained=True):
-    """Put a model on the device. In one process: moved there whole. Under torchrun, rank 0 holds the weights
-    (load_model built the model on the meta device elsewhere; a model built from scratch, or a new scalar head,
-    starts from other random values on each rank) and the others receive them. Without --fsdp: a full copy per
-    rank, and a trained model in DDP (gradients averaged in the backward pass). With --fsdp: FSDP2 shards the
-    model first, then each rank receives only its shard of every weight from rank 0's copy, which is then freed
-    (set_model_state_dict's broadcast_from_rank0): no rank but 0 ever holds the whole model, and rank 0 one at
-    a time when the models are placed as they are loaded. Each transformer block is gathered only while it
-    computes; a frozen model's root (embeddings, LM head) is resharded after its forward too, which FSDP2 skips
-    for a root that expects its backward next. With --bf16, FSDP's MixedPrecisionPolicy: the weights are
-    gathered and computed with in bfloat16 and the gradients reduced in float32, the kept weights and AdamW
-    state float32. Buffers outside the state dict (rotary inv_freq) come from rank 0 too. Build the optimizer
-    after this (FSDP2 replaces the parameters)."""
-    if not dist.is_initialized():
-        return model.to(device)
-    full = model.state_dict() if dist.get_rank() == 0 and args.fsdp else {}  # rank 0's weights, on its CPU
-    if args.fsdp:
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else MixedPrecisionPolicy()
-        block_names = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or []}
-        for module in model.modules():
-            if type(module).__name__ in block_names:
-                fully_shard(module, mesh=mesh, mp_policy=policy)
-        model = fully_shard(model, mesh=mesh, mp_policy=policy)
-        if not trained:
-            model.register_forward_hook(lambda module, inputs, output: module.reshard())
-    if dist.get_rank() == 0:
-        model.to(device)
-    else:  # room for the weights (or shards) on the device, their values to come
-        tied = {}
-        for name, parameter in model.named_parameters(remove_duplicate=False):
-            tied.setdefault(parameter, []).append(name)
-        model.to_empty(device=device)
-        for first, *others in tied.values():  # to_empty gives each name a tensor of its own: tie them again
-            for name in others:
-                module, _, attribute = name.rpartition(".")
-                setattr(model.get_submodule(module), attribute, model.get_parameter(first))
-    if args.fsdp:  # each rank copies its shard of each tensor rank 0 sends
-        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-        del full
-    else:  # a full copy on every rank: straight into its tensors, no temporary copies
-        for tensor in model.state_dict().values():
-            dist.broadcast(tensor, src=0)
-    for buffer in model.buffers():
-        dist.broadcast(buffer, src=0)
-    if args.fsdp or not trained:
-        return model
-    config = next(m.config for m in model.modules() if hasattr(m, "config"))
-    # a mixture of experts routes each batch to some experts only: where each expert is a module of its own,
-    # the others get no gradient this step (transformers 5.23 fuses a layer's experts: not needed there)
-    moe = any(getattr(config, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                   find_unused_parameters=moe)
-
-
-def gradient_sync(model, enabled):
-    """Whether the next backward passes of a DDP model average the gradients over the ranks: off for every
-    micro-batch of an optimizer step but the last, so that the gradients cross the network once per step.
-    FSDP2 keeps reducing every micro-batch: each rank holds only its shard of the gradients, where skipping
-    the reduction would hold the whole float32 gradient (32 GB at 8B) on every rank until the last one."""
-    if isinstance(model, DistributedDataParallel):
-        model.require_backward_grad_sync = enabled
-
-
-def shard(items, rank, world_size):
-    """This rank's share of an evaluation list, items[rank::world_size], padded with copies of items[0] to the
-    same length on every rank, and a weight per entry (0 on the copies): a sharded model needs every rank in
-    each forward pass, so every rank must run as many. Metrics are weighted sums, added up over the ranks."""
-    mine = items[rank::world_size]
-    padding = -(-len(items) // world_size) - len(mine)
-    return mine + items[:1] * padding, [1] * len(mine) + [0] * padding
-
-
-def all_reduce_sum(sums, device):
-    """{name: number} with each number summed over the ranks (the numbers themselves in one process), in one
-    all-reduce: per-rank sums and counts become global ones, read back by name."""
-    values = [float(v) for v in sums.values()]
-    if dist.is_initialized():
-        total = torch.tensor(values, dtype=torch.float64, device=device)
-        dist.all_reduce(total)
-        values = total.tolist()
-    return dict(zip(sums, values))
-
-
-class NoWriter:
-    """Stands in for the SummaryWriter on ranks other than 0: only rank 0 writes TensorBoard logs."""
-
-    def __getattr__(self, name):
-        return lambda *args, **kwargs: None
-
-
-def make_writer(args, rank, run_dir, start_step=0):
-    """TensorBoard's writer for run_dir on rank 0 (a NoWriter elsewhere), the flags logged as a table. A resumed
-    run (start_step > 0) appends to its run's logs and drops what they hold after start_step (purge_step): the
-    steps a preempted run took after its last checkpoint are taken again."""
-    if rank != 0:
-        return NoWriter()
-    writer = SummaryWriter(run_dir, purge_step=start_step + 1 if start_step else None)
-    if not start_step:
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
-    return writer
-
-
-def run_directory(args, checkpoint, device):
-    """runs/<exp>__<seed>__<time> (rank 0's clock, on every rank), or the run directory of the checkpoint that
-    --resume continues. Under torchrun every rank must see it: each writes its shard of a checkpoint there (SIGTERM
-    writes one even without --save-every) and rank 0 renames the whole. So rank 0 writes a file there that every
-    rank reads, and a rank that does not see it (several nodes without a shared filesystem) stops the run on every
-    node with one line, before any training."""
-    run_dir = [os.path.dirname(checkpoint["path"]) if checkpoint is not None else
-               f"runs/{args.exp_name}__{args.seed}__{int(time.time())}"]
-    if not dist.is_initialized():
-        return run_dir[0]
-    dist.broadcast_object_list(run_dir, src=0)
-    run_dir, probe, token = run_dir[0], os.path.join(run_dir[0], "every-rank-sees-this"), str(time.time())
-    if dist.get_rank() == 0:
-        os.makedirs(run_dir, exist_ok=True)
-        with open(probe, "w") as f:
-            f.write(token)
-    token = [token]
-    dist.broadcast_object_list(token, src=0)  # after rank 0 wrote the file
-    try:
-        with open(probe) as f:
-            seen = f.read() == token[0]
-    except OSError:
-        seen = False
-    blind = int(all_reduce_sum({"blind": not seen}, device)["blind"])
-    if dist.get_rank() == 0:
-        os.remove(probe)
-        if blind and checkpoint is None and not os.listdir(run_dir):
-            os.rmdir(run_dir)
-    if blind:
-        sys.exit(f"error: {blind} of {dist.get_world_size()} ranks do not see the run directory {run_dir!r}, where "
-                 "every rank writes its share of a checkpoint: start every node from one directory on a filesystem "
-                 "they share (runs/ is made there)" if os.environ.get("LOCAL_RANK", "0") == "0" else 1)
-    return run_dir
+    is_stop = torch.isin(responses, stops)
+    # 1 up to and including the first stop token: a token is valid while no stop token came strictly before it
+    response_mask = ((is_stop.cumsum(1) - is_stop.long()) == 0).long()
+    length = int(response_mask.sum(1).max())  # the longest response: no later column is anything but padding
+    response_mask = response_mask[:, :length]
+    responses = responses[:, :length].masked_fill(response_mask == 0, pad_token_id)
+    return (torch.cat([input_ids, responses], 1), torch.cat([attention_mask, response_mask], 1), width, response_mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1636,292 +1149,22 @@ def check_finite(step, **values):
                      "(lower --lr; with a half-precision model, train without --bf16 to check)")
 
 
-def save_atomically(model, tokenizer, args, output_dir, dtype):
-    """Save a Hugging Face model (the one inside any DDP wrapper), its weights in `dtype` (save_dtype_of), so
-    that a crash never leaves a half-written checkpoint: rank 0 writes to a temporary directory, then renames
-    it. Every rank calls this: under FSDP they first gather the full weights (to rank 0's CPU memory), and all
-    learn whether the write worked: if not, every node says so in one line and nothing is left half-written.
-    On several nodes without a shared filesystem the checkpoint is on the first node only: the others say so.
-    A LoRA model (--lora-r) is saved as its adapter (and trained head) in float32, which peft's
-    PeftModel.from_pretrained puts back on the base model; with --merge-lora, merged into the weights."""
-    if args.lora_r:
-        if args.merge_lora:
-            model = model.merge_and_unload()  # W₀ + (α/r) B A: a plain model of the base's architecture
-        else:
-            dtype = torch.float32
-    if any(isinstance(module, FSDPModule) for module in model.modules()):
-        state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    else:
-        state_dict = model.state_dict()
-    names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
-    problem = None
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        # a tied weight once, under its first name; floating-point weights in the dtype asked for
-        state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items() if k in names}
-        tmp_dir = f"{output_dir.rstrip('/')}.tmp-{os.getpid()}"
-        try:
-            model.save_pretrained(tmp_dir, state_dict=state_dict)
-            if os.path.exists(os.path.join(tmp_dir, "config.json")):  # not in an adapter's directory
-                with open(os.path.join(tmp_dir, "config.json")) as f:
-                    config = json.load(f)
-                with open(os.path.join(tmp_dir, "config.json"), "w") as f:  # the dtype the weights are saved in
-                    json.dump({**config, "dtype": str(dtype).removeprefix("torch.")}, f, indent=2)
-            tokenizer.save_pretrained(tmp_dir)
-            with open(os.path.join(tmp_dir, "training_args.json"), "w") as f:
-                json.dump(vars(args), f, indent=2)
-            if os.path.exists(output_dir):
-                shutil.rmtree(output_dir)
-            os.replace(tmp_dir, output_dir)
-        except OSError as e:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-            problem = f"error: cannot write the checkpoint to {output_dir!r}: {e}; nothing was saved"
-    # rank 0's outcome, known to every rank
-    if all_reduce_sum({"failed": problem is not None}, next(model.parameters()).device)["failed"] and problem is None:
-        problem = f"error: rank 0 could not write the checkpoint to {output_dir!r} (its line says why); nothing was saved"
-    if problem is not None:
-        sys.exit(problem)
-    if os.environ.get("LOCAL_RANK", "0") == "0" and not os.path.isdir(output_dir):
-        print(f"note: the checkpoint {output_dir!r} is on the first node only (this node does not share its "
-              "filesystem): copy it from there", file=sys.stderr)
-
-
-# ---------------------------------------------------------------------------------------------
-# LoRA (--lora-r): low-rank adapters on frozen weights, through peft, which is imported only then
-# ---------------------------------------------------------------------------------------------
-def check_lora(args):
-    """The LoRA flags, checked before any work (part of every LM script's check_args)."""
-    if args.lora_r < 0 or (args.lora_r and (args.lora_alpha <= 0 or not 0 <= args.lora_dropout < 1)):
-        sys.exit("error: --lora-r must be ≥ 0, --lora-alpha > 0 and --lora-dropout in [0, 1)")
-    if args.merge_lora and not args.lora_r:
-        sys.exit("error: --merge-lora merges LoRA adapters into the weights; pass --lora-r too")
-    if args.lora_r and args.fsdp:
-        sys.exit("error: --lora-r with --fsdp is not supported; drop --fsdp (LoRA trains few weights: DDP holds their "
-                 "AdamW state easily, and --bf16 keeps the frozen base in bfloat16)")
-    if args.lora_r and importlib.util.find_spec("peft") is None:
-        sys.exit("error: --lora-r needs peft: pip install peft")
-
-
-def base_dtype(args):
-    """The dtype of a trained model's weights: float32 for full fine-tuning (master weights for AdamW); with LoRA
-    and --bf16, bfloat16: nothing updates them, so they are held as they are computed with (half the memory)."""
-    return torch.bfloat16 if args.lora_r and args.bf16 else torch.float32
-
-
-def add_lora(model, args):
-    """--lora-r > 0: LoRA (Hu et al. 2021, eq. 3), h = W₀x + (α/r)·B·A·x on every linear layer but the output
-    head (or those of --lora-target-modules), W₀ frozen. B starts at 0, so the model computes exactly what it
-    did until the first update. A scalar head (a reward model's, a critic's) is new or task-specific: it trains
-    whole. The trained weights are float32 whatever the base's dtype. Without --lora-r: `model` unchanged."""
-    if not args.lora_r:
-        return model
-    from peft import LoraConfig, get_peft_model
-
-    heads = [name for name, _ in model.named_children() if name != model.base_model_prefix]
-    config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                        target_modules=list(args.lora_target_modules) or "all-linear",
-                        modules_to_save=heads if type(model).__name__.endswith("ForSequenceClassification") else None)
-    with warnings.catch_warnings():  # GPT-2's Conv1D layers: peft transposes them itself and says so
-        warnings.filterwarnings("ignore", "fan_in_fan_out")
-        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated")  # peft 0.21 on transformers 5
-        model = get_peft_model(model, config)
-    for parameter in model.parameters():
-        if parameter.requires_grad:
-            parameter.data = parameter.data.float()
-    return model
-
-
-def parameter_count(*models):
-    """"N parameters (M trained)" of the models together: what LoRA saves is in the second number."""
-    params = {id(p): p for model in models for p in model.parameters()}.values()  # a shared weight once
-    return f"{sum(p.numel() for p in params):,} parameters ({sum(p.numel() for p in params if p.requires_grad):,} trained)"
-
-
-class AdaptersOff(torch.nn.Module):
-    """The reference policy of a LoRA run: the policy's own weights with its adapters switched off, instead of a
-    second copy of the model. Its forward is the policy's, in eval mode, under peft's disable_adapter."""
-
-    def __init__(self, policy):
-        super().__init__()
-        self.policy = [policy]  # in a list: not a submodule, so that no one counts, moves or saves it twice
-
-    def forward(self, *args, **kwargs):
-        policy = self.policy[0]
-        training = policy.training
-        policy.eval()
-        try:
-            with policy.disable_adapter():
-                return policy(*args, **kwargs)
-        finally:
-            policy.train(training)
-
-
-# ---------------------------------------------------------------------------------------------
-# Long runs: checkpoints that resume exactly, and SIGTERM. A checkpoint is the directory
-# runs/<run>/checkpoint-<step>: the trained weights and AdamW state (torch.distributed.checkpoint: under
-# --fsdp each rank writes and reads its own shards, nothing is gathered), each rank's random streams and
-# the loop's state (rank<r>.pt), and checkpoint.json (script, step, ranks, flags).
-# ---------------------------------------------------------------------------------------------
-# The flags a resumed run may change: where things go, not what is computed
-CHANGEABLE_ON_RESUME = ("exp_name", "output_dir", "resume", "save_every", "keep_checkpoints")
-# Frozen weights are not saved (they are reloaded from the model path): with LoRA a checkpoint is the adapters
-CHECKPOINT_OPTIONS = StateDictOptions(ignore_frozen_params=True)
-
-
-def find_checkpoint(args, world_size):
-    """The checkpoint --resume names (a checkpoint-<step> directory, or a run directory: its latest), checked
-    before any work: one of this script, saved with the same flags and as many ranks. Returns its
-    checkpoint.json with its "path", or None without --resume."""
-    if args.resume is None:
-        return None
-    path = args.resume.rstrip("/")
-    if not os.path.isfile(os.path.join(path, "checkpoint.json")):
-        steps = [int(name[len("checkpoint-") :]) for name in (os.listdir(path) if os.path.isdir(path) else [])
-                 if re.fullmatch(r"checkpoint-\d+", name) and os.path.isfile(os.path.join(path, name, "checkpoint.json"))]
-        if not steps:
-            sys.exit(f"error: --resume {args.resume}: no checkpoint there; pass a runs/<run> directory that holds "
-                     "checkpoint-<step> directories (written with --save-every, or at SIGTERM), or one of them")
-        path = os.path.join(path, f"checkpoint-{max(steps)}")
-    with open(os.path.join(path, "checkpoint.json")) as f:
-        saved = json.load(f)
-    script = os.path.basename(__file__)
-    if saved["script"] != script:
-        sys.exit(f"error: --resume {path} is a checkpoint of {saved['script']}; resume it with that script, not {script}")
-    now = json.loads(json.dumps(vars(args)))  # as checkpoint.json holds them (tuples as lists)
-    for name, value in now.items():
-        if name not in CHANGEABLE_ON_RESUME and saved["args"].get(name) != value:
-            sys.exit(f"error: --{name.replace('_', '-')} is {value} here but {saved['args'].get(name)} in {path}; a "
-                     "resumed run takes the flags of the run it continues (only --save-every, --keep-checkpoints, "
-                     "--output-dir and --exp-name may change)")
-    if saved["world_size"] != world_size:
-        sys.exit(f"error: {path} was saved by {saved['world_size']} rank(s) and this run has {world_size}; resume with "
-                 f"{saved['world_size']} (each rank's random streams and share of every batch are part of the checkpoint)")
-    return {**saved, "path": path}
-
-
-def random_streams():
-    """This process's random streams: python's, numpy's, torch's on the CPU and on its GPU."""
-    name, keys, position, has_gauss, gauss = np.random.get_state()
-    return {"python": random.getstate(), "numpy": (name, keys.tolist(), position, has_gauss, gauss),
-            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}
-
-
-def set_random_streams(streams):
-    random.setstate(streams["python"])
-    name, keys, position, has_gauss, gauss = streams["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), position, has_gauss, gauss))
-    torch.set_rng_state(streams["torch"])
-    if streams["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(streams["cuda"])
-
-
-def save_checkpoint(run_dir, step, trained, optimizer, args, loop_state, sigterm=False):
-    """Write runs/<run>/checkpoint-<step> atomically: every rank writes into checkpoint-<step>.tmp, then rank 0
-    renames it and deletes all but the last --keep-checkpoints; a crash mid-write leaves the earlier ones as
-    they were. `trained`: the module (as placed: DDP or FSDP) whose trained weights `optimizer` updates;
-    `loop_state`: what the loop needs to go on (data position, controllers, counters), with `step`. Every
-    rank calls this. A multi-node run needs a filesystem that every node shares (each writes its shards)."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    path = os.path.join(run_dir, f"checkpoint-{step}")
-    tmp = f"{path}.tmp"
-
-    def write(part):
-        """Run part() on every rank; if it fails on any (a full disk, a permission), every rank stops with one line."""
-        problem = None
-        try:
-            part()
-        except Exception as e:  # noqa: BLE001
-            problem = f"error: cannot write the checkpoint {path}: {first_line(e)}"
-        if all_reduce_sum({"failed": problem is not None}, next(trained.parameters()).device)["failed"]:
-            sys.exit(problem or f"error: another rank could not write the checkpoint {path} (rank 0's line says why)")
-
-    def make_directory():
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # what a crash during an earlier write left
-            os.makedirs(tmp)
-
-    def write_state():
-        model_state, optimizer_state = get_state_dict(trained, optimizer, options=CHECKPOINT_OPTIONS)
-        with warnings.catch_warnings():  # in one process DCP warns at every call that it assumes one process
-            warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)  # collective
-        torch.save({"random": random_streams(), "loop": {**loop_state, "step": step}}, os.path.join(tmp, f"rank{rank}.pt"))
-        if rank == 0:
-            with open(os.path.join(tmp, "checkpoint.json"), "w") as f:
-                json.dump({"script": os.path.basename(__file__), "step": step, "args": vars(args),
-                           "world_size": dist.get_world_size() if dist.is_initialized() else 1}, f, indent=2)
-
-    write(make_directory)
-    write(write_state)
-    if rank == 0:  # every rank has written its part: the checkpoint is complete once it has its name
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
-        steps = sorted(int(name[len("checkpoint-") :]) for name in os.listdir(run_dir) if re.fullmatch(r"checkpoint-\d+", name))
-        for old in steps[: -args.keep_checkpoints]:
-            shutil.rmtree(os.path.join(run_dir, f"checkpoint-{old}"))
-    if dist.is_initialized():
-        dist.barrier()  # the checkpoint is complete before any rank goes on (or exits)
-    if sigterm:
-        argv = sys.argv[1:]  # the same command, --resume pointing at this run
-        flags = [a for i, a in enumerate(argv) if not a.startswith("--resume") and (i == 0 or argv[i - 1] != "--resume")]
-        launcher = f"torchrun --nproc-per-node {dist.get_world_size()}" if dist.is_initialized() else "python"
-        print(f"SIGTERM: stopped after step {step}, checkpoint saved; resume with:\n"
-              f"    {launcher} {shlex.join([sys.argv[0], *flags, '--resume', run_dir])}")
-
-
-def load_checkpoint(checkpoint, trained, optimizer):
-    """Restore a checkpoint (find_checkpoint's) into the trained module and its optimizer, placed as they were
-    when it was saved, and this rank's random streams; returns the loop's state. Call it right before the
-    loop: the random streams go on from here."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    model_state, optimizer_state = get_state_dict(trained, optimizer, options=CHECKPOINT_OPTIONS)
-    state = {"model": model_state, "optimizer": optimizer_state}
+def save_model(model, tokenizer, args, output_dir, dtype):
+    """Save a Hugging Face model, its weights in `dtype` (save_dtype_of), with its tokenizer and the flags
+    (training_args.json): written to a temporary directory, then renamed, so that a crash never leaves a
+    half-written checkpoint."""
+    tmp_dir = f"{output_dir.rstrip('/')}.tmp-{os.getpid()}"
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=checkpoint["path"])
-    except Exception as e:  # noqa: BLE001  another model's weights: missing names, other shapes
-        sys.exit(f"error: {checkpoint['path']} does not fit this model ({first_line(e)[:200]}); resume with "
-                 "the model it was saved from")
-    # strict=False: the frozen weights are not in the checkpoint (dcp.load has failed on any trained one missing)
-    set_state_dict(trained, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
-    saved = torch.load(os.path.join(checkpoint["path"], f"rank{rank}.pt"), weights_only=True)
-    set_random_streams(saved["random"])
-    print(f"resumed from {checkpoint['path']} (step {saved['loop']['step']})")
-    return saved["loop"]
-
-
-class Preemption:
-    """SIGTERM, which Slurm, Kubernetes and cloud schedulers send before they stop a job, noted when it arrives
-    and acted on at the next step boundary: the run saves a checkpoint there and exits 0 (a scheduler's grace
-    period must cover one step and one checkpoint). torchrun passes the signal to every rank; the loop then
-    adds up the ranks' `received`, so that all of them stop after the same step."""
-
-    def __init__(self):
-        self.received = False
-        signal.signal(signal.SIGTERM, self.note)
-
-    def note(self, signum, frame):
-        self.received = True
+        model.to(dtype).save_pretrained(tmp_dir)  # config.json says the dtype; a tied weight is saved once
+        tokenizer.save_pretrained(tmp_dir)
+        with open(os.path.join(tmp_dir, "training_args.json"), "w") as f:
+            json.dump(vars(args), f, indent=2)
+        shutil.rmtree(output_dir, ignore_errors=True)
+        os.replace(tmp_dir, output_dir)
+    except OSError as e:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        sys.exit(f"error: cannot write the checkpoint to {output_dir!r}: {e}; nothing was saved")
 
 
 if __name__ == "__main__":
-    try:
-        main(tyro.cli(Args, description=__doc__))
-    except SystemExit as e:  # under torchrun every rank stops on the same bad input: one line per node says so
-        if isinstance(e.code, str) and os.environ.get("LOCAL_RANK", "0") != "0":
-            # Local rank 0 prints the line. torchrun stops every rank as soon as one fails, so the others
-            # wait for it first: exiting at once could stop rank 0 before it has printed.
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun's stop must end the wait (Preemption)
-            time.sleep(60)
-            sys.exit(1)
-        if dist.is_initialized():  # a process group left to the exit can abort it ("terminate called ...")
-            e.__traceback__ = None  # which holds main's frame: its models go first, as below
-            gc.collect()
-            dist.destroy_process_group()
-        raise
-    if dist.is_initialized():
-        # Only now, with main's models freed: a DDP model that outlives the process group tears gloo down
-        # while holding the GIL, which can deadlock with gloo's worker threads.
-        gc.collect()
-        dist.destroy_process_group()
+    main(tyro.cli(Args))

@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # name: (script, the text replaced, what replaces it, the test file that must fail)
 BREAKS = {
-    "grpo_keeps_equal_groups": ("grpo.py", "groups = torch.argsort((~informative).int(), stable=True)[:prompts_per_rank]",
+    "grpo_keeps_equal_groups": ("grpo.py", "groups = torch.argsort((~informative).int(), stable=True)[: B // G]",
                                 "groups = groups", "tests/test_grpo.py"),
     "grpo_overlong_sign": ("grpo.py", "((max_length - cache - lengths) / cache).clamp(-1.0, 0.0)",
                            "((lengths - max_length + cache) / cache).clamp(-1.0, 0.0)", "tests/test_grpo.py"),
@@ -59,10 +59,14 @@ BREAKS = {
                             "advantages = -group_advantages(rewards, G, args.scale_rewards)", "tests/test_grpo.py"),
     "grpo_ignores_no_scale_rewards": ("grpo.py", "advantages = group_advantages(rewards, G, args.scale_rewards)",
                                       "advantages = group_advantages(rewards, G)", "tests/test_grpo.py"),
-    "rlhf_ppo_loss_sign": ("rlhf_ppo.py", "((pg_loss + args.vf_coef * vf_loss) * world_size).backward()",
-                           "((-pg_loss + args.vf_coef * vf_loss) * world_size).backward()", "tests/test_rlhf_ppo.py"),
-    "rlhf_ppo_value_loss_sign": ("rlhf_ppo.py", "((pg_loss + args.vf_coef * vf_loss) * world_size).backward()",
-                                 "((pg_loss - args.vf_coef * vf_loss) * world_size).backward()", "tests/test_rlhf_ppo.py"),
+    "rlhf_ppo_loss_sign": ("rlhf_ppo.py", "(pg_loss + args.vf_coef * vf_loss).backward()",
+                           "(-pg_loss + args.vf_coef * vf_loss).backward()", "tests/test_rlhf_ppo.py"),
+    "rlhf_ppo_value_loss_sign": ("rlhf_ppo.py", "(pg_loss + args.vf_coef * vf_loss).backward()",
+                                 "(pg_loss - args.vf_coef * vf_loss).backward()", "tests/test_rlhf_ppo.py"),
+    "scale_rlhf_ppo_loss_sign": ("scale/rlhf_ppo.py", "((pg_loss + args.vf_coef * vf_loss) * world_size).backward()",
+                                 "((-pg_loss + args.vf_coef * vf_loss) * world_size).backward()", "tests/test_tiers.py"),
+    "scale_grpo_advantage_sign": ("scale/grpo.py", "advantages = group_advantages(rewards, G, args.scale_rewards)",
+                                  "advantages = -group_advantages(rewards, G, args.scale_rewards)", "tests/test_tiers.py"),
     "rlhf_ppo_gamma_lambda_swapped": ("rlhf_ppo.py", "masked_gae(rewards, values, mask, args.gamma, args.lam)",
                                       "masked_gae(rewards, values, mask, args.lam, args.gamma)", "tests/test_rlhf_ppo.py"),
     "ppo_clip_gamma_lambda_swapped": ("ppo_clip.py", "args.gamma, args.gae_lambda)", "args.gae_lambda, args.gamma)",

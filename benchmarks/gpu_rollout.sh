@@ -9,7 +9,7 @@ set -euo pipefail
 PAIRS=${1:-3}; PY=${PYTHON:-python}; N=${ITERATIONS:-3}; ROOT=$(pwd); work=$(mktemp -d)
 export PYTHONUNBUFFERED=1
 $PY benchmarks/random_qwen.py "$work"
-ours="$PY $ROOT/benchmarks/rollout_timer.py $ROOT/grpo.py --sft-model-path $work/base --dataset-name $work/prompts.jsonl
+ours="$PY $ROOT/benchmarks/rollout_timer.py $ROOT/scale/grpo.py --sft-model-path $work/base --dataset-name $work/prompts.jsonl
     --reward-fn exact_match --num-iterations $N --response-length 128 --max-prompt-length 512 --batch-size 256
     --generation-batch-size 256 --mini-batch-size 64 --gradient-accumulation-steps 4 --eval-every 1000 --eval-size 16
     --bf16 --output-dir $work/out --profile"

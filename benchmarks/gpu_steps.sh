@@ -18,13 +18,13 @@ rm_="--model-name-or-path $work/sft --dataset-name $work/pref.jsonl --max-length
 dpo="--model-name-or-path $work/sft --dataset-name $work/pref.jsonl --max-length 512 --batch-size 8 --max-steps 10 --warmup-steps 1 --eval-every 10 --eval-size 16 --reward-model-path None"
 ppo="--sft-model-path $work/sft --reward-model-path $work/rm --dataset-name $work/prompts.jsonl --max-prompt-length 256 --response-length 128 --batch-size 32 --mini-batch-size 8 --num-iterations 2 --eval-every 2 --eval-size 16"
 grpo="--sft-model-path $work/sft --dataset-name $work/prompts.jsonl --reward-fn exact_match --max-prompt-length 256 --response-length 128 --batch-size 32 --num-generations 8 --mini-batch-size 8 --num-iterations 2 --eval-every 2 --eval-size 16"
-run python benchmarks/gpu_step.py sft.py $sft $common --output-dir $work/sft
-run python benchmarks/gpu_step.py reward_model.py $rm_ $common --output-dir $work/rm
+run python benchmarks/gpu_step.py scale/sft.py $sft $common --output-dir $work/sft
+run python benchmarks/gpu_step.py scale/reward_model.py $rm_ $common --output-dir $work/rm
 step() {  # step LAUNCH: a step of each script (FSDP: under torchrun)
   local extra=""; [ "$1" = python ] || extra="--fsdp"
   for name in ${SCRIPTS:-sft reward_model dpo rlhf_ppo grpo}; do
     local flags; case $name in sft) flags="$sft";; reward_model) flags="$rm_";; dpo) flags="$dpo";; rlhf_ppo) flags="$ppo";; grpo) flags="$grpo";; esac
-    run $1 benchmarks/gpu_step.py $name.py $flags $common $extra --output-dir $work/out-$name
+    run $1 benchmarks/gpu_step.py scale/$name.py $flags $common $extra --output-dir $work/out-$name
   done
 }
 [ -n "${FSDP_ONLY:-}" ] || step python

@@ -14,10 +14,10 @@ cd "$SCRATCH"
 echo "## grpo.py against TRL $($TRL_PYTHON -c 'import trl; print(trl.__version__)')'s GRPOTrainer"
 $PY "$ROOT/benchmarks/rollout_speed.py" "$PAIRS" \
     "TRL=$TRL_PYTHON $ROOT/benchmarks/trl_grpo.py --sft-model-path $ROOT/models/sft --num-iterations 10 $PROFILE" \
-    "grpo.py=$PY $ROOT/benchmarks/rollout_timer.py $ROOT/grpo.py $FLAGS $PROFILE"
+    "grpo.py=$PY $ROOT/benchmarks/rollout_timer.py $ROOT/scale/grpo.py $FLAGS $PROFILE"
 echo "## grpo.py before and after"
 $PY "$ROOT/benchmarks/rollout_speed.py" "$PAIRS" "before=$PY $ROOT/benchmarks/rollout_timer.py $BEFORE/grpo.py $FLAGS $PROFILE" \
-    "after=$PY $ROOT/benchmarks/rollout_timer.py $ROOT/grpo.py $FLAGS $PROFILE"
+    "after=$PY $ROOT/benchmarks/rollout_timer.py $ROOT/scale/grpo.py $FLAGS $PROFILE"
 echo "## rlhf_ppo.py before and after"
 $PY "$ROOT/benchmarks/rollout_speed.py" "$PAIRS" "before=$PY $ROOT/benchmarks/rollout_timer.py $BEFORE/rlhf_ppo.py $FLAGS $PPO $PROFILE" \
-    "after=$PY $ROOT/benchmarks/rollout_timer.py $ROOT/rlhf_ppo.py $FLAGS $PPO $PROFILE"
+    "after=$PY $ROOT/benchmarks/rollout_timer.py $ROOT/scale/rlhf_ppo.py $FLAGS $PPO $PROFILE"

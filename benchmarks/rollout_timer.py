@@ -1,6 +1,7 @@
-"""The training loop's speed of grpo.py or rlhf_ppo.py (of any checkout), and where its time goes, as one JSON line:
+"""The training loop's speed of scale/grpo.py or scale/rlhf_ppo.py (or, at aee7bdc and before, the top-level files,
+which were those programs), and where its time goes, as one JSON line:
 
-    python benchmarks/rollout_timer.py PATH/grpo.py [--profile] [--attention-math] [the script's flags]
+    python benchmarks/rollout_timer.py PATH/scale/grpo.py [--profile] [--attention-math] [the script's flags]
 
 The script's own `main(tyro.cli(Args))` runs in this process. completions_per_s is the script's last
 charts/episodes_per_second: the completions of every iteration over the loop's time, the evaluations before and

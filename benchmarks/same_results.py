@@ -11,7 +11,9 @@ scalar except the wall-clock ones (speeds, time fractions) and the SHA-256 of ev
     git worktree add /tmp/before <commit> && python benchmarks/same_results.py /tmp/before /tmp/before.json
     python benchmarks/same_results.py --compare /tmp/before.json /tmp/after.json
 
---flags SCRIPT='...' replaces one run's flags (a flag renamed between the two commits).
+--flags SCRIPT='...' replaces one run's flags (a flag renamed between the two commits). The LM scripts run from
+ROOT/scale/ where a checkout has it (the full programs; before the split, aee7bdc and earlier, they were the
+top-level files), so that a checkout with scale/ is compared with one without program for program.
 """
 import argparse
 import glob
@@ -83,8 +85,9 @@ def run_all(root, out, overrides):
         cwd = models if script in ("sft.py", "reward_model.py") else tempfile.mkdtemp(prefix=f"same_results_{name}_")
         launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", "29533"]
                     if ranks > 1 else [sys.executable])
-        proc = subprocess.run(launcher + [os.path.join(root, script), *flags], cwd=cwd, env=env, capture_output=True,
-                              text=True)
+        path = os.path.join(root, "scale", script)
+        path = path if os.path.exists(path) else os.path.join(root, script)
+        proc = subprocess.run(launcher + [path, *flags], cwd=cwd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             sys.exit(f"{name} failed:\n{proc.stderr[-3000:]}")
         (run_dir,) = glob.glob(os.path.join(cwd, "runs", "*"))

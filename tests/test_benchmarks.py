@@ -74,14 +74,14 @@ def test_the_beta_plot_reads_runs_where_the_penalty_binds_and_where_it_vanishes(
 
 
 def test_the_rollout_timer_counts_the_loop_and_its_parts(tiny_checkpoints, tmp_path):
-    """benchmarks/rollout_timer.py on grpo.py and rlhf_ppo.py: the script's own completions/s, and parts that are
+    """benchmarks/rollout_timer.py on scale/grpo.py and scale/rlhf_ppo.py (the programs whose speed it profiles): the script's own completions/s, and parts that are
     each timed (generation, reward, the rollout's forward passes) and add up to less than the loop."""
     import json
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     models = tiny_checkpoints["cwd"] / "models"
-    for script, extra in (("grpo.py", []), ("rlhf_ppo.py", ["--reward-model-path", str(models / "reward_model")])):
+    for script, extra in (("scale/grpo.py", []), ("scale/rlhf_ppo.py", ["--reward-model-path", str(models / "reward_model")])):
         proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "rollout_timer.py"),
                                os.path.join(root, script), "--profile", "--sft-model-path", str(models / "sft"), *extra,
                                "--num-iterations", "2", "--batch-size", "16", "--mini-batch-size", "8", "--eval-size", "8",
@@ -91,7 +91,7 @@ def test_the_rollout_timer_counts_the_loop_and_its_parts(tiny_checkpoints, tmp_p
         assert out["completions_per_s"] == pytest.approx(32 / out["seconds"])
         assert parts["generation"] > 0 and parts["reward"] > 0 and parts["rollout log-probs and values"] > 0
         assert 0 < parts["update and the rest"] < out["seconds"]
-        if script == "grpo.py":  # the tokens sampled in the loop: the logged mean completion length × 16, summed
+        if script == "scale/grpo.py":  # the tokens sampled in the loop: the logged mean completion length × 16, summed
             from conftest import read_scalars
 
             lengths = read_scalars(glob.glob(str(tmp_path / "runs" / "grpo__*"))[0])["objective/completion_length"]

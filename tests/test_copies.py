@@ -1,8 +1,8 @@
 """Scripts share nothing, so what several scripts need is pasted into each, and each file holds only what its
 own main runs. These tests check both, per top-level definition (function, class or assigned name): a name
 defined in two or more scripts is one text in all of them, RL and LM families alike, and no script holds a
-definition that nothing it runs reaches. Each script keeps its own Args, Agent, act, evaluate, main and
-check_args."""
+definition that nothing it runs reaches. Each script keeps its own Args, Agent, act, evaluate, main, check_args
+and load_models (the models it trains and scores with)."""
 import ast
 import importlib
 import os
@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RL_SCRIPTS = ["ppo_clip", "ppo_kl", "ppo_continuous"]
 LM_SCRIPTS = ["sft", "reward_model", "dpo", "rlhf_ppo", "grpo"]
 SCALE_SCRIPTS = [f"scale/{script}" for script in LM_SCRIPTS]  # the full programs the top-level LM files are the reference of
-OWN = {"Args", "Agent", "act", "evaluate", "main", "check_args"}  # each script's own
+OWN = {"Args", "Agent", "act", "evaluate", "main", "check_args", "load_models"}  # each script's own
 BANNER = "# Plumbing"
 REWARDS = "# Rewards as plain Python functions"
 

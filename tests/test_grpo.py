@@ -10,6 +10,7 @@ from conftest import (assert_one_line_error, assert_the_reference_stayed, one_li
 from lm_models import PositionLogits, by_hand
 
 import grpo
+from scale import grpo as scale_grpo
 
 
 def test_group_advantages_scaled_and_not():
@@ -161,7 +162,7 @@ def test_grpo_smoke_gold_reward_first_ratio_is_exactly_one(tiny_checkpoints, tmp
     batch, the checkpoint loads; two models in memory."""
     models = tiny_checkpoints["cwd"] / "models"
     proc = run_script("grpo.py", "--sft-model-path", str(models / "sft"), "--num-iterations", "2", "--batch-size", "16",
-                      "--num-generations", "4", "--mini-batch-size", "8", "--gradient-accumulation-steps", "2",
+                      "--num-generations", "4", "--mini-batch-size", "8",
                       "--eval-size", "8", "--eval-every", "1", cwd=tmp_path)
     assert "2 model(s) in memory" in proc.stdout
     logs = read_run(tmp_path, "grpo")
@@ -257,13 +258,18 @@ def test_an_empty_target_is_one_line_for_the_gold_score(tiny_checkpoints, tmp_pa
 
 
 def test_response_logprobs_are_those_of_the_token_after_each_position():
+    """policy_logprobs (grpo.py) and scale/'s response_logprobs: the log-prob at each response token is that of the
+    position before it, at the temperature given (2: the log-softmax of logits / 2)."""
     model = PositionLogits()
     sequences = torch.tensor([[0, 3, 4, 5, 6, 2], [0, 0, 7, 1, 9, 8]])  # context 3 (row 1 left-padded), response 3
     attention_mask = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1]])
-    logprobs, _ = grpo.response_logprobs(model, sequences, attention_mask, 3, 1.0)
     logits = model(sequences).logits
-    expected = by_hand(logits, sequences, [(b, p) for b in range(2) for p in range(3, 6)]).view(2, 3)
-    torch.testing.assert_close(logprobs, expected)
+    for temperature in (1.0, 2.0):
+        expected = by_hand(logits / temperature, sequences, [(b, p) for b in range(2) for p in range(3, 6)]).view(2, 3)
+        logprobs, _ = grpo.policy_logprobs(model, sequences, attention_mask, 3, temperature)
+        torch.testing.assert_close(logprobs, expected)
+        logprobs, _ = scale_grpo.response_logprobs(model, sequences, attention_mask, 3, temperature)
+        torch.testing.assert_close(logprobs, expected)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -285,11 +291,11 @@ def test_rows_that_repeat_a_prompt_share_its_forward_pass(arch):
     def logprobs_and_grads(shared):
         model.zero_grad()
         if shared:
-            logprobs, entropy = grpo.response_logprobs(model, sequences, attention_mask, 3, 0.7)
+            logprobs, entropy = scale_grpo.response_logprobs(model, sequences, attention_mask, 3, 0.7)
         else:  # the one pass, by hand
             logits = model(input_ids=sequences, attention_mask=attention_mask,
                            position_ids=grpo.position_ids_of(attention_mask)).logits[:, 2:-1]
-            logprobs, entropy = grpo.token_logprobs(logits, sequences[:, 3:], with_entropy=True, temperature=0.7)
+            logprobs, entropy = scale_grpo.token_logprobs(logits, sequences[:, 3:], with_entropy=True, temperature=0.7)
         (logprobs * attention_mask[:, 3:]).sum().backward()
         return logprobs * attention_mask[:, 3:], entropy * attention_mask[:, 3:], [p.grad.clone() for p in model.parameters()]
 
@@ -300,10 +306,10 @@ def test_rows_that_repeat_a_prompt_share_its_forward_pass(arch):
     for a, b in zip(shared[2], one_pass[2]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     batch_sizes.clear()
-    grpo.response_logprobs(model, sequences[::2], attention_mask[::2], 3, 0.7)
+    scale_grpo.response_logprobs(model, sequences[::2], attention_mask[::2], 3, 0.7)
     assert batch_sizes == [3]
     # off the CPU (a GPU; here the meta device stands in for one) the one pass is taken: no model call made here
-    assert grpo.shared_prompt_logprobs(model, sequences.to("meta"), attention_mask.to("meta"), 3, 0.7) is None
+    assert scale_grpo.shared_prompt_logprobs(model, sequences.to("meta"), attention_mask.to("meta"), 3, 0.7) is None
     assert batch_sizes == [3]
 
 
@@ -349,15 +355,17 @@ def gold_rewards(tokenizer, sequences, width, mask, missing_eos_penalty=-1.0):
 
 
 def recorded_rollout(module, monkeypatch, rows):
-    """Patch `module`'s sampling to record what it returns; returns a function giving the call that sampled `rows`
-    completions (the training rollout's size: the evaluation samples another number)."""
-    calls, real = [], module.sample_in_chunks
+    """Patch `module`'s sampling (generate; scale/'s sample_in_chunks) to record what it returns; returns a function
+    giving the call that sampled `rows` completions (the training rollout's size: the evaluation samples another
+    number)."""
+    name = "sample_in_chunks" if hasattr(module, "sample_in_chunks") else "generate"
+    calls, real = [], getattr(module, name)
 
     def recording(*args, **kwargs):
         calls.append(real(*args, **kwargs))
         return calls[-1]
 
-    monkeypatch.setattr(module, "sample_in_chunks", recording)
+    monkeypatch.setattr(module, name, recording)
     return lambda: next(call for call in calls if len(call[0]) == rows)
 
 
@@ -465,7 +473,7 @@ def test_the_reference_stays_the_starting_model(small_checkpoints, tmp_path, mon
     sft = small_checkpoints["sft"]  # its completions stop and differ in reward: GRPO has something to learn
     flags = ["--sft-model-path", str(sft), "--num-iterations", "2", "--batch-size", "16", "--num-generations", "4",
                   "--mini-batch-size", "8", "--eval-size", "8", "--eval-every", "2", "--output-dir", "out", *(["--lora-r", "4"] if lora else [])]
-    scalars, reference = reference_after_training("grpo.py", flags, tmp_path, monkeypatch)
+    scalars, reference = reference_after_training("scale/grpo.py" if lora else "grpo.py", flags, tmp_path, monkeypatch)
     assert_the_reference_stayed(sft, tmp_path / "out", reference, scalars)
 
 
@@ -508,7 +516,7 @@ def test_dynamic_sampling_trains_on_the_groups_that_differ(small_checkpoints, tm
     from transformers import AutoTokenizer
 
     (tmp_path / "half.py").write_text(HALF_CONSTANT)
-    calls, real_sample, seen = [], grpo.sample_in_chunks, []
+    calls, real_sample, seen = [], grpo.generate, []
 
     def recording(*args, **kwargs):
         calls.append(real_sample(*args, **kwargs))
@@ -520,7 +528,7 @@ def test_dynamic_sampling_trains_on_the_groups_that_differ(small_checkpoints, tm
         seen.append(advantages.detach().clone())
         return real_surrogate(ratio, advantages, epsilon_low, epsilon_high)
 
-    monkeypatch.setattr(grpo, "sample_in_chunks", recording)
+    monkeypatch.setattr(grpo, "generate", recording)
     monkeypatch.setattr(grpo, "clipped_surrogate", surrogate_spy)
     run_in_process("grpo.py", "--sft-model-path", str(small_checkpoints["sft"]), "--reward-fn",
                    str(tmp_path / "half.py") + ":half_constant", "--num-iterations", "1", "--batch-size", "16",

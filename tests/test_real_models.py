@@ -404,7 +404,7 @@ def test_sampling_and_scoring_stop_at_the_end_of_turn_token():
             scores, has_stop = script.score_responses(script.TokenScorer(reward), sequences, attention_mask, mask,
                                                       stop_ids, -7.0)
         assert has_stop.tolist() == [True, False] and scores[1].item() == -7.0
-        expected = grpo.token_scores(reward, sequences[:1, :4], attention_mask[:1, :4])[0, -1]  # at the eot
+        expected = scale_dpo.token_scores(reward, sequences[:1, :4], attention_mask[:1, :4])[0, -1]  # at the eot
         assert scores[0].item() == pytest.approx(expected.item(), abs=1e-6)
 
 
@@ -498,8 +498,8 @@ def test_dropout_is_off_also_where_it_is_a_config_number(tmp_path):
         tokenizer = dpo.load_tokenizer(base, "")
         # what dpo, rlhf_ppo and grpo load as the policy and the critic, and reward_model.py as the model it trains
         policy = dpo.load_pretrained(base, "lm", dpo.load_config(base, "lm"))
-        actor = rlhf_ppo.load_model(base, "lm", torch.float32, rlhf_ppo.load_config(base, "lm"))
-        critic = rlhf_ppo.load_model(rm_path, "score", torch.float32, rlhf_ppo.load_config(rm_path, "score"))
+        actor = rlhf_ppo.load_pretrained(base, "lm", rlhf_ppo.load_config(base, "lm"))
+        critic = rlhf_ppo.load_pretrained(rm_path, "score", rlhf_ppo.load_config(rm_path, "score"))
         trained_rm = reward_model.load_pretrained(rm_path, "score", reward_model.load_config(rm_path, "score"))
         ids = torch.tensor([tokenizer("sort 3 1 2: 1 2 3")["input_ids"] * 4])
         for model in (policy, actor, critic, trained_rm):

@@ -54,15 +54,16 @@ def flags_of(script, checkpoints):
 
 
 # script: None (bitwise); or (the tags that must still be equal, the weights' tolerance) where scale/ computes the
-# log-probs another way: its chunked LM head (sft, dpo), and in grpo also its shared-prompt pass on the CPU (the
-# prompt's keys and values computed once for the G completions, then the responses). Adam divides each step by
-# √v: a weight whose gradient is near 0 moves by up to lr either way on rounding alone, so grpo's weights hold
-# to its lr (1e-4), a few steps' worth of such moves.
+# log-probs another way: its chunked LM head (sft, dpo, rlhf_ppo), and in grpo also its shared-prompt pass on the
+# CPU (the prompt's keys and values computed once for the G completions, then the responses). Adam divides each step
+# by √v: a weight whose gradient is near 0 moves by up to lr either way on rounding alone, so the RL scripts'
+# weights hold to their lr (1e-4, 1.5e-4).
 SAMPLED = ["eval/gold_accuracy", "eval/gold_score"]
 TIERS = {"sft": (SAMPLED + ["eval/gold_accuracy_greedy", "eval/gold_score_greedy"], 1e-5),
          "reward_model": None,
          "dpo": (SAMPLED + ["eval/accuracy", "train/accuracy", "charts/learning_rate"], 1e-5),
-         "rlhf_ppo": None,
+         "rlhf_ppo": (SAMPLED + ["objective/reward", "objective/score", "val/num_eos", "policy/first_ratio_max_error",
+                                 "eval/reward", "eval/score"], 1.5e-4),
          "grpo": (SAMPLED + ["objective/reward", "objective/completion_length", "policy/first_ratio_max_error",
                              "eval/reward"], 1e-4)}
 
