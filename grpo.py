@@ -116,7 +116,7 @@ class Args:
     """sampling temperature; the log-probs of training divide the logits by it too"""
     advantage: str = "grpo"
     """grpo: (r − group mean) / group std; rloo: r − the mean of the other G − 1 rewards (Ahmadian et al. 2024);
-    reinforce_pp: r normalized over the whole batch, all ranks (REINFORCE++, Hu 2025); reinforce_pp_baseline: the
+    reinforce_pp: r normalized over the whole batch (REINFORCE++, Hu 2025); reinforce_pp_baseline: the
     group mean subtracted first (OpenRLHF: advantage_estimator reinforce / reinforce_baseline)"""
     scale_rewards: bool = True
     """divide GRPO's advantages by the group's std (--no-scale-rewards: Dr. GRPO, Liu et al. 2025)"""
@@ -147,7 +147,7 @@ class Args:
     one cut at the limit keeps --missing-eos-penalty. 0: off (TRL: get_soft_overlong_punishment)"""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: drop each group whose G rewards are all equal (its advantages are 0, it teaches
-    nothing) and sample more prompts until every rank has a full batch of groups that differ (verl: filter_groups,
+    nothing) and sample more prompts until the batch is full of groups that differ (verl: filter_groups,
     OpenRLHF: dynamic_filtering). The objective/ logs describe the batch trained on; objective/prompts_sampled and
     objective/zero_std_fraction_sampled, what was sampled"""
     max_sampling_rounds: int = 4

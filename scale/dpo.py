@@ -7,12 +7,16 @@ policy is fit to preference pairs directly (eq. 7):
 
     L_DPO = −log σ( β [ (log π − log π_ref)(y_w|x) − (log π − log π_ref)(y_l|x) ] )
 
-    python sft.py && python dpo.py                                   # built-in task, CPU
-    python dpo.py --loss-type ipo --beta 0.5
-    python dpo.py --model-name-or-path my-sft --dataset-name trl-lib/ultrafeedback_binarized --lr 5e-7 --beta 0.1 --bf16
+    python sft.py && python scale/dpo.py                                   # built-in task, CPU
+    python scale/dpo.py --loss-type ipo --beta 0.5
+    python scale/dpo.py --model-name-or-path my-sft --dataset-name trl-lib/ultrafeedback_binarized --lr 5e-7 --beta 0.1 --bf16
 
 Datasets in TRL's preference formats, text or conversational: `prompt`/`chosen`/`rejected`, or
 `chosen`/`rejected` with the prompt inside each.
+
+The full program. Take it instead of the top-level dpo.py, the one-device reference, for torchrun (DDP, FSDP2),
+LoRA, gradient accumulation and checkpointing, or checkpoints that resume exactly; on one process it computes what
+dpo.py computes (tests/test_tiers.py).
 """
 import datetime
 import gc

@@ -19,11 +19,15 @@ scaling (--no-scale-rewards, Dr. GRPO), the loss over all tokens (--loss-type da
 a reward penalty that grows near that limit (--soft-overlong-cache, DAPO), and groups of equal rewards replaced by
 newly sampled ones (--dynamic-sampling, DAPO).
 
-    python sft.py && python grpo.py                      # built-in task: the gold score is the reward
-    python grpo.py --reward-model-path models/reward_model   # the reward model of reward_model.py instead
-    python grpo.py --advantage rloo                      # RLOO
-    python grpo.py --dynamic-sampling                    # the recommended start (docs/grpo_variants.md)
-    python grpo.py --sft-model-path my-sft --dataset-name math.jsonl --reward-fn numeric_match --lr 1e-6 --bf16
+    python sft.py && python scale/grpo.py                      # built-in task: the gold score is the reward
+    python scale/grpo.py --reward-model-path models/reward_model   # the reward model of reward_model.py instead
+    python scale/grpo.py --advantage rloo                      # RLOO
+    python scale/grpo.py --dynamic-sampling                    # the recommended start (docs/grpo_variants.md)
+    python scale/grpo.py --sft-model-path my-sft --dataset-name math.jsonl --reward-fn numeric_match --lr 1e-6 --bf16
+
+The full program. Take it instead of the top-level grpo.py, the one-device reference, for torchrun (DDP, FSDP2),
+LoRA, gradient accumulation and checkpointing, or checkpoints that resume exactly; on one process it computes what
+grpo.py computes (tests/test_tiers.py).
 """
 import datetime
 import decimal

@@ -7,11 +7,15 @@ Terry 1952):
 
     loss = −log σ(r(x, y_chosen) − r(x, y_rejected) − margin)
 
-    python sft.py && python reward_model.py                          # built-in task: ~100 s, then ~80 s on 2 CPU cores
-    python reward_model.py --model-name-or-path my-sft --dataset-name trl-lib/ultrafeedback_binarized --lr 1e-5 --bf16
+    python sft.py && python scale/reward_model.py                          # built-in task: ~100 s, then ~80 s on 2 CPU cores
+    python scale/reward_model.py --model-name-or-path my-sft --dataset-name trl-lib/ultrafeedback_binarized --lr 1e-5 --bf16
 
 Datasets in TRL's preference formats, text or conversational: `prompt`/`chosen`/`rejected`, or
 `chosen`/`rejected` with the prompt inside each; an optional `margin` column. Dropout is off, as in TRL.
+
+The full program. Take it instead of the top-level reward_model.py, the one-device reference, for torchrun (DDP, FSDP2),
+LoRA, gradient accumulation and checkpointing, or checkpoints that resume exactly; on one process it computes what
+reward_model.py computes (tests/test_tiers.py).
 """
 import datetime
 import gc

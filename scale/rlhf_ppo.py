@@ -11,10 +11,14 @@ response token. GAE over the response, then several epochs of clipped PPO update
 is r_φ's, or rule-based rewards (plain Python functions, --reward-fn) instead of or added to it: without
 a reward model, three models are in memory and the critic starts from the SFT model.
 
-    python sft.py && python reward_model.py && python rlhf_ppo.py    # built-in task, CPU
-    python rlhf_ppo.py --kl-coef 0                                   # what the KL penalty is for
-    python rlhf_ppo.py --reward-fn gold                              # the gold score, no reward model
-    python rlhf_ppo.py --sft-model-path my-sft --reward-model-path my-rm --dataset-name prompts.jsonl --lr 1e-6 --bf16
+    python sft.py && python reward_model.py && python scale/rlhf_ppo.py    # built-in task, CPU
+    python scale/rlhf_ppo.py --kl-coef 0                                   # what the KL penalty is for
+    python scale/rlhf_ppo.py --reward-fn gold                              # the gold score, no reward model
+    python scale/rlhf_ppo.py --sft-model-path my-sft --reward-model-path my-rm --dataset-name prompts.jsonl --lr 1e-6 --bf16
+
+The full program. Take it instead of the top-level rlhf_ppo.py, the one-device reference, for torchrun (DDP, FSDP2),
+LoRA, gradient accumulation and checkpointing, or checkpoints that resume exactly; on one process it computes what
+rlhf_ppo.py computes (tests/test_tiers.py).
 """
 import datetime
 import decimal

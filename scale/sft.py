@@ -4,14 +4,18 @@ By default, offline: a tiny GPT-2 built from a config learns the built-in `sort 
 a sloppy demonstrator (half its answers have one adjacent swap), so every later stage can be measured
 against an exact gold reward. The same program fine-tunes a real model on a real dataset:
 
-    python sft.py                                                    # built-in task, ~100 s on 2 CPU cores
-    python sft.py --model-name-or-path Qwen/Qwen2.5-0.5B --dataset-name trl-lib/Capybara --lr 2e-5 --bf16
-    python sft.py --dataset-name data.jsonl --model-name-or-path models/sft
+    python scale/sft.py                                                    # built-in task, ~100 s on 2 CPU cores
+    python scale/sft.py --model-name-or-path Qwen/Qwen2.5-0.5B --dataset-name trl-lib/Capybara --lr 2e-5 --bf16
+    python scale/sft.py --dataset-name data.jsonl --model-name-or-path models/sft
 
 Datasets in TRL's formats: `prompt`/`completion` as text or conversations (loss on the completion and
 its stop token), `text` (loss on every token) or `messages` (chat template; loss on the assistant
 turns). A checkpoint saved in bf16 or fp16 is trained in float32 (master weights); `--bf16` adds mixed
 precision.
+
+The full program. Take it instead of the top-level sft.py, the one-device reference, for torchrun (DDP, FSDP2),
+LoRA, gradient accumulation and checkpointing, or checkpoints that resume exactly; on one process it computes what
+sft.py computes (tests/test_tiers.py).
 """
 import datetime
 import gc

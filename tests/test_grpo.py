@@ -565,3 +565,39 @@ def test_dynamic_sampling_fills_the_batch_when_the_cap_is_reached(tiny_checkpoin
     logs = read_run(tmp_path, "grpo")
     assert logs["objective/prompts_sampled"] == [(1, 4.0), (2, 4.0)]
     assert [v for _, v in logs["objective/zero_std_fraction"]] == [1.0, 1.0]
+
+
+def test_the_kl_penalty_is_to_the_reference_and_never_negative(small_checkpoints, tmp_path, monkeypatch):
+    """β's term in the loss: in iteration 2, where the rollout policy has moved away from the reference, the KL the
+    update penalizes is k3 against the reference's log-probs (computed here from the SFT checkpoint), not the rollout
+    policy's; and the logged penalty, β times a mean of k3 ≥ 0, is positive. A penalty of the wrong sign, or one
+    taken against the rollout policy, fails."""
+    from transformers import AutoModelForCausalLM
+
+    calls, penalized = [], []
+    real_sample, real_kl = grpo.generate, grpo.kl_estimators
+
+    def recording(*args, **kwargs):
+        calls.append(real_sample(*args, **kwargs))
+        return calls[-1]
+
+    def kl_spy(logprobs, ref_logprobs, mask):
+        if torch.is_grad_enabled():  # the update's call, not the rollout's statistics
+            penalized.append(ref_logprobs.detach().clone())
+        return real_kl(logprobs, ref_logprobs, mask)
+
+    monkeypatch.setattr(grpo, "generate", recording)
+    monkeypatch.setattr(grpo, "kl_estimators", kl_spy)
+    sft_path = small_checkpoints["sft"]
+    run_in_process("grpo.py", "--sft-model-path", str(sft_path), "--num-iterations", "2", "--batch-size", "16",
+                   "--num-generations", "4", "--mini-batch-size", "16", "--ppo-epochs", "1", "--beta", "0.5",
+                   "--lr", "1e-3", "--no-anneal-lr", "--eval-size", "4", "--eval-every", "10", "--output-dir", "out",
+                   cwd=tmp_path)
+    sequences, attention_mask, width, mask = [call for call in calls if len(call[0]) == 16][1]  # iteration 2's
+    reference = response_token_logprobs(AutoModelForCausalLM.from_pretrained(sft_path).eval(), sequences,
+                                        attention_mask, width)
+    valid = mask.bool()
+    assert len(penalized) == 2
+    torch.testing.assert_close(penalized[1][valid], reference[valid], atol=1e-5, rtol=0)
+    penalties = [v for _, v in read_run(tmp_path, "grpo")["losses/kl_penalty"]]
+    assert len(penalties) == 2 and all(v > 0 for v in penalties), penalties

@@ -328,3 +328,17 @@ def test_the_advantages_that_reach_the_loss_are_gae_of_the_rollout(tmp_path, mon
     by_hand, received = result(0.9, 0.5)
     assert len(received) == 40
     np.testing.assert_allclose(np.sort(received), np.sort(by_hand.flatten()), rtol=1e-5, atol=1e-6)
+
+
+def test_the_advantages_are_normalized_within_each_minibatch(tmp_path, monkeypatch):
+    """--norm-adv (the default): each of the 2 minibatches' advantages reaches the loss with mean 0 and std 1
+    (unbiased, as torch.std), where the GAE of the rollout, summed out by hand, has neither. A loop that skips the
+    normalization fails."""
+    result = advantages_reaching_the_loss(ppo_clip, "clipped_policy_loss", monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    ppo_clip.main(ppo_clip.Args(env_id="Clock-v0", total_timesteps=40, num_envs=2, num_steps=20, num_minibatches=2,
+                                update_epochs=1, gamma=0.9, gae_lambda=0.5, eval_episodes=0))
+    by_hand, received = result(0.9, 0.5)
+    assert abs(by_hand.mean()) > 0.1 or abs(by_hand.std(ddof=1) - 1) > 0.1, by_hand  # normalization shows
+    for minibatch in np.split(received, 2):
+        assert abs(minibatch.mean()) < 1e-5 and abs(minibatch.std(ddof=1) - 1) < 1e-4, minibatch

@@ -348,3 +348,67 @@ def test_the_advantages_that_reach_the_loss_are_gae_of_the_rollout(tmp_path, mon
     by_hand, received = result(0.9, 0.5)
     assert len(received) == 40
     np.testing.assert_allclose(np.sort(received), np.sort(by_hand.flatten()), rtol=1e-5, atol=1e-6)
+
+
+def test_the_rewards_gae_receives_are_scaled_by_the_running_return_std(tmp_path, monkeypatch):
+    """--norm-reward (the default): each reward reaches GAE divided by √(var + 1e-8) of the discounted returns seen
+    so far, 1, 1.9 | 1, 1.9, 2.71 | ... (reward 1 per step, γ = 0.9, one env), clipped to ±10; their variance
+    computed here, the count starting at 1e-4 around mean 0 and variance 1 as the running statistics do (the
+    merge of one value at a time, written out). A loop that hands GAE the raw rewards (all 1) fails."""
+    seen = first_gae_inputs(pc, monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    pc.main(pc.Args(**{**CLOCK, "num_envs": 1}, total_timesteps=20, gamma=0.9, norm_obs=False))
+    returns = [1, 1.9, 1, 1.9, 2.71] * 4
+    expected, mean, var, count = [], 0.0, 1.0, 1e-4
+    for g in returns:  # one value per step: the batch's variance is 0
+        delta, total = g - mean, count + 1
+        mean, var, count = mean + delta / total, (var * count + delta**2 * count / total) / total, total
+        expected.append(min(1.0 / math.sqrt(var + 1e-8), 10.0))  # clipped to --clip-reward 10
+    np.testing.assert_allclose(seen["rewards"][:, 0], expected, rtol=1e-5)
+    assert not np.allclose(seen["rewards"], 1.0)
+
+
+def test_a_truncation_bootstraps_from_the_normalized_final_observation(tmp_path, monkeypatch):
+    """With --norm-obs the agent sees normalized observations, so a truncated step's bootstrap value is
+    V(normalize(final observation)) with the statistics of that step, not V of the raw one: the final observation
+    (0.3, 0.5) of each truncation in the first rollout is normalized once (and never folded into the statistics),
+    and the value GAE receives for it is the agent's value of what normalize returned, computed here."""
+    seen, agents = first_gae_inputs(pc, monkeypatch), []
+    real_normalize, normalized = pc.normalize, []
+
+    def normalize_spy(x, mean, var, clip, eps=1e-8):
+        out = real_normalize(x, mean, var, clip, eps)
+        if np.allclose(x, [0.3, 0.5]):  # only a truncation's real final observation reaches t = 3
+            normalized.append(np.asarray(out, dtype=np.float32).copy())
+        return out
+
+    real_gae = pc.compute_gae
+
+    def gae_spy(*args):
+        if not agents:  # the values of the final observations as normalized, by the agent of that rollout
+            agents.append((agent_value(np.concatenate(normalized)), agent_value(np.array([[0.3, 0.5]], np.float32))))
+        return real_gae(*args)
+
+    recorded = []
+    real_agent = pc.Agent
+
+    class Recorded(real_agent):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            recorded.append(self)
+
+    def agent_value(obs):
+        with torch.no_grad():
+            return recorded[0].get_value(torch.as_tensor(obs)).squeeze(-1).numpy()
+
+    monkeypatch.setattr(pc, "Agent", Recorded)
+    monkeypatch.setattr(pc, "normalize", normalize_spy)
+    monkeypatch.setattr(pc, "compute_gae", gae_spy)
+    monkeypatch.chdir(tmp_path)
+    pc.main(pc.Args(**CLOCK, total_timesteps=40, norm_reward=False))
+    truncated = seen["truncations"] == 1
+    assert truncated.sum() >= 4 and len(normalized) >= 1
+    values, raw = agents[0]
+    assert len(values) == truncated.sum()
+    np.testing.assert_allclose(seen["final_values"][truncated], values, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(values, float(raw), rtol=1e-3)  # normalizing changes the value: the two can be told apart

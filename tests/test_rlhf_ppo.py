@@ -290,3 +290,41 @@ def test_it_raises_the_reward_in_10_iterations(small_checkpoints, tmp_path):
                    "--mini-batch-size", "16", "--eval-every", "10", "--eval-size", "64", "--output-dir", "out", cwd=tmp_path)
     reward = [v for _, v in read_scalars(only_run_dir(tmp_path))["eval/reward"]]
     assert reward[-1] > reward[0] + 0.05, reward
+
+
+def test_a_response_with_no_stop_token_is_scored_the_missing_eos_penalty(tiny_checkpoints, tmp_path, monkeypatch):
+    """The scores shaped_rewards receives: --missing-eos-penalty (−7.5 here, a value no reward model gives) for each
+    response with no stop token in its 4 tokens, and the reward model's score at the stop token for the others,
+    computed here from the reward model by hand. A rollout without the penalty scores unfinished answers."""
+    from transformers import AutoModelForSequenceClassification
+
+    calls, received = [], []
+    real_sample, real_shaped = rlhf_ppo.generate, rlhf_ppo.shaped_rewards
+
+    def recording(*args, **kwargs):
+        calls.append(real_sample(*args, **kwargs))
+        return calls[-1]
+
+    def shaped_spy(logprobs, ref_logprobs, scores, mask, kl_coef):
+        received.append(scores.clone())
+        return real_shaped(logprobs, ref_logprobs, scores, mask, kl_coef)
+
+    monkeypatch.setattr(rlhf_ppo, "generate", recording)
+    monkeypatch.setattr(rlhf_ppo, "shaped_rewards", shaped_spy)
+    rm_path = tiny_checkpoints["reward_model"]
+    run_in_process("rlhf_ppo.py", "--sft-model-path", str(tiny_checkpoints["sft"]), "--reward-model-path", str(rm_path),
+                   "--num-iterations", "1", "--batch-size", "16", "--mini-batch-size", "16", "--ppo-epochs", "1",
+                   "--response-length", "4", "--missing-eos-penalty", "-7.5", "--eval-size", "4", "--output-dir", "out",
+                   cwd=tmp_path)
+    sequences, attention_mask, width, mask = next(call for call in calls if len(call[0]) == 16)
+    stopped = ((sequences[:, width:] == 1) & mask.bool()).any(1)  # ByT5's EOS
+    assert stopped.any() and not stopped.all(), stopped  # both kinds in the rollout
+    (scores,) = received
+    assert (scores[~stopped] == -7.5).all(), scores
+    reward = AutoModelForSequenceClassification.from_pretrained(rm_path).eval()
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        hidden = reward.transformer(input_ids=sequences, attention_mask=attention_mask,
+                                    position_ids=positions).last_hidden_state
+        at_stop = reward.score(hidden[torch.arange(16), width + mask.sum(1) - 1]).squeeze(-1)
+    torch.testing.assert_close(scores[stopped], at_stop[stopped], atol=1e-5, rtol=0)
