@@ -570,8 +570,9 @@ def test_dynamic_sampling_fills_the_batch_when_the_cap_is_reached(tiny_checkpoin
 def test_the_kl_penalty_is_to_the_reference_and_never_negative(small_checkpoints, tmp_path, monkeypatch):
     """β's term in the loss: in iteration 2, where the rollout policy has moved away from the reference, the KL the
     update penalizes is k3 against the reference's log-probs (computed here from the SFT checkpoint), not the rollout
-    policy's; and the logged penalty, β times a mean of k3 ≥ 0, is positive. A penalty of the wrong sign, or one
-    taken against the rollout policy, fails."""
+    policy's; and the logged penalty, β times a mean of k3 ≥ 0, is 0 in iteration 1 (its one step is taken where the
+    policy is the reference) and positive in iteration 2. A penalty of the wrong sign, or one taken against the
+    rollout policy, fails."""
     from transformers import AutoModelForCausalLM
 
     calls, penalized = [], []
@@ -600,4 +601,4 @@ def test_the_kl_penalty_is_to_the_reference_and_never_negative(small_checkpoints
     assert len(penalized) == 2
     torch.testing.assert_close(penalized[1][valid], reference[valid], atol=1e-5, rtol=0)
     penalties = [v for _, v in read_run(tmp_path, "grpo")["losses/kl_penalty"]]
-    assert len(penalties) == 2 and all(v > 0 for v in penalties), penalties
+    assert penalties[0] == 0.0 and penalties[1] > 0, penalties

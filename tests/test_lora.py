@@ -65,7 +65,7 @@ def test_adapters_off_is_the_base_model_and_the_merged_save_is_the_adapter_model
     """dpo.py with --lora-r: the reference (the policy with its adapters off, in AdaptersOff) gives the base
     model's logits bitwise after training, while the adapters change them; KL and the DPO margin are exactly 0
     before the first update; the adapter directory and the --merge-lora directory give the same logits."""
-    import dpo
+    from scale import dpo
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 

@@ -145,7 +145,7 @@ def test_the_checkpoint_holds_what_resuming_needs(tiny_checkpoints, tmp_path):
     assert sorted(name for name in os.listdir(run_dir) if name.startswith("checkpoint")) == ["checkpoint-3", "checkpoint-4"]
     path = os.path.join(run_dir, "checkpoint-4")
     meta = json.load(open(os.path.join(path, "checkpoint.json")))
-    assert (meta["script"], meta["step"], meta["world_size"], meta["args"]["kl_target"]) == ("scale/rlhf_ppo.py", 4, 1, 0.001)
+    assert (meta["script"], meta["step"], meta["world_size"], meta["args"]["kl_target"]) == ("rlhf_ppo.py", 4, 1, 0.001)  # its file's name
     rank0 = torch.load(os.path.join(path, "rank0.pt"), weights_only=True)
     assert set(rank0["random"]) == {"python", "numpy", "torch", "cuda"}
     assert rank0["loop"]["step"] == 4 and rank0["loop"]["kl_coef"] != 0.05 and len(rank0["loop"]["rng"][1]) == 625
@@ -189,7 +189,7 @@ def test_a_crash_while_writing_leaves_the_previous_checkpoint(tiny_checkpoints, 
     run with one line; checkpoint-2 is untouched and a run resumes from it exactly."""
     import torch
 
-    import sft
+    from scale import sft
 
     flags = [*TINY_LM, "--max-steps", "6", "--eval-every", "3", "--num-train-examples", "300", "--eval-size", "8",
              "--batch-size", "8", "--output-dir", "models/m", "--save-every", "2"]
@@ -227,7 +227,7 @@ def test_bad_resume_input_is_one_line_and_writes_nothing(tiny_checkpoints, tmp_p
         ("scale/sft.py", [*flags, "--resume", "runs/nothing"], ["no checkpoint there"]),
         ("scale/sft.py", [*flags, "--resume", str(tmp_path / "models")], ["no checkpoint there"]),
         ("scale/reward_model.py", ["--model-name-or-path", str(tiny_checkpoints["sft"]), "--resume", run_dir],
-         ["checkpoint of sft.py", "scale/reward_model.py"]),
+         ["checkpoint of sft.py", "reward_model.py"]),
         ("scale/sft.py", [*flags[:-2], "--batch-size", "16", "--output-dir", "models/m", "--resume", run_dir],
          ["--batch-size is 16 here but 8"]),
         ("scale/sft.py", [*flags, "--n-embd", "64", "--resume", run_dir], ["--n-embd is 64 here but 32"]),

@@ -292,9 +292,9 @@ def test_it_raises_the_reward_in_10_iterations(small_checkpoints, tmp_path):
     assert reward[-1] > reward[0] + 0.05, reward
 
 
-def test_a_response_with_no_stop_token_is_scored_the_missing_eos_penalty(tiny_checkpoints, tmp_path, monkeypatch):
+def test_a_response_with_no_stop_token_is_scored_the_missing_eos_penalty(small_checkpoints, tmp_path, monkeypatch):
     """The scores shaped_rewards receives: --missing-eos-penalty (−7.5 here, a value no reward model gives) for each
-    response with no stop token in its 4 tokens, and the reward model's score at the stop token for the others,
+    response with no stop token in its 6 tokens (a sorted 4-6 digits and EOS take 5-7), and the reward model's score at the stop token for the others,
     computed here from the reward model by hand. A rollout without the penalty scores unfinished answers."""
     from transformers import AutoModelForSequenceClassification
 
@@ -311,10 +311,10 @@ def test_a_response_with_no_stop_token_is_scored_the_missing_eos_penalty(tiny_ch
 
     monkeypatch.setattr(rlhf_ppo, "generate", recording)
     monkeypatch.setattr(rlhf_ppo, "shaped_rewards", shaped_spy)
-    rm_path = tiny_checkpoints["reward_model"]
-    run_in_process("rlhf_ppo.py", "--sft-model-path", str(tiny_checkpoints["sft"]), "--reward-model-path", str(rm_path),
+    rm_path = small_checkpoints["reward_model"]
+    run_in_process("rlhf_ppo.py", "--sft-model-path", str(small_checkpoints["sft"]), "--reward-model-path", str(rm_path),
                    "--num-iterations", "1", "--batch-size", "16", "--mini-batch-size", "16", "--ppo-epochs", "1",
-                   "--response-length", "4", "--missing-eos-penalty", "-7.5", "--eval-size", "4", "--output-dir", "out",
+                   "--response-length", "6", "--missing-eos-penalty", "-7.5", "--eval-size", "4", "--output-dir", "out",
                    cwd=tmp_path)
     sequences, attention_mask, width, mask = next(call for call in calls if len(call[0]) == 16)
     stopped = ((sequences[:, width:] == 1) & mask.bool()).any(1)  # ByT5's EOS
