@@ -292,10 +292,13 @@ def test_it_raises_the_reward_in_10_iterations(small_checkpoints, tmp_path):
     assert reward[-1] > reward[0] + 0.05, reward
 
 
-def test_a_response_with_no_stop_token_is_scored_the_missing_eos_penalty(small_checkpoints, tmp_path, monkeypatch):
-    """The scores shaped_rewards receives: --missing-eos-penalty (−7.5 here, a value no reward model gives) for each
-    response with no stop token in its 6 tokens (a sorted 4-6 digits and EOS take 5-7), and the reward model's score at the stop token for the others,
-    computed here from the reward model by hand. A rollout without the penalty scores unfinished answers."""
+@pytest.mark.parametrize("source", ["reward_model", "gold"])
+def test_a_response_with_no_stop_token_is_scored_the_missing_eos_penalty(small_checkpoints, tmp_path, monkeypatch,
+                                                                        source):
+    """The scores shaped_rewards receives: --missing-eos-penalty (−7.5 here, a value no reward gives) for each response
+    with no stop token in its 6 tokens (a sorted 4-6 digits and EOS take 5-7), and for the others the reward model's
+    score at the stop token, computed here from the reward model by hand, or the gold score, in [0, 1]
+    (--reward-fn gold). A rollout without the penalty scores unfinished answers."""
     from transformers import AutoModelForSequenceClassification
 
     calls, received = [], []
@@ -312,7 +315,8 @@ def test_a_response_with_no_stop_token_is_scored_the_missing_eos_penalty(small_c
     monkeypatch.setattr(rlhf_ppo, "generate", recording)
     monkeypatch.setattr(rlhf_ppo, "shaped_rewards", shaped_spy)
     rm_path = small_checkpoints["reward_model"]
-    run_in_process("rlhf_ppo.py", "--sft-model-path", str(small_checkpoints["sft"]), "--reward-model-path", str(rm_path),
+    score = ["--reward-model-path", str(rm_path)] if source == "reward_model" else ["--reward-fn", "gold"]
+    run_in_process("rlhf_ppo.py", "--sft-model-path", str(small_checkpoints["sft"]), *score,
                    "--num-iterations", "1", "--batch-size", "16", "--mini-batch-size", "16", "--ppo-epochs", "1",
                    "--response-length", "6", "--missing-eos-penalty", "-7.5", "--eval-size", "4", "--output-dir", "out",
                    cwd=tmp_path)
@@ -321,6 +325,9 @@ def test_a_response_with_no_stop_token_is_scored_the_missing_eos_penalty(small_c
     assert stopped.any() and not stopped.all(), stopped  # both kinds in the rollout
     (scores,) = received
     assert (scores[~stopped] == -7.5).all(), scores
+    if source == "gold":
+        assert ((scores[stopped] >= 0) & (scores[stopped] <= 1)).all(), scores
+        return
     reward = AutoModelForSequenceClassification.from_pretrained(rm_path).eval()
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
