@@ -564,8 +564,8 @@ def load_pretrained(path, head, config=None):
 
 def prepare_models(tokenizer, stop_ids, models, frozen=()):
     """Give the tokenizer a pad token (growing the models' embeddings if it needs a new id) and tell every
-    model its id; the `frozen` ones among them go to eval mode without gradients. The models stay on the CPU:
-    place_model puts them on the device, whole or sharded."""
+    model its id; the `frozen` ones among them go to eval mode without gradients. The models stay where they are
+    (the CPU): the caller puts them on the device."""
     add_pad_token(tokenizer, stop_ids, *models)
     for model in models:
         model.config.pad_token_id = tokenizer.pad_token_id

@@ -96,7 +96,7 @@ class Args:
 def sft_loss(logprobs, labels, num_items=None):
     """Cross-entropy of the next-token predictions on the labeled tokens (completion and its stop token;
     the prompt and the padding carry the label −100), from `logprobs`[:, t] = log p_θ(labels[:, t + 1] | x_≤t),
-    the model's log-prob at position t of the token that follows (head_logprobs):
+    the model's log-prob at position t of the token that follows:
 
         L = −(1/N) Σ_{t: y_t ≠ −100} log p_θ(y_t | x_<t)
 
@@ -590,8 +590,8 @@ def load_pretrained(path, head, config=None):
 
 def prepare_models(tokenizer, stop_ids, models, frozen=()):
     """Give the tokenizer a pad token (growing the models' embeddings if it needs a new id) and tell every
-    model its id; the `frozen` ones among them go to eval mode without gradients. The models stay on the CPU:
-    place_model puts them on the device, whole or sharded."""
+    model its id; the `frozen` ones among them go to eval mode without gradients. The models stay where they are
+    (the CPU): the caller puts them on the device."""
     add_pad_token(tokenizer, stop_ids, *models)
     for model in models:
         model.config.pad_token_id = tokenizer.pad_token_id
@@ -616,8 +616,8 @@ def save_dtype_of(args, path):
 # Forward passes and sampling
 # ---------------------------------------------------------------------------------------------
 def next_tokens(labels):
-    """The token each position predicts, labels[:, t + 1], as head_logprobs takes them (0 where unlabeled, and at
-    the last position, which predicts nothing): sft_loss masks those."""
+    """The token each position predicts, labels[:, t + 1], one per position (0 where unlabeled, and at the last
+    position, which predicts nothing): sft_loss masks those."""
     return F.pad(labels[:, 1:], (0, 1), value=-100).clamp(min=0)
 
 
