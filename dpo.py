@@ -186,8 +186,7 @@ def main(args: Args):
     print(f"policy: {sum(p.numel() for p in policy.parameters()):,} parameters, {len(train):,} training pairs")
     evaluate = lambda step: evaluate_policy(policy, ref, reward, tokenizer, stop_ids, logps_of, evals,  # noqa: E731
                                             eval_prompts, eval_ids, eval_targets, args, amp, writer, step)
-    evaluate(0)
-    policy.train()
+    evaluate(0)  # the SFT model, before any update
     order, position, start_time = list(range(len(train))), len(train), time.time()
     for step in range(1, args.max_steps + 1):
         if position + args.batch_size > len(order):  # a new pass over the data, reshuffled

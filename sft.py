@@ -217,7 +217,8 @@ def evaluate(model, tokenizer, stop_ids, evals, task_examples, args, amp, writer
                                                       stop_ids, args.max_new_tokens, greedy=greedy)
                 # the text up to the stop token: the stop token and the padding after it are special tokens
                 completions += tokenizer.batch_decode(sequences[:, width:], skip_special_tokens=True)
-            sampled = completions if not greedy else sampled
+            if not greedy:
+                sampled = completions  # the samples shown in TensorBoard
             accuracy = sum(c == t for c, t in zip(completions, targets)) / len(targets)
             score = sum(gold_score(c, t) for c, t in zip(completions, targets)) / len(targets)
             writer.add_scalar(f"eval/gold_accuracy{name}", accuracy, step)
