@@ -83,8 +83,6 @@ class Args:
     """config name of a hub dataset that has several (gsm8k: main)"""
     dataset_split: str = "train"
     """split of --dataset-name to draw prompts from"""
-    system_prompt: str | None = None
-    """a system message put first in every conversation of the data that has none (conversational data only)"""
     output_dir: str = "models/grpo"
     """where the trained policy is saved as a Hugging Face checkpoint (atomically)"""
     save_dtype: str | None = None
@@ -443,7 +441,7 @@ def main(args: Args):
     amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
 
     # Prompts, and the dataset's other columns, which the reward functions receive by name; then the models
-    train_rows, eval_rows = load_data(args, "prompt", 50_000, [("prompt",)], "needs a `prompt` column")
+    train_rows, eval_rows = load_data(args, prompt_row, 50_000, [("prompt",)], "needs a `prompt` column")
     check_reward_signatures(functions, sorted(train_rows[0]) if train_rows else [])
     if "gold" in dict(functions) and any(str(row["target"]) == "" for row in train_rows + eval_rows):
         sys.exit(f"error: dataset {args.dataset_name!r} has an empty `target`; the gold score (an edit distance "
@@ -466,6 +464,13 @@ def main(args: Args):
           + (", the reference" if ref is not None else "") + (", the reward model" if reward is not None else ""))
     names = [name for name, _ in functions] + (["reward_model"] if reward is not None else [])  # the reward terms
 
+    def logprobs_of(model, sequences, attention_mask, context_length):
+        """(log π(a_t | s_t), entropy) of every response token, a minibatch at a time: in a rollout these are
+        exactly the update's forward passes, so the first ratio is exactly 1."""
+        return forward_in_chunks(lambda s, a: policy_logprobs(model, s, a, context_length, args.temperature),
+                                 args.mini_batch_size, sequences, attention_mask)
+
+    # ---- rollout: the reward of each completion (the evaluation's too) -------------------------------------
     def rewards_of(rows, sequences, attention_mask, context_length, response_mask):
         """The reward of each completion, r = Σ_k w_k r_k over the reward functions and the reward model's score
         (combine_rewards) plus any soft overlong punishment, or --missing-eos-penalty for a completion with no stop
@@ -476,7 +481,7 @@ def main(args: Args):
         completions = tokenizer.batch_decode(sequences[:, context_length:], skip_special_tokens=True)
         as_passed = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c  # as TRL passes them
                      for p, c in zip(prompts, completions)]
-        table = reward_table(functions, prompts, as_passed, reward_columns(rows)).to(device)
+        table = reward_terms(functions, prompts, as_passed, reward_columns(rows)).to(device)
         if reward is not None:
             scores, _ = forward_in_chunks(
                 lambda s, a, m: response_scores(reward, s, a, m, stop_ids, args.missing_eos_penalty),
@@ -491,12 +496,7 @@ def main(args: Args):
         rewards = torch.where(has_stop, rewards, torch.full_like(rewards, args.missing_eos_penalty))
         return rewards, table, completions, has_stop
 
-    def logprobs_of(model, sequences, attention_mask, context_length):
-        """(log π(a_t | s_t), entropy) of every response token, a minibatch at a time: in a rollout these are
-        exactly the update's forward passes, so the first ratio is exactly 1."""
-        return forward_in_chunks(lambda s, a: policy_logprobs(model, s, a, context_length, args.temperature),
-                                 args.mini_batch_size, sequences, attention_mask)
-
+    # ---- the loop: an evaluation before any update, then rollout, update and log each iteration ------------
     evaluate(policy, ref, eval_rows, eval_ids, tokenizer, stop_ids, names, rewards_of, logprobs_of, args, amp, writer, 0)
     rng, cap_reported = random.Random(args.seed), False  # the prompts drawn; the --max-sampling-rounds line, once
     start_time = time.time()
@@ -588,34 +588,25 @@ def main(args: Args):
                 optimizer.zero_grad(set_to_none=True)
 
         # ---- log: statistics of the whole batch --------------------------------------------------------
-        groups = rewards.view(-1, G)
-        sums = {k: float(v) for k, v in {
-            "reward": rewards.sum(), "reward_std": groups.std(1).sum(), "zero_std": (groups.std(1) == 0).sum(),
-            "zero_std_sampled": (~informative).sum(), "prompts_sampled": len(informative), "tokens": mask.sum(),
-            "k1": k1.sum(), "k3": k3.sum(), "entropy": (entropy * mask).sum(), "stops": has_stop.sum(), **stats,
-            **term_sums(table, names, "rewards/")}.items()}
-        num_groups, num_minibatches = B // G, args.ppo_epochs * B // args.mini_batch_size
+        groups, tokens, num_minibatches = rewards.view(-1, G), mask.sum().item(), args.ppo_epochs * B // args.mini_batch_size
         logs = {
-            "objective/reward": sums["reward"] / B, "objective/reward_std": sums["reward_std"] / num_groups,
-            "objective/zero_std_fraction": sums["zero_std"] / num_groups, "objective/completion_length": sums["tokens"] / B,
-            "objective/zero_std_fraction_sampled": sums["zero_std_sampled"] / sums["prompts_sampled"],
-            "objective/prompts_sampled": sums["prompts_sampled"],
-            "objective/kl": sums["k1"] / B, "objective/kl_k3": sums["k3"] / B, "objective/entropy": sums["entropy"] / B,
-            "objective/stop_fraction": sums["stops"] / B,
-            "losses/policy_loss": sums["policy_loss"] / num_minibatches,
-            "losses/kl_penalty": sums["kl_penalty"] / num_minibatches,
-            "policy/clipfrac": (sums["clipped_low"] + sums["clipped_high"]) / (args.ppo_epochs * sums["tokens"]),
-            "policy/clipfrac_low": sums["clipped_low"] / (args.ppo_epochs * sums["tokens"]),
-            "policy/clipfrac_high": sums["clipped_high"] / (args.ppo_epochs * sums["tokens"]),
+            "objective/reward": rewards.sum().item() / B, "objective/reward_std": groups.std(1).sum().item() / (B // G),
+            "objective/zero_std_fraction": (groups.std(1) == 0).sum().item() / (B // G),
+            "objective/completion_length": tokens / B, "objective/prompts_sampled": len(informative),
+            "objective/zero_std_fraction_sampled": (~informative).sum().item() / len(informative),
+            "objective/kl": k1.sum().item() / B, "objective/kl_k3": k3.sum().item() / B,
+            "objective/entropy": (entropy * mask).sum().item() / B, "objective/stop_fraction": has_stop.sum().item() / B,
+            "losses/policy_loss": stats["policy_loss"] / num_minibatches,
+            "losses/kl_penalty": stats["kl_penalty"] / num_minibatches,
+            "policy/clipfrac": (stats["clipped_low"] + stats["clipped_high"]) / (args.ppo_epochs * tokens),
+            "policy/clipfrac_low": stats["clipped_low"] / (args.ppo_epochs * tokens),
+            "policy/clipfrac_high": stats["clipped_high"] / (args.ppo_epochs * tokens),
             "policy/first_ratio_max_error": first_ratio_error,
             "charts/learning_rate": lr, "charts/episodes_per_second": iteration * B / (time.time() - start_time),
         }
         if ref is None:  # no reference, no KL to it
             del logs["objective/kl"], logs["objective/kl_k3"], logs["losses/kl_penalty"]
-        for name in names:  # each reward term's mean over the completions it applies to (the reward model's: score)
-            if sums[f"rewards/{name}/n"] > 0:
-                tag = "objective/score" if name == "reward_model" else f"rewards/{name}"
-                logs[tag] = sums[f"rewards/{name}"] / sums[f"rewards/{name}/n"]
+        logs.update(term_means(table, names, "rewards/", "objective/score"))  # each reward term's mean
         for tag, value in logs.items():
             writer.add_scalar(tag, float(value), iteration)
         if iteration % 10 == 0:
@@ -642,40 +633,34 @@ def evaluate(policy, ref, eval_rows, eval_ids, tokenizer, stop_ids, names, rewar
     with amp():
         sequences, attention_mask, context_length, response_mask = generate(
             policy, eval_ids, tokenizer.pad_token_id, stop_ids, args.response_length, args.temperature)
-        sums = {"n": len(eval_ids)}
+        rewards, table, completions, _ = rewards_of(eval_rows, sequences, attention_mask, context_length, response_mask)
+        n, logs = len(eval_ids), {"eval/reward": float(rewards.sum()) / len(eval_ids)}
         if ref is not None:
             logprobs, _ = logprobs_of(policy, sequences, attention_mask, context_length)
             ref_logprobs, _ = logprobs_of(ref, sequences, attention_mask, context_length)
-            sums["kl"] = ((logprobs - ref_logprobs) * response_mask).sum(1).sum()
-        rewards, table, completions, _ = rewards_of(eval_rows, sequences, attention_mask, context_length, response_mask)
-    sums.update(reward=rewards.sum(), **term_sums(table, names, "rewards/"))
+            logs["eval/kl"] = float(((logprobs - ref_logprobs) * response_mask).sum(1).sum()) / n
     if args.dataset_name is None:  # the built-in task: exactly the target, and the gold score
-        sums["correct"] = sum(c == row["target"] for c, row in zip(completions, eval_rows))
-        sums["gold"] = sum(gold_score(c, row["target"]) for c, row in zip(completions, eval_rows))
-    sums = {k: float(v) for k, v in sums.items()}
-    line = f"iteration {iteration}:"
-    for tag, name in (("eval/reward", "reward"), ("eval/kl", "kl"), ("eval/gold_accuracy", "correct"),
-                      ("eval/gold_score", "gold")):
-        if name in sums:
-            writer.add_scalar(tag, sums[name] / sums["n"], iteration)
-            line += f" {tag} {sums[name] / sums['n']:.3f}"
-    for name in names:  # each term's mean over the completions it applies to (the reward model's: eval/score)
-        if sums[f"rewards/{name}/n"] > 0:
-            tag = "eval/score" if name == "reward_model" else f"eval/rewards/{name}"
-            writer.add_scalar(tag, sums[f"rewards/{name}"] / sums[f"rewards/{name}/n"], iteration)
-            line += f" {tag} {sums[f'rewards/{name}'] / sums[f'rewards/{name}/n']:.3f}"
+        logs["eval/gold_accuracy"] = sum(c == row["target"] for c, row in zip(completions, eval_rows)) / n
+        logs["eval/gold_score"] = sum(gold_score(c, row["target"]) for c, row in zip(completions, eval_rows)) / n
+    logs.update(term_means(table, names, "eval/rewards/", "eval/score"))
+    for tag, value in logs.items():
+        writer.add_scalar(tag, value, iteration)
+    print(f"iteration {iteration}: " + ", ".join(f"{tag} {value:.3f}" for tag, value in logs.items()))
     writer.add_text("eval/samples", samples_markdown([row["prompt"] for row in eval_rows], completions, rewards, table,
                                                      names), iteration)
-    print(line)
     policy.train()
 
 
-def term_sums(table, names, prefix):
-    """{prefix + name: Σ value, prefix + name + "/n": count} of each reward term over the completions it applies
-    to; the term's mean is their ratio."""
-    applies = ~table.isnan()
-    sums = {f"{prefix}{name}": table[:, k].nan_to_num().sum() for k, name in enumerate(names)}
-    return {**sums, **{f"{prefix}{name}/n": applies[:, k].sum() for k, name in enumerate(names)}}
+def term_means(table, names, prefix, score_tag):
+    """{tag: mean} of each reward term over the completions it applies to (where its value is not NaN), tagged
+    prefix + its name, the reward model's `score_tag`; a term that applies to none is left out."""
+    means = {}
+    for k, name in enumerate(names):
+        applies = ~table[:, k].isnan()
+        if applies.any():
+            means[score_tag if name == "reward_model" else prefix + name] = (
+                float(table[:, k].nan_to_num().sum()) / float(applies.sum()))
+    return means
 
 
 def load_models(args, device):
@@ -690,13 +675,12 @@ def load_models(args, device):
                                                         "pass a path"), stop_ids,
                               f"the reward model {args.reward_model_path!r} has another tokenizer than the SFT model "
                               f"{args.sft_model_path!r}; train it from the SFT model with reward_model.py")
-    config = load_config(args.sft_model_path, "lm")
-    policy = load_pretrained(args.sft_model_path, "lm", config)
-    ref = load_pretrained(args.sft_model_path, "lm", config) if args.beta > 0 else None
+    policy = load_no_dropout(args.sft_model_path, "lm")
+    ref = load_no_dropout(args.sft_model_path, "lm") if args.beta > 0 else None
     prepare_models(tokenizer, stop_ids, [policy] + [ref] * (ref is not None), [ref] * (ref is not None))
     reward = None
     if args.reward_model_path is not None:
-        reward = load_pretrained(args.reward_model_path, "score", load_config(args.reward_model_path, "score"))
+        reward = load_no_dropout(args.reward_model_path, "score")
         prepare_models(tokenizer, stop_ids, [reward], [reward])
         reward = reward.to(device)
     return tokenizer, stop_ids, policy.to(device), ref.to(device) if ref is not None else None, reward
@@ -736,66 +720,17 @@ def make_prompt(rng):
     return f"sort {digits}:", "".join(sorted(digits))
 
 
-def corrupt(rng, s, kinds=("swap", "drop", "insert", "replace")):
-    """One random corruption of s; a swap exchanges two adjacent, unequal digits."""
-    while True:
-        kind, i = rng.choice(kinds), rng.randrange(len(s))
-        if kind == "swap":
-            pairs = [j for j in range(len(s) - 1) if s[j] != s[j + 1]]
-            if pairs:
-                j = rng.choice(pairs)
-                return s[:j] + s[j + 1] + s[j] + s[j + 2 :]
-            if kinds == ("swap",):
-                return s  # all digits equal: nothing to swap
-        elif kind == "drop":
-            return s[:i] + s[i + 1 :]
-        elif kind == "insert":
-            return s[:i] + rng.choice("0123456789") + s[i:]
-        elif kind == "replace":
-            return s[:i] + rng.choice([d for d in "0123456789" if d != s[i]]) + s[i + 1 :]
-
-
-def demonstration(rng, target):
-    """The sloppy demonstrator: the target, or with probability 0.5 the target with one adjacent swap."""
-    return target if rng.random() < 0.5 else corrupt(rng, target, ("swap",))
-
-
-def candidate(rng, target):
-    """A candidate for preference pairs: the target, or with probability 0.5 one or two corruptions."""
-    if rng.random() < 0.5:
-        return target
-    for _ in range(rng.randint(1, 2)):
-        target = corrupt(rng, target)
-    return target
-
-
-def preference_pair(rng):
-    """Two candidates for one prompt with different gold scores: (prompt, chosen, rejected, target)."""
+def prompt_row(rng):
+    """A row of the RL stages' data: a prompt and its target, which the gold reward compares with."""
     prompt, target = make_prompt(rng)
-    while True:
-        a, b = candidate(rng, target), candidate(rng, target)
-        if gold_score(a, target) != gold_score(b, target):
-            return (prompt, a, b, target) if gold_score(a, target) > gold_score(b, target) else (prompt, b, a, target)
+    return {"prompt": prompt, "target": target}
 
 
-def task_rng(seed, split):
-    """Train and eval data come from different random streams of the same seed."""
-    return random.Random(f"sort-task/{seed}/{split}")
-
-
-def task_rows(seed, split, n, kind):
-    """n rows of the built-in task in TRL's formats, each with its `target`: kind "demonstration" (prompt,
-    completion: the sloppy demonstrator's answer), "preference" (prompt, chosen, rejected) or "prompt"."""
-    rng, rows = task_rng(seed, split), []
-    for _ in range(n):
-        if kind == "preference":
-            rows.append(dict(zip(("prompt", "chosen", "rejected", "target"), preference_pair(rng))))
-            continue
-        prompt, target = make_prompt(rng)
-        rows.append({"prompt": prompt, "target": target})
-        if kind == "demonstration":
-            rows[-1]["completion"] = demonstration(rng, target)
-    return rows
+def task_rows(seed, split, n, task_row):
+    """n rows of the built-in task in TRL's formats, each made by `task_row` (demonstration_row, preference_row
+    or prompt_row) with its `target`. Train and eval rows come from different random streams of the same seed."""
+    rng = random.Random(f"sort-task/{seed}/{split}")
+    return [task_row(rng) for _ in range(n)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -916,37 +851,16 @@ def load_rows(name, config, split, eval_size):
     return rows[n_eval:], rows[:n_eval]
 
 
-def load_data(args, kind, num_train, accepts, needs):
-    """(train rows, eval rows): the built-in task's rows of `kind` when no --dataset-name is given, else the
-    dataset's, which must have every column of one of the sets in `accepts` (`needs` says so in words)."""
+def load_data(args, task_row, num_train, accepts, needs):
+    """(train rows, eval rows): the built-in task's rows (`task_row` makes one) when no --dataset-name is given,
+    else the dataset's, which must have every column of one of the sets in `accepts` (`needs` says so in words)."""
     if args.dataset_name is None:
-        if args.system_prompt is not None:
-            sys.exit("error: --system-prompt needs conversational data; the built-in task is text "
-                     "(pass --dataset-name)")
-        return task_rows(args.seed, "train", num_train, kind), task_rows(args.seed, "eval", args.eval_size, kind)
+        return task_rows(args.seed, "train", num_train, task_row), task_rows(args.seed, "eval", args.eval_size, task_row)
     train, evals = load_rows(args.dataset_name, args.dataset_config, args.dataset_split, args.eval_size)
     columns = sorted(train[0]) if train else []
     if not any(set(columns) >= set(accepted) for accepted in accepts):
         sys.exit(f"error: dataset {args.dataset_name!r} has columns {columns}; {os.path.basename(__file__)} {needs}")
-    if args.system_prompt is not None:
-        train, evals = add_system_prompt(train, args.system_prompt), add_system_prompt(evals, args.system_prompt)
     return train, evals
-
-
-def add_system_prompt(rows, system_prompt):
-    """--system-prompt: {"role": "system", "content": system_prompt} first in every conversation of the rows
-    (a conversational `prompt`; `messages`; or, with no prompt column, both `chosen` and `rejected`, whose
-    shared start is the prompt) that does not begin with a system message. Text data has no place for one."""
-    system = {"role": "system", "content": system_prompt}
-    out = []
-    for row in rows:
-        keys = [k for k in (("prompt",) if "prompt" in row else ("messages", "chosen", "rejected")) if k in row]
-        if not all(isinstance(row[k], list) for k in keys):
-            sys.exit("error: --system-prompt needs conversational data (lists of role/content messages); this "
-                     "dataset is text: write the instruction into the prompts instead")
-        out.append({**row, **{k: row[k] if row[k][:1] and row[k][0]["role"] == "system" else [system, *row[k]]
-                              for k in keys}})
-    return out
 
 
 def load_tokenizer(path, hint):
@@ -962,34 +876,20 @@ def load_tokenizer(path, hint):
         sys.exit(f"error: cannot load a tokenizer from {path!r}: {first_line(e)}")
 
 
-def dropout_off(config):
-    """Every dropout probability of a transformers config set to 0, before the model is built: Llama's and
-    Qwen2's attention dropout is no nn.Dropout module but a number each layer reads from the config."""
-    for key, value in list(vars(config).items()):
-        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
-            setattr(config, key, 0.0)
-    return config
-
-
-def load_config(path, head):
-    """A checkpoint's config with every dropout off, for models whose log-probs, values and scores must not be
-    random (Llama's attention dropout is a number each layer reads from it); head "score": one label."""
-    from transformers import AutoConfig
+def load_no_dropout(path, head):
+    """A checkpoint with every dropout off, for models whose log-probs, values and scores must not be random
+    (Llama's and Qwen2's attention dropout is no nn.Dropout but a number each layer reads from the config): a
+    causal LM (head "lm") or one with a scalar head (head "score": a sequence classifier with one label, its head
+    new when the checkpoint has none). Its weights in float32 whatever they were saved in: AdamW needs float32
+    master weights (in fp16 its eps underflows to 0, in bf16 most small updates round away); --bf16 is the
+    mixed-precision choice on top."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     try:
-        return dropout_off(AutoConfig.from_pretrained(path, **({"num_labels": 1} if head == "score" else {})))
-    except (OSError, ValueError) as e:
-        sys.exit(f"error: cannot load a model from {path!r}: {first_line(e)}")
-
-
-def load_pretrained(path, head, config=None):
-    """A checkpoint as a causal LM (head "lm") or with a scalar head (head "score", with a config of num_labels 1:
-    a sequence classifier with one label, its head new when the checkpoint has none), its weights in float32
-    whatever they were saved in: AdamW needs float32 master weights (in fp16 its eps underflows to 0, in bf16
-    most small updates round away); --bf16 is the mixed-precision choice on top."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    try:
+        config = AutoConfig.from_pretrained(path, **({"num_labels": 1} if head == "score" else {}))
+        for key, value in list(vars(config).items()):
+            if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+                setattr(config, key, 0.0)
         model_class = AutoModelForCausalLM if head == "lm" else AutoModelForSequenceClassification
         return model_class.from_pretrained(path, config=config, dtype=torch.float32)
     except (OSError, ValueError) as e:
@@ -1102,55 +1002,24 @@ def reward_columns(rows):
     return {name: [row[name] for row in rows] for name in rows[0] if name != "prompt"} if rows else {}
 
 
-def reward_table(functions, prompts, completions, columns):
+def reward_terms(functions, prompts, completions, columns):
     """[B, K] float32: reward function k on completion i, NaN where it returned None ("does not apply"). A
     function that raises, or returns a value that is not a finite number or None, or not one value per
-    completion, stops the run with one line naming it and the sample; nothing is saved. Under torchrun every
-    rank learns of another's failure (and stops) before the next collective."""
-    table, error = torch.full((len(completions), len(functions)), float("nan")), None
-    if not functions:  # the reward model alone
-        return table
+    completion, stops the run with one line naming it; nothing is saved."""
+    table = torch.full((len(completions), len(functions)), float("nan"))
     for k, (name, fn) in enumerate(functions):
         try:
             values = list(fn(prompts=prompts, completions=completions, **columns))
-        except Exception as e:  # noqa: BLE001  find the first sample it raises on alone, to name it
-            failing = next((i for i in range(len(completions))
-                            if reward_call_fails(fn, prompts, completions, columns, i)), None)
-            where = reward_sample(prompts, completions, failing) if failing is not None else f"a batch of {len(completions)}"
-            error = f"reward function {name!r} raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}, on {where}"
-            break
+        except Exception as e:  # noqa: BLE001  the user's code: whatever it raises is one line
+            sys.exit(f"error: reward function {name!r} raised {type(e).__name__}: {first_line(e)}; stopped, nothing saved")
         if len(values) != len(completions):
-            error = f"reward function {name!r} returned {len(values)} values for {len(completions)} completions"
-            break
-        bad = next((i for i, v in enumerate(values)
-                    if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v))), None)
-        if bad is not None:
-            error = (f"reward function {name!r} returned {values[bad]!r} (a finite number or None is needed), on "
-                     f"{reward_sample(prompts, completions, bad)}")
-            break
+            sys.exit(f"error: reward function {name!r} returned {len(values)} values for {len(completions)} completions")
+        bad = [v for v in values if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v))]
+        if bad:
+            sys.exit(f"error: reward function {name!r} returned {bad[0]!r} (a finite number or None is needed); "
+                     "stopped, nothing saved")
         table[:, k] = torch.tensor([float("nan") if v is None else float(v) for v in values])
-    if dist.is_initialized():
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        error = next((e for e in errors if e is not None), None)
-    if error is not None:
-        sys.exit(f"error: {error}; stopped, nothing saved")
     return table
-
-
-def reward_call_fails(fn, prompts, completions, columns, i):
-    """Whether a reward function raises on sample i alone."""
-    try:
-        fn(prompts=prompts[i : i + 1], completions=completions[i : i + 1],
-           **{c: v[i : i + 1] for c, v in columns.items()})
-    except Exception:  # noqa: BLE001
-        return True
-    return False
-
-
-def reward_sample(prompts, completions, i):
-    """Sample i of a batch, in a few words for an error line."""
-    return f"sample {i}: prompt {str(prompts[i])[:80]!r}, completion {str(completions[i])[:80]!r}"
 
 
 def samples_markdown(prompts, completions, rewards, table, names, n=8):

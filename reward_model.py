@@ -49,8 +49,6 @@ class Args:
     """config name of a hub dataset that has several (gsm8k: main)"""
     dataset_split: str = "train"
     """split of --dataset-name to train on (its `test` split, if any, is the eval set)"""
-    system_prompt: str | None = None
-    """a system message put first in every conversation of the data that has none (conversational data only)"""
     output_dir: str = "models/reward_model"
     """where the Hugging Face checkpoint is saved (written to a temporary directory, then renamed)"""
     save_dtype: str | None = None
@@ -125,14 +123,14 @@ def main(args: Args):
     tokenizer = load_tokenizer(args.model_name_or_path, hint)
     stop_ids = stop_token_ids(tokenizer)
     save_dtype = save_dtype_of(args, args.model_name_or_path)
-    train_rows, eval_rows = load_data(args, "preference", args.num_train_pairs, [("chosen", "rejected")],
+    train_rows, eval_rows = load_data(args, preference_row, args.num_train_pairs, [("chosen", "rejected")],
                                       "needs chosen and rejected (and optionally prompt and margin)")
     has_margin = any(row.get("margin") is not None for row in train_rows + eval_rows)
     # (chosen sequence, rejected sequence, margin, row): prompt + completion each, and 0 where a row has no margin
     train, evals = ([(p + c, p + r, float(row.get("margin") or 0.0), row) for p, c, r, row in
                      tokenize_pairs(tokenizer, rows, stop_ids, args.max_length, split)]
                     for rows, split in ((train_rows, "train"), (eval_rows, "eval")))
-    model = load_pretrained(args.model_name_or_path, "score", load_config(args.model_name_or_path, "score"))
+    model = load_no_dropout(args.model_name_or_path, "score")
     prepare_models(tokenizer, stop_ids, [model])
     model = model.to(device)
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
@@ -275,11 +273,6 @@ def corrupt(rng, s, kinds=("swap", "drop", "insert", "replace")):
             return s[:i] + rng.choice([d for d in "0123456789" if d != s[i]]) + s[i + 1 :]
 
 
-def demonstration(rng, target):
-    """The sloppy demonstrator: the target, or with probability 0.5 the target with one adjacent swap."""
-    return target if rng.random() < 0.5 else corrupt(rng, target, ("swap",))
-
-
 def candidate(rng, target):
     """A candidate for preference pairs: the target, or with probability 0.5 one or two corruptions."""
     if rng.random() < 0.5:
@@ -289,33 +282,22 @@ def candidate(rng, target):
     return target
 
 
-def preference_pair(rng):
-    """Two candidates for one prompt with different gold scores: (prompt, chosen, rejected, target)."""
+def preference_row(rng):
+    """A row of the reward model's and DPO's data: two candidates for one prompt with different gold scores,
+    the better one chosen."""
     prompt, target = make_prompt(rng)
     while True:
         a, b = candidate(rng, target), candidate(rng, target)
         if gold_score(a, target) != gold_score(b, target):
-            return (prompt, a, b, target) if gold_score(a, target) > gold_score(b, target) else (prompt, b, a, target)
+            chosen, rejected = (a, b) if gold_score(a, target) > gold_score(b, target) else (b, a)
+            return {"prompt": prompt, "chosen": chosen, "rejected": rejected, "target": target}
 
 
-def task_rng(seed, split):
-    """Train and eval data come from different random streams of the same seed."""
-    return random.Random(f"sort-task/{seed}/{split}")
-
-
-def task_rows(seed, split, n, kind):
-    """n rows of the built-in task in TRL's formats, each with its `target`: kind "demonstration" (prompt,
-    completion: the sloppy demonstrator's answer), "preference" (prompt, chosen, rejected) or "prompt"."""
-    rng, rows = task_rng(seed, split), []
-    for _ in range(n):
-        if kind == "preference":
-            rows.append(dict(zip(("prompt", "chosen", "rejected", "target"), preference_pair(rng))))
-            continue
-        prompt, target = make_prompt(rng)
-        rows.append({"prompt": prompt, "target": target})
-        if kind == "demonstration":
-            rows[-1]["completion"] = demonstration(rng, target)
-    return rows
+def task_rows(seed, split, n, task_row):
+    """n rows of the built-in task in TRL's formats, each made by `task_row` (demonstration_row, preference_row
+    or prompt_row) with its `target`. Train and eval rows come from different random streams of the same seed."""
+    rng = random.Random(f"sort-task/{seed}/{split}")
+    return [task_row(rng) for _ in range(n)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -482,37 +464,16 @@ def load_rows(name, config, split, eval_size):
     return rows[n_eval:], rows[:n_eval]
 
 
-def load_data(args, kind, num_train, accepts, needs):
-    """(train rows, eval rows): the built-in task's rows of `kind` when no --dataset-name is given, else the
-    dataset's, which must have every column of one of the sets in `accepts` (`needs` says so in words)."""
+def load_data(args, task_row, num_train, accepts, needs):
+    """(train rows, eval rows): the built-in task's rows (`task_row` makes one) when no --dataset-name is given,
+    else the dataset's, which must have every column of one of the sets in `accepts` (`needs` says so in words)."""
     if args.dataset_name is None:
-        if args.system_prompt is not None:
-            sys.exit("error: --system-prompt needs conversational data; the built-in task is text "
-                     "(pass --dataset-name)")
-        return task_rows(args.seed, "train", num_train, kind), task_rows(args.seed, "eval", args.eval_size, kind)
+        return task_rows(args.seed, "train", num_train, task_row), task_rows(args.seed, "eval", args.eval_size, task_row)
     train, evals = load_rows(args.dataset_name, args.dataset_config, args.dataset_split, args.eval_size)
     columns = sorted(train[0]) if train else []
     if not any(set(columns) >= set(accepted) for accepted in accepts):
         sys.exit(f"error: dataset {args.dataset_name!r} has columns {columns}; {os.path.basename(__file__)} {needs}")
-    if args.system_prompt is not None:
-        train, evals = add_system_prompt(train, args.system_prompt), add_system_prompt(evals, args.system_prompt)
     return train, evals
-
-
-def add_system_prompt(rows, system_prompt):
-    """--system-prompt: {"role": "system", "content": system_prompt} first in every conversation of the rows
-    (a conversational `prompt`; `messages`; or, with no prompt column, both `chosen` and `rejected`, whose
-    shared start is the prompt) that does not begin with a system message. Text data has no place for one."""
-    system = {"role": "system", "content": system_prompt}
-    out = []
-    for row in rows:
-        keys = [k for k in (("prompt",) if "prompt" in row else ("messages", "chosen", "rejected")) if k in row]
-        if not all(isinstance(row[k], list) for k in keys):
-            sys.exit("error: --system-prompt needs conversational data (lists of role/content messages); this "
-                     "dataset is text: write the instruction into the prompts instead")
-        out.append({**row, **{k: row[k] if row[k][:1] and row[k][0]["role"] == "system" else [system, *row[k]]
-                              for k in keys}})
-    return out
 
 
 def load_tokenizer(path, hint):
@@ -528,34 +489,20 @@ def load_tokenizer(path, hint):
         sys.exit(f"error: cannot load a tokenizer from {path!r}: {first_line(e)}")
 
 
-def dropout_off(config):
-    """Every dropout probability of a transformers config set to 0, before the model is built: Llama's and
-    Qwen2's attention dropout is no nn.Dropout module but a number each layer reads from the config."""
-    for key, value in list(vars(config).items()):
-        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
-            setattr(config, key, 0.0)
-    return config
-
-
-def load_config(path, head):
-    """A checkpoint's config with every dropout off, for models whose log-probs, values and scores must not be
-    random (Llama's attention dropout is a number each layer reads from it); head "score": one label."""
-    from transformers import AutoConfig
+def load_no_dropout(path, head):
+    """A checkpoint with every dropout off, for models whose log-probs, values and scores must not be random
+    (Llama's and Qwen2's attention dropout is no nn.Dropout but a number each layer reads from the config): a
+    causal LM (head "lm") or one with a scalar head (head "score": a sequence classifier with one label, its head
+    new when the checkpoint has none). Its weights in float32 whatever they were saved in: AdamW needs float32
+    master weights (in fp16 its eps underflows to 0, in bf16 most small updates round away); --bf16 is the
+    mixed-precision choice on top."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     try:
-        return dropout_off(AutoConfig.from_pretrained(path, **({"num_labels": 1} if head == "score" else {})))
-    except (OSError, ValueError) as e:
-        sys.exit(f"error: cannot load a model from {path!r}: {first_line(e)}")
-
-
-def load_pretrained(path, head, config=None):
-    """A checkpoint as a causal LM (head "lm") or with a scalar head (head "score", with a config of num_labels 1:
-    a sequence classifier with one label, its head new when the checkpoint has none), its weights in float32
-    whatever they were saved in: AdamW needs float32 master weights (in fp16 its eps underflows to 0, in bf16
-    most small updates round away); --bf16 is the mixed-precision choice on top."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    try:
+        config = AutoConfig.from_pretrained(path, **({"num_labels": 1} if head == "score" else {}))
+        for key, value in list(vars(config).items()):
+            if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+                setattr(config, key, 0.0)
         model_class = AutoModelForCausalLM if head == "lm" else AutoModelForSequenceClassification
         return model_class.from_pretrained(path, config=config, dtype=torch.float32)
     except (OSError, ValueError) as e:

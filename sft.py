@@ -48,8 +48,6 @@ class Args:
     """config name of a hub dataset that has several (gsm8k: main)"""
     dataset_split: str = "train"
     """split of --dataset-name to train on (its `test` split, if any, is the eval set)"""
-    system_prompt: str | None = None
-    """a system message put first in every conversation of the data that has none (conversational data only)"""
     output_dir: str = "models/sft"
     """where the Hugging Face checkpoint is saved (written to a temporary directory, then renamed)"""
     save_dtype: str | None = None
@@ -129,7 +127,7 @@ def main(args: Args):
     tokenizer = make_tokenizer(args.model_name_or_path)
     stop_ids = stop_token_ids(tokenizer)
     save_dtype = save_dtype_of(args, args.model_name_or_path)
-    train_examples, eval_examples = load_data(args, "demonstration", args.num_train_examples,
+    train_examples, eval_examples = load_data(args, demonstration_row, args.num_train_examples,
                                               [("prompt", "completion"), ("text",), ("messages",)],
                                               "accepts prompt+completion, text, or messages")
     train = tokenize_examples(tokenizer, train_examples, stop_ids, args.max_length, "train")
@@ -194,21 +192,19 @@ def evaluate(model, tokenizer, stop_ids, evals, task_examples, args, amp, writer
     """The completion loss on held-out examples; on the built-in task (`task_examples`) also the gold reward of
     sampled and greedy completions, which a loss cannot show: an answer one swap from right still scores."""
     model.eval()
-    device, line = model.device, f"step {step}:"
+    logs = {}
     if evals:
         total, count = 0.0, 0
         for i in range(0, len(evals), args.batch_size):
-            input_ids, attention_mask, labels = (t.to(device) for t in collate(evals[i : i + args.batch_size],
-                                                                               tokenizer.pad_token_id))
+            input_ids, attention_mask, labels = (t.to(model.device) for t in collate(evals[i : i + args.batch_size],
+                                                                                     tokenizer.pad_token_id))
             with amp():
                 logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
             total += sft_loss(gather_logprobs(logits, next_tokens(labels)), labels, num_items=1).item()  # summed NLL
             count += (labels[:, 1:] != -100).sum().item()
-        writer.add_scalar("eval/loss", total / count, step)
-        line += f" eval/loss {total / count:.4f}"
+        logs["eval/loss"] = total / count
     if task_examples:
-        prompts, targets = [ex["prompt"] for ex in task_examples], [ex["target"] for ex in task_examples]
-        prompt_ids = [encode_prompt(tokenizer, p) for p in prompts]
+        prompt_ids = [encode_prompt(tokenizer, ex["prompt"]) for ex in task_examples]
         for name, greedy in (("", False), ("_greedy", True)):
             completions = []
             for i in range(0, len(prompt_ids), args.batch_size):
@@ -219,14 +215,14 @@ def evaluate(model, tokenizer, stop_ids, evals, task_examples, args, amp, writer
                 completions += tokenizer.batch_decode(sequences[:, width:], skip_special_tokens=True)
             if not greedy:
                 sampled = completions  # the samples shown in TensorBoard
-            accuracy = sum(c == t for c, t in zip(completions, targets)) / len(targets)
-            score = sum(gold_score(c, t) for c, t in zip(completions, targets)) / len(targets)
-            writer.add_scalar(f"eval/gold_accuracy{name}", accuracy, step)
-            writer.add_scalar(f"eval/gold_score{name}", score, step)
-            line += f", gold_accuracy{name} {accuracy:.3f}, gold_score{name} {score:.3f}"
-        samples = "\n".join(f"    {p} {c!r} (target {t})" for p, c, t in zip(prompts[:8], sampled, targets))
-        writer.add_text("eval/samples", samples, step)
-    print(line)
+            targets = [ex["target"] for ex in task_examples]
+            logs[f"eval/gold_accuracy{name}"] = sum(c == t for c, t in zip(completions, targets)) / len(targets)
+            logs[f"eval/gold_score{name}"] = sum(gold_score(c, t) for c, t in zip(completions, targets)) / len(targets)
+        writer.add_text("eval/samples", "\n".join(f"    {ex['prompt']} {c!r} (target {ex['target']})"
+                                                  for ex, c in zip(task_examples[:8], sampled)), step)
+    for tag, value in logs.items():
+        writer.add_scalar(tag, value, step)
+    print(f"step {step}: " + ", ".join(f"{tag} {value:.4f}" for tag, value in logs.items()))
     model.train()
 
 
@@ -308,47 +304,19 @@ def corrupt(rng, s, kinds=("swap", "drop", "insert", "replace")):
             return s[:i] + rng.choice([d for d in "0123456789" if d != s[i]]) + s[i + 1 :]
 
 
-def demonstration(rng, target):
-    """The sloppy demonstrator: the target, or with probability 0.5 the target with one adjacent swap."""
-    return target if rng.random() < 0.5 else corrupt(rng, target, ("swap",))
-
-
-def candidate(rng, target):
-    """A candidate for preference pairs: the target, or with probability 0.5 one or two corruptions."""
-    if rng.random() < 0.5:
-        return target
-    for _ in range(rng.randint(1, 2)):
-        target = corrupt(rng, target)
-    return target
-
-
-def preference_pair(rng):
-    """Two candidates for one prompt with different gold scores: (prompt, chosen, rejected, target)."""
+def demonstration_row(rng):
+    """A row of SFT's data: a prompt, its target, and the sloppy demonstrator's completion: the target, or with
+    probability 0.5 the target with one adjacent swap."""
     prompt, target = make_prompt(rng)
-    while True:
-        a, b = candidate(rng, target), candidate(rng, target)
-        if gold_score(a, target) != gold_score(b, target):
-            return (prompt, a, b, target) if gold_score(a, target) > gold_score(b, target) else (prompt, b, a, target)
+    return {"prompt": prompt, "target": target,
+            "completion": target if rng.random() < 0.5 else corrupt(rng, target, ("swap",))}
 
 
-def task_rng(seed, split):
-    """Train and eval data come from different random streams of the same seed."""
-    return random.Random(f"sort-task/{seed}/{split}")
-
-
-def task_rows(seed, split, n, kind):
-    """n rows of the built-in task in TRL's formats, each with its `target`: kind "demonstration" (prompt,
-    completion: the sloppy demonstrator's answer), "preference" (prompt, chosen, rejected) or "prompt"."""
-    rng, rows = task_rng(seed, split), []
-    for _ in range(n):
-        if kind == "preference":
-            rows.append(dict(zip(("prompt", "chosen", "rejected", "target"), preference_pair(rng))))
-            continue
-        prompt, target = make_prompt(rng)
-        rows.append({"prompt": prompt, "target": target})
-        if kind == "demonstration":
-            rows[-1]["completion"] = demonstration(rng, target)
-    return rows
+def task_rows(seed, split, n, task_row):
+    """n rows of the built-in task in TRL's formats, each made by `task_row` (demonstration_row, preference_row
+    or prompt_row) with its `target`. Train and eval rows come from different random streams of the same seed."""
+    rng = random.Random(f"sort-task/{seed}/{split}")
+    return [task_row(rng) for _ in range(n)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -529,37 +497,16 @@ def load_rows(name, config, split, eval_size):
     return rows[n_eval:], rows[:n_eval]
 
 
-def load_data(args, kind, num_train, accepts, needs):
-    """(train rows, eval rows): the built-in task's rows of `kind` when no --dataset-name is given, else the
-    dataset's, which must have every column of one of the sets in `accepts` (`needs` says so in words)."""
+def load_data(args, task_row, num_train, accepts, needs):
+    """(train rows, eval rows): the built-in task's rows (`task_row` makes one) when no --dataset-name is given,
+    else the dataset's, which must have every column of one of the sets in `accepts` (`needs` says so in words)."""
     if args.dataset_name is None:
-        if args.system_prompt is not None:
-            sys.exit("error: --system-prompt needs conversational data; the built-in task is text "
-                     "(pass --dataset-name)")
-        return task_rows(args.seed, "train", num_train, kind), task_rows(args.seed, "eval", args.eval_size, kind)
+        return task_rows(args.seed, "train", num_train, task_row), task_rows(args.seed, "eval", args.eval_size, task_row)
     train, evals = load_rows(args.dataset_name, args.dataset_config, args.dataset_split, args.eval_size)
     columns = sorted(train[0]) if train else []
     if not any(set(columns) >= set(accepted) for accepted in accepts):
         sys.exit(f"error: dataset {args.dataset_name!r} has columns {columns}; {os.path.basename(__file__)} {needs}")
-    if args.system_prompt is not None:
-        train, evals = add_system_prompt(train, args.system_prompt), add_system_prompt(evals, args.system_prompt)
     return train, evals
-
-
-def add_system_prompt(rows, system_prompt):
-    """--system-prompt: {"role": "system", "content": system_prompt} first in every conversation of the rows
-    (a conversational `prompt`; `messages`; or, with no prompt column, both `chosen` and `rejected`, whose
-    shared start is the prompt) that does not begin with a system message. Text data has no place for one."""
-    system = {"role": "system", "content": system_prompt}
-    out = []
-    for row in rows:
-        keys = [k for k in (("prompt",) if "prompt" in row else ("messages", "chosen", "rejected")) if k in row]
-        if not all(isinstance(row[k], list) for k in keys):
-            sys.exit("error: --system-prompt needs conversational data (lists of role/content messages); this "
-                     "dataset is text: write the instruction into the prompts instead")
-        out.append({**row, **{k: row[k] if row[k][:1] and row[k][0]["role"] == "system" else [system, *row[k]]
-                              for k in keys}})
-    return out
 
 
 def load_tokenizer(path, hint):

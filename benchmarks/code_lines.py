@@ -5,9 +5,11 @@ in all, at the working tree or at a commit, and the algorithm's share of each LM
     python benchmarks/code_lines.py aee7bdc         # a commit (git show); a file it does not have is left out
 
 The algorithm, counted the same way in every file: the code lines of the math section (from its "# The math"
-header to check_args: the pure functions with their equations) and of main's loop sections that compute it
-(from a "# ---- rollout" or "# ---- update" comment to the next "# ---- " one). Loading, evaluation, logging
-and the plumbing below the banner are not the algorithm.
+header to check_args: the pure functions with their equations, and in grpo.py and rlhf_ppo.py the reward
+functions) and of main's sections that compute it (from a "# ---- rollout" or "# ---- update" comment to the
+next "# ---- " one: the loop's rollout and update, and in grpo.py and rlhf_ppo.py the reward the rollout
+computes for each completion). Loading, evaluation, logging and the plumbing below the banner are not the
+algorithm.
 """
 import ast
 import io

@@ -14,6 +14,10 @@ scalar except the wall-clock ones (speeds, time fractions) and the SHA-256 of ev
 --flags SCRIPT='...' replaces one run's flags (a flag renamed between the two commits). The LM scripts run from
 ROOT/scale/ where a checkout has it (the full programs; before the split, aee7bdc and earlier, they were the
 top-level files), so that a checkout with scale/ is compared with one without program for program.
+--top-level runs the top-level LM files instead (the one-device references: one process, no gradient
+accumulation), to check that a change to them computes what the commit before did:
+
+    python benchmarks/same_results.py --top-level . /tmp/after_top.json
 """
 import argparse
 import glob
@@ -43,6 +47,8 @@ RUNS = {  # name: (script, flags, ranks)
     "grpo_2ranks_fsdp": ("grpo.py", "--num-iterations 2 --batch-size 16 --num-generations 4 --mini-batch-size 8 "
                          "--eval-every 1 --eval-size 10 --fsdp", 2),
 }
+TOP_LEVEL_FLAGS = {"rlhf_ppo": "--num-iterations 3 --batch-size 16 --mini-batch-size 8 --ppo-epochs 2 --eval-every 2 "
+                              "--eval-size 16"}  # with --top-level: the runs' flags the reference does not have
 WALL_CLOCK = ("SPS", "per_second", "time_fraction")
 
 
@@ -71,13 +77,15 @@ def file_hash(path):
     return digest.hexdigest()
 
 
-def run_all(root, out, overrides):
+def run_all(root, out, overrides, top_level=False):
     root = os.path.abspath(root)
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     models = tempfile.mkdtemp(prefix="same_results_models_")  # sft's and reward_model's checkpoints, for the rest
     result = {}
     for name, (script, flags, ranks) in RUNS.items():
-        flags = shlex.split(overrides.get(name, flags))
+        if top_level and ranks > 1:
+            continue  # the top-level LM files are one process
+        flags = shlex.split(overrides.get(name, TOP_LEVEL_FLAGS.get(name, flags) if top_level else flags))
         if script in ("rlhf_ppo.py", "grpo.py"):
             flags += ["--sft-model-path", f"{models}/models/sft", "--reward-model-path", f"{models}/models/reward_model"]
         if script == "dpo.py":
@@ -86,7 +94,7 @@ def run_all(root, out, overrides):
         launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", "29533"]
                     if ranks > 1 else [sys.executable])
         path = os.path.join(root, "scale", script)
-        path = path if os.path.exists(path) else os.path.join(root, script)
+        path = path if os.path.exists(path) and not top_level else os.path.join(root, script)
         proc = subprocess.run(launcher + [path, *flags], cwd=cwd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             sys.exit(f"{name} failed:\n{proc.stderr[-3000:]}")
@@ -124,8 +132,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paths", nargs=2, help="ROOT OUT.json, or with --compare two fingerprint files")
     parser.add_argument("--compare", action="store_true")
+    parser.add_argument("--top-level", action="store_true", help="run the top-level LM files, not scale/'s")
     parser.add_argument("--flags", action="append", default=[], help="NAME='flags' to replace one run's flags")
     args = parser.parse_args()
     if args.compare:
         sys.exit(0 if compare(*args.paths) else 1)
-    run_all(*args.paths, dict(item.split("=", 1) for item in args.flags))
+    run_all(*args.paths, dict(item.split("=", 1) for item in args.flags), args.top_level)

@@ -74,7 +74,7 @@ def main():
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.sft_model_path)
     stop_ids = grpo.stop_token_ids(tokenizer)
     if args.dataset_name is None:
-        rows = grpo.task_rows(args.seed, "train", 50_000, "prompt")  # grpo.py's training prompts
+        rows = grpo.task_rows(args.seed, "train", 50_000, grpo.prompt_row)  # grpo.py's training prompts
         score = grpo.gold_score
     else:
         rows = [json.loads(line) for line in open(args.dataset_name)]

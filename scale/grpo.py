@@ -502,7 +502,8 @@ def main(args: Args):
     amp = lambda: autocast(device, args)  # noqa: E731  --bf16 without FSDP
 
     # Prompts, and the dataset's other columns, which the reward functions receive by name
-    train_rows, eval_rows = load_data(args, "prompt", 50_000, [("prompt",)], "needs a `prompt` column")
+    train_rows, eval_rows = load_data(args, prompt_row, 50_000, [("prompt",)], "needs a `prompt` column")
+    train_rows, eval_rows = add_system_prompt(train_rows, args), add_system_prompt(eval_rows, args)
     check_reward_signatures(functions, sorted(train_rows[0]) if train_rows else [])
     if "gold" in dict(functions) and any(str(row["target"]) == "" for row in train_rows + eval_rows):
         sys.exit(f"error: dataset {args.dataset_name!r} has an empty `target`; the gold score (an edit distance "
@@ -837,66 +838,17 @@ def make_prompt(rng):
     return f"sort {digits}:", "".join(sorted(digits))
 
 
-def corrupt(rng, s, kinds=("swap", "drop", "insert", "replace")):
-    """One random corruption of s; a swap exchanges two adjacent, unequal digits."""
-    while True:
-        kind, i = rng.choice(kinds), rng.randrange(len(s))
-        if kind == "swap":
-            pairs = [j for j in range(len(s) - 1) if s[j] != s[j + 1]]
-            if pairs:
-                j = rng.choice(pairs)
-                return s[:j] + s[j + 1] + s[j] + s[j + 2 :]
-            if kinds == ("swap",):
-                return s  # all digits equal: nothing to swap
-        elif kind == "drop":
-            return s[:i] + s[i + 1 :]
-        elif kind == "insert":
-            return s[:i] + rng.choice("0123456789") + s[i:]
-        elif kind == "replace":
-            return s[:i] + rng.choice([d for d in "0123456789" if d != s[i]]) + s[i + 1 :]
-
-
-def demonstration(rng, target):
-    """The sloppy demonstrator: the target, or with probability 0.5 the target with one adjacent swap."""
-    return target if rng.random() < 0.5 else corrupt(rng, target, ("swap",))
-
-
-def candidate(rng, target):
-    """A candidate for preference pairs: the target, or with probability 0.5 one or two corruptions."""
-    if rng.random() < 0.5:
-        return target
-    for _ in range(rng.randint(1, 2)):
-        target = corrupt(rng, target)
-    return target
-
-
-def preference_pair(rng):
-    """Two candidates for one prompt with different gold scores: (prompt, chosen, rejected, target)."""
+def prompt_row(rng):
+    """A row of the RL stages' data: a prompt and its target, which the gold reward compares with."""
     prompt, target = make_prompt(rng)
-    while True:
-        a, b = candidate(rng, target), candidate(rng, target)
-        if gold_score(a, target) != gold_score(b, target):
-            return (prompt, a, b, target) if gold_score(a, target) > gold_score(b, target) else (prompt, b, a, target)
+    return {"prompt": prompt, "target": target}
 
 
-def task_rng(seed, split):
-    """Train and eval data come from different random streams of the same seed."""
-    return random.Random(f"sort-task/{seed}/{split}")
-
-
-def task_rows(seed, split, n, kind):
-    """n rows of the built-in task in TRL's formats, each with its `target`: kind "demonstration" (prompt,
-    completion: the sloppy demonstrator's answer), "preference" (prompt, chosen, rejected) or "prompt"."""
-    rng, rows = task_rng(seed, split), []
-    for _ in range(n):
-        if kind == "preference":
-            rows.append(dict(zip(("prompt", "chosen", "rejected", "target"), preference_pair(rng))))
-            continue
-        prompt, target = make_prompt(rng)
-        rows.append({"prompt": prompt, "target": target})
-        if kind == "demonstration":
-            rows[-1]["completion"] = demonstration(rng, target)
-    return rows
+def task_rows(seed, split, n, task_row):
+    """n rows of the built-in task in TRL's formats, each made by `task_row` (demonstration_row, preference_row
+    or prompt_row) with its `target`. Train and eval rows come from different random streams of the same seed."""
+    rng = random.Random(f"sort-task/{seed}/{split}")
+    return [task_row(rng) for _ in range(n)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1017,28 +969,27 @@ def load_rows(name, config, split, eval_size):
     return rows[n_eval:], rows[:n_eval]
 
 
-def load_data(args, kind, num_train, accepts, needs):
-    """(train rows, eval rows): the built-in task's rows of `kind` when no --dataset-name is given, else the
-    dataset's, which must have every column of one of the sets in `accepts` (`needs` says so in words)."""
+def load_data(args, task_row, num_train, accepts, needs):
+    """(train rows, eval rows): the built-in task's rows (`task_row` makes one) when no --dataset-name is given,
+    else the dataset's, which must have every column of one of the sets in `accepts` (`needs` says so in words)."""
     if args.dataset_name is None:
-        if args.system_prompt is not None:
-            sys.exit("error: --system-prompt needs conversational data; the built-in task is text "
-                     "(pass --dataset-name)")
-        return task_rows(args.seed, "train", num_train, kind), task_rows(args.seed, "eval", args.eval_size, kind)
+        return task_rows(args.seed, "train", num_train, task_row), task_rows(args.seed, "eval", args.eval_size, task_row)
     train, evals = load_rows(args.dataset_name, args.dataset_config, args.dataset_split, args.eval_size)
     columns = sorted(train[0]) if train else []
     if not any(set(columns) >= set(accepted) for accepted in accepts):
         sys.exit(f"error: dataset {args.dataset_name!r} has columns {columns}; {os.path.basename(__file__)} {needs}")
-    if args.system_prompt is not None:
-        train, evals = add_system_prompt(train, args.system_prompt), add_system_prompt(evals, args.system_prompt)
     return train, evals
 
 
-def add_system_prompt(rows, system_prompt):
-    """--system-prompt: {"role": "system", "content": system_prompt} first in every conversation of the rows
+def add_system_prompt(rows, args):
+    """--system-prompt: {"role": "system", "content": args.system_prompt} first in every conversation of the rows
     (a conversational `prompt`; `messages`; or, with no prompt column, both `chosen` and `rejected`, whose
     shared start is the prompt) that does not begin with a system message. Text data has no place for one."""
-    system = {"role": "system", "content": system_prompt}
+    if args.system_prompt is None:
+        return rows
+    if args.dataset_name is None:
+        sys.exit("error: --system-prompt needs conversational data; the built-in task is text (pass --dataset-name)")
+    system = {"role": "system", "content": args.system_prompt}
     out = []
     for row in rows:
         keys = [k for k in (("prompt",) if "prompt" in row else ("messages", "chosen", "rejected")) if k in row]

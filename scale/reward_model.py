@@ -197,8 +197,9 @@ def main(args: Args):
     tokenizer = load_tokenizer(args.model_name_or_path, hint)
     stop_ids = stop_token_ids(tokenizer)
     save_dtype = save_dtype_of(args, args.model_name_or_path)
-    train_rows, eval_rows = load_data(args, "preference", args.num_train_pairs, [("chosen", "rejected")],
+    train_rows, eval_rows = load_data(args, preference_row, args.num_train_pairs, [("chosen", "rejected")],
                                       "needs chosen and rejected (and optionally prompt and margin)")
+    train_rows, eval_rows = add_system_prompt(train_rows, args), add_system_prompt(eval_rows, args)
     has_margin = any(row.get("margin") is not None for row in train_rows + eval_rows)
     train_pairs = tokenize_pairs(tokenizer, train_rows, stop_ids, args.max_length, "train")
     eval_pairs = tokenize_pairs(tokenizer, eval_rows, stop_ids, args.max_length, "eval")
@@ -389,11 +390,6 @@ def corrupt(rng, s, kinds=("swap", "drop", "insert", "replace")):
             return s[:i] + rng.choice([d for d in "0123456789" if d != s[i]]) + s[i + 1 :]
 
 
-def demonstration(rng, target):
-    """The sloppy demonstrator: the target, or with probability 0.5 the target with one adjacent swap."""
-    return target if rng.random() < 0.5 else corrupt(rng, target, ("swap",))
-
-
 def candidate(rng, target):
     """A candidate for preference pairs: the target, or with probability 0.5 one or two corruptions."""
     if rng.random() < 0.5:
@@ -403,33 +399,22 @@ def candidate(rng, target):
     return target
 
 
-def preference_pair(rng):
-    """Two candidates for one prompt with different gold scores: (prompt, chosen, rejected, target)."""
+def preference_row(rng):
+    """A row of the reward model's and DPO's data: two candidates for one prompt with different gold scores,
+    the better one chosen."""
     prompt, target = make_prompt(rng)
     while True:
         a, b = candidate(rng, target), candidate(rng, target)
         if gold_score(a, target) != gold_score(b, target):
-            return (prompt, a, b, target) if gold_score(a, target) > gold_score(b, target) else (prompt, b, a, target)
+            chosen, rejected = (a, b) if gold_score(a, target) > gold_score(b, target) else (b, a)
+            return {"prompt": prompt, "chosen": chosen, "rejected": rejected, "target": target}
 
 
-def task_rng(seed, split):
-    """Train and eval data come from different random streams of the same seed."""
-    return random.Random(f"sort-task/{seed}/{split}")
-
-
-def task_rows(seed, split, n, kind):
-    """n rows of the built-in task in TRL's formats, each with its `target`: kind "demonstration" (prompt,
-    completion: the sloppy demonstrator's answer), "preference" (prompt, chosen, rejected) or "prompt"."""
-    rng, rows = task_rng(seed, split), []
-    for _ in range(n):
-        if kind == "preference":
-            rows.append(dict(zip(("prompt", "chosen", "rejected", "target"), preference_pair(rng))))
-            continue
-        prompt, target = make_prompt(rng)
-        rows.append({"prompt": prompt, "target": target})
-        if kind == "demonstration":
-            rows[-1]["completion"] = demonstration(rng, target)
-    return rows
+def task_rows(seed, split, n, task_row):
+    """n rows of the built-in task in TRL's formats, each made by `task_row` (demonstration_row, preference_row
+    or prompt_row) with its `target`. Train and eval rows come from different random streams of the same seed."""
+    rng = random.Random(f"sort-task/{seed}/{split}")
+    return [task_row(rng) for _ in range(n)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -596,28 +581,27 @@ def load_rows(name, config, split, eval_size):
     return rows[n_eval:], rows[:n_eval]
 
 
-def load_data(args, kind, num_train, accepts, needs):
-    """(train rows, eval rows): the built-in task's rows of `kind` when no --dataset-name is given, else the
-    dataset's, which must have every column of one of the sets in `accepts` (`needs` says so in words)."""
+def load_data(args, task_row, num_train, accepts, needs):
+    """(train rows, eval rows): the built-in task's rows (`task_row` makes one) when no --dataset-name is given,
+    else the dataset's, which must have every column of one of the sets in `accepts` (`needs` says so in words)."""
     if args.dataset_name is None:
-        if args.system_prompt is not None:
-            sys.exit("error: --system-prompt needs conversational data; the built-in task is text "
-                     "(pass --dataset-name)")
-        return task_rows(args.seed, "train", num_train, kind), task_rows(args.seed, "eval", args.eval_size, kind)
+        return task_rows(args.seed, "train", num_train, task_row), task_rows(args.seed, "eval", args.eval_size, task_row)
     train, evals = load_rows(args.dataset_name, args.dataset_config, args.dataset_split, args.eval_size)
     columns = sorted(train[0]) if train else []
     if not any(set(columns) >= set(accepted) for accepted in accepts):
         sys.exit(f"error: dataset {args.dataset_name!r} has columns {columns}; {os.path.basename(__file__)} {needs}")
-    if args.system_prompt is not None:
-        train, evals = add_system_prompt(train, args.system_prompt), add_system_prompt(evals, args.system_prompt)
     return train, evals
 
 
-def add_system_prompt(rows, system_prompt):
-    """--system-prompt: {"role": "system", "content": system_prompt} first in every conversation of the rows
+def add_system_prompt(rows, args):
+    """--system-prompt: {"role": "system", "content": args.system_prompt} first in every conversation of the rows
     (a conversational `prompt`; `messages`; or, with no prompt column, both `chosen` and `rejected`, whose
     shared start is the prompt) that does not begin with a system message. Text data has no place for one."""
-    system = {"role": "system", "content": system_prompt}
+    if args.system_prompt is None:
+        return rows
+    if args.dataset_name is None:
+        sys.exit("error: --system-prompt needs conversational data; the built-in task is text (pass --dataset-name)")
+    system = {"role": "system", "content": args.system_prompt}
     out = []
     for row in rows:
         keys = [k for k in (("prompt",) if "prompt" in row else ("messages", "chosen", "rejected")) if k in row]

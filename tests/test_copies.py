@@ -4,7 +4,6 @@ defined in two or more scripts is one text in all of them, RL and LM families al
 definition that nothing it runs reaches. Each script keeps its own Args, Agent, act, evaluate, main, check_args
 and load_models (the models it trains and scores with)."""
 import ast
-import importlib
 import os
 
 import pytest
@@ -188,16 +187,18 @@ def test_no_script_imports_another():
 
 # ------------------------------------------------------------------------- the built-in sort task
 def task_data(module, seed):
-    rng = module.task_rng(seed, "train")
-    data = []
-    for _ in range(200):
-        prompt, target = module.make_prompt(rng)
-        data.append((prompt, target, module.demonstration(rng, target), module.candidate(rng, target)))
-    data += [module.preference_pair(rng) for _ in range(200)]
-    return data
+    """Every kind of row a script makes, 200 each, from one script's text of the task."""
+    return [module.task_rows(seed, "train", 200, getattr(module, row))
+            for row in ("demonstration_row", "preference_row", "prompt_row") if hasattr(module, row)]
 
 
 def test_the_task_depends_on_the_seed_and_its_splits_differ():
-    assert task_data(sft, 7) == task_data(importlib.import_module("grpo"), 7)
-    assert task_data(sft, 7) != task_data(sft, 8)
-    assert sft.task_rows(7, "train", 5, "prompt") != sft.task_rows(7, "eval", 5, "prompt")
+    import dpo
+    import reward_model
+
+    assert task_data(dpo, 7)[0] == task_data(reward_model, 7)[0]  # the preference rows
+    assert task_data(sft, 7)[0] != task_data(sft, 8)[0]
+    assert sft.task_rows(7, "train", 5, sft.demonstration_row) != sft.task_rows(7, "eval", 5, sft.demonstration_row)
+    # every kind of row begins with the same draw of the prompt: the same prompts for every stage of one seed
+    prompts = [[row["prompt"] for row in rows] for module in (sft, dpo) for rows in task_data(module, 7)]
+    assert len(prompts) == 3 and prompts[0][0] == prompts[1][0] == prompts[2][0]

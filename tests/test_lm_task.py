@@ -21,17 +21,19 @@ def test_levenshtein_and_gold_score():
 
 
 def test_task_distribution():
+    import reward_model
     import sft
 
-    rng = sft.task_rng(1, "train")
-    prompts = [sft.make_prompt(rng) for _ in range(2000)]
-    assert {len(t) for _, t in prompts} == {4, 5, 6, 7, 8}
-    assert all(p == f"sort {p[5:-1]}:" and t == "".join(sorted(p[5:-1])) for p, t in prompts)
-    demos = [(sft.demonstration(rng, t), t) for _, t in prompts]
+    rows = sft.task_rows(1, "train", 2000, sft.demonstration_row)
+    assert {len(row["target"]) for row in rows} == {4, 5, 6, 7, 8}
+    assert all(row["prompt"] == f"sort {row['prompt'][5:-1]}:" and row["target"] == "".join(sorted(row["prompt"][5:-1]))
+               for row in rows)
+    demos = [(row["completion"], row["target"]) for row in rows]
     exact = sum(d == t for d, t in demos) / len(demos)
     assert 0.46 < exact < 0.54  # the sloppy demonstrator is right half the time
     assert all(d == t or (sorted(d) == sorted(t) and sft.levenshtein(d, t) == 2) for d, t in demos)  # else one swap
-    pairs = [sft.preference_pair(rng) for _ in range(500)]
-    assert all(sft.gold_score(c, t) > sft.gold_score(r, t) for _, c, r, t in pairs)
+    pairs = reward_model.task_rows(1, "train", 500, reward_model.preference_row)
+    assert all(sft.gold_score(r["chosen"], r["target"]) > sft.gold_score(r["rejected"], r["target"]) for r in pairs)
+    assert sum(r["chosen"] == r["target"] for r in pairs) > 250  # a candidate is the target half the time
     # train and eval streams differ
-    assert sft.make_prompt(sft.task_rng(1, "train")) != sft.make_prompt(sft.task_rng(1, "eval"))
+    assert sft.task_rows(1, "train", 1, sft.demonstration_row) != sft.task_rows(1, "eval", 1, sft.demonstration_row)

@@ -497,10 +497,10 @@ def test_dropout_is_off_also_where_it_is_a_config_number(tmp_path):
         make_tokenizer("bos").save_pretrained(rm_path)
         tokenizer = dpo.load_tokenizer(base, "")
         # what dpo, rlhf_ppo and grpo load as the policy and the critic, and reward_model.py as the model it trains
-        policy = dpo.load_pretrained(base, "lm", dpo.load_config(base, "lm"))
-        actor = rlhf_ppo.load_pretrained(base, "lm", rlhf_ppo.load_config(base, "lm"))
-        critic = rlhf_ppo.load_pretrained(rm_path, "score", rlhf_ppo.load_config(rm_path, "score"))
-        trained_rm = reward_model.load_pretrained(rm_path, "score", reward_model.load_config(rm_path, "score"))
+        policy = dpo.load_no_dropout(base, "lm")
+        actor = grpo.load_no_dropout(base, "lm")
+        critic = rlhf_ppo.load_no_dropout(rm_path, "score")
+        trained_rm = reward_model.load_no_dropout(rm_path, "score")
         ids = torch.tensor([tokenizer("sort 3 1 2: 1 2 3")["input_ids"] * 4])
         for model in (policy, actor, critic, trained_rm):
             model.train()

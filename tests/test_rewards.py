@@ -89,7 +89,7 @@ def test_a_user_function_by_path_and_by_module_name(tmp_path, monkeypatch):
     assert [name for name, _ in by_path] == ["correct_length", "numeric_match"]
     assert by_module[0][0] == "correct_length"
     columns = {"target": ["12", "3", "7"], "skip": [False, False, True]}
-    table = grpo.reward_table(by_path, ["p"] * 3, ["12", "#### 3", "7"], columns)
+    table = grpo.reward_terms(by_path, ["p"] * 3, ["12", "#### 3", "7"], columns)
     assert torch.equal(table.isnan(), torch.tensor([[False, False], [False, False], [True, False]]))
     assert table.nan_to_num(-9).tolist() == [[1.0, 1.0], [0.0, 1.0], [-9.0, 1.0]]
     assert grpo.reward_columns([{"prompt": "p", "target": "1", "skip": 0}]) == {"target": ["1"], "skip": [0]}
@@ -131,10 +131,15 @@ def test_bad_reward_functions_are_one_line(tmp_path, monkeypatch):
     ("return [1.0]", ["'f' returned 1 values for 3 completions"]),
 ])
 def test_a_reward_that_raises_or_is_nan_names_the_function_and_the_sample(body, words):
+    """One line naming the function and what it did: grpo.py's reward_terms; scale/'s reward_table (which also
+    names the sample, found by calling the function on each alone) says the same first."""
+    from scale import grpo as scale_grpo
+
     def f(prompts, completions, **columns):
         return eval(body.removeprefix("return "))
 
-    message = one_line(grpo.reward_table, [("f", f)], ["a", "b", "c"], ["x", "", "z"], {})
+    assert words[0] in one_line(grpo.reward_terms, [("f", f)], ["a", "b", "c"], ["x", "", "z"], {})
+    message = one_line(scale_grpo.reward_table, [("f", f)], ["a", "b", "c"], ["x", "", "z"], {})
     for word in words:
         assert word in message, message
 
@@ -241,19 +246,23 @@ def test_weights_follow_the_order_of_the_terms_the_reward_model_last(script, tin
     assert logs["objective/reward"] != logs["rewards/gold"] and "eval/rewards/gold" in logs
 
 
-def test_conversational_prompts_with_a_system_prompt_reach_the_reward_as_messages(tmp_path, capsys):
-    """A chat model (random tiny Llama with a Llama 3 template) on conversational prompts with --system-prompt: the
-    user's function receives the prompts with the system message first, and each completion as a list with one
-    assistant message, as TRL passes them; its values (the length of the completion) are what grpo.py logs."""
+@pytest.mark.parametrize("script", ["grpo.py", "scale/grpo.py"])
+def test_conversational_prompts_reach_the_reward_as_messages(tmp_path, capsys, script):
+    """A chat model (random tiny Llama with a Llama 3 template) on conversational prompts: the user's function
+    receives the prompts as messages (with scale/'s --system-prompt, the system message first), and each
+    completion as a list with one assistant message, as TRL passes them; its values (the length of the
+    completion) are what grpo.py logs."""
     save_checkpoint(str(tmp_path / "chat"), "llama", "chat_eot", "float32")
     write_jsonl(tmp_path / "p.jsonl", [{"prompt": [{"role": "user", "content": f"sort {i} 1:"}], "target": f"1 {i}"}
                                        for i in range(16)])
+    first = "{'role': 'system', 'content': 'Be brief.'}" if script.startswith("scale/") else "{'role': 'user'"
     (tmp_path / "check.py").write_text(
         "def shape(prompts, completions, target, **columns):\n"
-        "    assert all(p[0] == {'role': 'system', 'content': 'Be brief.'} and p[1]['role'] == 'user' for p in prompts)\n"
+        f"    assert all(str(p[0]).startswith(\"{first}\") and p[-1]['role'] == 'user' for p in prompts)\n"
         "    assert all(len(c) == 1 and c[0]['role'] == 'assistant' for c in completions)\n"
         "    return [float(len(c[0]['content'])) for c in completions]\n")
-    run_in_process("grpo.py", "--sft-model-path", "chat", "--dataset-name", "p.jsonl", "--system-prompt", "Be brief.",
+    system = ["--system-prompt", "Be brief."] if script.startswith("scale/") else []
+    run_in_process(script, "--sft-model-path", "chat", "--dataset-name", "p.jsonl", *system,
                    "--reward-fn", "check.py:shape", "--response-length", "4", "--num-iterations", "1", "--batch-size",
                    "8", "--num-generations", "4", "--mini-batch-size", "8", "--eval-size", "4", cwd=tmp_path)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -261,14 +270,20 @@ def test_conversational_prompts_with_a_system_prompt_reach_the_reward_as_message
     assert logs["rewards/shape"][0][1] > 0 and "eval/rewards/shape" in logs
 
 
-def test_a_system_prompt_on_text_data_is_one_line(tmp_path, monkeypatch):
+def test_a_system_prompt_on_text_data_is_one_line():
+    """scale/'s --system-prompt: on text data or the built-in task one line; a conversation that has a system message
+    keeps it; with no prompt column, chosen and rejected both get it."""
     import tyro
 
-    monkeypatch.chdir(tmp_path)
-    write_jsonl(tmp_path / "t.jsonl", [{"prompt": "sort 2 1:", "target": "1 2"}] * 8)
-    args = tyro.cli(grpo.Args, args=["--dataset-name", "t.jsonl", "--system-prompt", "x", "--reward-fn", "exact_match"])
-    assert "conversational" in one_line(grpo.load_data, args, "prompt", 8, [("prompt",)], "")
-    rows = grpo.add_system_prompt([{"messages": [{"role": "system", "content": "keep"}]}, {"chosen": [], "rejected": []}], "s")
+    from scale import grpo as scale_grpo
+
+    args = tyro.cli(scale_grpo.Args, args=["--dataset-name", "t.jsonl", "--system-prompt", "x", "--reward-fn", "exact_match"])
+    assert "conversational" in one_line(scale_grpo.add_system_prompt, [{"prompt": "sort 2 1:"}], args)
+    args.dataset_name = None
+    assert "the built-in task is text" in one_line(scale_grpo.add_system_prompt, [], args)
+    args.dataset_name, args.system_prompt = "t.jsonl", "s"
+    rows = scale_grpo.add_system_prompt([{"messages": [{"role": "system", "content": "keep"}]},
+                                         {"chosen": [], "rejected": []}], args)
     assert rows == [{"messages": [{"role": "system", "content": "keep"}]},
                     {"chosen": [{"role": "system", "content": "s"}], "rejected": [{"role": "system", "content": "s"}]}]
 
@@ -310,5 +325,5 @@ def test_a_nan_reward_stops_the_run_and_saves_nothing(arithmetic_sft, tmp_path, 
     args = tyro.cli(grpo.Args, args=[*RL, "--reward-fn", "nan.py:nan_reward", "--num-iterations", "1", "--batch-size",
                                      "8", "--num-generations", "4", "--mini-batch-size", "8"])
     message = one_line(grpo.main, args)
-    assert "'nan_reward' returned nan" in message and "sample 0" in message and "nothing saved" in message
+    assert "'nan_reward' returned nan" in message and "nothing saved" in message
     assert not (tmp_path / "models" / "grpo").exists()
