@@ -6,6 +6,7 @@ then runs that script's test file; a break that no test catches is a hole in the
     python benchmarks/deliberate_breaks.py                    # every break, one after another
     python benchmarks/deliberate_breaks.py grpo_loss_sign     # one
     python benchmarks/deliberate_breaks.py --list
+    python benchmarks/deliberate_breaks.py -n 2 ...             # each test file on 2 pytest-xdist workers
 """
 import argparse
 import os
@@ -145,6 +146,9 @@ BREAKS = {
                                    "returns[mb], mask[mb], 1e9, num_tokens)", "tests/test_rlhf_ppo.py"),
     "rlhf_ppo_no_whitening": ("rlhf_ppo.py", "advantages = masked_whiten(advantages, mask)  # over the whole batch",
                               "advantages = advantages", "tests/test_rlhf_ppo.py"),
+    "rlhf_ppo_update_at_temperature_1": ("rlhf_ppo.py", "new_logprobs, new_entropy = policy_logprobs(actor, sequences[mb], attention_mask[mb], context_length,\n                                                                args.temperature)",
+                                         "new_logprobs, new_entropy = policy_logprobs(actor, sequences[mb], attention_mask[mb], context_length, 1.0)",
+                                         "tests/test_rlhf_ppo.py"),
     "rlhf_ppo_ignores_vf_coef": ("rlhf_ppo.py", "(pg_loss + args.vf_coef * vf_loss).backward()", "(pg_loss + vf_loss).backward()",
                                  "tests/test_rlhf_ppo.py"),
     "dpo_ignores_loss_type": ("dpo.py", "dpo_loss(chosen, rejected, ref_chosen, ref_rejected, args.beta, args.loss_type,",
@@ -183,7 +187,7 @@ BREAKS = {
 }
 
 
-def run(name, keyword=None):
+def run(name, keyword=None, workers=None):
     """Apply one break in a copy of the repository, run its test file; returns (the failed tests, pytest's last line)."""
     script, old, new, tests = BREAKS[name]
     with tempfile.TemporaryDirectory(prefix=f"break_{name}_") as copy:
@@ -196,7 +200,7 @@ def run(name, keyword=None):
             sys.exit(f"error: break {name}: the text to replace is in {script} {text.count(old)} times, not once")
         with open(path, "w", encoding="utf-8") as f:
             f.write(text.replace(old, new))
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", tests]
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", tests] + (["-n", str(workers)] if workers else [])
         proc = subprocess.run(cmd + (["-k", keyword] if keyword else []), cwd=copy, capture_output=True, text=True)
     failed = re.findall(r"^FAILED \S+::(\S+)", proc.stdout, flags=re.M)
     return failed, (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
@@ -207,6 +211,7 @@ def main():
     parser.add_argument("names", nargs="*", help="breaks to run (all by default)")
     parser.add_argument("-k", dest="keyword", help="run only the tests pytest -k selects")
     parser.add_argument("--list", action="store_true", help="list the breaks and exit")
+    parser.add_argument("-n", dest="workers", type=int, help="run each test file on this many pytest-xdist workers")
     args = parser.parse_args()
     if args.list:
         for name, (script, old, new, tests) in BREAKS.items():
@@ -215,7 +220,7 @@ def main():
     for name in args.names or BREAKS:
         if name not in BREAKS:
             sys.exit(f"error: no break {name!r}; --list shows them")
-        failed, summary = run(name, args.keyword)
+        failed, summary = run(name, args.keyword, args.workers)
         print(f"| {name} | {BREAKS[name][3]} | {', '.join(failed) or 'NONE FAILS'} | {summary} |", flush=True)
 
 

@@ -190,3 +190,35 @@ def advantages_reaching_the_loss(module, loss_name, monkeypatch):
     monkeypatch.setattr(module, loss_name, loss_spy)
     return lambda gamma, lam: (gae_by_hand(**{k: v.astype(np.float64) for k, v in rollout.items()}, gamma=gamma,
                                            lam=lam), np.concatenate(received))
+
+
+def gradients_by_network(module, loss_name, monkeypatch):
+    """Zero `module.<loss_name>`, the policy loss (0 × itself: still in the graph, no gradient), and record at each
+    optimizer step whether the critic's parameters and the others (the actor's) have a gradient, as
+    clip_grad_norm_ sees them, and the clip flag each value_loss call receives. Returns {"grads": [(critic,
+    actor)], "clip_vloss": [flag]}."""
+    agents, seen = [], {"grads": [], "clip_vloss": []}
+    real_loss, real_value_loss, real_clip = getattr(module, loss_name), module.value_loss, module.nn.utils.clip_grad_norm_
+
+    class Recorded(module.Agent):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            agents.append(self)
+
+    def value_loss_spy(*args):
+        seen["clip_vloss"].append(args[-1])
+        return real_value_loss(*args)
+
+    def clip_spy(parameters, *args, **kwargs):
+        parameters = list(parameters)
+        critic = {id(p) for p in agents[-1].critic.parameters()}
+        has_grad = lambda ps: any(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in ps)  # noqa: E731
+        seen["grads"].append((has_grad([p for p in parameters if id(p) in critic]),
+                              has_grad([p for p in parameters if id(p) not in critic])))
+        return real_clip(parameters, *args, **kwargs)
+
+    monkeypatch.setattr(module, "Agent", Recorded)
+    monkeypatch.setattr(module, loss_name, lambda *args: 0 * real_loss(*args))
+    monkeypatch.setattr(module, "value_loss", value_loss_spy)
+    monkeypatch.setattr(module.nn.utils, "clip_grad_norm_", clip_spy)
+    return seen

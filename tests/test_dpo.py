@@ -186,3 +186,22 @@ def test_implicit_prompt_pairs_from_a_local_file(tiny_checkpoints, tmp_path):
     message = one_line_exit("dpo.py", "--dataset-name", "prompts.jsonl", "--model-name-or-path", str(models / "sft"),
                             cwd=tmp_path)
     assert "['prompt']" in message and "chosen and rejected" in message
+
+
+@pytest.mark.parametrize("loss_type,beta,label_smoothing", [("ipo", 0.3, 0.0), ("sigmoid", 0.2, 0.1)])
+def test_the_loss_flags_reach_every_update(tiny_checkpoints, tmp_path, monkeypatch, loss_type, beta, label_smoothing):
+    """--loss-type, --beta and --label-smoothing reach the loss of each update step. A loop that ignores one of
+    them fails."""
+    seen, real = [], dpo.dpo_loss
+
+    def spy(*args):
+        seen.append((torch.is_grad_enabled(), args[4:]))
+        return real(*args)
+
+    monkeypatch.setattr(dpo, "dpo_loss", spy)
+    (tmp_path / "pairs.jsonl").write_text("\n".join(json.dumps(r) for r in preference_rows(8, seed=5)))
+    run_in_process("dpo.py", "--model-name-or-path", str(tiny_checkpoints["sft"]), "--dataset-name", "pairs.jsonl",
+                   "--reward-model-path", "None", "--max-steps", "2", "--batch-size", "4", "--loss-type", loss_type,
+                   "--beta", str(beta), "--label-smoothing", str(label_smoothing), "--output-dir", "out", cwd=tmp_path)
+    assert [grad for grad, _ in seen] == [True, True]  # 8 pairs: none held out, so no evaluation
+    assert {flags for _, flags in seen} == {(beta, loss_type, label_smoothing)}

@@ -397,7 +397,7 @@ def test_one_step_raises_the_clipped_surrogate_on_the_sampled_completions(small_
     ((), "grpo"),
     (("--advantage", "rloo", "--loss-type", "cispo", "--epsilon-high", "4.0"), "rloo"),
     (("--no-scale-rewards", "--loss-type", "dr_grpo", "--importance-sampling-level", "sequence",
-      "--epsilon-high", "0.28"), "dr_grpo"),
+      "--epsilon-high", "0.28", "--temperature", "0.7"), "dr_grpo"),
     (("--advantage", "reinforce_pp_baseline", "--mask-truncated-completions"), "reinforce_pp_baseline"),
     (("--soft-overlong-cache", "5"), "grpo"),
 ])
@@ -406,9 +406,9 @@ def test_the_variant_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypat
     (r − mean) / (std + 1e-4), RLOO's r − mean of the other three, Dr. GRPO's r − mean, or REINFORCE++'s r − mean
     over the batch's root mean square (the centered rewards' batch mean is 0); --mask-truncated-completions
     removes the completions with no stop token from the loss; --soft-overlong-cache adds DAPO's length penalty to
-    the rewards; --loss-type,
-    --epsilon-high and --importance-sampling-level reach the loss's normalization, its clip, the ratio, and CISPO's
-    loss in place of the clipped surrogate."""
+    the rewards; --loss-type, --epsilon-high and --importance-sampling-level reach the loss's normalization, its
+    clip, the ratio, and CISPO's loss in place of the clipped surrogate; and the update's log-probs are taken at
+    the rollout's --temperature (the ratio of the one minibatch, before any step, exactly 1)."""
     from transformers import AutoTokenizer
 
     rollout, seen = recorded_rollout(grpo, monkeypatch, 16), []
@@ -416,7 +416,9 @@ def test_the_variant_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypat
 
     def ratio_spy(logprobs, old_logprobs, mask, level):
         seen.append(("ratio", level))
-        return real["importance_ratio"](logprobs, old_logprobs, mask, level)
+        ratio = real["importance_ratio"](logprobs, old_logprobs, mask, level)
+        assert torch.equal(ratio, torch.ones_like(ratio))  # one minibatch, before any step: the rollout's log-probs
+        return ratio
 
     def surrogate_spy(ratio, advantages, epsilon_low, epsilon_high):
         seen.append(("surrogate", advantages.detach().clone(), epsilon_low, epsilon_high))
@@ -571,8 +573,8 @@ def test_the_kl_penalty_is_to_the_reference_and_never_negative(small_checkpoints
     """β's term in the loss: in iteration 2, where the rollout policy has moved away from the reference, the KL the
     update penalizes is k3 against the reference's log-probs (computed here from the SFT checkpoint), not the rollout
     policy's; and the logged penalty, β times a mean of k3 ≥ 0, is 0 in iteration 1 (its one step is taken where the
-    policy is the reference) and positive in iteration 2. A penalty of the wrong sign, or one taken against the
-    rollout policy, fails."""
+    policy is the reference) and positive in iteration 2, where it is β times k3 aggregated as the loss is. A
+    penalty of the wrong sign, one taken against the rollout policy, or one that ignores --beta fails."""
     from transformers import AutoModelForCausalLM
 
     calls, penalized = [], []
@@ -583,9 +585,10 @@ def test_the_kl_penalty_is_to_the_reference_and_never_negative(small_checkpoints
         return calls[-1]
 
     def kl_spy(logprobs, ref_logprobs, mask):
+        k1, k3 = real_kl(logprobs, ref_logprobs, mask)
         if torch.is_grad_enabled():  # the update's call, not the rollout's statistics
-            penalized.append(ref_logprobs.detach().clone())
-        return real_kl(logprobs, ref_logprobs, mask)
+            penalized.append((ref_logprobs.detach().clone(), k3.detach().clone(), mask.clone()))
+        return k1, k3
 
     monkeypatch.setattr(grpo, "generate", recording)
     monkeypatch.setattr(grpo, "kl_estimators", kl_spy)
@@ -599,6 +602,9 @@ def test_the_kl_penalty_is_to_the_reference_and_never_negative(small_checkpoints
                                         attention_mask, width)
     valid = mask.bool()
     assert len(penalized) == 2
-    torch.testing.assert_close(penalized[1][valid], reference[valid], atol=1e-5, rtol=0)
+    torch.testing.assert_close(penalized[1][0][valid], reference[valid], atol=1e-5, rtol=0)
     penalties = [v for _, v in read_run(tmp_path, "grpo")["losses/kl_penalty"]]
     assert penalties[0] == 0.0 and penalties[1] > 0, penalties
+    _, k3, loss_mask = penalized[1]  # the logged penalty is β = 0.5 times k3 aggregated as the loss is
+    expected = 0.5 * grpo.aggregate_loss(k3, loss_mask, "grpo", 16, max(1.0, loss_mask.sum().item()), 12)
+    assert penalties[1] == pytest.approx(expected.item(), rel=1e-5)

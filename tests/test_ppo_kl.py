@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import assert_one_line_error, one_line_exit, only_run_dir, read_scalars, run_script, same_seed_scalars
-from rl_envs import CountingEnv, OffsetActionsEnv, advantages_reaching_the_loss, first_gae_inputs, recorded_writers
+from rl_envs import gradients_by_network, CountingEnv, OffsetActionsEnv, advantages_reaching_the_loss, first_gae_inputs, recorded_writers
 
 import ppo_kl
 
@@ -372,3 +372,33 @@ def test_the_advantages_that_reach_the_loss_are_gae_of_the_rollout(tmp_path, mon
     by_hand, received = result(0.9, 0.5)
     assert len(received) == 40
     np.testing.assert_allclose(np.sort(received), np.sort(by_hand.flatten()), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("ent_coef,vf_coef,clip_vloss,critic,actor", [
+    (0.0, 0.0, True, False, False), (0.5, 0.0, False, False, True), (0.0, 0.5, True, True, False)])
+def test_the_entropy_bonus_and_the_value_loss_reach_the_gradient_with_their_coefficients(
+        tmp_path, monkeypatch, ent_coef, vf_coef, clip_vloss, critic, actor):
+    """With the policy loss zeroed (0 × itself, still in the graph), the actor's gradient is the entropy bonus's,
+    −ent_coef · H, and the critic's the value loss's, vf_coef · L^V: a coefficient of 0 leaves its network with
+    none, 0.5 gives it one, at every step; --clip-vloss reaches the value loss. A loss that drops a term or
+    ignores its coefficient or the flag fails."""
+    seen = gradients_by_network(ppo_kl, "kl_penalty_loss", monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    ppo_kl.main(ppo_kl.Args(env_id="Clock-v0", total_timesteps=40, num_envs=2, num_steps=20, num_minibatches=2,
+                           update_epochs=1, ent_coef=ent_coef, vf_coef=vf_coef, clip_vloss=clip_vloss, eval_episodes=0))
+    assert len(seen["grads"]) == 2 and set(seen["grads"]) == {(critic, actor)}, seen["grads"]
+    assert seen["clip_vloss"] == [clip_vloss] * 2
+
+
+def test_the_advantages_are_normalized_within_each_minibatch(tmp_path, monkeypatch):
+    """--norm-adv (the default): each of the 2 minibatches' advantages reaches the loss with mean 0 and std 1
+    (unbiased, as torch.std), where the GAE of the rollout, summed out by hand, has neither. A loop that skips the
+    normalization fails."""
+    result = advantages_reaching_the_loss(ppo_kl, "kl_penalty_loss", monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    ppo_kl.main(ppo_kl.Args(env_id="Clock-v0", total_timesteps=40, num_envs=2, num_steps=20, num_minibatches=2,
+                           update_epochs=1, gamma=0.9, gae_lambda=0.5, eval_episodes=0))
+    by_hand, received = result(0.9, 0.5)
+    assert abs(by_hand.mean()) > 0.1 or abs(by_hand.std(ddof=1) - 1) > 0.1, by_hand  # normalization shows
+    for minibatch in np.split(received, 2):
+        assert abs(minibatch.mean()) < 1e-5 and abs(minibatch.std(ddof=1) - 1) < 1e-4, minibatch

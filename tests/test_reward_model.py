@@ -113,3 +113,25 @@ def test_it_learns_the_built_in_preferences_in_40_steps(small_checkpoints, tmp_p
 
 def test_before_sft_it_says_what_to_run_first(tmp_path):
     assert_one_line_error(run_script("reward_model.py", cwd=tmp_path, check=False), "models/sft", "python sft.py")
+
+
+def test_the_margin_and_the_centering_reach_every_update(tiny_checkpoints, tmp_path, monkeypatch):
+    """A dataset's `margin` column and --center-rewards-coefficient reach the loss of each update step: the margins
+    of the batch's rows, in its order, and the coefficient. A loop that drops either fails."""
+    seen, real = [], reward_model.bradley_terry_loss
+
+    def spy(rewards_chosen, rewards_rejected, margin=None, center_rewards_coefficient=None):
+        if torch.is_grad_enabled():
+            seen.append((margin.tolist() if margin is not None else None, center_rewards_coefficient))
+        return real(rewards_chosen, rewards_rejected, margin, center_rewards_coefficient)
+
+    monkeypatch.setattr(reward_model, "bradley_terry_loss", spy)
+    rows = [{"prompt": f"sort {i}{i + 1}:", "chosen": f"{i}{i + 1}", "rejected": f"{i + 1}{i}", "margin": 0.5 * (i % 3)}
+            for i in range(1, 8)] * 4
+    (tmp_path / "prefs.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    run_in_process("reward_model.py", "--model-name-or-path", str(tiny_checkpoints["sft"]), "--dataset-name",
+                   "prefs.jsonl", "--max-steps", "2", "--batch-size", "4", "--center-rewards-coefficient", "0.01",
+                   "--output-dir", "rm", cwd=tmp_path)
+    assert len(seen) == 2 and all(coefficient == 0.01 for _, coefficient in seen)
+    assert all(margin is not None and len(margin) == 4 and set(margin) <= {0.0, 0.5, 1.0} for margin, _ in seen)
+    assert any(len(set(margin)) > 1 for margin, _ in seen), seen  # the batch's own margins, not one value

@@ -335,3 +335,52 @@ def test_a_response_with_no_stop_token_is_scored_the_missing_eos_penalty(small_c
                                     position_ids=positions).last_hidden_state
         at_stop = reward.score(hidden[torch.arange(16), width + mask.sum(1) - 1]).squeeze(-1)
     torch.testing.assert_close(scores[stopped], at_stop[stopped], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("vf_coef,critic_grad", [(0.0, False), (0.5, True)])
+def test_the_ppo_flags_reach_the_losses_and_the_gradient(tiny_checkpoints, tmp_path, monkeypatch, vf_coef, critic_grad):
+    """--kl-coef reaches the per-token rewards (shaped_rewards), --cliprange the policy loss, --cliprange-value the
+    value loss, at every minibatch; the first minibatch's ratio is exactly 1 at --temperature 0.7 (the update's
+    log-probs at the rollout's temperature); and with the policy loss zeroed (0 × itself, still in the graph) the
+    critic's gradient is vf_coef · L^V's: none at --vf-coef 0, some at 0.5. A loop that ignores one of them fails."""
+    seen = {"kl_coef": [], "cliprange": [], "cliprange_value": [], "critic_grad": []}
+    real = {name: getattr(rlhf_ppo, name) for name in ("shaped_rewards", "policy_loss", "masked_value_loss", "load_models")}
+    critics, real_clip = [], torch.nn.utils.clip_grad_norm_
+
+    def shaped_spy(logprobs, ref_logprobs, scores, mask, kl_coef):
+        seen["kl_coef"].append(kl_coef)
+        return real["shaped_rewards"](logprobs, ref_logprobs, scores, mask, kl_coef)
+
+    def policy_spy(new_logprobs, logprobs, advantages, mask, cliprange, num_tokens):
+        seen["cliprange"].append(cliprange)
+        pg_loss, ratio = real["policy_loss"](new_logprobs, logprobs, advantages, mask, cliprange, num_tokens)
+        if len(seen["cliprange"]) == 1:  # before any step: the rollout's log-probs, at the same --temperature
+            assert torch.equal(ratio * mask, mask)
+        return 0 * pg_loss, ratio
+
+    def value_spy(new_values, values, returns, mask, cliprange_value, num_tokens):
+        seen["cliprange_value"].append(cliprange_value)
+        return real["masked_value_loss"](new_values, values, returns, mask, cliprange_value, num_tokens)
+
+    def load_spy(*args):
+        models = real["load_models"](*args)
+        critics.append(models[-1])  # (tokenizer, stop_ids, actor, ref, reward, critic)
+        return models
+
+    def clip_spy(parameters, *args, **kwargs):
+        parameters = list(parameters)
+        seen["critic_grad"].append(any(p.grad is not None and bool(p.grad.abs().sum() > 0)
+                                       for p in critics[-1].parameters()))
+        return real_clip(parameters, *args, **kwargs)
+
+    for name, spy in (("shaped_rewards", shaped_spy), ("policy_loss", policy_spy), ("masked_value_loss", value_spy),
+                      ("load_models", load_spy)):
+        monkeypatch.setattr(rlhf_ppo, name, spy)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_spy)
+    run_in_process("rlhf_ppo.py", "--sft-model-path", str(tiny_checkpoints["sft"]), "--reward-model-path",
+                   str(tiny_checkpoints["reward_model"]), "--num-iterations", "1", "--batch-size", "8",
+                   "--mini-batch-size", "4", "--ppo-epochs", "1", "--kl-coef", "0.07", "--cliprange", "0.3",
+                   "--cliprange-value", "0.25", "--vf-coef", str(vf_coef), "--temperature", "0.7", "--eval-size", "4", "--output-dir", "out",
+                   cwd=tmp_path)
+    assert seen["kl_coef"] == [0.07] and seen["cliprange"] == [0.3] * 2 and seen["cliprange_value"] == [0.25] * 2
+    assert seen["critic_grad"] == [critic_grad] * 2
