@@ -240,7 +240,7 @@ def make_model(args, tokenizer):
     """The model to fine-tune: the checkpoint at --model-name-or-path (dropout as it has it), or else a tiny GPT-2
     of the built-in task from scratch, with no dropout."""
     if args.model_name_or_path is not None:
-        return load_pretrained(args.model_name_or_path, "lm")
+        return load_pretrained(args.model_name_or_path)
     from transformers import GPT2Config, GPT2LMHeadModel
 
     # 256 positions: room for longer prompts and responses in the later stages than --max-length here
@@ -522,16 +522,14 @@ def load_tokenizer(path, hint):
         sys.exit(f"error: cannot load a tokenizer from {path!r}: {first_line(e)}")
 
 
-def load_pretrained(path, head, config=None):
-    """A checkpoint as a causal LM (head "lm") or with a scalar head (head "score", with a config of num_labels 1:
-    a sequence classifier with one label, its head new when the checkpoint has none), its weights in float32
-    whatever they were saved in: AdamW needs float32 master weights (in fp16 its eps underflows to 0, in bf16
-    most small updates round away); --bf16 is the mixed-precision choice on top."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+def load_pretrained(path):
+    """A checkpoint as a causal LM, dropout as it has it, its weights in float32 whatever they were saved in:
+    AdamW needs float32 master weights (in fp16 its eps underflows to 0, in bf16 most small updates round
+    away); --bf16 is the mixed-precision choice on top."""
+    from transformers import AutoModelForCausalLM
 
     try:
-        model_class = AutoModelForCausalLM if head == "lm" else AutoModelForSequenceClassification
-        return model_class.from_pretrained(path, config=config, dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     except (OSError, ValueError) as e:
         sys.exit(f"error: cannot load a model from {path!r}: {first_line(e)}")
 
