@@ -177,8 +177,7 @@ def main(args: Args):
             logps = completion_logps(model, input_ids, attention_mask, labels)
         return logps[: len(batch)], logps[len(batch) :]
 
-    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    writer = SummaryWriter(f"runs/{run_name}")
+    writer = SummaryWriter(f"runs/{args.exp_name}__{args.seed}__{int(time.time())}")
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
     print(f"policy: {sum(p.numel() for p in policy.parameters()):,} parameters, {len(train):,} training pairs")
@@ -537,9 +536,7 @@ def load_rows(name, config, split, eval_size):
 
     datasets.disable_progress_bars()
     try:
-        if name.endswith((".json", ".jsonl", ".parquet")):
-            if not os.path.isfile(name):
-                sys.exit(f"error: dataset file {name!r} does not exist")
+        if name.endswith((".json", ".jsonl", ".parquet")):  # a missing file: "Unable to find ..."
             data = datasets.load_dataset("parquet" if name.endswith(".parquet") else "json", data_files=name)
         elif os.path.isdir(name) and os.path.exists(os.path.join(name, "dataset_dict.json")):
             data = datasets.load_from_disk(name)

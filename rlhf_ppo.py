@@ -680,9 +680,7 @@ def load_rows(name, config, split, eval_size):
 
     datasets.disable_progress_bars()
     try:
-        if name.endswith((".json", ".jsonl", ".parquet")):
-            if not os.path.isfile(name):
-                sys.exit(f"error: dataset file {name!r} does not exist")
+        if name.endswith((".json", ".jsonl", ".parquet")):  # a missing file: "Unable to find ..."
             data = datasets.load_dataset("parquet" if name.endswith(".parquet") else "json", data_files=name)
         elif os.path.isdir(name) and os.path.exists(os.path.join(name, "dataset_dict.json")):
             data = datasets.load_from_disk(name)
@@ -820,8 +818,7 @@ def load_reward_functions(specs, builtins, format_pattern):
                 else:
                     module = importlib.import_module(source)
             except Exception as e:  # noqa: BLE001  the user's code: whatever it raises is one line
-                sys.exit(f"error: --reward-fn {spec!r}: importing {source!r} failed: {type(e).__name__}: "
-                         f"{(str(e).splitlines() or [''])[0]}")
+                sys.exit(f"error: --reward-fn {spec!r}: importing {source!r} failed: {type(e).__name__}: {first_line(e)}")
             fn = getattr(module, name, None)
             if not callable(fn):
                 sys.exit(f"error: --reward-fn {spec!r}: {source!r} has no function {name!r}")

@@ -562,9 +562,7 @@ def load_rows(name, config, split, eval_size):
 
     datasets.disable_progress_bars()
     try:
-        if name.endswith((".json", ".jsonl", ".parquet")):
-            if not os.path.isfile(name):
-                sys.exit(f"error: dataset file {name!r} does not exist")
+        if name.endswith((".json", ".jsonl", ".parquet")):  # a missing file: "Unable to find ..."
             data = datasets.load_dataset("parquet" if name.endswith(".parquet") else "json", data_files=name)
         elif os.path.isdir(name) and os.path.exists(os.path.join(name, "dataset_dict.json")):
             data = datasets.load_from_disk(name)

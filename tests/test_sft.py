@@ -139,6 +139,9 @@ def test_an_exception_with_an_empty_message_still_makes_one_line(tmp_path):
     assert sft.first_line(StopIteration()) == "StopIteration" and sft.first_line(ValueError("a\nb")) == "a"
     (tmp_path / "empty.jsonl").write_text("")
     assert "StopIteration" in one_line_exit("sft.py", *TINY_LM, "--dataset-name", "empty.jsonl", cwd=tmp_path)
+    # a data file that is not there: the path, in datasets' words
+    message = one_line_exit("sft.py", *TINY_LM, "--dataset-name", "missing.jsonl", cwd=tmp_path)
+    assert "missing.jsonl" in message and "Unable to find" in message, message
 
 
 def test_it_learns_the_built_in_task_in_100_steps(tmp_path):
