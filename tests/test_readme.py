@@ -1,5 +1,6 @@
 """The README is a manual a newcomer reads in ten minutes: at most 3,200 words (studies, profiles and variant
-tables go to docs/), and its table of where each script's loop and banner are says what the files hold."""
+tables go to docs/), and its table of where each script's loop and banner are says what the files hold; docs/tags.md
+names every tag the scripts log."""
 import os
 import re
 
@@ -32,3 +33,21 @@ def test_the_readme_table_of_lines_is_true(script):
     lines, loop, banner = layout(script)
     row = f"| `{script}.py` | {lines} | {loop} ({round(100 * loop / lines)}%) | {banner} |"
     assert row in readme(), row
+
+
+ALL_SCRIPTS = SCRIPTS + [f"scale/{s}" for s in ("sft", "reward_model", "dpo", "rlhf_ppo", "grpo")]
+
+
+@pytest.mark.parametrize("script", ALL_SCRIPTS)
+def test_every_tag_the_script_names_is_in_docs_tags(script):
+    """docs/tags.md is the reference of every TensorBoard tag: each tag a script writes as a literal ("losses/loss",
+    in add_scalar or in a dict of logs) is one of its `tag` entries. The tags made from a name (sft's `_greedy`
+    ones, `rewards/<name>`) are written there by hand."""
+    with open(os.path.join(ROOT, "docs", "tags.md"), encoding="utf-8") as f:
+        documented = set(re.findall(r"`([a-z]+/[a-z_0-9/<>]+)`", f.read()))
+    with open(os.path.join(ROOT, f"{script}.py"), encoding="utf-8") as f:
+        source = f.read()
+    prefixes = "charts|losses|objective|policy|val|eval|train|rewards"
+    tags = set(re.findall(rf'"((?:{prefixes})/[a-z_0-9/]*[a-z_0-9])"', source))  # not a prefix such as "rewards/"
+    assert len(tags) >= 5, tags  # the pattern still finds the script's tags
+    assert tags <= documented, sorted(tags - documented)
