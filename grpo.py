@@ -46,7 +46,6 @@ from dataclasses import dataclass
 from typing import Annotated
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
 import tyro
@@ -193,8 +192,8 @@ def rloo_advantages(rewards, num_generations):
 
 def reinforce_pp_advantages(rewards, num_generations, group_baseline, eps=1e-8):
     """REINFORCE++ (Hu 2025): no group statistics in the scale; the rewards are normalized over the whole batch,
-    the completions of every rank (the sums are added up over the ranks), which keeps the estimate's scale
-    steady where a group's own std would blow up the advantages of a group that barely differs:
+    which keeps the estimate's scale steady where a group's own std would blow up the advantages of a group that
+    barely differs:
 
         reinforce_pp            Â_i = (r_i − mean_B(r)) / std_B(r)
         reinforce_pp_baseline   Â_i = (r'_i − mean_B(r')) / std_B(r'),   r'_i = r_i − mean(r of its group)
@@ -203,14 +202,8 @@ def reinforce_pp_advantages(rewards, num_generations, group_baseline, eps=1e-8):
     rewards gets Â = 0; without it, its completions are compared with the batch."""
     x = rewards.view(-1, num_generations)
     x = (x - x.mean(1, keepdim=True) if group_baseline else x).flatten()
-    sums = torch.stack([x.sum(), torch.tensor(float(len(x)), device=x.device)])
-    if dist.is_initialized():
-        dist.all_reduce(sums)
-    mean = sums[0] / sums[1]
-    square_sum = ((x - mean) ** 2).sum()
-    if dist.is_initialized():
-        dist.all_reduce(square_sum)
-    return (x - mean) * torch.rsqrt(square_sum / sums[1] + eps)
+    mean = x.sum() / len(x)
+    return (x - mean) * torch.rsqrt(((x - mean) ** 2).sum() / len(x) + eps)
 
 
 def informative_groups(rewards, num_generations):
@@ -498,8 +491,7 @@ def main(args: Args):
 
     # ---- the loop: an evaluation before any update, then rollout, update and log each iteration ------------
     evaluate(policy, ref, eval_rows, eval_ids, tokenizer, stop_ids, names, rewards_of, logprobs_of, args, amp, writer, 0)
-    rng, cap_reported = random.Random(args.seed), False  # the prompts drawn; the --max-sampling-rounds line, once
-    start_time = time.time()
+    rng, cap_reported, start_time = random.Random(args.seed), False, time.time()  # rng: the prompts drawn
     for iteration in range(1, args.num_iterations + 1):
         lr = get_lr(iteration - 1, args.lr, 0, args.num_iterations, "linear") if args.anneal_lr else args.lr
         optimizer.param_groups[0]["lr"] = lr
@@ -523,9 +515,8 @@ def main(args: Args):
             groups = torch.arange(B // G, device=device)
             if args.dynamic_sampling:  # groups that differ first, in the order sampled; equal ones only to fill up
                 if short and not cap_reported:
-                    print(f"dynamic sampling: after --max-sampling-rounds {args.max_sampling_rounds} batches of prompts "
-                          f"{short} group(s) were short of groups that differ; the batch is filled with groups of "
-                          "equal rewards (objective/zero_std_fraction > 0) whenever this happens")
+                    print(f"dynamic sampling: {short} group(s) short of groups that differ after --max-sampling-rounds "
+                          f"{args.max_sampling_rounds}; filled with equal ones, now and whenever this happens")
                     cap_reported = True
                 groups = torch.argsort((~informative).int(), stable=True)[: B // G]
             idx = (groups[:, None] * G + torch.arange(G, device=device)).flatten()  # their completions' rows
@@ -610,9 +601,8 @@ def main(args: Args):
         for tag, value in logs.items():
             writer.add_scalar(tag, float(value), iteration)
         if iteration % 10 == 0:
-            print(f"iteration {iteration}: reward {logs['objective/reward']:.3f}, reward std "
-                  f"{logs['objective/reward_std']:.3f}, kl {logs.get('objective/kl', 0.0):.3f}, "
-                  f"{time.time() - start_time:.0f} s")
+            print(f"iteration {iteration}: reward {logs['objective/reward']:.3f} (std {logs['objective/reward_std']:.3f}), "
+                  f"kl {logs.get('objective/kl', 0.0):.3f}, {time.time() - start_time:.0f} s")
         if iteration % args.eval_every == 0 or iteration == args.num_iterations:
             evaluate(policy, ref, eval_rows, eval_ids, tokenizer, stop_ids, names, rewards_of, logprobs_of, args, amp,
                      writer, iteration)
@@ -671,10 +661,9 @@ def load_models(args, device):
     tokenizer = load_tokenizer(args.sft_model_path, "run `python sft.py` first or pass a path")
     stop_ids = stop_token_ids(tokenizer)
     if args.reward_model_path is not None:
-        check_same_vocabulary(tokenizer, load_tokenizer(args.reward_model_path, "run `python reward_model.py` first or "
-                                                        "pass a path"), stop_ids,
-                              f"the reward model {args.reward_model_path!r} has another tokenizer than the SFT model "
-                              f"{args.sft_model_path!r}; train it from the SFT model with reward_model.py")
+        reward_tokenizer = load_tokenizer(args.reward_model_path, "run `python reward_model.py` first or pass a path")
+        check_same_vocabulary(tokenizer, reward_tokenizer, stop_ids, f"the reward model {args.reward_model_path!r} has "
+                              f"another tokenizer than {args.sft_model_path!r}; train it from the SFT model")
     policy = load_no_dropout(args.sft_model_path, "lm")
     ref = load_no_dropout(args.sft_model_path, "lm") if args.beta > 0 else None
     prepare_models(tokenizer, stop_ids, [policy] + [ref] * (ref is not None), [ref] * (ref is not None))

@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from typing import Annotated
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
 import tyro
@@ -139,16 +138,11 @@ def masked_mean(x, mask, num_tokens=None):
 
 
 def masked_whiten(x, mask, eps=1e-8):
-    """(x − mean) / std over the valid tokens only; padding stays 0. Under torchrun, over the valid tokens of
-    all ranks: the sums in mean = Σ x·m / Σ m and var = Σ (x − mean)²·m / Σ m are added up over the ranks."""
-    sums = torch.stack([(x * mask).sum(), mask.sum()])
-    if dist.is_initialized():
-        dist.all_reduce(sums)
-    mean = sums[0] / sums[1]
-    square_sum = ((x - mean) ** 2 * mask).sum()
-    if dist.is_initialized():
-        dist.all_reduce(square_sum)
-    return (x - mean) * torch.rsqrt(square_sum / sums[1] + eps) * mask
+    """(x − mean) / std over the valid tokens only, mean = Σ x·m / Σ m and var = Σ (x − mean)²·m / Σ m;
+    padding stays 0."""
+    mean = (x * mask).sum() / mask.sum()
+    variance = ((x - mean) ** 2 * mask).sum() / mask.sum()
+    return (x - mean) * torch.rsqrt(variance + eps) * mask
 
 
 def kl_estimators(logprobs, ref_logprobs, mask):
@@ -516,10 +510,9 @@ def load_models(args, reward_model_path, device):
     stop_ids = stop_token_ids(tokenizer)
     critic_path = reward_model_path or args.sft_model_path
     if reward_model_path is not None:
-        check_same_vocabulary(tokenizer, load_tokenizer(reward_model_path, "run `python reward_model.py` first or pass "
-                                                        "a path"), stop_ids,
-                              f"the reward model {reward_model_path!r} has another tokenizer than the SFT model "
-                              f"{args.sft_model_path!r}; train it from the SFT model with reward_model.py")
+        reward_tokenizer = load_tokenizer(reward_model_path, "run `python reward_model.py` first or pass a path")
+        check_same_vocabulary(tokenizer, reward_tokenizer, stop_ids, f"the reward model {reward_model_path!r} has "
+                              f"another tokenizer than {args.sft_model_path!r}; train it from the SFT model")
     actor = load_no_dropout(args.sft_model_path, "lm")  # π_θ
     prepare_models(tokenizer, stop_ids, [actor])
     ref = load_no_dropout(args.sft_model_path, "lm")  # π_ref

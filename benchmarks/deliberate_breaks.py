@@ -76,6 +76,11 @@ BREAKS = {
                                  "((-pg_loss + args.vf_coef * vf_loss) * world_size).backward()", "tests/test_tiers.py"),
     "scale_grpo_advantage_sign": ("scale/grpo.py", "advantages = group_advantages(rewards, G, args.scale_rewards)",
                                   "advantages = -group_advantages(rewards, G, args.scale_rewards)", "tests/test_tiers.py"),
+    # scale/'s whitening and REINFORCE++ normalization over every rank: each rank's own statistics instead
+    "scale_whiten_per_rank": ("scale/rlhf_ppo.py", "    sums = torch.stack([(x * mask).sum(), mask.sum()])\n    if dist.is_initialized():\n        dist.all_reduce(sums)\n",
+                              "    sums = torch.stack([(x * mask).sum(), mask.sum()])\n", "tests/test_distributed.py"),
+    "scale_reinforce_pp_per_rank": ("scale/grpo.py", "    if dist.is_initialized():\n        dist.all_reduce(square_sum)\n    return (x - mean) * torch.rsqrt(square_sum / sums[1] + eps)\n",
+                                    "    return (x - mean) * torch.rsqrt(square_sum / sums[1] + eps)\n", "tests/test_grpo.py"),
     "rlhf_ppo_gamma_lambda_swapped": ("rlhf_ppo.py", "masked_gae(rewards, values, mask, args.gamma, args.lam)",
                                       "masked_gae(rewards, values, mask, args.lam, args.gamma)", "tests/test_rlhf_ppo.py"),
     "ppo_clip_gamma_lambda_swapped": ("ppo_clip.py", "args.gamma, args.gae_lambda)", "args.gae_lambda, args.gamma)",

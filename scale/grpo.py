@@ -237,10 +237,11 @@ def rloo_advantages(rewards, num_generations):
     return (groups - baseline).flatten()
 
 
-def reinforce_pp_advantages(rewards, num_generations, group_baseline, eps=1e-8):
-    """REINFORCE++ (Hu 2025): no group statistics in the scale; the rewards are normalized over the whole batch,
-    the completions of every rank (the sums are added up over the ranks), which keeps the estimate's scale
-    steady where a group's own std would blow up the advantages of a group that barely differs:
+def reinforce_pp_advantages_over_ranks(rewards, num_generations, group_baseline, eps=1e-8):
+    """grpo.py's reinforce_pp_advantages over the completions of every rank (the sums are added up over the ranks;
+    on one process, the same). REINFORCE++ (Hu 2025): no group statistics in the scale; the rewards are normalized
+    over the whole batch, which keeps the estimate's scale steady where a group's own std would blow up the
+    advantages of a group that barely differs:
 
         reinforce_pp            Â_i = (r_i − mean_B(r)) / std_B(r)
         reinforce_pp_baseline   Â_i = (r'_i − mean_B(r')) / std_B(r'),   r'_i = r_i − mean(r of its group)
@@ -694,7 +695,7 @@ def main(args: Args):
             if args.advantage == "rloo":
                 advantages = rloo_advantages(rewards, G)
             elif args.advantage.startswith("reinforce_pp"):  # over the whole batch, all ranks together
-                advantages = reinforce_pp_advantages(rewards, G, args.advantage == "reinforce_pp_baseline")
+                advantages = reinforce_pp_advantages_over_ranks(rewards, G, args.advantage == "reinforce_pp_baseline")
             else:
                 advantages = group_advantages(rewards, G, args.scale_rewards)
             old_logprobs, entropy = logprobs_of(policy, sequences, attention_mask, context_length)

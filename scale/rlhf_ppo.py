@@ -184,9 +184,9 @@ def masked_mean(x, mask, num_tokens=None):
     return (x * mask).sum() / (mask.sum() if num_tokens is None else num_tokens)
 
 
-def masked_whiten(x, mask, eps=1e-8):
-    """(x − mean) / std over the valid tokens only; padding stays 0. Under torchrun, over the valid tokens of
-    all ranks: the sums in mean = Σ x·m / Σ m and var = Σ (x − mean)²·m / Σ m are added up over the ranks."""
+def masked_whiten_over_ranks(x, mask, eps=1e-8):
+    """rlhf_ppo.py's masked_whiten over the valid tokens of all ranks: (x − mean) / std, padding 0, with the sums
+    in mean = Σ x·m / Σ m and var = Σ (x − mean)²·m / Σ m added up over the ranks (on one process, the same)."""
     sums = torch.stack([(x * mask).sum(), mask.sum()])
     if dist.is_initialized():
         dist.all_reduce(sums)
@@ -549,7 +549,7 @@ def main(args: Args):
 
             rewards, non_score = shaped_rewards(logprobs, ref_logprobs, scores, mask, kl_coef)
             advantages, returns = masked_gae(rewards, values, mask, args.gamma, args.lam)
-            advantages = masked_whiten(advantages, mask)  # over the whole batch, all ranks together
+            advantages = masked_whiten_over_ranks(advantages, mask)  # over the whole batch, all ranks together
             k1, k3 = kl_estimators(logprobs, ref_logprobs, mask)
 
         # ---- update: several epochs of shuffled minibatches ----------------------------------------

@@ -12,6 +12,7 @@ from conftest import ROOT, TINY_LM, module_name, read_scalars, run_in_process
 from lm_models import save_checkpoint
 from test_real_models import state, write_data
 
+import rlhf_ppo as reference_rlhf_ppo
 from scale import rlhf_ppo
 
 
@@ -155,7 +156,7 @@ def _whiten_on_rank(rank, init_file, x, mask, out_file):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     half = len(x) // 2
     rows = slice(rank * half, (rank + 1) * half)
-    torch.save(rlhf_ppo.masked_whiten(x[rows], mask[rows]), f"{out_file}.{rank}")
+    torch.save(rlhf_ppo.masked_whiten_over_ranks(x[rows], mask[rows]), f"{out_file}.{rank}")
     dist.destroy_process_group()
 
 
@@ -172,7 +173,8 @@ def test_masked_whiten_uses_the_whole_batch_over_ranks(tmp_path):
     valid = x[mask.bool()]
     expected = (x - valid.mean()) / torch.sqrt(((valid - valid.mean()) ** 2).mean() + 1e-8) * mask
     torch.testing.assert_close(together, expected, atol=1e-5, rtol=0)
-    torch.testing.assert_close(rlhf_ppo.masked_whiten(x, mask), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(rlhf_ppo.masked_whiten_over_ranks(x, mask), expected, atol=1e-5, rtol=0)
+    assert torch.equal(rlhf_ppo.masked_whiten_over_ranks(x, mask), reference_rlhf_ppo.masked_whiten(x, mask))  # one process
 
 
 # ------------------------------------------------------------------------------------------------

@@ -106,19 +106,24 @@ def _reinforce_pp_on_rank(rank, init_file, rewards, out_file):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     half = len(rewards) // 2
-    torch.save(grpo.reinforce_pp_advantages(rewards[rank * half : (rank + 1) * half], 2, True), f"{out_file}.{rank}")
+    torch.save(scale_grpo.reinforce_pp_advantages_over_ranks(rewards[rank * half : (rank + 1) * half], 2, True),
+               f"{out_file}.{rank}")
     dist.destroy_process_group()
 
 
 def test_reinforce_pp_normalizes_over_every_rank(tmp_path):
-    """Two gloo processes, each with half of the groups (the halves with different spreads): together they give the
-    one-process advantages of the whole batch, not each half's own normalization."""
+    """scale/grpo.py on two gloo processes, each with half of the groups (the halves with different spreads):
+    together they give grpo.py's one-process advantages of the whole batch, not each half's own normalization;
+    on one process, the same bitwise."""
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 3.0, -1.0, 0.2, 0.0])
     torch.multiprocessing.spawn(_reinforce_pp_on_rank, args=(str(tmp_path / "init"), rewards, str(tmp_path / "out")),
                                 nprocs=2)
     together = torch.cat([torch.load(tmp_path / f"out.{rank}") for rank in range(2)])
     torch.testing.assert_close(together, grpo.reinforce_pp_advantages(rewards, 2, True), atol=1e-6, rtol=0)
     assert (together[:4] - grpo.reinforce_pp_advantages(rewards[:4], 2, True)).abs().max() > 0.1
+    for baseline in (False, True):
+        assert torch.equal(scale_grpo.reinforce_pp_advantages_over_ranks(rewards, 2, baseline),
+                           grpo.reinforce_pp_advantages(rewards, 2, baseline))
 
 
 def test_informative_groups_and_soft_overlong_punishment():

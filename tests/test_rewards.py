@@ -2,12 +2,13 @@
 tricky strings, how the terms add up (None as TRL treats it), loading a user's function by path and by module
 name, its errors as one line, and the pipeline sft.py -> grpo.py / rlhf_ppo.py on a small arithmetic task."""
 import json
+import shutil
 import signal
 from decimal import Decimal
 
 import pytest
 import torch
-from conftest import TINY_LM, read_scalars, run_in_process
+from conftest import TINY_LM, one_line_exit, read_scalars, run_in_process
 from lm_models import save_checkpoint
 
 import grpo
@@ -228,6 +229,24 @@ def test_sft_then_rlhf_ppo_with_the_numeric_reward_and_no_reward_model(arithmeti
         assert tag in logs, tag
     assert "objective/score" not in logs and "eval/score" not in logs
     assert [v for _, v in logs["policy/first_ratio_max_error"]] == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "rlhf_ppo.py", "dpo.py", "scale/grpo.py"])
+def test_a_reward_model_with_another_tokenizer_is_one_line(script, tiny_checkpoints, tmp_path):
+    """A reward model reads the policy's token ids: one whose tokenizer has another vocabulary (here one token more)
+    would score other text than the policy wrote. One line names it, before any model is loaded."""
+    from transformers import AutoTokenizer
+
+    models = tiny_checkpoints["cwd"] / "models"
+    other = tmp_path / "other_reward_model"
+    shutil.copytree(models / "reward_model", other)
+    tokenizer = AutoTokenizer.from_pretrained(other)
+    tokenizer.add_tokens(["<extra>"])
+    tokenizer.save_pretrained(other)
+    policy = "--model-name-or-path" if script == "dpo.py" else "--sft-model-path"
+    message = one_line_exit(script, policy, str(models / "sft"), "--reward-model-path", str(other), cwd=tmp_path)
+    assert "another tokenizer" in message and str(other) in message, message
+    assert not (tmp_path / "runs").exists()
 
 
 @pytest.mark.parametrize("script", ["grpo.py", "rlhf_ppo.py"])
