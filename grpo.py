@@ -1077,8 +1077,8 @@ def response_scores(reward, sequences, attention_mask, response_mask, stop_ids, 
 
 def forward_in_chunks(fn, size, *tensors):
     """fn over the rows of `tensors`, `size` rows at a time, the outputs concatenated. In a rollout the chunks
-    are the update's micro-batches, so that they compute exactly what the update's forward passes will (the
-    first PPO ratio is exactly 1)."""
+    are the rows the update passes through the model at once, so that they compute exactly what the update's
+    forward passes will (the first PPO ratio is exactly 1)."""
     outs = [fn(*(t[i : i + size] for t in tensors)) for i in range(0, len(tensors[0]), size)]
     return tuple(torch.cat(parts) for parts in zip(*outs)) if isinstance(outs[0], tuple) else torch.cat(outs)
 
