@@ -515,8 +515,8 @@ def main(args: Args):
             groups = torch.arange(B // G, device=device)
             if args.dynamic_sampling:  # groups that differ first, in the order sampled; equal ones only to fill up
                 if short and not cap_reported:
-                    print(f"dynamic sampling: {short} group(s) short of groups that differ after --max-sampling-rounds "
-                          f"{args.max_sampling_rounds}; filled with equal ones, now and whenever this happens")
+                    print(f"dynamic sampling: after --max-sampling-rounds {args.max_sampling_rounds}, {short} group(s) "
+                          "short of groups that differ: the batch is filled with equal ones, now and whenever this happens")
                     cap_reported = True
                 groups = torch.argsort((~informative).int(), stable=True)[: B // G]
             idx = (groups[:, None] * G + torch.arange(G, device=device)).flatten()  # their completions' rows
