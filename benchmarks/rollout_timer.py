@@ -1,7 +1,7 @@
 """The training loop's speed of scale/grpo.py or scale/rlhf_ppo.py (or, at aee7bdc and before, the top-level files,
 which were those programs), and where its time goes, as one JSON line:
 
-    python benchmarks/rollout_timer.py PATH/scale/grpo.py [--profile] [--attention-math] [the script's flags]
+    python benchmarks/rollout_timer.py PATH/scale/grpo.py [--profile] [--attention-math] [--eager-sampling] [flags]
 
 The script's own `main(tyro.cli(Args))` runs in this process. completions_per_s is the script's last
 charts/episodes_per_second: the completions of every iteration over the loop's time, the evaluations before and
@@ -13,7 +13,9 @@ over the generation's seconds). The timers cost a few microseconds a call; on CU
 (torch.cuda.synchronize) at its start and end, so that a part's seconds are its own kernels'. With --attention-math,
 the whole run takes scaled_dot_product_attention's math kernel (torch.nn.attention.sdpa_kernel) instead of the flash
 kernel torch picks on the CPU, whose bfloat16 backward is slow at the built-in task's short sequences
-(benchmarks/update_floor.py); the scripts themselves leave the choice to torch."""
+(benchmarks/update_floor.py); the scripts themselves leave the choice to torch. With --eager-sampling, a script that
+samples on CUDA with sample_tokens_graphed (the step as a CUDA graph) takes the eager loop, sample_tokens, instead:
+the two side by side."""
 import contextlib
 import importlib.util
 import json
@@ -27,11 +29,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 def main():
     path, flags = sys.argv[1], sys.argv[2:]
-    profile, attention_math = "--profile" in flags, "--attention-math" in flags
-    flags = [f for f in flags if f not in ("--profile", "--attention-math")]
+    profile, attention_math, eager = "--profile" in flags, "--attention-math" in flags, "--eager-sampling" in flags
+    flags = [f for f in flags if f not in ("--profile", "--attention-math", "--eager-sampling")]
     spec = importlib.util.spec_from_file_location("script_under_test", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    if eager:
+        script.sample_tokens_graphed = script.sample_tokens
     state = {"on": False, "active": False, "speed": None, "iterations": 0, "tokens": 0}
     seconds = {}
     sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None

@@ -260,3 +260,98 @@ def test_fsdp_bf16_mixed_precision_policy_keeps_the_kl_exactly_zero(tiny_checkpo
     assert logs["eval/kl"][0] == (0, 0.0)
     assert logs["policy/first_ratio_max_error"][0] == (1, 0.0)
     state(tmp_path / "models" / "rlhf_ppo")
+
+
+# ------------------------------------------------------------------------------------------------
+# The CUDA sampling loop (a static cache, the step as a CUDA graph, tokens drawn on the device): the same
+# tokens and log-probs as the eager loop, checked on the CPU with the same steps run one by one, and with the
+# graph itself where a GPU is there. Float32, TF32 off: the two loops sum in other orders, nothing more.
+# ------------------------------------------------------------------------------------------------
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+
+
+def left_padded(prompts, pad, device):
+    width = max(map(len, prompts))
+    return (torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device),
+            torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("arch", ["gpt2", "qwen2", "llama", "gpt_neox"])
+def test_the_graphed_loop_samples_the_greedy_tokens_of_the_eager_loop(arch, device):
+    """Greedy decoding: the same tokens from sample_tokens_graphed as from sample_tokens, prompts of unequal
+    length (left padding) and a stop token that ends some rows early (padding after it, the loop ending once all
+    rows stopped, looked at every 2 steps here)."""
+    from lm_models import make_model
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    model = make_model(arch, 400).to(device).eval()
+    input_ids, mask = left_padded([[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [10, 11], [40, 41, 42, 43]], 0, device)
+    never = torch.tensor([-1], device=device)
+    with torch.no_grad():
+        free = grpo.sample_tokens(model, input_ids, mask, never, 0, 24, 1.0, True)
+        stops = free[[0, 2], 3].unique()  # two rows stop early, the others may later or never
+        eager = grpo.sample_tokens(model, input_ids, mask, stops, 0, 24, 1.0, True)
+        graphed = grpo.sample_tokens_graphed(model, input_ids, mask, stops, 0, 24, 1.0, True,
+                                             graph=device == "cuda", check_every=2)
+    assert (eager == 0).any(), "no row stopped early: the test would not see the padding"
+    assert torch.equal(graphed, eager), (graphed, eager)
+
+
+def test_the_graphed_loop_samples_from_the_policy_it_trains():
+    """At temperature 0.7 the graphed loop's log-prob of each token it drew (read at each step of its forward)
+    is the log-prob the update computes for that token (response_logprobs: one pass over prompt + response),
+    to 1e-5: the cache, mask and positions of the steps are the model's."""
+    from lm_models import make_model
+
+    torch.manual_seed(0)
+    model = make_model("qwen2", 400).eval()
+    input_ids, mask = left_padded([[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [10, 11]], 0, "cpu")
+    steps = []
+    model.register_forward_hook(lambda module, args, out: steps.append(out.logits[:, -1].float()))
+    with torch.no_grad():
+        responses = grpo.sample_tokens_graphed(model, input_ids, mask, torch.tensor([-1]), 0, 12, 0.7, False, graph=False)
+        assert len(steps) == 12  # the prompt's pass and 11 steps, each giving the next token's logits
+        sampled = torch.stack([torch.log_softmax(z / 0.7, -1) for z in steps], 1).gather(2, responses[..., None])[..., 0]
+        sequences, full_mask = torch.cat([input_ids, responses], 1), torch.cat([mask, torch.ones_like(responses)], 1)
+        trained, _ = grpo.response_logprobs(model, sequences, full_mask, input_ids.shape[1], 0.7)
+    assert torch.allclose(sampled, trained, atol=1e-5, rtol=0), (sampled - trained).abs().max()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_draw_tokens_draws_from_the_tempered_softmax(device):
+    """The exponential race: 200,000 draws from softmax(z / 0.5) land on each token with its probability (to
+    0.005: about 4 standard errors); greedy is the argmax."""
+    torch.manual_seed(0)
+    z = torch.tensor([1.0, 0.5, 0.0, -1.0, 0.8], device=device)
+    tokens = grpo.draw_tokens(z.expand(200_000, 5), 0.5, False)
+    frequency = torch.bincount(tokens, minlength=5).float() / len(tokens)
+    assert torch.allclose(frequency, torch.softmax(z / 0.5, -1), atol=0.005, rtol=0), frequency
+    assert grpo.draw_tokens(z[None], 0.5, True).tolist() == [0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+@pytest.mark.parametrize("script,flags", [
+    ("scale/grpo.py", ["--num-generations", "4", "--lora-r", "4"]),
+    ("scale/rlhf_ppo.py", ["--reward-model-path", "REWARD_MODEL"]),
+])
+def test_the_scripts_sample_with_the_cuda_graph_on_one_gpu(tiny_checkpoints, tmp_path, monkeypatch, script, flags):
+    """On CUDA (--bf16 by default) every rollout and evaluation of scale/grpo.py (with LoRA adapters) and
+    scale/rlhf_ppo.py samples through sample_tokens_graphed, and the run trains: finite losses, the first ratio
+    exactly 1 (the rollout's log-probs recomputed by the update), the KL to the reference 0 before the first update."""
+    import importlib
+
+    module = importlib.import_module(script[:-3].replace("/", "."))
+    calls = []
+    real = module.sample_tokens_graphed
+    monkeypatch.setattr(module, "sample_tokens_graphed", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(module, "sample_tokens", None)  # the eager loop must not run
+    models = tiny_checkpoints["cwd"] / "models"
+    flags = [str(models / "reward_model") if f == "REWARD_MODEL" else f for f in flags]
+    run_in_process(script, "--sft-model-path", str(models / "sft"), *flags, "--num-iterations", "2", "--batch-size", "16",
+                   "--mini-batch-size", "8", "--eval-size", "16", "--eval-every", "2", "--output-dir", "out", cwd=tmp_path)
+    logs = scalars_of(tmp_path, script[6:-3])
+    assert len(calls) >= 4  # 2 rollouts, 2 evaluations
+    assert logs["policy/first_ratio_max_error"][0] == (1, 0.0) and logs["eval/kl"][0] == (0, 0.0)
+    assert all(math.isfinite(v) for tag, values in logs.items() for _, v in values), logs

@@ -139,23 +139,42 @@ def test_defaults_settled_by_the_machine_and_fsdp(script, monkeypatch):
 
 @pytest.mark.parametrize("script", [rlhf_ppo, grpo], ids=lambda m: m.__name__)
 def test_the_kv_cache_is_checked_before_sampling_on_cuda(script, monkeypatch):
-    """A Llama-3-8B-shaped config (32 layers, 8 KV heads of 128): 256 rows × 1,536 tokens in bf16 are
-    2·32·8·128·256·1536·2 bytes = 48 GiB of KV cache: one line with a size that fits when 40 GiB are free, nothing
-    when 100 GiB are; and nothing on the CPU."""
+    """A Llama-3-8B-shaped config (32 layers, 8 KV heads of 128): 256 rows × 1,536 tokens under --bf16 over
+    float32 weights are 32·8·128·256·1536·(4 + 2) bytes = 72 GiB of KV cache (float32 keys, bf16 values): one
+    line with a size that fits when 40 GiB are free, nothing when 150 GiB are, and nothing on the CPU; with bf16
+    weights 48 GiB."""
     from transformers import LlamaConfig
 
     config = LlamaConfig(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096)
-    model = type("Model", (), {"config": config})()
+    model = type("Model", (), {"config": config, "dtype": torch.float32})()
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (40 * 2**30, 80 * 2**30))
     with pytest.raises(SystemExit) as stop:
         script.check_kv_cache(model, 256, 1536, cuda, bf16=True)
-    assert str(stop.value.code) == ("error: --generation-batch-size 256 × 1536 tokens needs a KV cache of 48.0 GiB, "
-                                    "more than half the 40.0 GiB free on the GPU; pass --generation-batch-size 106 or less")
-    script.check_kv_cache(model, 106, 1536, cuda, bf16=True)  # 19.9 GiB: fits in half of 40
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (100 * 2**30, 140 * 2**30))
+    assert str(stop.value.code) == ("error: --generation-batch-size 256 × 1536 tokens needs a KV cache of 72.0 GiB, "
+                                    "more than half the 40.0 GiB free on the GPU; pass --generation-batch-size 71 or less")
+    script.check_kv_cache(model, 71, 1536, cuda, bf16=True)  # 20.0 GiB: fits in half of 40
+    model.dtype = torch.bfloat16
+    assert script.kv_cache_bytes(model, 256, 1536, bf16=True) == 48 * 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (150 * 2**30, 160 * 2**30))
     script.check_kv_cache(model, 256, 1536, cuda, bf16=True)
     script.check_kv_cache(model, 10**6, 1536, torch.device("cpu"), bf16=True)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "gpt_neox"])
+@pytest.mark.parametrize("bf16", [True, False])
+def test_the_kv_cache_is_counted_as_autocast_stores_it(arch, bf16):
+    """kv_cache_bytes is what a forward pass stores, counted on the CPU: float32 weights, with or without bf16
+    autocast, 3 rows × 7 tokens into transformers' cache."""
+    from lm_models import make_model
+    from transformers import DynamicCache
+
+    model = make_model(arch, 400)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+        model(input_ids=torch.randint(0, 400, (3, 7)), use_cache=True, **{grpo.CACHE: cache})
+    stored = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    assert grpo.kv_cache_bytes(model, 3, 7, bf16) == stored
 
 
 def test_cuda_settings_leave_a_users_allocator_setting(monkeypatch):
