@@ -46,6 +46,9 @@ def assert_one_line_error(proc, *words):
 
 
 TINY_LM = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2"]
+# The device and precision of a test that compares a run's numbers with numbers computed here or in another run:
+# the CPU in float32 on any machine (on CUDA the scripts compute in bf16 autocast and TF32 by default)
+CPU_FLOAT32 = ["--no-cuda", "--no-bf16"]
 
 
 @pytest.fixture(scope="session")
@@ -186,7 +189,7 @@ def reference_after_training(script, flags, cwd, monkeypatch):
             return out
 
         monkeypatch.setattr(module, "load_models", loading)
-    run_in_process(script, *flags, cwd=cwd)
+    run_in_process(script, *CPU_FLOAT32, *flags, cwd=cwd)
     return read_scalars(only_run_dir(cwd)), placed[0]
 
 

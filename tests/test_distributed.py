@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, TINY_LM, module_name, read_scalars, run_in_process
+from conftest import CPU_FLOAT32, ROOT, TINY_LM, module_name, read_scalars, run_in_process
 from lm_models import save_checkpoint
 from test_real_models import state, write_data
 
@@ -60,7 +60,7 @@ def test_two_ranks_give_the_same_update_as_one_process(tmp_path, script, data):
         common += ["--reward-model-path", "None"] if script == "scale/dpo.py" else []
     runs = {"one": [], "one_accum2": ["--gradient-accumulation-steps", "2"]}
     for name, flags in runs.items():
-        run_in_process(script, *common, *flags, "--output-dir", name, "--exp-name", name, cwd=tmp_path)
+        run_in_process(script, *CPU_FLOAT32, *common, *flags, "--output-dir", name, "--exp-name", name, cwd=tmp_path)
     torchrun(script, *common, "--output-dir", "ddp", "--exp-name", "ddp", cwd=tmp_path)
     torchrun(script, *common, "--fsdp", "--gradient-accumulation-steps", "2", "--output-dir", "fsdp", "--exp-name", "fsdp",
              cwd=tmp_path)
@@ -293,7 +293,7 @@ def test_one_update_on_a_given_rollout_is_the_same_on_two_ranks(small_checkpoint
     monkeypatch.setattr(module, "sample_in_chunks", recording)
     models = ["--sft-model-path", str(small_checkpoints["sft"])]
     models += ["--reward-model-path", str(small_checkpoints["reward_model"])] if script == "scale/rlhf_ppo.py" else []
-    common = [*models, "--num-iterations", "1", "--ppo-epochs", "1", "--lr", "1e-3", "--eval-size", "2", *flags]
+    common = [*CPU_FLOAT32, *models, "--num-iterations", "1", "--ppo-epochs", "1", "--lr", "1e-3", "--eval-size", "2", *flags]
     run_in_process(script, *common, "--output-dir", "one", "--exp-name", "one", cwd=tmp_path)
     torch.save(recorded[0], tmp_path / "rollout.pt")
     (tmp_path / "replay.py").write_text(REPLAY.format(root=ROOT, script=module_name(script)))

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import (assert_one_line_error, assert_the_reference_stayed, one_line_exit, only_run_dir, read_scalars,
+from conftest import (CPU_FLOAT32, assert_one_line_error, assert_the_reference_stayed, one_line_exit, only_run_dir, read_scalars,
                       reference_after_training, run_in_process, run_script, same_seed_scalars)
 from lm_models import PositionLogits, by_hand
 
@@ -383,7 +383,7 @@ def test_one_step_raises_the_clipped_surrogate_on_the_sampled_completions(small_
 
     rollout = recorded_rollout(grpo, monkeypatch, 16)
     sft_path = small_checkpoints["sft"]
-    run_in_process("grpo.py", "--sft-model-path", str(sft_path), "--num-iterations", "1", "--batch-size", "16",
+    run_in_process("grpo.py", *CPU_FLOAT32, "--sft-model-path", str(sft_path), "--num-iterations", "1", "--batch-size", "16",
                    "--num-generations", "4", "--mini-batch-size", "16", "--ppo-epochs", "1", "--beta", "0", "--lr", "1e-4",
                    "--eval-size", "8", "--output-dir", "out", cwd=tmp_path)
     sequences, attention_mask, width, mask = rollout()
@@ -403,7 +403,9 @@ def test_one_step_raises_the_clipped_surrogate_on_the_sampled_completions(small_
     (("--advantage", "rloo", "--loss-type", "cispo", "--epsilon-high", "4.0"), "rloo"),
     (("--no-scale-rewards", "--loss-type", "dr_grpo", "--importance-sampling-level", "sequence",
       "--epsilon-high", "0.28", "--temperature", "0.7"), "dr_grpo"),
-    (("--advantage", "reinforce_pp_baseline", "--mask-truncated-completions"), "reinforce_pp_baseline"),
+    # 7 new tokens: the short answers (6 tokens with the stop) finish and the longer ones are cut, whatever is drawn
+    (("--advantage", "reinforce_pp_baseline", "--mask-truncated-completions", "--response-length", "7"),
+     "reinforce_pp_baseline"),
     (("--soft-overlong-cache", "5"), "grpo"),
 ])
 def test_the_variant_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypatch, flags, advantage):
@@ -440,7 +442,7 @@ def test_the_variant_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypat
     for name, spy in (("importance_ratio", ratio_spy), ("clipped_surrogate", surrogate_spy), ("cispo_loss", cispo_spy),
                       ("aggregate_loss", aggregate_spy)):
         monkeypatch.setattr(grpo, name, spy)
-    run_in_process("grpo.py", "--sft-model-path", str(small_checkpoints["sft"]), "--num-iterations", "1", "--batch-size", "16",
+    run_in_process("grpo.py", *CPU_FLOAT32, "--sft-model-path", str(small_checkpoints["sft"]), "--num-iterations", "1", "--batch-size", "16",
                    "--num-generations", "4", "--mini-batch-size", "16", "--ppo-epochs", "1", "--beta", "0",
                    "--eval-size", "8", "--output-dir", "out", *flags, cwd=tmp_path)
     sequences, _, width, mask = rollout()
@@ -537,7 +539,7 @@ def test_dynamic_sampling_trains_on_the_groups_that_differ(small_checkpoints, tm
 
     monkeypatch.setattr(grpo, "generate", recording)
     monkeypatch.setattr(grpo, "clipped_surrogate", surrogate_spy)
-    run_in_process("grpo.py", "--sft-model-path", str(small_checkpoints["sft"]), "--reward-fn",
+    run_in_process("grpo.py", *CPU_FLOAT32, "--sft-model-path", str(small_checkpoints["sft"]), "--reward-fn",
                    str(tmp_path / "half.py") + ":half_constant", "--num-iterations", "1", "--batch-size", "16",
                    "--num-generations", "4", "--mini-batch-size", "16", "--ppo-epochs", "1", "--beta", "0",
                    "--eval-size", "8", "--dynamic-sampling", "--max-sampling-rounds", "6", "--output-dir", "out",
@@ -598,7 +600,7 @@ def test_the_kl_penalty_is_to_the_reference_and_never_negative(small_checkpoints
     monkeypatch.setattr(grpo, "generate", recording)
     monkeypatch.setattr(grpo, "kl_estimators", kl_spy)
     sft_path = small_checkpoints["sft"]
-    run_in_process("grpo.py", "--sft-model-path", str(sft_path), "--num-iterations", "2", "--batch-size", "16",
+    run_in_process("grpo.py", *CPU_FLOAT32, "--sft-model-path", str(sft_path), "--num-iterations", "2", "--batch-size", "16",
                    "--num-generations", "4", "--mini-batch-size", "16", "--ppo-epochs", "1", "--beta", "0.5",
                    "--lr", "1e-3", "--no-anneal-lr", "--eval-size", "4", "--eval-every", "10", "--output-dir", "out",
                    cwd=tmp_path)

@@ -2,7 +2,7 @@
 log-softmax, gradient checkpointing, gradient accumulation, evaluation in micro-batches."""
 import pytest
 import torch
-from conftest import read_scalars, run_in_process
+from conftest import CPU_FLOAT32, read_scalars, run_in_process
 from lm_models import make_model, save_checkpoint
 from test_real_models import state, write_data
 
@@ -60,7 +60,7 @@ def test_gradient_accumulation_gives_the_same_update(tmp_path, script, data):
     for accumulation in (1, 2, 4):
         out = f"out{accumulation}"
         extra = ["--reward-model-path", "None"] if script == "scale/dpo.py" else []
-        run_in_process(script, "--model-name-or-path", base, "--dataset-name", data, "--max-steps", "10", "--batch-size", "8",
+        run_in_process(script, *CPU_FLOAT32, "--model-name-or-path", base, "--dataset-name", data, "--max-steps", "10", "--batch-size", "8",
                        "--gradient-accumulation-steps", str(accumulation), "--lr", "1e-3", "--warmup-steps", "1",
                        "--eval-every", "10", "--eval-batch-size", "3", "--output-dir", out, "--exp-name", out, *extra,
                        cwd=tmp_path)
@@ -79,7 +79,7 @@ def test_rlhf_ppo_micro_batches_keep_the_first_ratio_exact_and_the_update(tiny_c
     models = tiny_checkpoints["cwd"] / "models"
     outs = []
     for accumulation in (1, 2):
-        run_in_process("scale/rlhf_ppo.py", "--sft-model-path", str(models / "sft"), "--reward-model-path",
+        run_in_process("scale/rlhf_ppo.py", *CPU_FLOAT32, "--sft-model-path", str(models / "sft"), "--reward-model-path",
                        str(models / "reward_model"), "--num-iterations", "2", "--batch-size", "16", "--mini-batch-size", "8",
                        "--gradient-accumulation-steps", str(accumulation), "--eval-size", "8", "--generation-batch-size", "6",
                        "--output-dir", f"ppo{accumulation}", "--exp-name", f"ppo{accumulation}", cwd=tmp_path)
@@ -120,7 +120,7 @@ def test_rollout_forward_passes_use_the_update_micro_batch_size(tiny_checkpoints
     try:
         flags = (["--reward-model-path", str(models / "reward_model"), "--num-iterations", "1"] if script == "scale/rlhf_ppo.py"
                  else ["--num-iterations", "1", "--num-generations", "4"])
-        run_in_process(script, "--sft-model-path", str(models / "sft"), *flags, "--batch-size", "16", "--mini-batch-size",
+        run_in_process(script, *CPU_FLOAT32, "--sft-model-path", str(models / "sft"), *flags, "--batch-size", "16", "--mini-batch-size",
                        "8", "--gradient-accumulation-steps", "2", "--eval-size", "6", "--generation-batch-size", "6",
                        "--response-length", "14", "--output-dir", "out", cwd=tmp_path)
     finally:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, TINY_LM, assert_one_line_error, module_name, only_run_dir, read_scalars, run_in_process, run_script
+from conftest import CPU_FLOAT32, ROOT, TINY_LM, assert_one_line_error, module_name, only_run_dir, read_scalars, run_in_process, run_script
 from test_distributed import torchrun
 from test_resume import check_exact_resume, lm_flags, one_line_exit
 
@@ -22,7 +22,7 @@ def trained_model_of(script, flags, cwd, monkeypatch):
     captured = []
     real = module.save_atomically
     monkeypatch.setattr(module, "save_atomically", lambda model, *a: (captured.append(model), real(model, *a)))
-    run_in_process(script, *flags, cwd=cwd)
+    run_in_process(script, *CPU_FLOAT32, *flags, cwd=cwd)
     return captured[0]
 
 
@@ -73,11 +73,11 @@ def test_adapters_off_is_the_base_model_and_the_merged_save_is_the_adapter_model
     flags = ["--model-name-or-path", str(models / "sft"), "--reward-model-path", "None", "--max-steps", "10",
              "--batch-size", "8", "--num-train-pairs", "200", "--eval-size", "8", "--eval-every", "10",
              "--lr", "1e-2", "--lora-r", "4", "--lora-dropout", "0.1"]
-    run_script("scale/dpo.py", *flags, "--output-dir", "models/adapter", cwd=tmp_path)
+    run_script("scale/dpo.py", *CPU_FLOAT32, *flags, "--output-dir", "models/adapter", cwd=tmp_path)
     scalars = read_scalars(only_run_dir(tmp_path))
     assert scalars["train/margin"][0] == (1, 0.0) and scalars["eval/kl"][0] == (0, 0.0)
     assert scalars["eval/kl"][-1][1] != 0.0  # the reference did not follow the policy
-    run_script("scale/dpo.py", *flags, "--merge-lora", "--output-dir", "models/merged", cwd=tmp_path)
+    run_script("scale/dpo.py", *CPU_FLOAT32, *flags, "--merge-lora", "--output-dir", "models/merged", cwd=tmp_path)
     assert not (tmp_path / "models" / "adapter" / "config.json").exists()
     base = AutoModelForCausalLM.from_pretrained(models / "sft").eval()
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(models / "sft"),
@@ -101,7 +101,7 @@ def test_exact_resume_with_lora(tiny_checkpoints, tmp_path):
 
 def test_lora_under_torchrun_ddp_is_the_one_process_update(tmp_path):
     """sft.py --lora-r on 2 gloo ranks (DDP over the adapters) logs the one-process loss and gradient norm."""
-    flags = [*TINY_LM, "--max-steps", "10", "--batch-size", "8", "--num-train-examples", "200", "--eval-size", "4",
+    flags = [*CPU_FLOAT32, *TINY_LM, "--max-steps", "10", "--batch-size", "8", "--num-train-examples", "200", "--eval-size", "4",
              "--eval-every", "10", "--lora-r", "4", "--lr", "1e-2", "--merge-lora", "--output-dir", "models/m"]
     logs = {}
     for name, run in (("one", run_script), ("two", torchrun)):

@@ -168,7 +168,7 @@ def test_a_truncation_bootstraps_from_the_real_final_observation(tmp_path, monke
     # vector env already returned; a terminated step carries nothing.
     seen = first_gae_inputs(ppo_clip, monkeypatch)
     monkeypatch.chdir(tmp_path)
-    ppo_clip.main(ppo_clip.Args(env_id="Clock-v0", total_timesteps=40, num_envs=2, num_steps=20, num_minibatches=2,
+    ppo_clip.main(ppo_clip.Args(env_id="Clock-v0", cuda=False, total_timesteps=40, num_envs=2, num_steps=20, num_minibatches=2,
                                 eval_episodes=0))
     truncated, terminated = seen["truncations"] == 1, seen["terminations"] == 1
     assert truncated.sum() >= 4 and terminated.sum() >= 4
@@ -180,7 +180,7 @@ def test_a_truncation_bootstraps_from_the_real_final_observation(tmp_path, monke
 def test_no_bootstrap_flag_zeroes_the_final_values(tmp_path, monkeypatch):
     seen = first_gae_inputs(ppo_clip, monkeypatch)
     monkeypatch.chdir(tmp_path)
-    ppo_clip.main(ppo_clip.Args(env_id="Clock-v0", total_timesteps=40, num_envs=2, num_steps=20, num_minibatches=2,
+    ppo_clip.main(ppo_clip.Args(env_id="Clock-v0", cuda=False, total_timesteps=40, num_envs=2, num_steps=20, num_minibatches=2,
                                 eval_episodes=0, bootstrap_truncation=False))
     assert seen["truncations"].sum() >= 4 and (seen["final_values"] == 0).all()
 
@@ -263,6 +263,8 @@ def test_smoke_save_load_and_evaluate_again(tmp_path):
 
 
 def test_capture_video_records_the_evaluation_episodes(tmp_path):
+    pytest.importorskip("moviepy", reason="--capture-video writes its mp4 with moviepy (requirements.txt)")
+    pytest.importorskip("pygame", reason="the classic-control envs render with pygame (requirements.txt)")
     run_script("ppo_clip.py", "--total-timesteps", "256", "--num-envs", "1", "--num-steps", "256",
                "--eval-episodes", "2", "--capture-video", cwd=tmp_path)
     videos = list(tmp_path.glob("videos/*/*.mp4"))
@@ -323,7 +325,7 @@ def test_the_advantages_that_reach_the_loss_are_gae_of_the_rollout(tmp_path, mon
     receives over one epoch are GAE of the recorded rollout (terminations and truncations), summed out by hand."""
     result = advantages_reaching_the_loss(ppo_clip, "clipped_policy_loss", monkeypatch)
     monkeypatch.chdir(tmp_path)
-    ppo_clip.main(ppo_clip.Args(env_id="Clock-v0", total_timesteps=40, num_envs=2, num_steps=20, num_minibatches=2,
+    ppo_clip.main(ppo_clip.Args(env_id="Clock-v0", cuda=False, total_timesteps=40, num_envs=2, num_steps=20, num_minibatches=2,
                             update_epochs=1, norm_adv=False, gamma=0.9, gae_lambda=0.5, eval_episodes=0))
     by_hand, received = result(0.9, 0.5)
     assert len(received) == 40
@@ -336,7 +338,7 @@ def test_the_advantages_are_normalized_within_each_minibatch(tmp_path, monkeypat
     normalization fails."""
     result = advantages_reaching_the_loss(ppo_clip, "clipped_policy_loss", monkeypatch)
     monkeypatch.chdir(tmp_path)
-    ppo_clip.main(ppo_clip.Args(env_id="Clock-v0", total_timesteps=40, num_envs=2, num_steps=20, num_minibatches=2,
+    ppo_clip.main(ppo_clip.Args(env_id="Clock-v0", cuda=False, total_timesteps=40, num_envs=2, num_steps=20, num_minibatches=2,
                                 update_epochs=1, gamma=0.9, gae_lambda=0.5, eval_episodes=0))
     by_hand, received = result(0.9, 0.5)
     assert abs(by_hand.mean()) > 0.1 or abs(by_hand.std(ddof=1) - 1) > 0.1, by_hand  # normalization shows
@@ -354,7 +356,7 @@ def test_the_entropy_bonus_and_the_value_loss_reach_the_gradient_with_their_coef
     ignores its coefficient or the flag fails."""
     seen = gradients_by_network(ppo_clip, "clipped_policy_loss", monkeypatch)
     monkeypatch.chdir(tmp_path)
-    ppo_clip.main(ppo_clip.Args(env_id="Clock-v0", total_timesteps=40, num_envs=2, num_steps=20, num_minibatches=2,
+    ppo_clip.main(ppo_clip.Args(env_id="Clock-v0", cuda=False, total_timesteps=40, num_envs=2, num_steps=20, num_minibatches=2,
                                update_epochs=1, ent_coef=ent_coef, vf_coef=vf_coef, clip_vloss=clip_vloss, eval_episodes=0))
     assert len(seen["grads"]) == 2 and set(seen["grads"]) == {(critic, actor)}, seen["grads"]
     assert seen["clip_vloss"] == [clip_vloss] * 2

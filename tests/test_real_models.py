@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from conftest import assert_one_line_error, read_scalars, run_in_process, run_script
+from conftest import CPU_FLOAT32, assert_one_line_error, read_scalars, run_in_process, run_script
 from lm_models import TOKENIZER_KINDS, make_model, make_tokenizer, save_checkpoint
 
 import dpo
@@ -101,16 +101,16 @@ def test_pipeline_on_a_pretrained_checkpoint(tmp_path, arch, dtype, kind):
     prompt_data = write_data(tmp_path / "prompts.jsonl", f"{fmt['prompts']}_prompts")
     common = ["--warmup-steps", "0", "--eval-every", "2", "--max-steps", "4", "--batch-size", "8"]
     # saved in float32 (not the checkpoint's own dtype, the default): the reloaded models must give the logged losses
-    run_in_process("sft.py", "--model-name-or-path", base, "--dataset-name", sft_data, "--lr", "3e-3",
+    run_in_process("sft.py", *CPU_FLOAT32, "--model-name-or-path", base, "--dataset-name", sft_data, "--lr", "3e-3",
                    "--output-dir", "sft", "--save-dtype", "float32", *common, cwd=tmp_path)
-    run_in_process("reward_model.py", "--model-name-or-path", "sft", "--dataset-name", pref_data, "--lr", "3e-3",
+    run_in_process("reward_model.py", *CPU_FLOAT32, "--model-name-or-path", "sft", "--dataset-name", pref_data, "--lr", "3e-3",
                    "--output-dir", "rm", "--save-dtype", "float32", *common, cwd=tmp_path)
-    run_in_process("rlhf_ppo.py", "--sft-model-path", "sft", "--reward-model-path", "rm", "--dataset-name", prompt_data,
+    run_in_process("rlhf_ppo.py", *CPU_FLOAT32, "--sft-model-path", "sft", "--reward-model-path", "rm", "--dataset-name", prompt_data,
                    "--num-iterations", "2", "--batch-size", "8", "--mini-batch-size", "4", "--ppo-epochs", "2",
                    "--response-length", "8", "--eval-every", "1", "--lr", "3e-3", "--output-dir", "ppo", cwd=tmp_path)
-    run_in_process("dpo.py", "--model-name-or-path", "sft", "--reward-model-path", "rm", "--dataset-name", pref_data,
+    run_in_process("dpo.py", *CPU_FLOAT32, "--model-name-or-path", "sft", "--reward-model-path", "rm", "--dataset-name", pref_data,
                    "--response-length", "8", "--lr", "3e-3", "--output-dir", "dpo", "--save-dtype", "float32", *common, cwd=tmp_path)
-    run_in_process("grpo.py", "--sft-model-path", "sft", "--reward-model-path", "rm",
+    run_in_process("grpo.py", *CPU_FLOAT32, "--sft-model-path", "sft", "--reward-model-path", "rm",
                    "--dataset-name", prompt_data, "--num-iterations", "2", "--batch-size", "8", "--num-generations", "4",
                    "--mini-batch-size", "4", "--response-length", "8", "--eval-every", "1", "--lr", "3e-3",
                    "--output-dir", "grpo", cwd=tmp_path)

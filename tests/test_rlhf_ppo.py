@@ -4,7 +4,7 @@ import os
 
 import pytest
 import torch
-from conftest import (assert_one_line_error, assert_the_reference_stayed, one_line_exit, only_run_dir, read_scalars,
+from conftest import (CPU_FLOAT32, assert_one_line_error, assert_the_reference_stayed, one_line_exit, only_run_dir, read_scalars,
                       reference_after_training, run_in_process, run_script, same_seed_scalars)
 from lm_models import PositionLogits, by_hand
 
@@ -189,7 +189,7 @@ def test_one_step_raises_the_surrogate_and_lowers_the_critic_error(tiny_checkpoi
     monkeypatch.setattr(rlhf_ppo, "generate", recording)
     monkeypatch.setattr(rlhf_ppo, "load_models", loading)
     sft_path, rm_path = tiny_checkpoints["sft"], tiny_checkpoints["reward_model"]
-    run_in_process("rlhf_ppo.py", "--sft-model-path", str(sft_path), "--reward-model-path", str(rm_path),
+    run_in_process("rlhf_ppo.py", *CPU_FLOAT32, "--sft-model-path", str(sft_path), "--reward-model-path", str(rm_path),
                    "--num-iterations", "1", "--batch-size", "8", "--mini-batch-size", "8", "--ppo-epochs", "1",
                    "--kl-coef", "0", "--lr", "1e-4", "--eval-size", "4", "--output-dir", "out", cwd=tmp_path)
     sequences, attention_mask, width, mask = next(call for call in calls if len(call[0]) == 8)
@@ -248,7 +248,7 @@ def test_the_advantages_that_reach_the_loss_are_whitened_gae_of_the_rollout(tiny
 
     monkeypatch.setattr(rlhf_ppo, "masked_gae", gae_spy)
     monkeypatch.setattr(rlhf_ppo, "policy_loss", loss_spy)
-    run_in_process("rlhf_ppo.py", "--sft-model-path", str(tiny_checkpoints["sft"]), "--reward-model-path",
+    run_in_process("rlhf_ppo.py", *CPU_FLOAT32, "--sft-model-path", str(tiny_checkpoints["sft"]), "--reward-model-path",
                    str(tiny_checkpoints["reward_model"]), "--num-iterations", "1", "--batch-size", "8",
                    "--mini-batch-size", "8", "--ppo-epochs", "1", "--gamma", "0.9", "--lam", "0.5", "--eval-size", "4",
                    "--output-dir", "out", cwd=tmp_path)
@@ -316,7 +316,7 @@ def test_a_response_with_no_stop_token_is_scored_the_missing_eos_penalty(small_c
     monkeypatch.setattr(rlhf_ppo, "shaped_rewards", shaped_spy)
     rm_path = small_checkpoints["reward_model"]
     score = ["--reward-model-path", str(rm_path)] if source == "reward_model" else ["--reward-fn", "gold"]
-    run_in_process("rlhf_ppo.py", "--sft-model-path", str(small_checkpoints["sft"]), *score,
+    run_in_process("rlhf_ppo.py", *CPU_FLOAT32, "--sft-model-path", str(small_checkpoints["sft"]), *score,
                    "--num-iterations", "1", "--batch-size", "16", "--mini-batch-size", "16", "--ppo-epochs", "1",
                    "--response-length", "6", "--missing-eos-penalty", "-7.5", "--eval-size", "4", "--output-dir", "out",
                    cwd=tmp_path)

@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from conftest import (TINY_LM, assert_one_line_error, one_line_exit, only_run_dir, read_scalars, run_in_process, run_script,
+from conftest import (CPU_FLOAT32, TINY_LM, assert_one_line_error, one_line_exit, only_run_dir, read_scalars, run_in_process, run_script,
                       same_seed_scalars)
 
 import sft
@@ -159,7 +159,7 @@ def test_the_logged_loss_is_the_completion_nll_of_the_starting_model(tiny_checkp
     row by row. A loss also taken on the prompt tokens (or on the padding, or one position off) logs another number."""
     rows = sort_rows(8, seed=5)
     (tmp_path / "batch.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    run_in_process("sft.py", "--model-name-or-path", str(tiny_checkpoints["sft"]), "--dataset-name", "batch.jsonl",
+    run_in_process("sft.py", *CPU_FLOAT32, "--model-name-or-path", str(tiny_checkpoints["sft"]), "--dataset-name", "batch.jsonl",
                    "--max-steps", "10", "--batch-size", "8", "--lr", "0", "--warmup-steps", "0", "--eval-every", "10",
                    "--output-dir", "out", cwd=tmp_path)
     from transformers import AutoTokenizer

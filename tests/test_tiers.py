@@ -14,9 +14,8 @@ import os
 
 import pytest
 import torch
-from conftest import TINY_LM, read_scalars, run_in_process
+from conftest import CPU_FLOAT32, TINY_LM, read_scalars, run_in_process
 
-CPU_FLOAT32 = ["--no-cuda", "--no-bf16"]
 WALL_CLOCK = ("per_second", "time_fraction")
 
 
@@ -58,20 +57,18 @@ def flags_of(script, checkpoints):
 # CPU (the prompt's keys and values computed once for the G completions, then the responses). Adam divides each step
 # by √v: a weight whose gradient is near 0 moves by up to lr either way on rounding alone, so the RL scripts'
 # weights hold to their lr (1e-4, 1.5e-4).
+# The logged values hold to 1e-5 + rtol |b| (a KL near 0 is a difference of two sums of about −40: its error is
+# absolute). rtol is 1e-5 for the supervised scripts; for the RL scripts 2e-2, since what they log after an update
+# comes from weights that hold only to their lr: on this machine 1e-5 holds, but on another CPU and torch build
+# (an H200 host's, torch 2.11) grpo's eval/kl after two updates moved by 1%.
 SAMPLED = ["eval/gold_accuracy", "eval/gold_score"]
-TIERS = {"sft": (SAMPLED + ["eval/gold_accuracy_greedy", "eval/gold_score_greedy"], 1e-5),
+TIERS = {"sft": (SAMPLED + ["eval/gold_accuracy_greedy", "eval/gold_score_greedy"], 1e-5, 1e-5),
          "reward_model": None,
-         "dpo": (SAMPLED + ["eval/accuracy", "train/accuracy", "charts/learning_rate"], 1e-5),
+         "dpo": (SAMPLED + ["eval/accuracy", "train/accuracy", "charts/learning_rate"], 1e-5, 1e-5),
          "rlhf_ppo": (SAMPLED + ["objective/reward", "objective/score", "val/num_eos", "policy/first_ratio_max_error",
-                                 "eval/reward", "eval/score"], 1.5e-4),
+                                 "eval/reward", "eval/score"], 1.5e-4, 2e-2),
          "grpo": (SAMPLED + ["objective/reward", "objective/completion_length", "policy/first_ratio_max_error",
-                             "eval/reward"], 1e-4)}
-
-
-def close(a, b):
-    """Two logged values a few float32 roundings apart: |a − b| ≤ 1e-5 + 1e-5 |b| (a KL near 0 is a difference of
-    two sums of about −40: its error is absolute)."""
-    return abs(a - b) <= 1e-5 + 1e-5 * abs(b)
+                             "eval/reward"], 1e-4, 2e-2)}
 
 
 @pytest.mark.parametrize("script", list(TIERS))
@@ -86,10 +83,12 @@ def test_the_reference_and_its_scale_sibling_compute_the_same(tiny_checkpoints, 
         assert [tag for tag in logs if logs[tag] != scale_logs[tag]] == []
         assert [name for name in weights if not torch.equal(weights[name], scale_weights[name])] == []
         return
-    exact, atol = TIERS[script]
+    exact, atol, rtol = TIERS[script]
     assert [tag for tag in exact if logs[tag] != scale_logs[tag]] == [] and all(tag in logs for tag in exact)
     for tag in logs:
         assert [s for s, _ in logs[tag]] == [s for s, _ in scale_logs[tag]], tag
-        assert all(close(a, b) for (_, a), (_, b) in zip(logs[tag], scale_logs[tag])), (tag, logs[tag], scale_logs[tag])
+    apart = {tag: (logs[tag], scale_logs[tag]) for tag in logs
+             if any(abs(a - b) > 1e-5 + rtol * abs(b) for (_, a), (_, b) in zip(logs[tag], scale_logs[tag]))}
+    assert apart == {}, apart
     for name in weights:
         torch.testing.assert_close(weights[name], scale_weights[name], rtol=0, atol=atol, msg=name)
