@@ -278,13 +278,15 @@ def left_padded(prompts, pad, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", ["gpt2", "qwen2", "llama", "gpt_neox"])
-def test_the_graphed_loop_samples_the_greedy_tokens_of_the_eager_loop(arch, device):
+def test_the_graphed_loop_samples_the_greedy_tokens_of_the_eager_loop(arch, device, request):
     """Greedy decoding: the same tokens from sample_tokens_graphed as from sample_tokens, prompts of unequal
     length (left padding) and a stop token that ends some rows early (padding after it, the loop ending once all
     rows stopped, looked at every 2 steps here)."""
     from lm_models import make_model
 
-    torch.backends.cuda.matmul.allow_tf32 = False
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    request.addfinalizer(lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", tf32))
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 products in float32 on CUDA
     torch.manual_seed(0)
     model = make_model(arch, 400).to(device).eval()
     input_ids, mask = left_padded([[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [10, 11], [40, 41, 42, 43]], 0, device)
