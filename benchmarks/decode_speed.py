@@ -64,7 +64,6 @@ def main(row_counts):
             model.to(torch.bfloat16 if bf16_weights else torch.float32)
             with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, enabled=not bf16_weights):
                 seconds = timed(lambda: loop(model, input_ids, mask, stops, 0, 128, 1.0, False))
-            torch.cuda.reset_peak_memory_stats()
             rows_out.append((rows, name, rows * 128 / seconds, seconds))
             print(f"{rows} rows, {name}: {rows * 128 / seconds:,.0f} tokens/s ({seconds:.2f} s)", flush=True)
     print(f"\n## Sampling on {torch.cuda.get_device_name()}, torch {torch.__version__}\n")
