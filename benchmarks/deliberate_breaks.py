@@ -86,6 +86,8 @@ BREAKS = {
                                           "    position = attention_mask.sum(1, keepdim=True)  # positions count real tokens only",
                                           "tests/test_gpu_path.py"),
     "scale_graphed_new_key_hidden": ("scale/grpo.py", "        keys[:, width + t] = True\n", "", "tests/test_gpu_path.py"),
+    "scale_graphed_sliding_window_kept": ("scale/grpo.py", "    if any(layer.is_sliding for layer in cache.layers):\n",
+                                          "    if False:\n", "tests/test_gpu_path.py"),
     "scale_draw_tokens_untempered": ("scale/grpo.py", "    z = logits.float() / temperature\n    return z.argmax(-1) if greedy",
                                      "    z = logits.float()\n    return z.argmax(-1) if greedy", "tests/test_gpu_path.py"),
     "scale_kv_cache_keys_as_wide_as_values": ("scale/grpo.py", "* length * (width + (2 if bf16 else width))",

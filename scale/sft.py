@@ -834,10 +834,14 @@ def sample_tokens_graphed(model, input_ids, attention_mask, stops, pad_token_id,
     launch for the whole model instead of hundreds), tokens drawn on the device (`draw_tokens`), and the finished
     rows looked at every `check_every` steps, so that no step waits for the host. A row that stopped steps on
     padding until all have. The same distribution as `sample_tokens`, drawn with other random numbers; with
-    graph=False (tests on the CPU) the same steps run one by one. Not under FSDP (`sample`)."""
+    graph=False (tests on the CPU) the same steps run one by one. Not under FSDP (`sample`), nor for a model
+    with sliding-window layers (Mistral's, Gemma 2's), whose cache keeps a rolling window that these masks do
+    not describe: those take `sample_tokens`."""
     rows, width = input_ids.shape
     device, length = input_ids.device, width + max_new_tokens
     cache = transformers.StaticCache(config=model.config, max_cache_len=length)
+    if any(layer.is_sliding for layer in cache.layers):
+        return sample_tokens(model, input_ids, attention_mask, stops, pad_token_id, max_new_tokens, temperature, greedy)
     keys = F.pad(attention_mask, (0, max_new_tokens)).bool()  # the keys each row attends to, one more each step
     causal = torch.ones(width, length, dtype=torch.bool, device=device).tril()
     # A padding position attends to itself: a query with no key at all would put NaN in the cache

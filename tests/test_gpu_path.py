@@ -301,6 +301,23 @@ def test_the_graphed_loop_samples_the_greedy_tokens_of_the_eager_loop(arch, devi
     assert torch.equal(graphed, eager), (graphed, eager)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_model_with_sliding_window_layers_samples_with_the_eager_loop(device):
+    """A Qwen2 whose second layer attends through a sliding window of 4 tokens (as Mistral's and Gemma 2's do):
+    transformers' static cache keeps a rolling window there that the graphed loop's masks do not describe, so it
+    hands the model to the eager loop, and sequences longer than the window come out as the eager loop's."""
+    from lm_models import make_model
+
+    torch.manual_seed(0)
+    model = make_model("qwen2", 400, use_sliding_window=True, sliding_window=4, max_window_layers=1).to(device).eval()
+    input_ids, mask = left_padded([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16]], 0, device)
+    never = torch.tensor([-1], device=device)
+    with torch.no_grad():
+        eager = grpo.sample_tokens(model, input_ids, mask, never, 0, 12, 1.0, True)
+        graphed = grpo.sample_tokens_graphed(model, input_ids, mask, never, 0, 12, 1.0, True, graph=device == "cuda")
+    assert torch.equal(graphed, eager), (graphed, eager)
+
+
 def test_the_graphed_loop_samples_from_the_policy_it_trains():
     """At temperature 0.7 the graphed loop's log-prob of each token it drew (read at each step of its forward)
     is the log-prob the update computes for that token (response_logprobs: one pass over prompt + response),
