@@ -9,11 +9,18 @@ from torch.utils.tensorboard import SummaryWriter
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import make_arithmetic  # noqa: E402
 import make_heldout  # noqa: E402
-import plot_curves  # noqa: E402
 import plot_ppo_kl_beta  # noqa: E402
 import rollout_speed  # noqa: E402
 import summarize_ppo  # noqa: E402
 import summarize_variants  # noqa: E402
+
+
+@pytest.fixture
+def plot_curves():
+    """benchmarks/plot_curves.py, imported by the tests that use it: its pyplot costs every worker's collection."""
+    import plot_curves
+
+    return plot_curves
 
 
 def fake_rl_run(root, name, last_step, with_eval=True, total=1024):
@@ -29,7 +36,7 @@ def fake_rl_run(root, name, last_step, with_eval=True, total=1024):
     writer.close()
 
 
-def test_finished_runs_group_by_experiment_and_seed(tmp_path, monkeypatch):
+def test_finished_runs_group_by_experiment_and_seed(tmp_path, monkeypatch, plot_curves):
     monkeypatch.setattr(plot_curves, "RL_RUNS", str(tmp_path))
     for seed in (1, 2):
         fake_rl_run(tmp_path, f"CartPole-v1__ppo_clip__{seed}__100", 1024)
@@ -42,7 +49,8 @@ def test_finished_runs_group_by_experiment_and_seed(tmp_path, monkeypatch):
     (dict(name="CartPole-v1__ppo_clip__2__200", last_step=512), "stopped before step 1,024"),
     (dict(name="CartPole-v1__ppo_clip__2__200", last_step=1024, with_eval=False), "no eval/episodic_return"),
 ])
-def test_duplicates_runs_killed_early_and_runs_without_their_eval_are_refused(tmp_path, monkeypatch, second, words):
+def test_duplicates_runs_killed_early_and_runs_without_their_eval_are_refused(tmp_path, monkeypatch, second, words,
+                                                                             plot_curves):
     monkeypatch.setattr(plot_curves, "RL_RUNS", str(tmp_path))
     fake_rl_run(tmp_path, "CartPole-v1__ppo_clip__1__100", 1024)
     fake_rl_run(tmp_path, **second)

@@ -1,6 +1,7 @@
 """LoRA (--lora-r): only the adapters and a scalar head train; the reference is the policy with its adapters off,
 exactly the base model; the merged save reproduces the adapter model; it resumes exactly, runs under torchrun,
 and a copied script runs without peft."""
+import importlib.util
 import os
 import subprocess
 import sys
@@ -11,7 +12,8 @@ from conftest import CPU_FLOAT32, ROOT, TINY_LM, assert_one_line_error, module_n
 from test_distributed import torchrun
 from test_resume import check_exact_resume, lm_flags, one_line_exit
 
-pytest.importorskip("peft")
+# peft is looked for, not imported: importing it would cost every pytest worker about 1.5 s of collection
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="--lora-r needs peft (requirements.txt)")
 
 
 def trained_model_of(script, flags, cwd, monkeypatch):
