@@ -59,7 +59,7 @@ def flags_of(script, checkpoints):
 # weights hold to their lr (1e-4, 1.5e-4).
 # The logged values hold to 1e-5 + rtol |b| (a KL near 0 is a difference of two sums of about −40: its error is
 # absolute). rtol is 1e-5 for the supervised scripts; for the RL scripts 2e-2, since what they log after an update
-# comes from weights that hold only to their lr: on this machine 1e-5 holds, but on another CPU and torch build
+# comes from weights that hold only to their lr: on a 2-core x86 CI machine 1e-5 holds, but on another CPU and torch build
 # (an H200 host's, torch 2.11) grpo's eval/kl after two updates moved by 1%.
 SAMPLED = ["eval/gold_accuracy", "eval/gold_score"]
 TIERS = {"sft": (SAMPLED + ["eval/gold_accuracy_greedy", "eval/gold_score_greedy"], 1e-5, 1e-5),
