@@ -1,5 +1,6 @@
 """Two commands that each print a JSON line with completions_per_s (benchmarks/rollout_timer.py,
-benchmarks/trl_grpo.py), run side by side: python benchmarks/rollout_speed.py PAIRS 'A=COMMAND' 'B=COMMAND'
+benchmarks/trl_grpo.py) or samples_per_second (benchmarks/gpu_step.py, benchmarks/trl_supervised.py), run side by
+side: python benchmarks/rollout_speed.py PAIRS 'A=COMMAND' 'B=COMMAND'
 
 They run PAIRS times each, alternating (A B, B A, A B, ...), one at a time, with the environment they inherit (run
 under OMP_NUM_THREADS=1 for equal threads). Prints a markdown table: each pair's completions/s, the ratio B / A,
@@ -20,6 +21,14 @@ def run(command):
     return json.loads(lines[-1])
 
 
+def speed_of(result):
+    """completions/s of a rollout loop, or samples/s of a supervised one (the scripts' charts/samples_per_second)."""
+    for key in ("completions_per_s", "samples_per_second", "charts/samples_per_second"):
+        if key in result:
+            return result[key]
+    sys.exit(f"error: no speed in {result}")
+
+
 def main(pairs, *specs):
     (name_a, command_a), (name_b, command_b) = (spec.split("=", 1) for spec in specs)
     results = {name_a: [], name_b: []}
@@ -28,9 +37,10 @@ def main(pairs, *specs):
         for name, command in order if pair % 2 == 0 else order[::-1]:
             results[name].append(run(command))
             print(f"pair {pair + 1}: {name} {json.dumps(results[name][-1])}", file=sys.stderr)
-    speed = {name: [r["completions_per_s"] for r in rs] for name, rs in results.items()}
+    unit = "completions/s" if "completions_per_s" in results[name_a][0] else "samples/s"
+    speed = {name: [speed_of(r) for r in rs] for name, rs in results.items()}
     ratios = [b / a for a, b in zip(speed[name_a], speed[name_b])]
-    print(f"| {name_a} (completions/s) | {name_b} (completions/s) | {name_b} / {name_a} per pair | median | range |\n"
+    print(f"| {name_a} ({unit}) | {name_b} ({unit}) | {name_b} / {name_a} per pair | median | range |\n"
           "|-|-|-|-|-|")
     print(f"| {', '.join(f'{s:.1f}' for s in speed[name_a])} | {', '.join(f'{s:.1f}' for s in speed[name_b])} | "
           f"{', '.join(f'{r:.2f}' for r in ratios)} | **{statistics.median(ratios):.2f}×** | "

@@ -107,8 +107,12 @@ def test_the_rollout_timer_counts_the_loop_and_its_parts(tiny_checkpoints, tmp_p
             assert out["generation_tokens_per_s"] == pytest.approx(out["generated_tokens"] / parts["generation"])
 
 
-def test_side_by_side_pairs_alternate_and_report_every_ratio(tmp_path, capsys):
-    """benchmarks/rollout_speed.py: A B, B A, A B; every pair's ratio B / A, the median and the range."""
+@pytest.mark.parametrize("key, unit", [("completions_per_s", "completions/s"), ("samples_per_second", "samples/s"),
+                                       ("charts/samples_per_second", "samples/s")])
+def test_side_by_side_pairs_alternate_and_report_every_ratio(tmp_path, capsys, key, unit):
+    """benchmarks/rollout_speed.py: A B, B A, A B; every pair's ratio B / A, the median and the range, of a rollout
+    loop's completions/s (rollout_timer.py, trl_grpo.py) or a supervised loop's samples/s (gpu_step.py: the scripts'
+    charts/samples_per_second; trl_supervised.py)."""
     order = tmp_path / "order"
     commands = []
     for name, speed in (("A", [10.0, 20.0, 10.0]), ("B", [15.0, 20.0, 40.0])):
@@ -116,12 +120,13 @@ def test_side_by_side_pairs_alternate_and_report_every_ratio(tmp_path, capsys):
         script.write_text("import json, sys\n"
                           f"runs = open({str(order)!r}).read().count({name!r}) if __import__('os').path.exists({str(order)!r}) else 0\n"
                           f"open({str(order)!r}, 'a').write({name!r})\n"
-                          f"print(json.dumps({{'completions_per_s': {speed}[runs], 'seconds': 1.0}}))\n")
+                          f"print(json.dumps({{{key!r}: {speed}[runs], 'seconds': 1.0}}))\n")
         commands.append(f"{name}={sys.executable} {script}")
     rollout_speed.main("3", *commands)
     assert order.read_text() == "ABBAAB"
     table = capsys.readouterr().out
     assert "| 10.0, 20.0, 10.0 | 15.0, 20.0, 40.0 | 1.50, 1.00, 4.00 | **1.50×** | 1.00–4.00 |" in table
+    assert f"| A ({unit}) | B ({unit}) |" in table
 
 
 def test_the_held_out_task_is_another_task_whose_answers_are_right():

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# scale/sft.py, scale/reward_model.py and scale/dpo.py against TRL's SFTTrainer, RewardTrainer and DPOTrainer
+# (benchmarks/trl_supervised.py), side by side on one GPU, alternating: benchmarks/random_qwen.py's random Qwen2 of
+# Qwen2.5-0.5B's shape and its data (rows of about 250 tokens), BATCH samples or pairs per step (default 8) in one
+# micro-batch, --max-length 1024, STEPS steps (default 40), lr 1e-5 after 1 warmup step, bf16 autocast over
+# float32 weights on both sides (float32 on a machine without CUDA), PAIRS pairs per script (default 2). Each side
+# reports samples per second of its training loop, loading and evaluation excluded (the scripts'
+# charts/samples_per_second, read by benchmarks/gpu_step.py, which adds the peak CUDA memory).
+#   TRL_PYTHON=python3 bash benchmarks/gpu_supervised.sh [PAIRS]   # TRL 1.16 importable by TRL_PYTHON
+# SCRIPTS="sft dpo" runs some of the three; DATA=DIR takes DIR/base, DIR/sft.jsonl and DIR/pref.jsonl instead of
+# making them (a tiny model, to try the commands on the CPU).
+set -euo pipefail
+PAIRS=${1:-2}; PY=${PYTHON:-python}; B=${BATCH:-8}; S=${STEPS:-40}; ROOT=$(pwd)
+export PYTHONUNBUFFERED=1
+work=${DATA:-$(mktemp -d)}
+[ -n "${DATA:-}" ] || $PY benchmarks/random_qwen.py "$work"
+if [ "$($PY -c 'import torch; print(torch.cuda.is_available())')" = True ]; then
+  ours_precision="--bf16"; trl_precision="--gpu"; device=$($PY -c 'import torch; print(torch.cuda.get_device_name())')
+else
+  ours_precision="--no-cuda --no-bf16"; trl_precision=""; device="the CPU ($(nproc) cores)"
+fi
+out=$(mktemp -d); cd "$out"  # runs/ of our side go here
+for name in ${SCRIPTS:-sft reward_model dpo}; do
+  data=pref.jsonl; extra=""
+  [ "$name" = sft ] && data=sft.jsonl
+  [ "$name" = dpo ] && extra="--reward-model-path None --beta 0.5"
+  ours="$PY $ROOT/benchmarks/gpu_step.py $ROOT/scale/$name.py --model-name-or-path $work/base --dataset-name $work/$data
+      --max-length 1024 --batch-size $B --max-steps $S --lr 1e-5 --warmup-steps 1 --eval-every 100000 --eval-size 16
+      $ours_precision --output-dir $out/$name $extra"
+  trl="$TRL_PYTHON $ROOT/benchmarks/trl_supervised.py $name --model $work/base --dataset $work/$data --max-length 1024
+      --batch-size $B --max-steps $S --lr 1e-5 --warmup-steps 1 $trl_precision"
+  echo "## scale/$name.py against TRL $($TRL_PYTHON -c 'import trl; print(trl.__version__)') on $device, batch $B, $S steps"
+  $PY "$ROOT/benchmarks/rollout_speed.py" "$PAIRS" "TRL=$(echo $trl)" "scale/$name.py=$(echo $ours)"
+  echo
+done
