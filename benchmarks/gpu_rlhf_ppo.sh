@@ -8,7 +8,8 @@
 # with --profile (benchmarks/rollout_timer.py: completions/s of the loop and the seconds of its parts).
 #   git show aee7bdc:rlhf_ppo.py > before/rlhf_ppo.py && bash benchmarks/gpu_rlhf_ppo.sh before/rlhf_ppo.py [PAIRS]
 # DATA=DIR takes DIR/base, DIR/pref.jsonl and DIR/prompts.jsonl instead of making them, and BATCH and MINI_BATCH
-# set the two sizes (a tiny model, to try the commands on the CPU); on a machine without CUDA both sides run in float32 on the CPU.
+# set the two sizes (a tiny model, to try the commands on the CPU); on a machine without CUDA both sides run in
+# float32 on the CPU.
 set -euo pipefail
 BEFORE=$(realpath "$1"); PAIRS=${2:-3}; PY=${PYTHON:-python}; N=${ITERATIONS:-3}; ROOT=$(pwd)
 B=${BATCH:-256}; MB=${MINI_BATCH:-64}

@@ -6,15 +6,16 @@ to make one; on a lent GPU, TRL and its needs carried as wheels), never in this 
         [--batch-size 8 --max-length 1024 --max-steps 40]
 
 D is benchmarks/random_qwen.py's sft.jsonl (prompt, completion) or pref.jsonl (prompt, chosen, rejected). Settings
-matched to the scripts' (their flags in gpu_supervised.sh): the batch in one micro-batch, no gradient
-checkpointing, no packing and no padding-free batches (the scripts pad each batch to its longest row), the loss on
-the completion only (SFT), AdamW with weight decay 0.01, gradient norm clipped to 1, --lr with --warmup-steps of
-warmup then cosine decay (SFT) or linear decay (reward model, DPO), DPO's sigmoid loss with β = 0.5 against a frozen
-copy of the starting model, dropout off, float32 (--gpu: bfloat16 autocast over float32 weights, as the scripts'
---bf16). TRL keeps its own defaults elsewhere: the fused AdamW kernel (the scripts use torch's default,
-foreach) and its own data order. Prints one JSON line: samples (pairs, for the reward model and DPO) per second of
-the training loop, from the first step's start to the last step's end (the device waited for at each step's end),
-as the scripts' charts/samples_per_second, and on CUDA the peak torch.cuda.max_memory_allocated."""
+matched to the scripts' (their flags in gpu_supervised.sh): the batch in one micro-batch, no gradient checkpointing,
+no packing and no padding-free batches (the scripts pad each batch to its longest row), the loss on the completion
+only (SFT), AdamW with the scripts' weight decay (SFT 0.01, the reward model and DPO 0), gradient norm clipped to 1,
+--lr with --warmup-steps of warmup then cosine decay (SFT) or linear decay (reward model, DPO), DPO's sigmoid loss
+with β = 0.5 against a frozen copy of the starting model, dropout off for the reward model and DPO (SFT keeps the
+checkpoint's, as scale/sft.py does; random_qwen.py's has none), float32 (--gpu: bfloat16 autocast over float32
+weights, as the scripts' --bf16). TRL keeps its own defaults elsewhere: the fused AdamW kernel (the scripts use
+torch's default, foreach) and its own data order. Prints one JSON line: samples (pairs, for the reward model and
+DPO) per second of the training loop, from the first step's start to the last step's end (the device waited for at
+each step's end), as the scripts' charts/samples_per_second, and on CUDA the peak torch.cuda.max_memory_allocated."""
 import argparse
 import json
 import tempfile
@@ -45,23 +46,23 @@ def main():
     common = dict(output_dir=tempfile.mkdtemp(), seed=args.seed, use_cpu=not args.gpu, report_to="none",
                   save_strategy="no", eval_strategy="no", logging_steps=10**9, dataloader_num_workers=0,
                   per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=1, max_steps=args.max_steps,
-                  learning_rate=args.lr, warmup_steps=args.warmup_steps, weight_decay=0.01, max_grad_norm=1.0,
+                  learning_rate=args.lr, warmup_steps=args.warmup_steps, max_grad_norm=1.0,
                   gradient_checkpointing=False, bf16=args.gpu, max_length=args.max_length,
                   model_init_kwargs={"dtype": torch.float32})  # float32 master weights, as the scripts'
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
     if args.script == "sft":
-        config = SFTConfig(**common, lr_scheduler_type="cosine", packing=False, padding_free=False,
+        config = SFTConfig(**common, lr_scheduler_type="cosine", weight_decay=0.01, packing=False, padding_free=False,
                            completion_only_loss=True)
         trainer = SFTTrainer(model=args.model, args=config, train_dataset=datasets.Dataset.from_list(rows),
                              processing_class=tokenizer)
     elif args.script == "reward_model":
-        config = RewardConfig(**common, lr_scheduler_type="linear", disable_dropout=True,
+        config = RewardConfig(**common, lr_scheduler_type="linear", weight_decay=0.0, disable_dropout=True,
                               center_rewards_coefficient=None)
         trainer = RewardTrainer(model=args.model, args=config, train_dataset=datasets.Dataset.from_list(rows),
                                 processing_class=tokenizer)
     else:
-        config = DPOConfig(**common, lr_scheduler_type="linear", disable_dropout=True, beta=0.5, loss_type=["sigmoid"],
-                           precompute_ref_log_probs=False)
+        config = DPOConfig(**common, lr_scheduler_type="linear", weight_decay=0.0, disable_dropout=True, beta=0.5,
+                           loss_type=["sigmoid"], precompute_ref_log_probs=False)
         trainer = DPOTrainer(model=args.model, args=config, train_dataset=datasets.Dataset.from_list(rows),
                              processing_class=tokenizer)
     sync = torch.cuda.synchronize if args.gpu else (lambda: None)
