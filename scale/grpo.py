@@ -28,7 +28,7 @@ newly sampled ones (--dynamic-sampling, DAPO).
 The full program. Take it instead of the top-level grpo.py, the one-device reference, for torchrun (DDP, FSDP2),
 LoRA, gradient accumulation and checkpointing, or checkpoints that resume exactly; on one process it computes what
 grpo.py computes (tests/test_tiers.py). On one GPU it samples with the token step replayed as a CUDA graph
-(`sample_tokens_graphed`: 2.8× the eager loop at 256 rows of a 0.5B model, docs/rollout_speed.md).
+(`sample_tokens_graphed`; its speed against the eager loop and TRL: docs/rollout_speed.md).
 """
 import datetime
 import decimal
