@@ -195,9 +195,10 @@ def advantages_reaching_the_loss(module, loss_name, monkeypatch):
 def gradients_by_network(module, loss_name, monkeypatch):
     """Zero `module.<loss_name>`, the policy loss (0 × itself: still in the graph, no gradient), and record at each
     optimizer step whether the critic's parameters and the others (the actor's) have a gradient, as
-    clip_grad_norm_ sees them, and the clip flag each value_loss call receives. Returns {"grads": [(critic,
-    actor)], "clip_vloss": [flag]}."""
-    agents, seen = [], {"grads": [], "clip_vloss": []}
+    clip_grad_norm_ sees them, the arguments each policy-loss call receives after (ratio, advantages), and the
+    clip coefficient and flag each value_loss call receives. Returns {"grads": [(critic, actor)],
+    "policy_loss_args": [tuple], "value_clip": [coefficient], "clip_vloss": [flag]}."""
+    agents, seen = [], {"grads": [], "policy_loss_args": [], "value_clip": [], "clip_vloss": []}
     real_loss, real_value_loss, real_clip = getattr(module, loss_name), module.value_loss, module.nn.utils.clip_grad_norm_
 
     class Recorded(module.Agent):
@@ -205,9 +206,14 @@ def gradients_by_network(module, loss_name, monkeypatch):
             super().__init__(*args, **kwargs)
             agents.append(self)
 
-    def value_loss_spy(*args):
-        seen["clip_vloss"].append(args[-1])
-        return real_value_loss(*args)
+    def loss_spy(*args):
+        seen["policy_loss_args"].append(args[2:])
+        return 0 * real_loss(*args)
+
+    def value_loss_spy(newvalues, oldvalues, returns, clip_coef, clip_vloss):
+        seen["value_clip"].append(clip_coef)
+        seen["clip_vloss"].append(clip_vloss)
+        return real_value_loss(newvalues, oldvalues, returns, clip_coef, clip_vloss)
 
     def clip_spy(parameters, *args, **kwargs):
         parameters = list(parameters)
@@ -218,7 +224,7 @@ def gradients_by_network(module, loss_name, monkeypatch):
         return real_clip(parameters, *args, **kwargs)
 
     monkeypatch.setattr(module, "Agent", Recorded)
-    monkeypatch.setattr(module, loss_name, lambda *args: 0 * real_loss(*args))
+    monkeypatch.setattr(module, loss_name, loss_spy)
     monkeypatch.setattr(module, "value_loss", value_loss_spy)
     monkeypatch.setattr(module.nn.utils, "clip_grad_norm_", clip_spy)
     return seen

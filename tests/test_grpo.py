@@ -407,15 +407,17 @@ def test_one_step_raises_the_clipped_surrogate_on_the_sampled_completions(small_
     (("--advantage", "reinforce_pp_baseline", "--mask-truncated-completions", "--response-length", "7"),
      "reinforce_pp_baseline"),
     (("--soft-overlong-cache", "5"), "grpo"),
+    (("--advantage", "reinforce_pp", "--epsilon", "0.1"), "reinforce_pp"),
 ])
 def test_the_variant_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypatch, flags, advantage):
-    """The advantages the loss receives are, by hand from the gold scores of the recorded completions, GRPO's
-    (r − mean) / (std + 1e-4), RLOO's r − mean of the other three, Dr. GRPO's r − mean, or REINFORCE++'s r − mean
-    over the batch's root mean square (the centered rewards' batch mean is 0); --mask-truncated-completions
-    removes the completions with no stop token from the loss; --soft-overlong-cache adds DAPO's length penalty to
-    the rewards; --loss-type, --epsilon-high and --importance-sampling-level reach the loss's normalization, its
-    clip, the ratio, and CISPO's loss in place of the clipped surrogate; and the update's log-probs are taken at
-    the rollout's --temperature (the ratio of the one minibatch, before any step, exactly 1)."""
+    """The advantages the loss receives are, by hand from the gold scores of the recorded completions, GRPO's (r −
+    mean) / (std + 1e-4), RLOO's r − mean of the other three, Dr. GRPO's r − mean, or REINFORCE++'s r − mean over
+    the batch's root mean square (the centered rewards' batch mean is 0), with no group baseline r − its batch mean
+    over their root mean square; --mask-truncated-completions removes the completions with no stop token from the
+    loss; --soft-overlong-cache adds DAPO's length penalty to the rewards; --loss-type, --epsilon, --epsilon-high
+    and --importance-sampling-level reach the loss's normalization, its clip, the ratio, and CISPO's loss in place
+    of the clipped surrogate; and the update's log-probs are taken at the rollout's --temperature (the ratio of the
+    one minibatch, before any step, exactly 1)."""
     from transformers import AutoTokenizer
 
     rollout, seen = recorded_rollout(grpo, monkeypatch, 16), []
@@ -454,8 +456,10 @@ def test_the_variant_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypat
         r = r + penalty
     r = r.view(4, 4)
     centered = r - r.mean(1, keepdim=True)
+    batch_centered = r - r.mean()
     expected = {"grpo": centered / (r.std(1, keepdim=True) + 1e-4), "rloo": r - (r.sum(1, keepdim=True) - r) / 3,
-                "dr_grpo": centered, "reinforce_pp_baseline": centered / centered.pow(2).mean().sqrt()}[advantage]
+                "dr_grpo": centered, "reinforce_pp_baseline": centered / centered.pow(2).mean().sqrt(),
+                "reinforce_pp": batch_centered / batch_centered.pow(2).mean().sqrt()}[advantage]
     (_, level), (loss, received, epsilon_low, epsilon_high), (_, loss_type, loss_mask) = seen
     assert level == (flags[flags.index("--importance-sampling-level") + 1] if "--importance-sampling-level" in flags
                      else "token")
@@ -463,14 +467,34 @@ def test_the_variant_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypat
     torch.testing.assert_close(received, expected.flatten(), rtol=1e-5, atol=1e-5)
     assert loss_type == (flags[flags.index("--loss-type") + 1] if "--loss-type" in flags else "grpo")
     assert loss == ("cispo" if loss_type == "cispo" else "surrogate")
-    assert epsilon_high == (float(flags[flags.index("--epsilon-high") + 1]) if "--epsilon-high" in flags else 0.2)
-    assert epsilon_low == (None if loss_type == "cispo" else 0.2)
+    epsilon = float(flags[flags.index("--epsilon") + 1]) if "--epsilon" in flags else 0.2
+    assert epsilon_high == (float(flags[flags.index("--epsilon-high") + 1]) if "--epsilon-high" in flags else epsilon)
+    assert epsilon_low == (None if loss_type == "cispo" else epsilon)
     # --mask-truncated-completions: the loss sees no token of a completion with no stop token, all of the others'
     tokenizer = AutoTokenizer.from_pretrained(small_checkpoints["sft"])
     stops = torch.isin(sequences[:, width:], torch.tensor(grpo.stop_token_ids(tokenizer))) & mask.bool()
     kept = stops.any(1) if "--mask-truncated-completions" in flags else torch.ones(len(mask), dtype=torch.bool)
     torch.testing.assert_close(loss_mask, mask.float() * kept.unsqueeze(1))
     assert kept.any() and ("--mask-truncated-completions" not in flags or not kept.all()), kept
+
+
+def test_each_epoch_trains_on_every_completion_once(small_checkpoints, tmp_path, monkeypatch):
+    """--ppo-epochs 3 over a batch of 16 completions in minibatches of 8: six clipped surrogates, and the two of
+    each epoch receive between them every completion's advantage once. A loop that ignores --ppo-epochs fails."""
+    received, real = [], grpo.clipped_surrogate
+
+    def surrogate_spy(ratio, advantages, epsilon_low, epsilon_high):
+        received.append(advantages.detach().clone())
+        return real(ratio, advantages, epsilon_low, epsilon_high)
+
+    monkeypatch.setattr(grpo, "clipped_surrogate", surrogate_spy)
+    run_in_process("grpo.py", "--sft-model-path", str(small_checkpoints["sft"]), "--num-iterations", "1", "--batch-size",
+                   "16", "--num-generations", "4", "--mini-batch-size", "8", "--ppo-epochs", "3", "--eval-size", "4",
+                   "--output-dir", "out", cwd=tmp_path)
+    assert len(received) == 6
+    epochs = [torch.cat(received[i : i + 2]).sort().values for i in (0, 2, 4)]
+    assert (epochs[0] != 0).any()
+    assert torch.equal(epochs[0], epochs[1]) and torch.equal(epochs[0], epochs[2])
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])

@@ -352,11 +352,13 @@ def test_the_entropy_bonus_and_the_value_loss_reach_the_gradient_with_their_coef
         tmp_path, monkeypatch, ent_coef, vf_coef, clip_vloss, critic, actor):
     """With the policy loss zeroed (0 × itself, still in the graph), the actor's gradient is the entropy bonus's,
     −ent_coef · H, and the critic's the value loss's, vf_coef · L^V: a coefficient of 0 leaves its network with
-    none, 0.5 gives it one, at every step; --clip-vloss reaches the value loss. A loss that drops a term or
-    ignores its coefficient or the flag fails."""
+    none, 0.5 gives it one, at every step; --clip-coef reaches the policy loss and the value loss, --clip-vloss
+    the value loss. A loss that drops a term or ignores its coefficient or a flag fails."""
     seen = gradients_by_network(ppo_clip, "clipped_policy_loss", monkeypatch)
     monkeypatch.chdir(tmp_path)
     ppo_clip.main(ppo_clip.Args(env_id="Clock-v0", cuda=False, total_timesteps=40, num_envs=2, num_steps=20, num_minibatches=2,
-                               update_epochs=1, ent_coef=ent_coef, vf_coef=vf_coef, clip_vloss=clip_vloss, eval_episodes=0))
+                               update_epochs=1, ent_coef=ent_coef, vf_coef=vf_coef, clip_vloss=clip_vloss, clip_coef=0.3,
+                               eval_episodes=0))
     assert len(seen["grads"]) == 2 and set(seen["grads"]) == {(critic, actor)}, seen["grads"]
-    assert seen["clip_vloss"] == [clip_vloss] * 2
+    assert seen["clip_vloss"] == [clip_vloss] * 2 and seen["value_clip"] == [0.3] * 2
+    assert seen["policy_loss_args"] == [(0.3,)] * 2

@@ -340,7 +340,7 @@ def test_a_response_with_no_stop_token_is_scored_the_missing_eos_penalty(small_c
 @pytest.mark.parametrize("vf_coef,critic_grad", [(0.0, False), (0.5, True)])
 def test_the_ppo_flags_reach_the_losses_and_the_gradient(tiny_checkpoints, tmp_path, monkeypatch, vf_coef, critic_grad):
     """--kl-coef reaches the per-token rewards (shaped_rewards), --cliprange the policy loss, --cliprange-value the
-    value loss, at every minibatch; the first minibatch's ratio is exactly 1 at --temperature 0.7 (the update's
+    value loss, at every minibatch of every one of the --ppo-epochs; the first minibatch's ratio is exactly 1 at --temperature 0.7 (the update's
     log-probs at the rollout's temperature); and with the policy loss zeroed (0 × itself, still in the graph) the
     critic's gradient is vf_coef · L^V's: none at --vf-coef 0, some at 0.5. A loop that ignores one of them fails."""
     seen = {"kl_coef": [], "cliprange": [], "cliprange_value": [], "critic_grad": []}
@@ -379,8 +379,9 @@ def test_the_ppo_flags_reach_the_losses_and_the_gradient(tiny_checkpoints, tmp_p
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_spy)
     run_in_process("rlhf_ppo.py", "--sft-model-path", str(tiny_checkpoints["sft"]), "--reward-model-path",
                    str(tiny_checkpoints["reward_model"]), "--num-iterations", "1", "--batch-size", "8",
-                   "--mini-batch-size", "4", "--ppo-epochs", "1", "--kl-coef", "0.07", "--cliprange", "0.3",
+                   "--mini-batch-size", "4", "--ppo-epochs", "2", "--kl-coef", "0.07", "--cliprange", "0.3",
                    "--cliprange-value", "0.25", "--vf-coef", str(vf_coef), "--temperature", "0.7", "--eval-size", "4", "--output-dir", "out",
                    cwd=tmp_path)
-    assert seen["kl_coef"] == [0.07] and seen["cliprange"] == [0.3] * 2 and seen["cliprange_value"] == [0.25] * 2
-    assert seen["critic_grad"] == [critic_grad] * 2
+    # one rollout; 2 epochs of 2 minibatches each
+    assert seen["kl_coef"] == [0.07] and seen["cliprange"] == [0.3] * 4 and seen["cliprange_value"] == [0.25] * 4
+    assert seen["critic_grad"] == [critic_grad] * 4
