@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from conftest import CPU_FLOAT32, assert_one_line_error, read_scalars, run_in_process, run_script
+from conftest import CPU_FLOAT32, TINY_LM, assert_one_line_error, read_scalars, run_in_process, run_script
 from lm_models import TOKENIZER_KINDS, make_model, make_tokenizer, save_checkpoint
 
 import dpo
@@ -531,6 +531,55 @@ def test_get_lr_by_hand():
         assert script.get_lr(0, 3.0, 0, 4, "linear") == 3.0  # no warmup: the peak at once, then (4 − 1)/4 · 3
         assert script.get_lr(1, 3.0, 0, 4, "linear") == pytest.approx(2.25)
         assert script.get_lr(4, 1.0, 5, 5, "linear") == 1.0  # warmup == max steps: warms up to the end
+
+
+# (script, flags, the learning rate of each optimizer step worked out by hand, × 1e-3); every step clips to 0.5
+SCHEDULES = [
+    # warmup 2 of 4 steps, times cosine over the run: ½ · 1, ½(1 + cos π/4), ½(1 + cos π/2), ½(1 + cos 3π/4)
+    ("sft", ["--max-steps", "4", "--warmup-steps", "2", "--num-train-examples", "64", *TINY_LM],
+     [0.5, 0.853553, 0.5, 0.146447]),
+    # warmup 2 of 4 steps, flat through it, then linear to 0 at step 4: ½, 1, (4 − 2)/2, (4 − 3)/2
+    ("reward_model", ["--max-steps", "4", "--warmup-steps", "2", "--num-train-pairs", "64"], [0.5, 1.0, 1.0, 0.5]),
+    ("dpo", ["--max-steps", "4", "--warmup-steps", "2", "--num-train-pairs", "64"], [0.5, 1.0, 1.0, 0.5]),
+    # --anneal-lr: linear over 2 iterations from the peak, (2 − 0)/2 then (2 − 1)/2, for both minibatches of each
+    ("rlhf_ppo", ["--num-iterations", "2", "--batch-size", "8", "--mini-batch-size", "4", "--ppo-epochs", "1"],
+     [1.0, 1.0, 0.5, 0.5]),
+    ("grpo", ["--num-iterations", "2", "--batch-size", "8", "--mini-batch-size", "4", "--ppo-epochs", "1",
+              "--num-generations", "4"], [1.0, 1.0, 0.5, 0.5]),
+    ("grpo", ["--num-iterations", "2", "--batch-size", "8", "--mini-batch-size", "4", "--ppo-epochs", "1",
+              "--num-generations", "4", "--no-anneal-lr"], [1.0, 1.0, 1.0, 1.0]),
+]
+
+
+@pytest.mark.parametrize("script,flags,by_hand", SCHEDULES, ids=["sft", "reward_model", "dpo", "rlhf_ppo", "grpo",
+                                                                 "grpo_no_anneal"])
+def test_each_optimizer_step_takes_the_scheduled_learning_rate_and_clip(script, flags, by_hand, tiny_checkpoints,
+                                                                        tmp_path, monkeypatch):
+    """main hands the schedule its flags and the optimizer what it returns: the learning rate of every optimizer
+    step, read from the optimizer as the step is taken, and the norm each gradient is clipped to, against the
+    schedules worked out by hand (SCHEDULES). A loop that ignores --warmup-steps, --max-steps, --anneal-lr or
+    --max-grad-norm, or never gives the optimizer the scheduled rate, fails."""
+    seen, real_step, real_clip = {"lr": [], "max_norm": []}, torch.optim.AdamW.step, torch.nn.utils.clip_grad_norm_
+
+    def step_spy(self, *args, **kwargs):
+        seen["lr"].append(self.param_groups[0]["lr"])
+        return real_step(self, *args, **kwargs)
+
+    def clip_spy(parameters, max_norm, *args, **kwargs):
+        seen["max_norm"].append(max_norm)
+        return real_clip(parameters, max_norm, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step_spy)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_spy)
+    model = {"sft": [], "reward_model": ["--model-name-or-path", str(tiny_checkpoints["sft"])],
+             "dpo": ["--model-name-or-path", str(tiny_checkpoints["sft"])],
+             "rlhf_ppo": ["--sft-model-path", str(tiny_checkpoints["sft"]), "--reward-model-path",
+                          str(tiny_checkpoints["reward_model"])],
+             "grpo": ["--sft-model-path", str(tiny_checkpoints["sft"])]}[script]
+    run_in_process(f"{script}.py", *model, *flags, "--lr", "1e-3", "--max-grad-norm", "0.5", "--eval-size", "4",
+                   "--output-dir", "out", cwd=tmp_path)
+    assert seen["lr"] == pytest.approx([1e-3 * lr for lr in by_hand], rel=1e-5)
+    assert seen["max_norm"] == [0.5] * len(by_hand)
 
 
 def test_long_responses_fit_the_built_in_model_and_too_long_ones_say_so(tiny_checkpoints, tmp_path):
