@@ -10,6 +10,7 @@ summed in another order, a few float32 ulps apart per step (grpo.py: see TIERS).
 log-probs, so what depends only on the tokens sampled (gold accuracy and score, rewards, lengths) must still be
 equal: the same tokens were sampled."""
 import glob
+import json
 import os
 
 import pytest
@@ -71,9 +72,39 @@ TIERS = {"sft": (SAMPLED + ["eval/gold_accuracy_greedy", "eval/gold_score_greedy
                              "eval/reward"], 1e-4, 2e-2)}
 
 
-@pytest.mark.parametrize("script", list(TIERS))
-def test_the_reference_and_its_scale_sibling_compute_the_same(tiny_checkpoints, tmp_path, script):
-    flags = flags_of(script, tiny_checkpoints)
+def variant_flags(variant, checkpoints, tmp_path):
+    """Flags that set every loss-shaping flag both tiers take away from its default (a flag scale/ ignored at its
+    default value would pass the default run): the ones each variant adds to flags_of."""
+    reward_model = str(checkpoints["cwd"] / "models" / "reward_model")
+    if variant == "reward_model-margin":  # a margin column, the centering term, another clip
+        rows = [{"prompt": f"sort {i}{i + 1}:", "chosen": f"{i}{i + 1}", "rejected": f"{i + 1}{i}",
+                 "margin": 0.5 * (i % 3)} for i in range(8)] * 8
+        (tmp_path / "prefs.jsonl").write_text("\n".join(json.dumps(row) for row in rows))
+        return ["--dataset-name", str(tmp_path / "prefs.jsonl"), "--center-rewards-coefficient", "0.01",
+                "--max-grad-norm", "0.5", "--eval-size", "8"]
+    return {
+        "dpo-ipo": ["--loss-type", "ipo", "--beta", "0.3", "--max-grad-norm", "0.5"],
+        "rlhf_ppo-terms": ["--reward-fn", "gold", "--reward-weights", "0.5", "1", "--kl-target", "1.0", "--kl-horizon",
+                           "500", "--missing-eos-penalty", "-2", "--cliprange", "0.1", "--cliprange-value", "0.1",
+                           "--vf-coef", "0.3", "--gamma", "0.95", "--lam", "0.9", "--temperature", "0.8",
+                           "--max-grad-norm", "0.5"],
+        "grpo-rloo-cispo": ["--advantage", "rloo", "--loss-type", "cispo", "--epsilon-high", "4.0",
+                            "--mask-truncated-completions", "--soft-overlong-cache", "4", "--beta", "0.02",
+                            "--reward-fn", "gold", "--reward-model-path", reward_model, "--reward-weights", "0.5", "1",
+                            "--no-anneal-lr", "--temperature", "0.8", "--missing-eos-penalty", "-2",
+                            "--max-grad-norm", "0.5"],
+        "grpo-dr_grpo": ["--no-scale-rewards", "--loss-type", "dr_grpo", "--epsilon-high", "0.3"],
+    }.get(variant, [])
+
+
+CASES = list(TIERS) + ["reward_model-margin", "dpo-ipo", "rlhf_ppo-terms", "grpo-rloo-cispo", "grpo-dr_grpo"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_reference_and_its_scale_sibling_compute_the_same(tiny_checkpoints, tmp_path, case):
+    """The default flags, and variants that take every loss-shaping flag both tiers accept off its default."""
+    script = case.split("-")[0]
+    flags = flags_of(script, tiny_checkpoints) + variant_flags(case, tiny_checkpoints, tmp_path)
     (logs, weights), (scale_logs, scale_weights) = (run(path, flags + ["--output-dir", f"models/{script}"],
                                                         tmp_path / path.replace("/", "_"))
                                                     for path in (f"{script}.py", f"scale/{script}.py"))
