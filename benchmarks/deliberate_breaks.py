@@ -7,6 +7,7 @@ then runs that script's test file; a break that no test catches is a hole in the
     python benchmarks/deliberate_breaks.py grpo_loss_sign     # one
     python benchmarks/deliberate_breaks.py --list
     python benchmarks/deliberate_breaks.py -n 2 ...             # each test file on 2 pytest-xdist workers
+    python benchmarks/deliberate_breaks.py --scale grpo_kl_sign # the same line broken in scale/grpo.py instead
 """
 import argparse
 import os
@@ -167,6 +168,37 @@ BREAKS = {
                                          "tests/test_rlhf_ppo.py"),
     "rlhf_ppo_ignores_vf_coef": ("rlhf_ppo.py", "(pg_loss + args.vf_coef * vf_loss).backward()", "(pg_loss + vf_loss).backward()",
                                  "tests/test_rlhf_ppo.py"),
+    "grpo_ignores_epsilon": ("grpo.py", "surrogate = clipped_surrogate(ratio, advantages[mb], args.epsilon, epsilon_high)",
+                             "surrogate = clipped_surrogate(ratio, advantages[mb], 0.2, epsilon_high)", "tests/test_grpo.py"),
+    "grpo_reinforce_pp_with_group_baseline": ("grpo.py", 'reinforce_pp_advantages(rewards, G, args.advantage == "reinforce_pp_baseline")',
+                                              "reinforce_pp_advantages(rewards, G, True)", "tests/test_grpo.py"),
+    "grpo_ignores_reward_weights": ("grpo.py", "weights = args.reward_weights or (1.0,) * (len(functions) + (args.reward_model_path is not None))",
+                                    "weights = (1.0,) * (len(functions) + (args.reward_model_path is not None))", "tests/test_rewards.py"),
+    "grpo_one_epoch": ("grpo.py", "        for epoch in range(args.ppo_epochs):", "        for epoch in range(1):", "tests/test_grpo.py"),
+    "rlhf_ppo_ignores_reward_weights": ("rlhf_ppo.py", "weights = args.reward_weights or (1.0,) * (len(functions) + (reward_model_path is not None))",
+                                        "weights = (1.0,) * (len(functions) + (reward_model_path is not None))", "tests/test_rewards.py"),
+    "rlhf_ppo_ignores_kl_horizon": ("rlhf_ppo.py", "args.kl_target, args.kl_horizon, B)", "args.kl_target, 10_000, B)",
+                                    "tests/test_rlhf_ppo.py"),
+    "rlhf_ppo_one_epoch": ("rlhf_ppo.py", "        for epoch in range(args.ppo_epochs):", "        for epoch in range(1):", "tests/test_rlhf_ppo.py"),
+    "ppo_clip_ignores_clip_coef": ("ppo_clip.py", "pg_loss = clipped_policy_loss(ratio, mb_advantages, args.clip_coef)",
+                                   "pg_loss = clipped_policy_loss(ratio, mb_advantages, 0.2)", "tests/test_ppo_clip.py"),
+    "ppo_continuous_ignores_clip_coef": ("ppo_continuous.py", "pg_loss = clipped_policy_loss(ratio, mb_advantages, args.clip_coef)",
+                                         "pg_loss = clipped_policy_loss(ratio, mb_advantages, 0.2)", "tests/test_ppo_continuous.py"),
+    "ppo_kl_value_loss_ignores_clip_coef": ("ppo_kl.py", "b_returns[mb_inds], args.clip_coef, args.clip_vloss)",
+                                            "b_returns[mb_inds], 0.2, args.clip_vloss)", "tests/test_ppo_kl.py"),
+    # the schedule and the clip as main wires them (tests/test_real_models.py records every optimizer step)
+    "sft_ignores_warmup": ("sft.py", "lr = get_lr(step - 1, args.lr, args.warmup_steps, args.max_steps, \"cosine\")",
+                           "lr = get_lr(step - 1, args.lr, 0, args.max_steps, \"cosine\")", "tests/test_real_models.py"),
+    "sft_lr_not_given_to_the_optimizer": ("sft.py", "            group[\"lr\"] = lr\n", "            pass\n",
+                                          "tests/test_real_models.py"),
+    "reward_model_ignores_max_grad_norm": ("reward_model.py", "clip_grad_norm_(model.parameters(), args.max_grad_norm)",
+                                           "clip_grad_norm_(model.parameters(), 1.0)", "tests/test_real_models.py"),
+    "dpo_decays_by_cosine": ("dpo.py", "lr = get_lr(step - 1, args.lr, args.warmup_steps, args.max_steps, \"linear\")",
+                             "lr = get_lr(step - 1, args.lr, args.warmup_steps, args.max_steps, \"cosine\")",
+                             "tests/test_real_models.py"),
+    "rlhf_ppo_never_anneals": ("rlhf_ppo.py", "if args.anneal_lr else args.lr", "if False else args.lr",
+                               "tests/test_real_models.py"),
+    "grpo_always_anneals": ("grpo.py", "if args.anneal_lr else args.lr", "if True else args.lr", "tests/test_real_models.py"),
     "dpo_ignores_loss_type": ("dpo.py", "dpo_loss(chosen, rejected, ref_chosen, ref_rejected, args.beta, args.loss_type,",
                               'dpo_loss(chosen, rejected, ref_chosen, ref_rejected, args.beta, "sigmoid",', "tests/test_dpo.py"),
     "dpo_ignores_label_smoothing": ("dpo.py", "args.loss_type,\n                                  args.label_smoothing)",
@@ -203,9 +235,14 @@ BREAKS = {
 }
 
 
-def run(name, keyword=None, workers=None):
-    """Apply one break in a copy of the repository, run its test file; returns (the failed tests, pytest's last line)."""
+def run(name, keyword=None, workers=None, scale=False):
+    """Apply one break in a copy of the repository, run its test file; returns (the failed tests, pytest's last line).
+    With `scale`, the break goes to the top-level script's scale/ sibling, which carries the same line, and the
+    test run is tests/test_tiers.py's cases of that script: the two tiers must stop computing the same thing."""
     script, old, new, tests = BREAKS[name]
+    if scale:
+        script, tests = f"scale/{script}", "tests/test_tiers.py"
+        keyword = keyword or script[len("scale/") : -len(".py")]
     with tempfile.TemporaryDirectory(prefix=f"break_{name}_") as copy:
         shutil.copytree(ROOT, copy, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns(".git", ".venv", "venv", "runs", "models", "__pycache__"))
@@ -228,6 +265,8 @@ def main():
     parser.add_argument("-k", dest="keyword", help="run only the tests pytest -k selects")
     parser.add_argument("--list", action="store_true", help="list the breaks and exit")
     parser.add_argument("-n", dest="workers", type=int, help="run each test file on this many pytest-xdist workers")
+    parser.add_argument("--scale", action="store_true",
+                        help="break the scale/ sibling of each top-level script instead, against tests/test_tiers.py")
     args = parser.parse_args()
     if args.list:
         for name, (script, old, new, tests) in BREAKS.items():
@@ -236,8 +275,9 @@ def main():
     for name in args.names or BREAKS:
         if name not in BREAKS:
             sys.exit(f"error: no break {name!r}; --list shows them")
-        failed, summary = run(name, args.keyword, args.workers)
-        print(f"| {name} | {BREAKS[name][3]} | {', '.join(failed) or 'NONE FAILS'} | {summary} |", flush=True)
+        failed, summary = run(name, args.keyword, args.workers, args.scale)
+        tests = "tests/test_tiers.py" if args.scale else BREAKS[name][3]
+        print(f"| {name} | {tests} | {', '.join(failed) or 'NONE FAILS'} | {summary} |", flush=True)
 
 
 if __name__ == "__main__":
