@@ -35,19 +35,19 @@ def run(script, flags, cwd):
 
 
 def flags_of(script, checkpoints):
-    models = checkpoints["cwd"] / "models"
+    sft, reward_model = str(checkpoints["sft"]), str(checkpoints["reward_model"])
     return {
         "sft": [*TINY_LM, "--max-steps", "20", "--eval-every", "10", "--num-train-examples", "400", "--eval-size", "16",
                 "--batch-size", "16"],
-        "reward_model": ["--model-name-or-path", str(models / "sft"), "--max-steps", "20", "--eval-every", "10",
+        "reward_model": ["--model-name-or-path", sft, "--max-steps", "20", "--eval-every", "10",
                          "--num-train-pairs", "400", "--eval-size", "32", "--batch-size", "16"],
-        "dpo": ["--model-name-or-path", str(models / "sft"), "--reward-model-path", str(models / "reward_model"),
+        "dpo": ["--model-name-or-path", sft, "--reward-model-path", reward_model,
                 "--max-steps", "20", "--eval-every", "10", "--num-train-pairs", "400", "--eval-size", "16",
                 "--batch-size", "16"],
-        "rlhf_ppo": ["--sft-model-path", str(models / "sft"), "--reward-model-path", str(models / "reward_model"),
+        "rlhf_ppo": ["--sft-model-path", sft, "--reward-model-path", reward_model,
                      "--num-iterations", "3", "--batch-size", "16", "--mini-batch-size", "8", "--ppo-epochs", "2",
                      "--eval-every", "2", "--eval-size", "16"],
-        "grpo": ["--sft-model-path", str(models / "sft"), "--num-iterations", "3", "--batch-size", "16",
+        "grpo": ["--sft-model-path", sft, "--num-iterations", "3", "--batch-size", "16",
                  "--num-generations", "4", "--mini-batch-size", "8", "--ppo-epochs", "2", "--eval-every", "2",
                  "--eval-size", "16"],
     }[script]
@@ -62,6 +62,10 @@ def flags_of(script, checkpoints):
 # absolute). rtol is 1e-5 for the supervised scripts; for the RL scripts 2e-2, since what they log after an update
 # comes from weights that hold only to their lr: on a 2-core x86 CI machine 1e-5 holds, but on another CPU and torch build
 # (an H200 host's, torch 2.11) grpo's eval/kl after two updates moved by 1%.
+# The key bias has no gradient in exact arithmetic (softmax does not change when every key logit of a query shifts by
+# the same q·b_k), so its gradient is rounding noise, which Adam scales to a step of about lr either way at each of
+# the RL runs' 3 iterations × 2 epochs × 2 minibatches: it holds to lr × steps (seen: 1.4 lr), the rest to lr.
+KEY_BIAS_STEPS = 12
 SAMPLED = ["eval/gold_accuracy", "eval/gold_score"]
 TIERS = {"sft": (SAMPLED + ["eval/gold_accuracy_greedy", "eval/gold_score_greedy"], 1e-5, 1e-5),
          "reward_model": None,
@@ -73,27 +77,27 @@ TIERS = {"sft": (SAMPLED + ["eval/gold_accuracy_greedy", "eval/gold_score_greedy
 
 
 def variant_flags(variant, checkpoints, tmp_path):
-    """Flags that set every loss-shaping flag both tiers take away from its default (a flag scale/ ignored at its
-    default value would pass the default run): the ones each variant adds to flags_of."""
-    reward_model = str(checkpoints["cwd"] / "models" / "reward_model")
-    if variant == "reward_model-margin":  # a margin column, the centering term, another clip
+    """Flags that take every loss-shaping flag both tiers accept off its default, at values where it binds (a clip
+    that clips, a KL controller that moves the coefficient by more than the 2% the RL logs hold to): a scale/ flag
+    ignored at its default value would pass the default run. The RL variants run from the small checkpoints,
+    whose completions stop and score above 0, so that the reward's terms and weights show."""
+    if variant == "reward_model-margin":  # a margin column, the centering term, a clip that clips
         rows = [{"prompt": f"sort {i}{i + 1}:", "chosen": f"{i}{i + 1}", "rejected": f"{i + 1}{i}",
                  "margin": 0.5 * (i % 3)} for i in range(8)] * 8
         (tmp_path / "prefs.jsonl").write_text("\n".join(json.dumps(row) for row in rows))
         return ["--dataset-name", str(tmp_path / "prefs.jsonl"), "--center-rewards-coefficient", "0.01",
-                "--max-grad-norm", "0.5", "--eval-size", "8"]
+                "--max-grad-norm", "0.01", "--eval-size", "8"]
     return {
-        "dpo-ipo": ["--loss-type", "ipo", "--beta", "0.3", "--max-grad-norm", "0.5"],
+        "dpo-ipo": ["--loss-type", "ipo", "--beta", "0.3", "--max-grad-norm", "0.01"],
         "rlhf_ppo-terms": ["--reward-fn", "gold", "--reward-weights", "0.5", "1", "--kl-target", "1.0", "--kl-horizon",
-                           "500", "--missing-eos-penalty", "-2", "--cliprange", "0.1", "--cliprange-value", "0.1",
-                           "--vf-coef", "0.3", "--gamma", "0.95", "--lam", "0.9", "--temperature", "0.8",
-                           "--max-grad-norm", "0.5"],
-        "grpo-rloo-cispo": ["--advantage", "rloo", "--loss-type", "cispo", "--epsilon-high", "4.0",
-                            "--mask-truncated-completions", "--soft-overlong-cache", "4", "--beta", "0.02",
-                            "--reward-fn", "gold", "--reward-model-path", reward_model, "--reward-weights", "0.5", "1",
-                            "--no-anneal-lr", "--temperature", "0.8", "--missing-eos-penalty", "-2",
-                            "--max-grad-norm", "0.5"],
-        "grpo-dr_grpo": ["--no-scale-rewards", "--loss-type", "dr_grpo", "--epsilon-high", "0.3"],
+                           "20", "--missing-eos-penalty", "-2", "--cliprange", "0.1", "--cliprange-value", "0.1",
+                           "--vf-coef", "0.3", "--gamma", "0.95", "--lam", "0.9", "--temperature", "0.8"],
+        "grpo-rloo-cispo": ["--advantage", "rloo", "--loss-type", "cispo", "--epsilon-high", "0.001",
+                            "--mask-truncated-completions", "--soft-overlong-cache", "4", "--beta", "1.0",
+                            "--reward-fn", "gold", "--reward-model-path", str(checkpoints["reward_model"]),
+                            "--reward-weights", "0.5", "1", "--no-anneal-lr", "--temperature", "0.8",
+                            "--missing-eos-penalty", "-2"],
+        "grpo-dr_grpo": ["--no-scale-rewards", "--loss-type", "dr_grpo", "--epsilon-high", "0.001"],
     }.get(variant, [])
 
 
@@ -101,10 +105,11 @@ CASES = list(TIERS) + ["reward_model-margin", "dpo-ipo", "rlhf_ppo-terms", "grpo
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_the_reference_and_its_scale_sibling_compute_the_same(tiny_checkpoints, tmp_path, case):
+def test_the_reference_and_its_scale_sibling_compute_the_same(tiny_checkpoints, small_checkpoints, tmp_path, case):
     """The default flags, and variants that take every loss-shaping flag both tiers accept off its default."""
     script = case.split("-")[0]
-    flags = flags_of(script, tiny_checkpoints) + variant_flags(case, tiny_checkpoints, tmp_path)
+    checkpoints = small_checkpoints if case in ("rlhf_ppo-terms", "grpo-rloo-cispo") else tiny_checkpoints
+    flags = flags_of(script, checkpoints) + variant_flags(case, checkpoints, tmp_path)
     (logs, weights), (scale_logs, scale_weights) = (run(path, flags + ["--output-dir", f"models/{script}"],
                                                         tmp_path / path.replace("/", "_"))
                                                     for path in (f"{script}.py", f"scale/{script}.py"))
@@ -122,4 +127,10 @@ def test_the_reference_and_its_scale_sibling_compute_the_same(tiny_checkpoints, 
              if any(abs(a - b) > 1e-5 + rtol * abs(b) for (_, a), (_, b) in zip(logs[tag], scale_logs[tag]))}
     assert apart == {}, apart
     for name in weights:
-        torch.testing.assert_close(weights[name], scale_weights[name], rtol=0, atol=atol, msg=name)
+        ours, theirs = weights[name], scale_weights[name]
+        if name.endswith("attn.c_attn.bias"):  # GPT-2's [query | key | value] bias: the key's third, see KEY_BIAS_STEPS
+            third = len(ours) // 3
+            torch.testing.assert_close(ours[third : 2 * third], theirs[third : 2 * third], rtol=0,
+                                       atol=atol * KEY_BIAS_STEPS, msg=name)
+            ours, theirs = torch.cat([ours[:third], ours[2 * third :]]), torch.cat([theirs[:third], theirs[2 * third :]])
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=atol, msg=name)
