@@ -80,7 +80,8 @@ def variant_flags(variant, checkpoints, tmp_path):
     """Flags that take every loss-shaping flag both tiers accept off its default, at values where it binds (a clip
     that clips, a KL controller that moves the coefficient by more than the 2% the RL logs hold to): a scale/ flag
     ignored at its default value would pass the default run. The RL variants run from the small checkpoints,
-    whose completions stop and score above 0, so that the reward's terms and weights show."""
+    whose completions stop and score above 0, so that the reward's terms and weights show, and stop at 7 tokens,
+    which the answers of 6 digits and more (7 tokens with the stop) do not fit: some completions have no stop."""
     if variant == "reward_model-margin":  # a margin column, the centering term, a clip that clips
         rows = [{"prompt": f"sort {i}{i + 1}:", "chosen": f"{i}{i + 1}", "rejected": f"{i + 1}{i}",
                  "margin": 0.5 * (i % 3)} for i in range(8)] * 8
@@ -91,12 +92,13 @@ def variant_flags(variant, checkpoints, tmp_path):
         "dpo-ipo": ["--loss-type", "ipo", "--beta", "0.3", "--max-grad-norm", "0.01"],
         "rlhf_ppo-terms": ["--reward-fn", "gold", "--reward-weights", "0.5", "1", "--kl-target", "1.0", "--kl-horizon",
                            "20", "--missing-eos-penalty", "-2", "--cliprange", "0.1", "--cliprange-value", "0.1",
-                           "--vf-coef", "0.3", "--gamma", "0.95", "--lam", "0.9", "--temperature", "0.8"],
+                           "--vf-coef", "0.3", "--gamma", "0.95", "--lam", "0.9", "--temperature", "0.8",
+                           "--response-length", "7"],
         "grpo-rloo-cispo": ["--advantage", "rloo", "--loss-type", "cispo", "--epsilon-high", "0.001",
                             "--mask-truncated-completions", "--soft-overlong-cache", "4", "--beta", "1.0",
                             "--reward-fn", "gold", "--reward-model-path", str(checkpoints["reward_model"]),
                             "--reward-weights", "0.5", "1", "--no-anneal-lr", "--temperature", "0.8",
-                            "--missing-eos-penalty", "-2"],
+                            "--missing-eos-penalty", "-2", "--response-length", "7"],
         "grpo-dr_grpo": ["--no-scale-rewards", "--loss-type", "dr_grpo", "--epsilon-high", "0.001"],
     }.get(variant, [])
 
