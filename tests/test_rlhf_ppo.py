@@ -340,9 +340,10 @@ def test_a_response_with_no_stop_token_is_scored_the_missing_eos_penalty(small_c
 @pytest.mark.parametrize("vf_coef,critic_grad", [(0.0, False), (0.5, True)])
 def test_the_ppo_flags_reach_the_losses_and_the_gradient(tiny_checkpoints, tmp_path, monkeypatch, vf_coef, critic_grad):
     """--kl-coef reaches the per-token rewards (shaped_rewards), --cliprange the policy loss, --cliprange-value the
-    value loss, at every minibatch of every one of the --ppo-epochs; the first minibatch's ratio is exactly 1 at --temperature 0.7 (the update's
-    log-probs at the rollout's temperature); and with the policy loss zeroed (0 × itself, still in the graph) the
-    critic's gradient is vf_coef · L^V's: none at --vf-coef 0, some at 0.5. A loop that ignores one of them fails."""
+    value loss, at every minibatch of every one of the --ppo-epochs; the first minibatch's ratio is exactly 1 at
+    --temperature 0.7 (the update's log-probs at the rollout's temperature); and with the policy loss zeroed (0 ×
+    itself, still in the graph) the critic's gradient is vf_coef · L^V's: none at --vf-coef 0, some at 0.5. A loop
+    that ignores one of them fails."""
     seen = {"kl_coef": [], "cliprange": [], "cliprange_value": [], "critic_grad": []}
     real = {name: getattr(rlhf_ppo, name) for name in ("shaped_rewards", "policy_loss", "masked_value_loss", "load_models")}
     critics, real_clip = [], torch.nn.utils.clip_grad_norm_
