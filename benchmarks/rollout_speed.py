@@ -3,7 +3,7 @@ benchmarks/trl_grpo.py) or samples_per_second (benchmarks/gpu_step.py, benchmark
 side: python benchmarks/rollout_speed.py PAIRS 'A=COMMAND' 'B=COMMAND'
 
 They run PAIRS times each, alternating (A B, B A, A B, ...), one at a time, with the environment they inherit (run
-under OMP_NUM_THREADS=1 for equal threads). Prints a markdown table: each pair's completions/s, the ratio B / A,
+under OMP_NUM_THREADS=1 for equal threads). Prints a markdown table: each pair's speeds, the ratio B / A,
 its median and range, and the mean seconds of each part where the commands were given --profile. Run it alone
 on an idle machine."""
 import json
