@@ -8,7 +8,12 @@
 # charts/samples_per_second, read by benchmarks/gpu_step.py, which adds the peak CUDA memory).
 #   TRL_PYTHON=python3 bash benchmarks/gpu_supervised.sh [PAIRS]   # TRL 1.16 importable by TRL_PYTHON
 # SCRIPTS="sft dpo" runs some of the three; DATA=DIR takes DIR/base, DIR/sft.jsonl and DIR/pref.jsonl instead of
-# making them (a tiny model, to try the commands on the CPU).
+# making them (`python benchmarks/random_qwen.py DIR --tiny`: a tiny model, to try the commands on the CPU).
+# Both sides also report the steady speed, after the first WARMUP_STEPS steps (default 10; benchmarks/step_clock.py),
+# which a real run's thousands of steps see; the tables give both. CANDIDATES=a,b runs the scripts with
+# gpu_step.py's training-throughput candidates (fused_adamw, whole_head, no_cache, compile), and AGAINST=plain puts
+# them against the same script without them instead of TRL. PROFILE_STEPS=N runs each side once with a profile of N
+# steps after the warmup instead of the pairs (the GPU's busy fraction, kernels per step, the longest kernels).
 set -euo pipefail
 PAIRS=${1:-2}; PY=${PYTHON:-python}; B=${BATCH:-8}; S=${STEPS:-40}; ROOT=$(pwd)
 export PYTHONUNBUFFERED=1
@@ -29,7 +34,22 @@ for name in ${SCRIPTS:-sft reward_model dpo}; do
       $ours_precision --output-dir $out/$name $extra"
   trl="$TRL_PYTHON $ROOT/benchmarks/trl_supervised.py $name --model $work/base --dataset $work/$data --max-length 1024
       --batch-size $B --max-steps $S --lr 1e-5 --warmup-steps 1 $trl_precision"
-  echo "## scale/$name.py against TRL $($TRL_PYTHON -c 'import trl; print(trl.__version__)') on $device, batch $B, $S steps"
-  $PY "$ROOT/benchmarks/rollout_speed.py" "$PAIRS" "TRL=$(echo $trl)" "scale/$name.py=$(echo $ours)"
+  mine="scale/$name.py${CANDIDATES:+ with $CANDIDATES}"
+  if [ "${AGAINST:-TRL}" = plain ]; then
+    echo "## $mine against scale/$name.py on $device, batch $B, $S steps"
+    set -- "scale/$name.py=$(echo $ours)" "$mine=env CANDIDATES=${CANDIDATES:-} $(echo $ours)"
+  else
+    echo "## $mine against TRL $($TRL_PYTHON -c 'import trl; print(trl.__version__)') on $device, batch $B, $S steps"
+    set -- "TRL=$(echo $trl)" "$mine=env CANDIDATES=${CANDIDATES:-} $(echo $ours)"
+  fi
+  if [ -n "${PROFILE_STEPS:-}" ]; then
+    for side in "$@"; do
+      echo "### ${side%%=*}"
+      log=$(${side#*=} 2>&1) || { echo "$log" | tail -20; exit 1; }
+      echo "$log" | grep '^{' | tail -1
+    done
+  else
+    $PY "$ROOT/benchmarks/rollout_speed.py" "$PAIRS" "$@"
+  fi
   echo
 done

@@ -3,6 +3,8 @@ bf16) with a small tokenizer trained on the fly, and data of about 250 tokens pe
 benchmarks (gpu_steps.sh, gpu_rollout.sh); no download:
 
     python benchmarks/random_qwen.py DIR    # DIR/base, DIR/sft.jsonl, DIR/pref.jsonl, DIR/prompts.jsonl
+    python benchmarks/random_qwen.py DIR --tiny    # 2 layers, 64 wide, the tokenizer's vocabulary: the same
+                                                   # files, to try the GPU benchmarks' commands on a CPU (DATA=DIR)
 """
 import json
 import os
@@ -15,11 +17,13 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from lm_models import make_tokenizer  # noqa: E402
 
-work = sys.argv[1]
+work, tiny = sys.argv[1], "--tiny" in sys.argv[2:]
 tokenizer = make_tokenizer("pad_is_eos")  # a small trained tokenizer; the model's 151,936 rows as Qwen2.5's
 torch.manual_seed(0)
-model = Qwen2ForCausalLM(Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                                     num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=2048,
+shape = (dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4) if tiny else
+         dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14))
+model = Qwen2ForCausalLM(Qwen2Config(**shape, num_key_value_heads=2, max_position_embeddings=2048,
                                      tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
                                      pad_token_id=tokenizer.pad_token_id))
 model.to(torch.bfloat16).save_pretrained(f"{work}/base")

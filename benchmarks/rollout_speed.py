@@ -4,7 +4,8 @@ side: python benchmarks/rollout_speed.py PAIRS 'A=COMMAND' 'B=COMMAND'
 
 They run PAIRS times each, alternating (A B, B A, A B, ...), one at a time, with the environment they inherit (run
 under OMP_NUM_THREADS=1 for equal threads). Prints a markdown table: each pair's speeds, the ratio B / A,
-its median and range, and the mean seconds of each part where the commands were given --profile. Run it alone
+its median and range, the same of the steady speed after a warmup where both sides report it
+(benchmarks/step_clock.py), and the mean seconds of each part where the commands were given --profile. Run it alone
 on an idle machine."""
 import json
 import shlex
@@ -45,6 +46,15 @@ def main(pairs, *specs):
     print(f"| {', '.join(f'{s:.1f}' for s in speed[name_a])} | {', '.join(f'{s:.1f}' for s in speed[name_b])} | "
           f"{', '.join(f'{r:.2f}' for r in ratios)} | **{statistics.median(ratios):.2f}×** | "
           f"{min(ratios):.2f}–{max(ratios):.2f} |")
+    if all("steady_samples_per_second" in r for rs in results.values() for r in rs):
+        steady = {name: [r["steady_samples_per_second"] for r in rs] for name, rs in results.items()}
+        warmup = results[name_a][0]["warmup_steps"]
+        print(f"\nsteady samples/s, after the first {warmup} steps (benchmarks/step_clock.py)\n\n"
+              f"| {name_a} | {name_b} | {name_b} / {name_a} per pair | median | range |\n|-|-|-|-|-|")
+        ratios = [b / a for a, b in zip(steady[name_a], steady[name_b])]
+        print(f"| {', '.join(f'{s:.1f}' for s in steady[name_a])} | {', '.join(f'{s:.1f}' for s in steady[name_b])} | "
+              f"{', '.join(f'{r:.2f}' for r in ratios)} | **{statistics.median(ratios):.2f}×** | "
+              f"{min(ratios):.2f}–{max(ratios):.2f} |")
     if all("generation_tokens_per_s" in r for rs in results.values() for r in rs):
         tokens = {name: [r["generation_tokens_per_s"] for r in rs] for name, rs in results.items()}
         print(f"\ngeneration tokens/s (each completion up to its stop token, over the generation's seconds)\n\n"

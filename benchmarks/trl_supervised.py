@@ -15,9 +15,13 @@ checkpoint's, as scale/sft.py does; random_qwen.py's has none), float32 (--gpu: 
 weights, as the scripts' --bf16). TRL keeps its own defaults elsewhere: the fused AdamW kernel (the scripts use
 torch's default, foreach) and its own data order. Prints one JSON line: samples (pairs, for the reward model and
 DPO) per second of the training loop, from the first step's start to the last step's end (the device waited for at
-each step's end), as the scripts' charts/samples_per_second, and on CUDA the peak torch.cuda.max_memory_allocated."""
+each step's end), as the scripts' charts/samples_per_second, and on CUDA the peak torch.cuda.max_memory_allocated;
+also the steady speed after the first WARMUP_STEPS optimizer steps (default 10), or with PROFILE_STEPS=N a profile
+of N steps after them, as benchmarks/gpu_step.py reports them for the scripts (benchmarks/step_clock.py)."""
 import argparse
 import json
+import os
+import sys
 import tempfile
 import time
 
@@ -25,6 +29,9 @@ import datasets
 import torch
 import transformers
 from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from step_clock import StepClock  # noqa: E402
 
 
 def main():
@@ -81,11 +88,13 @@ def main():
 
     loop = LoopTime()
     trainer.add_callback(loop)
+    clock = StepClock(int(os.environ.get("WARMUP_STEPS", "10")), int(os.environ.get("PROFILE_STEPS", "0")))
     trainer.train()
     seconds = loop.end - loop.start
     print(json.dumps({"side": f"TRL {type(trainer).__name__}", "steps": args.max_steps, "seconds": seconds,
                       "samples_per_second": args.max_steps * args.batch_size / seconds,
-                      "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if args.gpu else None}))
+                      "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if args.gpu else None,
+                      **clock.report(args.batch_size)}))
 
 
 if __name__ == "__main__":

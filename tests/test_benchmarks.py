@@ -115,18 +115,53 @@ def test_side_by_side_pairs_alternate_and_report_every_ratio(tmp_path, capsys, k
     charts/samples_per_second; trl_supervised.py)."""
     order = tmp_path / "order"
     commands = []
-    for name, speed in (("A", [10.0, 20.0, 10.0]), ("B", [15.0, 20.0, 40.0])):
+    sides = (("A", [10.0, 20.0, 10.0], [8.0, 16.0, 8.0]), ("B", [15.0, 20.0, 40.0], [12.0, 32.0, 16.0]))
+    for name, speed, steady in sides:
         script = tmp_path / f"{name}.py"
+        steady_fields = (f", 'steady_samples_per_second': {steady}[runs], 'warmup_steps': 10"
+                         if key == "samples_per_second" else "")
         script.write_text("import json, sys\n"
                           f"runs = open({str(order)!r}).read().count({name!r}) if __import__('os').path.exists({str(order)!r}) else 0\n"
                           f"open({str(order)!r}, 'a').write({name!r})\n"
-                          f"print(json.dumps({{{key!r}: {speed}[runs], 'seconds': 1.0}}))\n")
+                          f"print(json.dumps({{{key!r}: {speed}[runs], 'seconds': 1.0{steady_fields}}}))\n")
         commands.append(f"{name}={sys.executable} {script}")
     rollout_speed.main("3", *commands)
     assert order.read_text() == "ABBAAB"
     table = capsys.readouterr().out
     assert "| 10.0, 20.0, 10.0 | 15.0, 20.0, 40.0 | 1.50, 1.00, 4.00 | **1.50×** | 1.00–4.00 |" in table
     assert f"| A ({unit}) | B ({unit}) |" in table
+    # the steady speeds after the warmup (step_clock.py), where both sides report them: their own pairs and ratios
+    assert ("steady samples/s, after the first 10 steps" in table) == (key == "samples_per_second")
+    assert ("| 8.0, 16.0, 8.0 | 12.0, 32.0, 16.0 | 1.50, 2.00, 2.00 | **2.00×** | 1.50–2.00 |" in table) == (
+        key == "samples_per_second")
+
+
+def test_the_step_clock_times_the_optimizer_steps_after_the_warmup(monkeypatch):
+    """benchmarks/step_clock.py: a hook on every optimizer's step notes the time after it; the steady speed counts
+    the steps after the first `warmup`, from the end of step `warmup` to the end of the last (steps ending at 1, 2,
+    4, 7 and 11 s, warmup 2, 8 samples a step: 3 steps × 8 / (11 − 2) s), and a run of no more steps than the
+    warmup reports nothing. The hook goes away with the clock's handle."""
+    import step_clock
+    import torch
+
+    ends = iter([1.0, 2.0, 4.0, 7.0, 11.0])
+    monkeypatch.setattr(step_clock.time, "perf_counter", lambda: next(ends))
+    monkeypatch.setattr(step_clock.torch.cuda, "is_available", lambda: False)
+    clock = step_clock.StepClock(warmup=2)
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    try:
+        for step in range(5):
+            weight.sum().backward()
+            optimizer.step()
+            if step == 1:
+                assert clock.report(8) == {}
+    finally:
+        clock.handle.remove()
+    assert clock.report(8) == {"steady_samples_per_second": pytest.approx(3 * 8 / 9), "steady_steps": 3,
+                               "warmup_steps": 2}
+    optimizer.step()
+    assert len(clock.times) == 5
 
 
 def test_the_held_out_task_is_another_task_whose_answers_are_right():
