@@ -9,7 +9,8 @@
 #   git show aee7bdc:rlhf_ppo.py > before/rlhf_ppo.py && bash benchmarks/gpu_rlhf_ppo.sh before/rlhf_ppo.py [PAIRS]
 # DATA=DIR takes DIR/base, DIR/pref.jsonl and DIR/prompts.jsonl instead of making them, and BATCH and MINI_BATCH
 # set the two sizes (a tiny model, to try the commands on the CPU); on a machine without CUDA both sides run in
-# float32 on the CPU.
+# float32 on the CPU. CANDIDATES=a,b runs scale/rlhf_ppo.py (not the earlier commit's) with benchmarks/candidates.py's
+# training-throughput candidates.
 set -euo pipefail
 BEFORE=$(realpath "$1"); PAIRS=${2:-3}; PY=${PYTHON:-python}; N=${ITERATIONS:-3}; ROOT=$(pwd)
 B=${BATCH:-256}; MB=${MINI_BATCH:-64}
@@ -27,5 +28,5 @@ flags="--sft-model-path $work/base --reward-model-path $out/rm --dataset-name $w
     --response-length 128 --max-prompt-length 512 --batch-size $B --mini-batch-size $MB --gradient-accumulation-steps 4
     --eval-every 1000 --eval-size 16 $precision --output-dir $out/policy --profile"
 echo "## scale/rlhf_ppo.py against $1 on $device"
-$PY "$ROOT/benchmarks/rollout_speed.py" "$PAIRS" "before=$PY $ROOT/benchmarks/rollout_timer.py $BEFORE $(echo $flags)" \
-    "scale/rlhf_ppo.py=$PY $ROOT/benchmarks/rollout_timer.py $ROOT/scale/rlhf_ppo.py $(echo $flags)"
+$PY "$ROOT/benchmarks/rollout_speed.py" "$PAIRS" "before=env CANDIDATES= $PY $ROOT/benchmarks/rollout_timer.py $BEFORE $(echo $flags)" \
+    "scale/rlhf_ppo.py${CANDIDATES:+ with $CANDIDATES}=env CANDIDATES=${CANDIDATES:-} $PY $ROOT/benchmarks/rollout_timer.py $ROOT/scale/rlhf_ppo.py $(echo $flags)"

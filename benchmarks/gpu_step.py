@@ -13,17 +13,8 @@ the steady speed, samples/s after the first WARMUP_STEPS optimizer steps (defaul
 benchmarks/trl_supervised.py times TRL's trainers (benchmarks/step_clock.py); PROFILE_STEPS=N profiles N steps
 after the warmup instead (a run of its own).
 
-CANDIDATES=a,b runs the script with training-throughput candidates put in from outside, so that one can be
-measured before it is written into the scripts (each changes results a little):
-  fused_adamw  torch's fused AdamW kernel (TRL's default optimizer) instead of the foreach one;
-  whole_head   head_logprobs keeps each chunk's logits for the backward pass instead of recomputing them (the
-               chunked LM head's activation checkpointing off: more memory, less arithmetic);
-  no_cache     the models' config.use_cache off, so that a forward pass that is not sampling (training, scoring)
-               builds no KV cache (transformers builds one by default and copies every layer's keys and values
-               into it); sampling asks for its cache itself;
-  compile      each transformer block's forward compiled by torch.compile (dynamic shapes) where it computes
-               gradients; no-gradient passes (a frozen reference, evaluation, sampling) stay eager. With a KV cache
-               in the training pass, the blocks compile again for it: take it with no_cache.
+CANDIDATES=a,b runs the script with training-throughput candidates put in from outside (benchmarks/candidates.py:
+fused_adamw, whole_head, no_cache, compile), so that each can be measured before it is written into the scripts.
 """
 import glob
 import json
@@ -35,42 +26,12 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import candidates  # noqa: E402
 from step_clock import StepClock  # noqa: E402
 
 script, sys.argv = sys.argv[1], sys.argv[1:]
-CANDIDATES = [c for c in os.environ.get("CANDIDATES", "").split(",") if c]
-unknown = set(CANDIDATES) - {"fused_adamw", "whole_head", "no_cache", "compile"}
-if unknown:
-    sys.exit(f"error: unknown CANDIDATES {sorted(unknown)}: choose from fused_adamw, whole_head, no_cache, compile")
-if "fused_adamw" in CANDIDATES:
-    class FusedAdamW(torch.optim.AdamW):
-        def __init__(self, params, **kwargs):
-            super().__init__(params, fused=True, **kwargs)
-
-    torch.optim.AdamW = FusedAdamW
-if "whole_head" in CANDIDATES:  # the scripts import checkpoint from here when they run
-    import torch.utils.checkpoint
-
-    torch.utils.checkpoint.checkpoint = lambda function, *args, use_reentrant=None, **kwargs: function(*args, **kwargs)
-if "no_cache" in CANDIDATES or "compile" in CANDIDATES:
-    from transformers.modeling_utils import PreTrainedModel
-
-    real_post_init = PreTrainedModel.post_init
-
-    def post_init(self):
-        real_post_init(self)
-        if "no_cache" in CANDIDATES:  # sampling passes use_cache=True itself
-            self.config.use_cache = False
-        if "compile" not in CANDIDATES:
-            return
-        blocks = set(self._no_split_modules or [])
-        for module in self.modules():
-            if type(module).__name__ in blocks and not hasattr(module, "eager_forward"):
-                module.eager_forward, compiled = module.forward, torch.compile(module.forward, dynamic=True)
-                module.forward = (lambda *args, _compiled=compiled, _eager=module.forward, **kwargs:
-                                  (_compiled if torch.is_grad_enabled() else _eager)(*args, **kwargs))
-
-    PreTrainedModel.post_init = post_init
+CANDIDATES = candidates.from_environment()
+candidates.apply(CANDIDATES)
 supervised = os.path.basename(script) in ("sft.py", "reward_model.py", "dpo.py") and "--batch-size" in sys.argv
 warmup, profile_steps = int(os.environ.get("WARMUP_STEPS", "10")), int(os.environ.get("PROFILE_STEPS", "0"))
 clock = StepClock(warmup, profile_steps) if supervised else None

@@ -15,7 +15,7 @@
 # them against the same script without them instead of TRL. PROFILE_STEPS=N runs each side once with a profile of N
 # steps after the warmup instead of the pairs (the GPU's busy fraction, kernels per step, the longest kernels).
 set -euo pipefail
-PAIRS=${1:-2}; PY=${PYTHON:-python}; B=${BATCH:-8}; S=${STEPS:-40}; ROOT=$(pwd)
+PAIRS=${1:-2}; PY=${PYTHON:-python}; B=${BATCH:-8}; S=${STEPS:-40}; ROOT=$(pwd); TRL_PYTHON=${TRL_PYTHON:-$PY}
 export PYTHONUNBUFFERED=1
 work=${DATA:-$(mktemp -d)}
 [ -n "${DATA:-}" ] || $PY benchmarks/random_qwen.py "$work"
@@ -37,7 +37,7 @@ for name in ${SCRIPTS:-sft reward_model dpo}; do
   mine="scale/$name.py${CANDIDATES:+ with $CANDIDATES}"
   if [ "${AGAINST:-TRL}" = plain ]; then
     echo "## $mine against scale/$name.py on $device, batch $B, $S steps"
-    set -- "scale/$name.py=$(echo $ours)" "$mine=env CANDIDATES=${CANDIDATES:-} $(echo $ours)"
+    set -- "scale/$name.py=env CANDIDATES= $(echo $ours)" "$mine=env CANDIDATES=${CANDIDATES:-} $(echo $ours)"
   else
     echo "## $mine against TRL $($TRL_PYTHON -c 'import trl; print(trl.__version__)') on $device, batch $B, $S steps"
     set -- "TRL=$(echo $trl)" "$mine=env CANDIDATES=${CANDIDATES:-} $(echo $ours)"

@@ -15,10 +15,11 @@ the whole run takes scaled_dot_product_attention's math kernel (torch.nn.attenti
 kernel torch picks on the CPU, whose bfloat16 backward is slow at the built-in task's short sequences
 (benchmarks/update_floor.py); the scripts themselves leave the choice to torch. With --eager-sampling, a script that
 samples on CUDA with sample_tokens_graphed (the step as a CUDA graph) takes the eager loop, sample_tokens, instead:
-the two side by side."""
+the two side by side. CANDIDATES=a,b puts benchmarks/candidates.py's training-throughput candidates into the script."""
 import contextlib
 import importlib.util
 import json
+import os
 import sys
 import time
 
@@ -26,11 +27,15 @@ import torch
 import tyro
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import candidates  # noqa: E402
+
 
 def main():
     path, flags = sys.argv[1], sys.argv[2:]
     profile, attention_math, eager = "--profile" in flags, "--attention-math" in flags, "--eager-sampling" in flags
     flags = [f for f in flags if f not in ("--profile", "--attention-math", "--eager-sampling")]
+    candidates.apply(candidates.from_environment())
     spec = importlib.util.spec_from_file_location("script_under_test", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

@@ -1,12 +1,14 @@
 """The benchmark tools: plot_curves.py must refuse to mix runs; the rollout timers must time what they say."""
 import glob
 import os
+import subprocess
 import sys
 
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import make_arithmetic  # noqa: E402
 import make_heldout  # noqa: E402
 import plot_ppo_kl_beta  # noqa: E402
@@ -195,3 +197,46 @@ def test_the_variants_table_intervals():
     t-interval of the mean over seeds, t(2) = 4.303 × sd / √3 (sd with n − 1)."""
     assert summarize_variants.interval([0.5], 512) == pytest.approx((0.5, 1.96 * (0.25 / 512) ** 0.5))
     assert summarize_variants.interval([0.80, 0.82, 0.84], 512) == pytest.approx((0.82, 4.303 * 0.02 / 3 ** 0.5))
+
+
+def test_the_throughput_candidates_change_what_they_say(tmp_path):
+    """benchmarks/candidates.py, applied in a process of its own: fused_adamw makes every AdamW the fused kernel;
+    whole_head runs a checkpointed function once (no recomputation in the backward pass); no_cache turns off
+    use_cache in a model built after it, so a forward pass returns no cache; compile compiles each transformer
+    block where it computes gradients and leaves it eager without them. An unknown name is one line."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(f"""
+import sys
+sys.path.insert(0, {os.path.join(ROOT, "benchmarks")!r})
+import torch
+import candidates
+candidates.apply(candidates.from_environment())
+from torch.utils.checkpoint import checkpoint
+from transformers import GPT2Config, GPT2LMHeadModel
+calls = []
+x = torch.ones(3, requires_grad=True)
+checkpoint(lambda t: calls.append(1) or t * t, x, use_reentrant=False).sum().backward()  # t saved: recomputed
+model = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=2))
+with torch.no_grad():
+    cache = model(torch.tensor([[1, 2]])).cache
+from torch._dynamo.utils import counters
+without_gradients = counters["stats"]["unique_graphs"]
+model(torch.tensor([[1, 2]])).logits.sum().backward()
+print(torch.optim.AdamW(model.parameters()).defaults["fused"], len(calls), cache is None, without_gradients,
+      counters["stats"]["unique_graphs"])
+""")
+    seen = {}
+    for names in ("", "fused_adamw", "whole_head", "no_cache", "compile"):
+        proc = subprocess.run([sys.executable, str(probe)], env={**os.environ, "CANDIDATES": names},
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        seen[names] = proc.stdout.split()
+    assert seen[""] == ["None", "2", "False", "0", "0"]
+    assert seen["fused_adamw"] == ["True", "2", "False", "0", "0"]
+    assert seen["whole_head"] == ["None", "1", "False", "0", "0"]
+    assert seen["no_cache"] == ["None", "2", "True", "0", "0"]
+    assert seen["compile"][:4] == ["None", "2", "False", "0"] and int(seen["compile"][4]) >= 1, seen["compile"]
+    proc = subprocess.run([sys.executable, str(probe)], env={**os.environ, "CANDIDATES": "fused"}, capture_output=True,
+                          text=True)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        "error: unknown CANDIDATES ['fused']: choose from fused_adamw, whole_head, no_cache, compile"]
