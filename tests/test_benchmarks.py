@@ -216,12 +216,14 @@ from transformers import GPT2Config, GPT2LMHeadModel
 calls = []
 x = torch.ones(3, requires_grad=True)
 checkpoint(lambda t: calls.append(1) or t * t, x, use_reentrant=False).sum().backward()  # t saved: recomputed
-model = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=2))
+device = "cuda" if torch.cuda.is_available() else "cpu"  # compiled by Triton there, by the C++ compiler here
+model = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=2)).to(device)
+tokens = torch.tensor([[1, 2]], device=device)
 with torch.no_grad():
-    cache = model(torch.tensor([[1, 2]])).cache
+    cache = model(tokens).cache
 from torch._dynamo.utils import counters
 without_gradients = counters["stats"]["unique_graphs"]
-model(torch.tensor([[1, 2]])).logits.sum().backward()
+model(tokens).logits.sum().backward()
 print(torch.optim.AdamW(model.parameters()).defaults["fused"], len(calls), cache is None, without_gradients,
       counters["stats"]["unique_graphs"])
 """)
