@@ -128,7 +128,8 @@ def completion_logps(model, input_ids, attention_mask, labels, temperature=1.0):
     """Σ_t log π(y_t | x, y_<t) over the labeled tokens (labels ≠ −100), one value per sequence, π the softmax of
     logits / temperature."""
     targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # position t predicts token t + 1
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_of(attention_mask)).logits
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_of(attention_mask),
+                   use_cache=False).logits  # a pass that does not sample keeps no KV cache (as TRL's trainers)
     return (gather_logprobs(logits / temperature, targets.clamp(min=0)) * (targets != -100)).sum(-1)
 
 
@@ -668,8 +669,9 @@ def last_token_index(attention_mask):
 def scalar_head(model, input_ids, attention_mask):
     """A sequence classifier's scalar head on every position, [batch, length], computed in float32 (a value or a
     reward is one number: it gets float32's precision, not bfloat16's 3 digits)."""
+    # use_cache=False: a pass that does not sample keeps no KV cache (transformers makes one by default)
     hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                              position_ids=position_ids_of(attention_mask)).last_hidden_state
+                              position_ids=position_ids_of(attention_mask), use_cache=False).last_hidden_state
     head = model.score
     with torch.autocast(hidden.device.type, enabled=False):
         return F.linear(hidden.float(), head.weight.float(), None if head.bias is None else head.bias.float()).squeeze(-1)

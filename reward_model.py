@@ -556,8 +556,9 @@ def last_token_index(attention_mask):
 def scalar_head(model, input_ids, attention_mask):
     """A sequence classifier's scalar head on every position, [batch, length], computed in float32 (a value or a
     reward is one number: it gets float32's precision, not bfloat16's 3 digits)."""
+    # use_cache=False: a pass that does not sample keeps no KV cache (transformers makes one by default)
     hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                              position_ids=position_ids_of(attention_mask)).last_hidden_state
+                              position_ids=position_ids_of(attention_mask), use_cache=False).last_hidden_state
     head = model.score
     with torch.autocast(hidden.device.type, enabled=False):
         return F.linear(hidden.float(), head.weight.float(), None if head.bias is None else head.bias.float()).squeeze(-1)

@@ -156,8 +156,8 @@ def main(args: Args):
         # ---- update: log π_θ(y_t | x_<t) of every next token, the loss on the labeled ones ---------
         tick = time.time()
         input_ids, attention_mask, labels = (t.to(device) for t in collate(batch, tokenizer.pad_token_id))
-        with amp():
-            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        with amp():  # use_cache=False: a pass that does not sample keeps no KV cache (as TRL's trainers)
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
         logprobs = gather_logprobs(logits, next_tokens(labels))
         loss = sft_loss(logprobs, labels)
         loss.backward()
@@ -198,7 +198,7 @@ def evaluate(model, tokenizer, stop_ids, evals, task_examples, args, amp, writer
             input_ids, attention_mask, labels = (t.to(model.device) for t in collate(evals[i : i + args.batch_size],
                                                                                      tokenizer.pad_token_id))
             with amp():
-                logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+                logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
             total += sft_loss(gather_logprobs(logits, next_tokens(labels)), labels, num_items=1).item()  # summed NLL
             count += (labels[:, 1:] != -100).sum().item()
         logs["eval/loss"] = total / count

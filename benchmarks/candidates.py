@@ -7,19 +7,17 @@ from CANDIDATES=a,b:
   whole_head   head_logprobs keeps each chunk's logits for the backward pass instead of recomputing them (the
                chunked LM head's activation checkpointing off: more memory, less arithmetic; so is any
                --gradient-checkpointing, so leave that off);
-  no_cache     the models' config.use_cache off, so that a forward pass that is not sampling (training, scoring)
-               builds no KV cache (transformers builds one by default and copies every layer's keys and values
-               into it); sampling asks for its cache itself;
   compile      each transformer block's forward compiled by torch.compile (dynamic shapes) where it computes
                gradients; no-gradient passes (a frozen reference, the rollout, evaluation, sampling) stay eager.
-               With a KV cache in the training pass the blocks compile again for it: take it with no_cache.
+               The scripts' passes that compute gradients build no KV cache (use_cache=False), which would
+               compile the blocks again.
 """
 import os
 import sys
 
 import torch
 
-NAMES = ("fused_adamw", "whole_head", "no_cache", "compile")
+NAMES = ("fused_adamw", "whole_head", "compile")
 
 
 def from_environment():
@@ -42,22 +40,19 @@ def apply(names):
         from torch.utils import checkpoint as activation_checkpointing
 
         activation_checkpointing.checkpoint = lambda function, *args, use_reentrant=None, **kw: function(*args, **kw)
-    if "no_cache" in names or "compile" in names:
+    if "compile" in names:
         from transformers.modeling_utils import PreTrainedModel
 
         real_post_init = PreTrainedModel.post_init
 
         def post_init(self):
             real_post_init(self)
-            if "no_cache" in names:
-                self.config.use_cache = False
-            if "compile" in names:
-                blocks = set(self._no_split_modules or [])
-                for module in self.modules():
-                    if type(module).__name__ in blocks and not hasattr(module, "eager_forward"):
-                        module.eager_forward = module.forward
-                        compiled = torch.compile(module.forward, dynamic=True)
-                        module.forward = (lambda *args, _compiled=compiled, _eager=module.eager_forward, **kwargs:
-                                          (_compiled if torch.is_grad_enabled() else _eager)(*args, **kwargs))
+            blocks = set(self._no_split_modules or [])
+            for module in self.modules():
+                if type(module).__name__ in blocks and not hasattr(module, "eager_forward"):
+                    module.eager_forward = module.forward
+                    compiled = torch.compile(module.forward, dynamic=True)
+                    module.forward = (lambda *args, _compiled=compiled, _eager=module.eager_forward, **kwargs:
+                                      (_compiled if torch.is_grad_enabled() else _eager)(*args, **kwargs))
 
         PreTrainedModel.post_init = post_init

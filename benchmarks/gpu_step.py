@@ -14,7 +14,7 @@ benchmarks/trl_supervised.py times TRL's trainers (benchmarks/step_clock.py); PR
 after the warmup instead (a run of its own).
 
 CANDIDATES=a,b runs the script with training-throughput candidates put in from outside (benchmarks/candidates.py:
-fused_adamw, whole_head, no_cache, compile), so that each can be measured before it is written into the scripts.
+fused_adamw, whole_head, compile), so that each can be measured before it is written into the scripts.
 """
 import glob
 import json

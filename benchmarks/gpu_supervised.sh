@@ -11,7 +11,7 @@
 # making them (`python benchmarks/random_qwen.py DIR --tiny`: a tiny model, to try the commands on the CPU).
 # Both sides also report the steady speed, after the first WARMUP_STEPS steps (default 10; benchmarks/step_clock.py),
 # which a real run's thousands of steps see; the tables give both. CANDIDATES=a,b runs the scripts with
-# gpu_step.py's training-throughput candidates (fused_adamw, whole_head, no_cache, compile), and AGAINST=plain puts
+# benchmarks/candidates.py's training-throughput candidates (fused_adamw, whole_head, compile), and AGAINST=plain puts
 # them against the same script without them instead of TRL. PROFILE_STEPS=N runs each side once with a profile of N
 # steps after the warmup instead of the pairs (the GPU's busy fraction, kernels per step, the longest kernels).
 set -euo pipefail

@@ -1309,7 +1309,7 @@ def head_logprobs(model, targets, temperature=1.0, with_entropy=False, **inputs)
     if cap:
         config.final_logit_softcapping = None  # applied in the chunk instead
     try:
-        out = model(**inputs).logits
+        out = model(**{"use_cache": False, **inputs}).logits  # no KV cache unless a caller asks for one
     finally:
         del head.forward
         if cap:
@@ -1388,8 +1388,9 @@ def token_scores(model, sequences, attention_mask):
     float32 (a value or reward is one number: it gets float32's precision, not bfloat16's 3 digits)."""
     if hasattr(model, "get_base_model"):  # a LoRA model (peft): the classifier inside, its adapters in place
         model = model.get_base_model()
+    # use_cache=False: a pass that does not sample keeps no KV cache (transformers makes one by default)
     hidden = model.base_model(input_ids=sequences, attention_mask=attention_mask,
-                              position_ids=position_ids_of(attention_mask)).last_hidden_state
+                              position_ids=position_ids_of(attention_mask), use_cache=False).last_hidden_state
     head = model.score
     with torch.autocast(hidden.device.type, enabled=False):
         return F.linear(hidden.float(), head.weight.float(), None if head.bias is None else head.bias.float()).squeeze(-1)

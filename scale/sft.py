@@ -731,7 +731,7 @@ def head_logprobs(model, targets, temperature=1.0, with_entropy=False, **inputs)
     if cap:
         config.final_logit_softcapping = None  # applied in the chunk instead
     try:
-        out = model(**inputs).logits
+        out = model(**{"use_cache": False, **inputs}).logits  # no KV cache unless a caller asks for one
     finally:
         del head.forward
         if cap:

@@ -201,9 +201,9 @@ def test_the_variants_table_intervals():
 
 def test_the_throughput_candidates_change_what_they_say(tmp_path):
     """benchmarks/candidates.py, applied in a process of its own: fused_adamw makes every AdamW the fused kernel;
-    whole_head runs a checkpointed function once (no recomputation in the backward pass); no_cache turns off
-    use_cache in a model built after it, so a forward pass returns no cache; compile compiles each transformer
-    block where it computes gradients and leaves it eager without them. An unknown name is one line."""
+    whole_head runs a checkpointed function once (no recomputation in the backward pass); compile compiles each
+    transformer block where it computes gradients (a graph made by torch.compile) and leaves it eager without them
+    (none). An unknown name is one line."""
     probe = tmp_path / "probe.py"
     probe.write_text(f"""
 import sys
@@ -211,6 +211,7 @@ sys.path.insert(0, {os.path.join(ROOT, "benchmarks")!r})
 import torch
 import candidates
 candidates.apply(candidates.from_environment())
+from torch._dynamo.utils import counters
 from torch.utils.checkpoint import checkpoint
 from transformers import GPT2Config, GPT2LMHeadModel
 calls = []
@@ -220,25 +221,23 @@ device = "cuda" if torch.cuda.is_available() else "cpu"  # compiled by Triton th
 model = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=2)).to(device)
 tokens = torch.tensor([[1, 2]], device=device)
 with torch.no_grad():
-    cache = model(tokens).cache
-from torch._dynamo.utils import counters
+    model(tokens, use_cache=False)
 without_gradients = counters["stats"]["unique_graphs"]
-model(tokens).logits.sum().backward()
-print(torch.optim.AdamW(model.parameters()).defaults["fused"], len(calls), cache is None, without_gradients,
+model(tokens, use_cache=False).logits.sum().backward()
+print(torch.optim.AdamW(model.parameters()).defaults["fused"], len(calls), without_gradients,
       counters["stats"]["unique_graphs"])
 """)
     seen = {}
-    for names in ("", "fused_adamw", "whole_head", "no_cache", "compile"):
+    for names in ("", "fused_adamw", "whole_head", "compile"):
         proc = subprocess.run([sys.executable, str(probe)], env={**os.environ, "CANDIDATES": names},
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
         seen[names] = proc.stdout.split()
-    assert seen[""] == ["None", "2", "False", "0", "0"]
-    assert seen["fused_adamw"] == ["True", "2", "False", "0", "0"]
-    assert seen["whole_head"] == ["None", "1", "False", "0", "0"]
-    assert seen["no_cache"] == ["None", "2", "True", "0", "0"]
-    assert seen["compile"][:4] == ["None", "2", "False", "0"] and int(seen["compile"][4]) >= 1, seen["compile"]
+    assert seen[""] == ["None", "2", "0", "0"]
+    assert seen["fused_adamw"] == ["True", "2", "0", "0"]
+    assert seen["whole_head"] == ["None", "1", "0", "0"]
+    assert seen["compile"][:3] == ["None", "2", "0"] and int(seen["compile"][3]) >= 1, seen["compile"]
     proc = subprocess.run([sys.executable, str(probe)], env={**os.environ, "CANDIDATES": "fused"}, capture_output=True,
                           text=True)
     assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
-        "error: unknown CANDIDATES ['fused']: choose from fused_adamw, whole_head, no_cache, compile"]
+        "error: unknown CANDIDATES ['fused']: choose from fused_adamw, whole_head, compile"]

@@ -582,6 +582,41 @@ def test_each_optimizer_step_takes_the_scheduled_learning_rate_and_clip(script, 
     assert seen["max_norm"] == [0.5] * len(by_hand)
 
 
+# (script, flags, whether it samples): short runs of every LM script in both tiers, evaluation included
+KV_CACHE_RUNS = [(f"{tier}{script}.py", flags, samples) for tier in ("", "scale/") for script, flags, samples in [
+    ("sft", [*TINY_LM, "--max-steps", "2", "--eval-every", "2", "--num-train-examples", "64"], True),
+    ("reward_model", ["--max-steps", "2", "--eval-every", "2", "--num-train-pairs", "64"], False),
+    ("dpo", ["--max-steps", "2", "--eval-every", "2", "--num-train-pairs", "64"], True),
+    ("rlhf_ppo", ["--num-iterations", "1", "--batch-size", "8", "--mini-batch-size", "4"], True),
+    ("grpo", ["--num-iterations", "1", "--batch-size", "8", "--mini-batch-size", "4", "--num-generations", "4"], True)]]
+
+
+@pytest.mark.parametrize("script,flags,samples", KV_CACHE_RUNS, ids=[run[0] for run in KV_CACHE_RUNS])
+def test_only_sampling_keeps_a_kv_cache(script, flags, samples, tiny_checkpoints, tmp_path, monkeypatch):
+    """Every forward pass of the model says whether it keeps a KV cache: transformers' default (config.use_cache,
+    on for GPT-2, Qwen, Llama) builds one in every pass and copies each layer's keys and values into it, work and
+    memory that only sampling uses. So training, the rollout's log-probs, values and scores and the evaluation's
+    losses pass use_cache=False, as TRL's trainers do, and sampling use_cache=True. A pass that leaves it to the
+    config fails."""
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Model
+
+    seen, real_forward = [], GPT2Model.forward
+
+    def forward_spy(self, *args, **kwargs):
+        seen.append(kwargs.get("use_cache"))
+        return real_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(GPT2Model, "forward", forward_spy)
+    name = os.path.basename(script)[: -len(".py")]
+    model = {"sft.py": [], "reward_model.py": ["--model-name-or-path", str(tiny_checkpoints["sft"])],
+             "dpo.py": ["--model-name-or-path", str(tiny_checkpoints["sft"])],
+             "rlhf_ppo.py": ["--sft-model-path", str(tiny_checkpoints["sft"]), "--reward-model-path",
+                             str(tiny_checkpoints["reward_model"])],
+             "grpo.py": ["--sft-model-path", str(tiny_checkpoints["sft"])]}[f"{name}.py"]
+    run_in_process(script, *CPU_FLOAT32, *model, *flags, "--eval-size", "4", "--output-dir", "out", cwd=tmp_path)
+    assert None not in seen and False in seen and (True in seen) == samples, sorted(set(map(str, seen)))
+
+
 def test_long_responses_fit_the_built_in_model_and_too_long_ones_say_so(tiny_checkpoints, tmp_path):
     """Bug 9: the built-in GPT-2's position table was --max-length (64), so rlhf_ppo.py --response-length 60 died
     with an IndexError; it now has 256 positions, and a request beyond the model's positions is one line."""
