@@ -8,7 +8,8 @@ samples/s from the end of step `warmup` to the end of the last step.
 With `profile_steps` > 0 torch.profiler records the `profile_steps` steps after the warmup instead, in a run of
 its own (the profiler slows what it records, so such a run's speed is not reported): the wall time per step,
 the GPU's kernel time per step and their ratio (how busy the GPU was: well under 1, and the step waits on the
-host, launching kernels one at a time), the kernels launched per step, and the kernels that took longest.
+host, launching kernels one at a time), the kernels launched per step, the kernels that took longest, and the
+operators whose kernels did (on the CPU, whose own time).
 
     clock = StepClock(warmup=10, profile_steps=0)   # before the trainer builds its optimizer
     ...                                              # train
@@ -58,10 +59,15 @@ class StepClock:
         for e in kernels:
             per_name[e.name] += e.time_range.elapsed_us()
         gpu = sum(per_name.values()) / 1e3 / self.profile_steps  # ms per step
+        key = "self_device_time_total" if self.cuda else "self_cpu_time_total"  # µs, summed over the steps
+        ops = sorted(self.profiler.key_averages(), key=lambda op: getattr(op, key), reverse=True)[:12]
         return {"profile": {
             "steps": self.profile_steps, "wall_ms_per_step": round(wall * 1e3, 2),
             "gpu_kernel_ms_per_step": round(gpu, 2) if self.cuda else None,
             "gpu_busy": round(gpu / (wall * 1e3), 3) if self.cuda else None,
             "kernels_per_step": round(len(kernels) / self.profile_steps) if self.cuda else None,
             "top_kernels_ms_per_step": [[name[:80], round(us / 1e3 / self.profile_steps, 2)]
-                                        for name, us in per_name.most_common(12)]}}
+                                        for name, us in per_name.most_common(12)],
+            # the operators whose own kernels (on the CPU: own time) took longest, and their calls per step
+            "top_ops_ms_per_step": [[op.key[:80], round(getattr(op, key) / 1e3 / self.profile_steps, 2),
+                                     round(op.count / self.profile_steps, 1)] for op in ops]}}

@@ -199,6 +199,31 @@ def test_the_variants_table_intervals():
     assert summarize_variants.interval([0.80, 0.82, 0.84], 512) == pytest.approx((0.82, 4.303 * 0.02 / 3 ** 0.5))
 
 
+def test_the_step_clock_profiles_the_steps_after_the_warmup():
+    """With profile_steps, the profiler records the steps after the warmup and the report gives the wall time per
+    step and the operators that took longest, with their calls per step (on the CPU: the 64 × 64 matrix products
+    first, one optimizer step a step; the kernel fields are the GPU's, None here)."""
+    import step_clock
+    import torch
+
+    clock = step_clock.StepClock(warmup=2, profile_steps=3)
+    weight = torch.nn.Parameter(torch.ones(64, 64))
+    optimizer = torch.optim.SGD([weight], lr=1e-3)
+    try:
+        for _ in range(6):
+            (weight @ weight @ torch.ones(64)).sum().backward()
+            optimizer.step()
+    finally:
+        clock.handle.remove()
+    profile = clock.report(8)["profile"]
+    assert profile["steps"] == 3 and profile["wall_ms_per_step"] > 0
+    ops = {name: calls for name, _, calls in profile["top_ops_ms_per_step"]}
+    if not torch.cuda.is_available():
+        assert profile["gpu_busy"] is None and profile["kernels_per_step"] is None
+        assert profile["top_ops_ms_per_step"][0][0] == "aten::mm", profile["top_ops_ms_per_step"]
+        assert ops["Optimizer.step#SGD.step"] == 1.0, profile["top_ops_ms_per_step"]
+
+
 def test_the_throughput_candidates_change_what_they_say(tmp_path):
     """benchmarks/candidates.py, applied in a process of its own: fused_adamw makes every AdamW the fused kernel;
     whole_head runs a checkpointed function once (no recomputation in the backward pass); compile compiles each
