@@ -199,6 +199,11 @@ BREAKS = {
     "rlhf_ppo_never_anneals": ("rlhf_ppo.py", "if args.anneal_lr else args.lr", "if False else args.lr",
                                "tests/test_real_models.py"),
     "grpo_always_anneals": ("grpo.py", "if args.anneal_lr else args.lr", "if True else args.lr", "tests/test_real_models.py"),
+    # a pass that does not sample and keeps a KV cache all the same (transformers' default): work and memory
+    "sft_training_pass_keeps_a_kv_cache": ("sft.py", "use_cache=False).logits\n        logprobs = gather_logprobs(",
+                                           ").logits\n        logprobs = gather_logprobs(", "tests/test_real_models.py"),
+    "scale_head_logprobs_keeps_a_kv_cache": ("scale/rlhf_ppo.py", 'out = model(**{"use_cache": False, **inputs}).logits',
+                                             "out = model(**inputs).logits", "tests/test_real_models.py"),
     "dpo_ignores_loss_type": ("dpo.py", "dpo_loss(chosen, rejected, ref_chosen, ref_rejected, args.beta, args.loss_type,",
                               'dpo_loss(chosen, rejected, ref_chosen, ref_rejected, args.beta, "sigmoid",', "tests/test_dpo.py"),
     "dpo_ignores_label_smoothing": ("dpo.py", "args.loss_type,\n                                  args.label_smoothing)",

@@ -113,7 +113,7 @@ class PositionLogits(torch.nn.Module):
     def get_output_embeddings(self):
         return self.lm_head
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep=0):
+    def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep=0, use_cache=None):
         from types import SimpleNamespace
 
         b, t = (torch.arange(n).float() for n in input_ids.shape)

@@ -44,7 +44,7 @@ def test_dpo_completion_logps_sum_the_completion_only():
         def get_output_embeddings(self):
             return self.lm_head
 
-        def forward(self, input_ids, attention_mask, position_ids):
+        def forward(self, input_ids, attention_mask, position_ids, use_cache):
             return type("Out", (), {"logits": self.lm_head(torch.ones(*input_ids.shape, 2))})()
 
     labels = T([[-100, -100, 1, 2, 3, -100]]).long()
