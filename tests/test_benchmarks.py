@@ -201,17 +201,17 @@ def test_the_variants_table_intervals():
 
 def test_the_step_clock_profiles_the_steps_after_the_warmup():
     """With profile_steps, the profiler records the steps after the warmup and the report gives the wall time per
-    step and the operators that took longest, with their calls per step (on the CPU: the 64 × 64 matrix products
+    step and the operators that took longest, with their calls per step (on the CPU: the 384 × 384 matrix products
     first, one optimizer step a step; the kernel fields are the GPU's, None here)."""
     import step_clock
     import torch
 
     clock = step_clock.StepClock(warmup=2, profile_steps=3)
-    weight = torch.nn.Parameter(torch.ones(64, 64))
-    optimizer = torch.optim.SGD([weight], lr=1e-3)
+    weight = torch.nn.Parameter(torch.ones(384, 384))
+    optimizer = torch.optim.SGD([weight], lr=1e-6)
     try:
         for _ in range(6):
-            (weight @ weight @ torch.ones(64)).sum().backward()
+            (weight @ weight @ torch.ones(384)).sum().backward()
             optimizer.step()
     finally:
         clock.handle.remove()
