@@ -14,6 +14,8 @@
 # benchmarks/candidates.py's training-throughput candidates (fused_adamw, whole_head, compile), and AGAINST=plain puts
 # them against the same script without them instead of TRL. PROFILE_STEPS=N runs each side once with a profile of N
 # steps after the warmup instead of the pairs (the GPU's busy fraction, kernels per step, the longest kernels).
+# Each script's pairs start with an untimed run of the first side (UNTIMED_FIRST=1 of benchmarks/rollout_speed.py;
+# UNTIMED_FIRST=0 to skip it): on one H100, TRL's two runs that came first after an idle GPU were the slow ones.
 set -euo pipefail
 PAIRS=${1:-2}; PY=${PYTHON:-python}; B=${BATCH:-8}; S=${STEPS:-40}; ROOT=$(pwd); TRL_PYTHON=${TRL_PYTHON:-$PY}
 export PYTHONUNBUFFERED=1
@@ -49,7 +51,7 @@ for name in ${SCRIPTS:-sft reward_model dpo}; do
       echo "$log" | grep '^{' | tail -1
     done
   else
-    $PY "$ROOT/benchmarks/rollout_speed.py" "$PAIRS" "$@"
+    UNTIMED_FIRST=${UNTIMED_FIRST:-1} $PY "$ROOT/benchmarks/rollout_speed.py" "$PAIRS" "$@"
   fi
   echo
 done

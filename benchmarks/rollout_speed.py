@@ -6,8 +6,11 @@ They run PAIRS times each, alternating (A B, B A, A B, ...), one at a time, with
 under OMP_NUM_THREADS=1 for equal threads). Prints a markdown table: each pair's speeds, the ratio B / A,
 its median and range, the same of the steady speed after a warmup where both sides report it
 (benchmarks/step_clock.py), and the mean seconds of each part where the commands were given --profile. Run it alone
-on an idle machine."""
+on an idle machine. UNTIMED_FIRST=1 runs A once more before the pairs and leaves that run out, so that no timed run
+comes right after an idle GPU: on one H100, TRL's SFTTrainer ran at 30.2 and 30.5 steady samples/s where it came
+first in a call and at 43.8 right after another run (docs/rollout_speed.md)."""
 import json
+import os
 import shlex
 import statistics
 import subprocess
@@ -33,6 +36,8 @@ def speed_of(result):
 def main(pairs, *specs):
     (name_a, command_a), (name_b, command_b) = (spec.split("=", 1) for spec in specs)
     results = {name_a: [], name_b: []}
+    if os.environ.get("UNTIMED_FIRST") == "1":
+        print(f"untimed: {name_a} {json.dumps(run(command_a))}", file=sys.stderr)
     for pair in range(int(pairs)):
         order = ((name_a, command_a), (name_b, command_b))
         for name, command in order if pair % 2 == 0 else order[::-1]:

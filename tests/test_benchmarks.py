@@ -138,6 +138,23 @@ def test_side_by_side_pairs_alternate_and_report_every_ratio(tmp_path, capsys, k
         key == "samples_per_second")
 
 
+
+def test_an_untimed_first_run_is_left_out(tmp_path, capsys, monkeypatch):
+    """UNTIMED_FIRST=1: A runs once before the pairs (A, then A B) and that run's speed is in no table."""
+    order = tmp_path / "order"
+    commands = []
+    for name, speed in (("A", [5.0, 10.0]), ("B", [15.0])):
+        script = tmp_path / f"{name}.py"
+        script.write_text("import json, os\n"
+                          f"runs = open({str(order)!r}).read().count({name!r}) if os.path.exists({str(order)!r}) else 0\n"
+                          f"open({str(order)!r}, 'a').write({name!r})\n"
+                          f"print(json.dumps({{'samples_per_second': {speed}[runs], 'seconds': 1.0}}))\n")
+        commands.append(f"{name}={sys.executable} {script}")
+    monkeypatch.setenv("UNTIMED_FIRST", "1")
+    rollout_speed.main("1", *commands)
+    assert order.read_text() == "AAB"
+    assert "| 10.0 | 15.0 | 1.50 | **1.50×** | 1.50–1.50 |" in capsys.readouterr().out
+
 def test_the_step_clock_times_the_optimizer_steps_after_the_warmup(monkeypatch):
     """benchmarks/step_clock.py: a hook on every optimizer's step notes the time after it; the steady speed counts
     the steps after the first `warmup`, from the end of step `warmup` to the end of the last (steps ending at 1, 2,
