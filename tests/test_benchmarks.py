@@ -13,7 +13,6 @@ import make_arithmetic  # noqa: E402
 import make_heldout  # noqa: E402
 import plot_ppo_kl_beta  # noqa: E402
 import rollout_speed  # noqa: E402
-import summarize_ppo  # noqa: E402
 import summarize_variants  # noqa: E402
 
 
@@ -62,6 +61,8 @@ def test_duplicates_runs_killed_early_and_runs_without_their_eval_are_refused(tm
 
 
 def test_the_summary_refuses_runs_killed_early_too(tmp_path, capsys):
+    import summarize_ppo  # here, not at the top: it imports plot_curves, whose pyplot costs every worker's collection
+
     fake_rl_run(tmp_path, "CartPole-v1__ppo_clip__1__100", 1024)
     summarize_ppo.main(str(tmp_path))
     assert "| ppo_clip.py | CartPole-v1 | 1 |" in capsys.readouterr().out
