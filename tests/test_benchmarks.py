@@ -139,7 +139,6 @@ def test_side_by_side_pairs_alternate_and_report_every_ratio(tmp_path, capsys, k
         key == "samples_per_second")
 
 
-
 def test_an_untimed_first_run_is_left_out(tmp_path, capsys, monkeypatch):
     """UNTIMED_FIRST=1: A runs once before the pairs (A, then A B) and that run's speed is in no table."""
     order = tmp_path / "order"
@@ -155,6 +154,7 @@ def test_an_untimed_first_run_is_left_out(tmp_path, capsys, monkeypatch):
     rollout_speed.main("1", *commands)
     assert order.read_text() == "AAB"
     assert "| 10.0 | 15.0 | 1.50 | **1.50×** | 1.50–1.50 |" in capsys.readouterr().out
+
 
 def test_the_step_clock_times_the_optimizer_steps_after_the_warmup(monkeypatch):
     """benchmarks/step_clock.py: a hook on every optimizer's step notes the time after it; the steady speed counts
