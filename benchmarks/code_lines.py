@@ -27,16 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def code_lines(text):
     """How many lines hold code: a docstring (a string standing alone as a statement: a module's, a function's,
     a class's or an Args field's) is not code, nor a comment, nor a blank line."""
-    docstrings = set()
-    for node in ast.walk(ast.parse(text)):
-        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
-            docstrings |= set(range(node.lineno, node.end_lineno + 1))
-    code = set()
-    skip = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
-    for token in tokenize.generate_tokens(io.StringIO(text).readline):
-        if token.type not in skip:
-            code |= set(range(token.start[0], token.end[0] + 1))
-    return len(code - docstrings)
+    return len(code_line_numbers(text))
 
 
 def algorithm_lines(text):
@@ -54,7 +45,7 @@ def algorithm_lines(text):
 
 
 def code_line_numbers(text):
-    """The 1-based numbers of the lines that hold code (code_lines counts them)."""
+    """The 1-based numbers of the lines that hold code (see code_lines)."""
     docstrings = set()
     for node in ast.walk(ast.parse(text)):
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):

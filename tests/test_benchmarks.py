@@ -284,3 +284,52 @@ print(torch.optim.AdamW(model.parameters()).defaults["fused"], len(calls), witho
                           text=True)
     assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
         "error: unknown CANDIDATES ['fused']: choose from fused_adamw, whole_head, compile"]
+
+
+def test_code_lines_count_code_only_and_the_algorithm_by_its_sections():
+    """benchmarks/code_lines.py, counted by hand on a small file: docstrings (the module's, a function's, an Args
+    field's), comments and blank lines are not code; a statement over two lines is two. The algorithm is the math
+    section (its header to check_args) and main's "# ---- rollout" and "# ---- update" sections, up to the next
+    "# ---- " comment."""
+    import code_lines
+
+    text = '''"""A module docstring
+over two lines."""
+import os
+
+
+class Args:
+    seed: int = 1
+    """a field's docstring"""
+
+
+# ---------------------------------------------------------------------------------------------
+# The math: one function
+# ---------------------------------------------------------------------------------------------
+def loss(x):
+    """Its equation."""
+    y = x + 1  # a comment after code
+    return (y
+            * 2)
+
+
+def check_args(args):
+    pass
+
+
+def main():
+    # a comment alone
+    a = 1
+    # ---- rollout: counted --------------------------------------------------
+    b = a + 1
+
+    c = b + 1
+    # ---- log: not counted --------------------------------------------------
+    print(c)
+    # ---- update: counted ---------------------------------------------------
+    return c
+'''
+    # code: import, class, seed, def loss, y, return (2), def check_args, pass, def main, a, b, c, print, return
+    assert code_lines.code_lines(text) == 15
+    # the math: def loss, y, return (2 lines); rollout: b, c; update: return c
+    assert code_lines.algorithm_lines(text) == 7
