@@ -237,17 +237,82 @@ BREAKS = {
                                           "tests/test_ppo_continuous.py"),
     "ppo_continuous_no_advantage_normalization": ("ppo_continuous.py", "if args.norm_adv:\n                    mb_advantages =",
                                                   "if False:\n                    mb_advantages =", "tests/test_ppo_continuous.py"),
+    # every other flag that shapes a loss or an update: each break below ignores it (a constant, or a condition
+    # fixed), and a test that sets it to another value fails
+    "ppo_kl_ignores_vf_coef": ("ppo_kl.py", "+ v_loss * args.vf_coef  # eq. 9 with L^KLPEN",
+        "+ v_loss  # eq. 9 with L^KLPEN", "tests/test_ppo_kl.py"),
+    "ppo_kl_ignores_kl_beta": ("ppo_kl.py", "beta = args.kl_beta", "beta = 1.0", "tests/test_ppo_kl.py"),
+    "ppo_kl_ignores_no_adaptive_kl": ("ppo_kl.py", "if args.adaptive_kl:", "if True:", "tests/test_ppo_kl.py"),
+    "ppo_kl_never_bootstraps": ("ppo_kl.py", "if args.bootstrap_truncation and truncated.any():",
+        "if False:", "tests/test_ppo_kl.py"),
+    "ppo_clip_never_bootstraps": ("ppo_clip.py", "if args.bootstrap_truncation and truncated.any():",
+        "if False:", "tests/test_ppo_clip.py"),
+    "ppo_clip_always_bootstraps": ("ppo_clip.py", "if args.bootstrap_truncation and truncated.any():",
+        "if truncated.any():", "tests/test_ppo_clip.py"),
+    "ppo_continuous_never_bootstraps": ("ppo_continuous.py", "if args.bootstrap_truncation and truncated.any():",
+        "if False:", "tests/test_ppo_continuous.py"),
+    "ppo_clip_ignores_max_grad_norm": ("ppo_clip.py", "clip_grad_norm_(agent.parameters(), args.max_grad_norm)",
+        "clip_grad_norm_(agent.parameters(), 0.5)", "tests/test_ppo_clip.py"),
+    "ppo_clip_one_epoch": ("ppo_clip.py", "for epoch in range(args.update_epochs):",
+        "for epoch in range(1):", "tests/test_ppo_clip.py"),
+    "ppo_clip_never_anneals": ("ppo_clip.py", "if args.anneal_lr:", "if False:", "tests/test_ppo_clip.py"),
+    "ppo_continuous_ignores_target_kl": ("ppo_continuous.py", "if args.target_kl is not None and approx_kl > args.target_kl:",
+        "if False:", "tests/test_ppo_continuous.py"),
+    "ppo_continuous_ignores_clip_reward": ("ppo_continuous.py", "scale_reward(reward, return_rms.var, args.clip_reward)",
+        "scale_reward(reward, return_rms.var, 10.0)", "tests/test_ppo_continuous.py"),
+    "ppo_continuous_ignores_norm_obs": ("ppo_continuous.py", "        if not args.norm_obs:\n",
+        "        if False:\n", "tests/test_ppo_continuous.py"),
+    "ppo_continuous_ignores_clip_obs": ("ppo_continuous.py", "return normalize(raw_obs, obs_rms.mean, obs_rms.var, args.clip_obs)",
+        "return normalize(raw_obs, obs_rms.mean, obs_rms.var, 10.0)", "tests/test_ppo_continuous.py"),
+    "ppo_continuous_ignores_log_std_init": ("ppo_continuous.py", "args.hidden_size, args.log_std_init)",
+        "args.hidden_size, -0.5)", "tests/test_ppo_continuous.py"),
+    "rlhf_ppo_ignores_max_grad_norm": ("rlhf_ppo.py", "list(critic.parameters()),\n" + " " * 59 + "args.max_grad_norm)",
+        "list(critic.parameters()),\n" + " " * 59 + "1.0)", "tests/test_real_models.py"),
+    "grpo_ignores_max_grad_norm": ("grpo.py", "clip_grad_norm_(policy.parameters(), args.max_grad_norm)",
+        "clip_grad_norm_(policy.parameters(), 1.0)", "tests/test_real_models.py"),
+    "grpo_ignores_max_sampling_rounds": ("grpo.py", "if short == 0 or len(rounds) == args.max_sampling_rounds:",
+        "if short == 0 or len(rounds) == 3:", "tests/test_grpo.py"),
+    "sft_ignores_max_grad_norm": ("sft.py", "clip_grad_norm_(model.parameters(), args.max_grad_norm)",
+        "clip_grad_norm_(model.parameters(), 1.0)", "tests/test_real_models.py"),
+    "sft_ignores_weight_decay": ("sft.py", "weight_decay=args.weight_decay)",
+        "weight_decay=0.01)", "tests/test_real_models.py"),
+    "dpo_ignores_max_grad_norm": ("dpo.py", "clip_grad_norm_(policy.parameters(), args.max_grad_norm)",
+        "clip_grad_norm_(policy.parameters(), 1.0)", "tests/test_real_models.py"),
+    "dpo_ignores_warmup": ("dpo.py", 'args.lr, args.warmup_steps, args.max_steps, "linear")',
+        'args.lr, 30, args.max_steps, "linear")', "tests/test_real_models.py"),
+    "reward_model_ignores_weight_decay": ("reward_model.py", "weight_decay=args.weight_decay)",
+        "weight_decay=0.01)", "tests/test_real_models.py"),
+    "reward_model_ignores_warmup": ("reward_model.py", 'args.lr, args.warmup_steps, args.max_steps, "linear")',
+        'args.lr, 0, args.max_steps, "linear")', "tests/test_real_models.py"),
+    "ppo_continuous_eval_ignores_clip_obs": ("ppo_continuous.py", "obs = normalize(obs, obs_rms.mean, obs_rms.var, args.clip_obs)",
+        "obs = normalize(obs, obs_rms.mean, obs_rms.var, 10.0)", "tests/test_ppo_continuous.py"),
+    "ppo_kl_ignores_max_grad_norm": ("ppo_kl.py", "clip_grad_norm_(agent.parameters(), args.max_grad_norm)",
+        "clip_grad_norm_(agent.parameters(), 0.5)", "tests/test_ppo_kl.py"),
+    "ppo_continuous_ignores_max_grad_norm": ("ppo_continuous.py", "clip_grad_norm_(agent.parameters(), args.max_grad_norm)",
+        "clip_grad_norm_(agent.parameters(), 0.5)", "tests/test_ppo_continuous.py"),
+    "ppo_kl_never_anneals": ("ppo_kl.py", "if args.anneal_lr:", "if False:", "tests/test_ppo_kl.py"),
+    "ppo_continuous_never_anneals": ("ppo_continuous.py", "if args.anneal_lr:",
+        "if False:", "tests/test_ppo_continuous.py"),
+    "ppo_clip_always_anneals": ("ppo_clip.py", "if args.anneal_lr:", "if True:", "tests/test_ppo_clip.py"),
+    "ppo_kl_loss_ignores_beta": ("ppo_kl.py", "pg_loss = kl_penalty_loss(ratio, mb_advantages, kl, beta)",
+        "pg_loss = kl_penalty_loss(ratio, mb_advantages, kl, 1.0)", "tests/test_ppo_kl.py"),
+    "ppo_kl_ignores_kl_target": ("ppo_kl.py", "update_beta(beta, d, args.kl_target)",
+        "update_beta(beta, d, 0.01)", "tests/test_ppo_kl.py"),
+    "ppo_kl_kl_reversed": ("ppo_kl.py", "kl = categorical_kl(b_old_logits[mb_inds], newlogits)",
+        "kl = categorical_kl(newlogits, b_old_logits[mb_inds])", "tests/test_ppo_kl.py"),
 }
 
 
 def run(name, keyword=None, workers=None, scale=False):
     """Apply one break in a copy of the repository, run its test file; returns (the failed tests, pytest's last line).
     With `scale`, the break goes to the top-level script's scale/ sibling, which carries the same line, and the
-    test run is tests/test_tiers.py's cases of that script: the two tiers must stop computing the same thing."""
+    test run is tests/test_tiers.py's cases of that script (the two tiers must stop computing the same thing),
+    and, for a break that tests/test_real_models.py guards, that file's cases of the scale/ script too."""
     script, old, new, tests = BREAKS[name]
     if scale:
-        script, tests = f"scale/{script}", "tests/test_tiers.py"
-        keyword = keyword or script[len("scale/") : -len(".py")]
+        tests = " ".join(["tests/test_tiers.py"] + [tests] * (tests == "tests/test_real_models.py"))
+        keyword = keyword or f"{script[: -len('.py')]} and scale"  # test_tiers' test and the scale/ cases
+        script = f"scale/{script}"
     with tempfile.TemporaryDirectory(prefix=f"break_{name}_") as copy:
         shutil.copytree(ROOT, copy, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns(".git", ".venv", "venv", "runs", "models", "__pycache__"))
@@ -258,7 +323,8 @@ def run(name, keyword=None, workers=None, scale=False):
             sys.exit(f"error: break {name}: the text to replace is in {script} {text.count(old)} times, not once")
         with open(path, "w", encoding="utf-8") as f:
             f.write(text.replace(old, new))
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", tests] + (["-n", str(workers)] if workers else [])
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", *tests.split()]
+        cmd += ["-n", str(workers)] if workers else []
         proc = subprocess.run(cmd + (["-k", keyword] if keyword else []), cwd=copy, capture_output=True, text=True)
     failed = re.findall(r"^FAILED \S+::(\S+)", proc.stdout, flags=re.M)
     return failed, (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
@@ -270,8 +336,8 @@ def main():
     parser.add_argument("-k", dest="keyword", help="run only the tests pytest -k selects")
     parser.add_argument("--list", action="store_true", help="list the breaks and exit")
     parser.add_argument("-n", dest="workers", type=int, help="run each test file on this many pytest-xdist workers")
-    parser.add_argument("--scale", action="store_true",
-                        help="break the scale/ sibling of each top-level script instead, against tests/test_tiers.py")
+    parser.add_argument("--scale", action="store_true", help="break the scale/ sibling of each top-level script "
+                        "instead, against tests/test_tiers.py (and test_real_models.py's scale/ cases)")
     args = parser.parse_args()
     if args.list:
         for name, (script, old, new, tests) in BREAKS.items():
@@ -281,7 +347,9 @@ def main():
         if name not in BREAKS:
             sys.exit(f"error: no break {name!r}; --list shows them")
         failed, summary = run(name, args.keyword, args.workers, args.scale)
-        tests = "tests/test_tiers.py" if args.scale else BREAKS[name][3]
+        tests = BREAKS[name][3]
+        if args.scale:
+            tests = "tests/test_tiers.py" + (" + the scale/ cases of " + tests) * (tests == "tests/test_real_models.py")
         print(f"| {name} | {tests} | {', '.join(failed) or 'NONE FAILS'} | {summary} |", flush=True)
 
 

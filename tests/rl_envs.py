@@ -228,3 +228,22 @@ def gradients_by_network(module, loss_name, monkeypatch):
     monkeypatch.setattr(module, "value_loss", value_loss_spy)
     monkeypatch.setattr(module.nn.utils, "clip_grad_norm_", clip_spy)
     return seen
+
+
+def optimizer_steps(module, monkeypatch):
+    """Record, at each optimizer step, the learning rate Adam steps with and the norm clip_grad_norm_ clips the
+    gradient to. Returns {"lr": [rate], "max_norm": [norm]}."""
+    adam = module.torch.optim.Adam
+    seen, real_step, real_clip = {"lr": [], "max_norm": []}, adam.step, module.nn.utils.clip_grad_norm_
+
+    def step_spy(self, *args, **kwargs):
+        seen["lr"].append(self.param_groups[0]["lr"])
+        return real_step(self, *args, **kwargs)
+
+    def clip_spy(parameters, max_norm, *args, **kwargs):
+        seen["max_norm"].append(max_norm)
+        return real_clip(parameters, max_norm, *args, **kwargs)
+
+    monkeypatch.setattr(adam, "step", step_spy)
+    monkeypatch.setattr(module.nn.utils, "clip_grad_norm_", clip_spy)
+    return seen

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import assert_one_line_error, one_line_exit, only_run_dir, read_scalars, run_script, same_seed_scalars
-from rl_envs import gradients_by_network, CountingEnv, OffsetActionsEnv, advantages_reaching_the_loss, first_gae_inputs, recorded_writers
+from rl_envs import gradients_by_network, optimizer_steps, CountingEnv, OffsetActionsEnv, advantages_reaching_the_loss, first_gae_inputs, recorded_writers
 
 import ppo_clip
 
@@ -362,3 +362,17 @@ def test_the_entropy_bonus_and_the_value_loss_reach_the_gradient_with_their_coef
     assert len(seen["grads"]) == 2 and set(seen["grads"]) == {(critic, actor)}, seen["grads"]
     assert seen["clip_vloss"] == [clip_vloss] * 2 and seen["value_clip"] == [0.3] * 2
     assert seen["policy_loss_args"] == [(0.3,)] * 2
+
+
+@pytest.mark.parametrize("anneal_lr, by_hand", [(True, [1.0, 1.0, 0.5, 0.5]), (False, [1.0, 1.0, 1.0, 1.0])])
+def test_each_optimizer_step_takes_the_annealed_learning_rate_and_clip(tmp_path, monkeypatch, anneal_lr, by_hand):
+    """--anneal-lr: iteration i = 1..N steps at (1 − (i − 1)/N) × --learning-rate, every minibatch of it alike: over
+    N = 2 iterations of 2 minibatches, 1, 1, ½, ½ of the peak; without it, the peak throughout. Every step clips the
+    gradient norm to --max-grad-norm. A loop that ignores either flag fails."""
+    seen = optimizer_steps(ppo_clip, monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    ppo_clip.main(ppo_clip.Args(env_id="Clock-v0", cuda=False, total_timesteps=80, num_envs=2, num_steps=20, num_minibatches=2,
+                            update_epochs=1, learning_rate=1e-3, anneal_lr=anneal_lr, max_grad_norm=0.3,
+                            eval_episodes=0))
+    assert seen["lr"] == pytest.approx([1e-3 * lr for lr in by_hand], rel=1e-6)
+    assert seen["max_norm"] == [0.3] * 4

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import assert_one_line_error, one_line_exit, only_run_dir, read_scalars, run_script, same_seed_scalars
 import rl_envs  # noqa: F401  (registers Target-v0)
-from rl_envs import gradients_by_network, ClockEnv, advantages_reaching_the_loss, first_gae_inputs, recorded_writers
+from rl_envs import gradients_by_network, optimizer_steps, ClockEnv, advantages_reaching_the_loss, first_gae_inputs, recorded_writers
 
 import ppo_continuous as pc
 
@@ -356,20 +356,22 @@ def test_the_advantages_that_reach_the_loss_are_gae_of_the_rollout(tmp_path, mon
 
 def test_the_rewards_gae_receives_are_scaled_by_the_running_return_std(tmp_path, monkeypatch):
     """--norm-reward (the default): each reward reaches GAE divided by √(var + 1e-8) of the discounted returns seen
-    so far, 1, 1.9 | 1, 1.9, 2.71 | ... (reward 1 per step, γ = 0.9, one env), clipped to ±10; their variance
-    computed here, the count starting at 1e-4 around mean 0 and variance 1 as the running statistics do (the
-    merge of one value at a time, written out). A loop that hands GAE the raw rewards (all 1) fails."""
+    so far, 1, 1.9 | 1, 1.9, 2.71 | ... (reward 1 per step, γ = 0.9, one env), clipped to --clip-reward 3; their
+    variance computed here, the count starting at 1e-4 around mean 0 and variance 1 as the running statistics do
+    (the merge of one value at a time, written out). A loop that hands GAE the raw rewards (all 1), or clips them to
+    anything but --clip-reward, fails."""
     seen = first_gae_inputs(pc, monkeypatch)
     monkeypatch.chdir(tmp_path)
-    pc.main(pc.Args(**{**CLOCK, "num_envs": 1}, total_timesteps=20, gamma=0.9, norm_obs=False))
+    pc.main(pc.Args(**{**CLOCK, "num_envs": 1}, total_timesteps=20, gamma=0.9, norm_obs=False, clip_reward=3.0))
     returns = [1, 1.9, 1, 1.9, 2.71] * 4
     expected, mean, var, count = [], 0.0, 1.0, 1e-4
     for g in returns:  # one value per step: the batch's variance is 0
         delta, total = g - mean, count + 1
         mean, var, count = mean + delta / total, (var * count + delta**2 * count / total) / total, total
-        expected.append(min(1.0 / math.sqrt(var + 1e-8), 10.0))  # clipped to --clip-reward 10
+        expected.append(min(1.0 / math.sqrt(var + 1e-8), 3.0))  # clipped to --clip-reward 3
     np.testing.assert_allclose(seen["rewards"][:, 0], expected, rtol=1e-5)
     assert not np.allclose(seen["rewards"], 1.0)
+    assert 3.0 in expected and min(expected) < 3.0  # the clip binds on some rewards and not on others
 
 
 def test_a_truncation_bootstraps_from_the_normalized_final_observation(tmp_path, monkeypatch):
@@ -448,3 +450,37 @@ def test_the_advantages_are_normalized_within_each_minibatch(tmp_path, monkeypat
     assert abs(by_hand.mean()) > 0.1 or abs(by_hand.std(ddof=1) - 1) > 0.1, by_hand  # normalization shows
     for minibatch in np.split(received, 2):
         assert abs(minibatch.mean()) < 1e-5 and abs(minibatch.std(ddof=1) - 1) < 1e-4, minibatch
+
+
+@pytest.mark.parametrize("anneal_lr, by_hand", [(True, [1.0, 1.0, 0.5, 0.5]), (False, [1.0, 1.0, 1.0, 1.0])])
+def test_each_optimizer_step_takes_the_annealed_learning_rate_and_clip(tmp_path, monkeypatch, anneal_lr, by_hand):
+    """--anneal-lr: iteration i = 1..N steps at (1 − (i − 1)/N) × --learning-rate, every minibatch of it alike: over
+    N = 2 iterations of 2 minibatches, 1, 1, ½, ½ of the peak; without it, the peak throughout. Every step clips the
+    gradient norm to --max-grad-norm. A loop that ignores either flag fails."""
+    seen = optimizer_steps(pc, monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    pc.main(pc.Args(env_id="ClockBox-v0", cuda=False, total_timesteps=80, num_envs=2, num_steps=20, num_minibatches=2,
+                            update_epochs=1, learning_rate=1e-3, anneal_lr=anneal_lr, max_grad_norm=0.3,
+                            eval_episodes=0))
+    assert seen["lr"] == pytest.approx([1e-3 * lr for lr in by_hand], rel=1e-6)
+    assert seen["max_norm"] == [0.3] * 4
+
+
+
+def test_observations_are_clipped_to_clip_obs_in_training_and_evaluation(tmp_path, monkeypatch):
+    """--norm-obs (the default) clips every normalized observation to ±--clip-obs: those of the rollout, of a
+    truncation's bootstrap and of the evaluation. With --clip-obs 0.5 on ClockBox-v0 (its first coordinate 0 to 0.3
+    while the statistics are young), every normalization clips at 0.5 and some observation reaches it. A loop that
+    clips anywhere to another bound fails."""
+    real_normalize, seen = pc.normalize, []
+
+    def normalize_spy(x, mean, var, clip, eps=1e-8):
+        out = real_normalize(x, mean, var, clip, eps)
+        seen.append((clip, float(np.abs(out).max())))
+        return out
+
+    monkeypatch.setattr(pc, "normalize", normalize_spy)
+    monkeypatch.chdir(tmp_path)
+    pc.main(pc.Args(**{**CLOCK, "eval_episodes": 1}, total_timesteps=40, clip_obs=0.5))
+    assert {clip for clip, _ in seen} == {0.5} and len(seen) > 20
+    assert max(largest for _, largest in seen) == 0.5

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import assert_one_line_error, one_line_exit, only_run_dir, read_scalars, run_script, same_seed_scalars
-from rl_envs import gradients_by_network, CountingEnv, OffsetActionsEnv, advantages_reaching_the_loss, first_gae_inputs, recorded_writers
+from rl_envs import gradients_by_network, optimizer_steps, CountingEnv, OffsetActionsEnv, advantages_reaching_the_loss, first_gae_inputs, recorded_writers
 
 import ppo_kl
 
@@ -405,3 +405,17 @@ def test_the_advantages_are_normalized_within_each_minibatch(tmp_path, monkeypat
     assert abs(by_hand.mean()) > 0.1 or abs(by_hand.std(ddof=1) - 1) > 0.1, by_hand  # normalization shows
     for minibatch in np.split(received, 2):
         assert abs(minibatch.mean()) < 1e-5 and abs(minibatch.std(ddof=1) - 1) < 1e-4, minibatch
+
+
+@pytest.mark.parametrize("anneal_lr, by_hand", [(True, [1.0, 1.0, 0.5, 0.5]), (False, [1.0, 1.0, 1.0, 1.0])])
+def test_each_optimizer_step_takes_the_annealed_learning_rate_and_clip(tmp_path, monkeypatch, anneal_lr, by_hand):
+    """--anneal-lr: iteration i = 1..N steps at (1 − (i − 1)/N) × --learning-rate, every minibatch of it alike: over
+    N = 2 iterations of 2 minibatches, 1, 1, ½, ½ of the peak; without it, the peak throughout. Every step clips the
+    gradient norm to --max-grad-norm. A loop that ignores either flag fails."""
+    seen = optimizer_steps(ppo_kl, monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    ppo_kl.main(ppo_kl.Args(env_id="Clock-v0", cuda=False, total_timesteps=80, num_envs=2, num_steps=20, num_minibatches=2,
+                            update_epochs=1, learning_rate=1e-3, anneal_lr=anneal_lr, max_grad_norm=0.3,
+                            eval_episodes=0))
+    assert seen["lr"] == pytest.approx([1e-3 * lr for lr in by_hand], rel=1e-6)
+    assert seen["max_norm"] == [0.3] * 4

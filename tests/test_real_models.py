@@ -534,12 +534,14 @@ def test_get_lr_by_hand():
 
 
 # (script, flags, the learning rate of each optimizer step worked out by hand, × 1e-3); every step clips to 0.5
+# and decays the weights by WEIGHT_DECAY[script]
 SCHEDULES = [
     # warmup 2 of 4 steps, times cosine over the run: ½ · 1, ½(1 + cos π/4), ½(1 + cos π/2), ½(1 + cos 3π/4)
-    ("sft", ["--max-steps", "4", "--warmup-steps", "2", "--num-train-examples", "64", *TINY_LM],
-     [0.5, 0.853553, 0.5, 0.146447]),
+    ("sft", ["--max-steps", "4", "--warmup-steps", "2", "--num-train-examples", "64", "--weight-decay", "0.03",
+             *TINY_LM], [0.5, 0.853553, 0.5, 0.146447]),
     # warmup 2 of 4 steps, flat through it, then linear to 0 at step 4: ½, 1, (4 − 2)/2, (4 − 3)/2
-    ("reward_model", ["--max-steps", "4", "--warmup-steps", "2", "--num-train-pairs", "64"], [0.5, 1.0, 1.0, 0.5]),
+    ("reward_model", ["--max-steps", "4", "--warmup-steps", "2", "--num-train-pairs", "64", "--weight-decay", "0.03"],
+     [0.5, 1.0, 1.0, 0.5]),
     ("dpo", ["--max-steps", "4", "--warmup-steps", "2", "--num-train-pairs", "64"], [0.5, 1.0, 1.0, 0.5]),
     # --anneal-lr: linear over 2 iterations from the peak, (2 − 0)/2 then (2 − 1)/2, for both minibatches of each
     ("rlhf_ppo", ["--num-iterations", "2", "--batch-size", "8", "--mini-batch-size", "4", "--ppo-epochs", "1"],
@@ -549,20 +551,27 @@ SCHEDULES = [
     ("grpo", ["--num-iterations", "2", "--batch-size", "8", "--mini-batch-size", "4", "--ppo-epochs", "1",
               "--num-generations", "4", "--no-anneal-lr"], [1.0, 1.0, 1.0, 1.0]),
 ]
+# --weight-decay where a script has the flag; dpo.py decays none; rlhf_ppo.py and grpo.py take AdamW's default, 0.01
+WEIGHT_DECAY = {"sft": 0.03, "reward_model": 0.03, "dpo": 0.0, "rlhf_ppo": 0.01, "grpo": 0.01}
 
 
+@pytest.mark.parametrize("tier", ["", "scale/"], ids=["top_level", "scale"])
 @pytest.mark.parametrize("script,flags,by_hand", SCHEDULES, ids=["sft", "reward_model", "dpo", "rlhf_ppo", "grpo",
                                                                  "grpo_no_anneal"])
-def test_each_optimizer_step_takes_the_scheduled_learning_rate_and_clip(script, flags, by_hand, tiny_checkpoints,
+def test_each_optimizer_step_takes_the_scheduled_learning_rate_and_clip(tier, script, flags, by_hand, tiny_checkpoints,
                                                                         tmp_path, monkeypatch):
     """main hands the schedule its flags and the optimizer what it returns: the learning rate of every optimizer
-    step, read from the optimizer as the step is taken, and the norm each gradient is clipped to, against the
-    schedules worked out by hand (SCHEDULES). A loop that ignores --warmup-steps, --max-steps, --anneal-lr or
-    --max-grad-norm, or never gives the optimizer the scheduled rate, fails."""
-    seen, real_step, real_clip = {"lr": [], "max_norm": []}, torch.optim.AdamW.step, torch.nn.utils.clip_grad_norm_
+    step, read from the optimizer as the step is taken, its weight decay, and the norm each gradient is clipped to,
+    against the schedules worked out by hand (SCHEDULES). A loop that ignores --warmup-steps, --max-steps,
+    --anneal-lr, --weight-decay or --max-grad-norm, or never gives the optimizer the scheduled rate, fails. In both
+    tiers: tests/test_tiers.py runs most of these flags at their defaults, where a flag replaced by its default cannot
+    show."""
+    seen, real_step, real_clip = ({"lr": [], "weight_decay": [], "max_norm": []}, torch.optim.AdamW.step,
+                                  torch.nn.utils.clip_grad_norm_)
 
     def step_spy(self, *args, **kwargs):
         seen["lr"].append(self.param_groups[0]["lr"])
+        seen["weight_decay"].append(self.param_groups[0]["weight_decay"])
         return real_step(self, *args, **kwargs)
 
     def clip_spy(parameters, max_norm, *args, **kwargs):
@@ -576,9 +585,10 @@ def test_each_optimizer_step_takes_the_scheduled_learning_rate_and_clip(script, 
              "rlhf_ppo": ["--sft-model-path", str(tiny_checkpoints["sft"]), "--reward-model-path",
                           str(tiny_checkpoints["reward_model"])],
              "grpo": ["--sft-model-path", str(tiny_checkpoints["sft"])]}[script]
-    run_in_process(f"{script}.py", *model, *flags, "--lr", "1e-3", "--max-grad-norm", "0.5", "--eval-size", "4",
+    run_in_process(f"{tier}{script}.py", *model, *flags, "--lr", "1e-3", "--max-grad-norm", "0.5", "--eval-size", "4",
                    "--output-dir", "out", cwd=tmp_path)
     assert seen["lr"] == pytest.approx([1e-3 * lr for lr in by_hand], rel=1e-5)
+    assert seen["weight_decay"] == [WEIGHT_DECAY[script]] * len(by_hand)
     assert seen["max_norm"] == [0.5] * len(by_hand)
 
 

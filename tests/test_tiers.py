@@ -99,7 +99,8 @@ def variant_flags(variant, checkpoints, tmp_path):
                             "--reward-fn", "gold", "--reward-model-path", str(checkpoints["reward_model"]),
                             "--reward-weights", "0.5", "1", "--no-anneal-lr", "--temperature", "0.8",
                             "--missing-eos-penalty", "-2", "--response-length", "7"],
-        "grpo-dr_grpo": ["--no-scale-rewards", "--loss-type", "dr_grpo", "--epsilon-high", "0.001"],
+        "grpo-dr_grpo": ["--no-scale-rewards", "--loss-type", "dr_grpo", "--epsilon-high", "0.001", "--dynamic-sampling",
+                         "--max-sampling-rounds", "2"],
     }.get(variant, [])
 
 
