@@ -300,6 +300,21 @@ BREAKS = {
         "update_beta(beta, d, 0.01)", "tests/test_ppo_kl.py"),
     "ppo_kl_kl_reversed": ("ppo_kl.py", "kl = categorical_kl(b_old_logits[mb_inds], newlogits)",
         "kl = categorical_kl(newlogits, b_old_logits[mb_inds])", "tests/test_ppo_kl.py"),
+    "rlhf_ppo_samples_at_temperature_1": ("rlhf_ppo.py", "stop_ids, args.response_length, args.temperature)\n            mask",
+        "stop_ids, args.response_length)\n            mask", "tests/test_rlhf_ppo.py"),
+    "grpo_samples_at_temperature_1": ("grpo.py", "args.response_length,\n" + " " * 35 + "args.temperature)\n",
+        "args.response_length)\n", "tests/test_grpo.py"),
+    "rlhf_ppo_rollout_logprobs_at_temperature_1": ("rlhf_ppo.py", "policy_logprobs(model, s, a, context_length, args.temperature)",
+        "policy_logprobs(model, s, a, context_length, 1.0)", "tests/test_rlhf_ppo.py"),
+    "grpo_rollout_logprobs_at_temperature_1": ("grpo.py", "policy_logprobs(model, s, a, context_length, args.temperature)",
+        "policy_logprobs(model, s, a, context_length, 1.0)", "tests/test_grpo.py"),
+    # scale/ samples through its own sample_in_chunks: the same flag ignored there, caught where the tiers part
+    "scale_rlhf_ppo_samples_at_temperature_1": ("scale/rlhf_ppo.py", "args.response_length, args.temperature,\n"
+        + " " * 16 + "args.generation_batch_size)\n            mask", "args.response_length, 1.0,\n" + " " * 16
+        + "args.generation_batch_size)\n            mask", "tests/test_tiers.py"),
+    "scale_grpo_samples_at_temperature_1": ("scale/grpo.py", "args.temperature, args.generation_batch_size)\n"
+        + " " * 16 + "rounds.append", "1.0, args.generation_batch_size)\n" + " " * 16 + "rounds.append",
+        "tests/test_tiers.py"),
 }
 
 

@@ -416,11 +416,17 @@ def test_the_variant_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypat
     over their root mean square; --mask-truncated-completions removes the completions with no stop token from the
     loss; --soft-overlong-cache adds DAPO's length penalty to the rewards; --loss-type, --epsilon, --epsilon-high
     and --importance-sampling-level reach the loss's normalization, its clip, the ratio, and CISPO's loss in place
-    of the clipped surrogate; and the update's log-probs are taken at the rollout's --temperature (the ratio of the
-    one minibatch, before any step, exactly 1)."""
+    of the clipped surrogate; and --temperature reaches the sampling (the rollout's and the evaluation's) and the
+    update's log-probs (the ratio of the one minibatch, before any step, exactly 1)."""
     from transformers import AutoTokenizer
 
-    rollout, seen = recorded_rollout(grpo, monkeypatch, 16), []
+    rollout, seen, temperatures = recorded_rollout(grpo, monkeypatch, 16), [], []
+    recording = grpo.generate
+
+    def generate_spy(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature=1.0, **kwargs):
+        temperatures.append(temperature)
+        return recording(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature, **kwargs)
+
     real = {name: getattr(grpo, name) for name in ("importance_ratio", "clipped_surrogate", "cispo_loss", "aggregate_loss")}
 
     def ratio_spy(logprobs, old_logprobs, mask, level):
@@ -442,7 +448,7 @@ def test_the_variant_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypat
         return real["aggregate_loss"](per_token, mask, loss_type, *rest)
 
     for name, spy in (("importance_ratio", ratio_spy), ("clipped_surrogate", surrogate_spy), ("cispo_loss", cispo_spy),
-                      ("aggregate_loss", aggregate_spy)):
+                      ("aggregate_loss", aggregate_spy), ("generate", generate_spy)):
         monkeypatch.setattr(grpo, name, spy)
     run_in_process("grpo.py", *CPU_FLOAT32, "--sft-model-path", str(small_checkpoints["sft"]), "--num-iterations", "1", "--batch-size", "16",
                    "--num-generations", "4", "--mini-batch-size", "16", "--ppo-epochs", "1", "--beta", "0",
@@ -463,6 +469,8 @@ def test_the_variant_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypat
     (_, level), (loss, received, epsilon_low, epsilon_high), (_, loss_type, loss_mask) = seen
     assert level == (flags[flags.index("--importance-sampling-level") + 1] if "--importance-sampling-level" in flags
                      else "token")
+    temperature = float(flags[flags.index("--temperature") + 1]) if "--temperature" in flags else 1.0
+    assert temperatures == [temperature] * 3  # the evaluation before training, the rollout, the evaluation after it
     assert (received != 0).any()
     torch.testing.assert_close(received, expected.flatten(), rtol=1e-5, atol=1e-5)
     assert loss_type == (flags[flags.index("--loss-type") + 1] if "--loss-type" in flags else "grpo")

@@ -340,12 +340,13 @@ def test_a_response_with_no_stop_token_is_scored_the_missing_eos_penalty(small_c
 @pytest.mark.parametrize("vf_coef,critic_grad", [(0.0, False), (0.5, True)])
 def test_the_ppo_flags_reach_the_losses_and_the_gradient(tiny_checkpoints, tmp_path, monkeypatch, vf_coef, critic_grad):
     """--kl-coef reaches the per-token rewards (shaped_rewards), --cliprange the policy loss, --cliprange-value the
-    value loss, at every minibatch of every one of the --ppo-epochs; the first minibatch's ratio is exactly 1 at
-    --temperature 0.7 (the update's log-probs at the rollout's temperature); and with the policy loss zeroed (0 ×
-    itself, still in the graph) the critic's gradient is vf_coef · L^V's: none at --vf-coef 0, some at 0.5. A loop
-    that ignores one of them fails."""
-    seen = {"kl_coef": [], "cliprange": [], "cliprange_value": [], "critic_grad": []}
-    real = {name: getattr(rlhf_ppo, name) for name in ("shaped_rewards", "policy_loss", "masked_value_loss", "load_models")}
+    value loss, at every minibatch of every one of the --ppo-epochs; --temperature 0.7 reaches the sampling (the
+    rollout's and the evaluation's) and the log-probs, so the first minibatch's ratio is exactly 1; and with the
+    policy loss zeroed (0 × itself, still in the graph) the critic's gradient is vf_coef · L^V's: none at --vf-coef 0,
+    some at 0.5. A loop that ignores one of them fails."""
+    seen = {"kl_coef": [], "cliprange": [], "cliprange_value": [], "critic_grad": [], "temperature": []}
+    real = {name: getattr(rlhf_ppo, name) for name in ("shaped_rewards", "policy_loss", "masked_value_loss", "load_models",
+                                                      "generate")}
     critics, real_clip = [], torch.nn.utils.clip_grad_norm_
 
     def shaped_spy(logprobs, ref_logprobs, scores, mask, kl_coef):
@@ -363,6 +364,10 @@ def test_the_ppo_flags_reach_the_losses_and_the_gradient(tiny_checkpoints, tmp_p
         seen["cliprange_value"].append(cliprange_value)
         return real["masked_value_loss"](new_values, values, returns, mask, cliprange_value, num_tokens)
 
+    def generate_spy(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature=1.0, **kwargs):
+        seen["temperature"].append(temperature)
+        return real["generate"](model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature, **kwargs)
+
     def load_spy(*args):
         models = real["load_models"](*args)
         critics.append(models[-1])  # (tokenizer, stop_ids, actor, ref, reward, critic)
@@ -375,7 +380,7 @@ def test_the_ppo_flags_reach_the_losses_and_the_gradient(tiny_checkpoints, tmp_p
         return real_clip(parameters, *args, **kwargs)
 
     for name, spy in (("shaped_rewards", shaped_spy), ("policy_loss", policy_spy), ("masked_value_loss", value_spy),
-                      ("load_models", load_spy)):
+                      ("load_models", load_spy), ("generate", generate_spy)):
         monkeypatch.setattr(rlhf_ppo, name, spy)
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_spy)
     run_in_process("rlhf_ppo.py", "--sft-model-path", str(tiny_checkpoints["sft"]), "--reward-model-path",
@@ -386,3 +391,4 @@ def test_the_ppo_flags_reach_the_losses_and_the_gradient(tiny_checkpoints, tmp_p
     # one rollout; 2 epochs of 2 minibatches each
     assert seen["kl_coef"] == [0.07] and seen["cliprange"] == [0.3] * 4 and seen["cliprange_value"] == [0.25] * 4
     assert seen["critic_grad"] == [critic_grad] * 4
+    assert seen["temperature"] == [0.7] * 3  # the evaluation before training, the rollout, the evaluation after it
