@@ -459,12 +459,9 @@ def test_each_optimizer_step_takes_the_annealed_learning_rate_and_clip(tmp_path,
     gradient norm to --max-grad-norm. A loop that ignores either flag fails."""
     seen = optimizer_steps(pc, monkeypatch)
     monkeypatch.chdir(tmp_path)
-    pc.main(pc.Args(env_id="ClockBox-v0", cuda=False, total_timesteps=80, num_envs=2, num_steps=20, num_minibatches=2,
-                            update_epochs=1, learning_rate=1e-3, anneal_lr=anneal_lr, max_grad_norm=0.3,
-                            eval_episodes=0))
+    pc.main(pc.Args(**CLOCK, total_timesteps=80, learning_rate=1e-3, anneal_lr=anneal_lr, max_grad_norm=0.3))
     assert seen["lr"] == pytest.approx([1e-3 * lr for lr in by_hand], rel=1e-6)
     assert seen["max_norm"] == [0.3] * 4
-
 
 
 def test_observations_are_clipped_to_clip_obs_in_training_and_evaluation(tmp_path, monkeypatch):
