@@ -284,9 +284,10 @@ def test_the_graphed_loop_samples_the_greedy_tokens_of_the_eager_loop(arch, devi
     rows stopped, looked at every 2 steps here)."""
     from lm_models import make_model
 
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    request.addfinalizer(lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", tf32))
-    torch.backends.cuda.matmul.allow_tf32 = False  # float32 products in float32 on CUDA
+    # The new API, as the scripts set it: torch refuses to read allow_tf32 once fp32_precision was set.
+    precision = torch.backends.cuda.matmul.fp32_precision
+    request.addfinalizer(lambda: setattr(torch.backends.cuda.matmul, "fp32_precision", precision))
+    torch.backends.cuda.matmul.fp32_precision = "ieee"  # float32 products in float32 on CUDA
     torch.manual_seed(0)
     model = make_model(arch, 400).to(device).eval()
     input_ids, mask = left_padded([[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [10, 11], [40, 41, 42, 43]], 0, device)
