@@ -315,6 +315,33 @@ BREAKS = {
     "scale_grpo_samples_at_temperature_1": ("scale/grpo.py", "args.temperature, args.generation_batch_size)\n"
         + " " * 16 + "rounds.append", "1.0, args.generation_batch_size)\n" + " " * 16 + "rounds.append",
         "tests/test_tiers.py"),
+    # the flags that set how the rollout is split into updates, and the group size, where the loop reads them
+    "grpo_one_minibatch_per_epoch": ("grpo.py", "for start in range(0, B, args.mini_batch_size):",
+        "for start in range(0, args.mini_batch_size, args.mini_batch_size):", "tests/test_grpo.py"),
+    "rlhf_ppo_one_minibatch_per_epoch": ("rlhf_ppo.py", "for start in range(0, B, mini):",
+        "for start in range(0, mini, mini):", "tests/test_rlhf_ppo.py"),
+    "ppo_clip_one_minibatch_per_epoch": ("ppo_clip.py", "for start in range(0, batch_size, minibatch_size):",
+        "for start in range(0, minibatch_size, minibatch_size):", "tests/test_ppo_clip.py"),
+    "ppo_kl_one_minibatch_per_epoch": ("ppo_kl.py", "for start in range(0, batch_size, minibatch_size):",
+        "for start in range(0, minibatch_size, minibatch_size):", "tests/test_ppo_kl.py"),
+    "ppo_continuous_one_minibatch_per_epoch": ("ppo_continuous.py", "for start in range(0, batch_size, minibatch_size):",
+        "for start in range(0, minibatch_size, minibatch_size):", "tests/test_ppo_continuous.py"),
+    "grpo_advantages_over_the_batch": ("grpo.py", "advantages = group_advantages(rewards, G, args.scale_rewards)",
+        "advantages = group_advantages(rewards, B, args.scale_rewards)", "tests/test_grpo.py"),
+    "grpo_rloo_over_the_batch": ("grpo.py", "advantages = rloo_advantages(rewards, G)",
+        "advantages = rloo_advantages(rewards, B)", "tests/test_grpo.py"),
+    "grpo_never_samples_again": ("grpo.py", "                if not args.dynamic_sampling:\n                    break",
+        "                if True:\n                    break", "tests/test_grpo.py"),
+    "grpo_loss_divided_by_the_batch": ("grpo.py", "policy_loss = aggregate_loss(surrogate, loss_mask[mb], args.loss_type, args.mini_batch_size,",
+        "policy_loss = aggregate_loss(surrogate, loss_mask[mb], args.loss_type, B,", "tests/test_grpo.py"),
+    "grpo_kl_penalty_divided_by_the_batch": ("grpo.py", "args.mini_batch_size, num_tokens, args.response_length)",
+        "B, num_tokens, args.response_length)", "tests/test_grpo.py"),
+    "grpo_loss_counts_masked_tokens": ("grpo.py", "num_tokens = max(1.0, loss_mask[mb].sum().item())",
+        "num_tokens = max(1.0, mask[mb].sum().item())", "tests/test_grpo.py"),
+    "ppo_continuous_always_scales_rewards": ("ppo_continuous.py", "            if args.norm_reward:\n",
+        "            if True:\n", "tests/test_ppo_continuous.py"),
+    "ppo_clip_ignores_learning_rate": ("ppo_clip.py", "lr=args.learning_rate, eps=1e-5", "lr=2.5e-4, eps=1e-5",
+        "tests/test_ppo_clip.py"),
 }
 
 

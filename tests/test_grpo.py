@@ -443,9 +443,9 @@ def test_the_variant_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypat
         seen.append(("cispo", advantages.detach().clone(), None, epsilon_high))
         return real["cispo_loss"](ratio, logprobs, advantages, epsilon_high)
 
-    def aggregate_spy(per_token, mask, loss_type, *rest):
-        seen.append(("aggregate", loss_type, mask.detach().clone()))
-        return real["aggregate_loss"](per_token, mask, loss_type, *rest)
+    def aggregate_spy(per_token, mask, loss_type, *normalizers):
+        seen.append(("aggregate", loss_type, mask.detach().clone(), normalizers))
+        return real["aggregate_loss"](per_token, mask, loss_type, *normalizers)
 
     for name, spy in (("importance_ratio", ratio_spy), ("clipped_surrogate", surrogate_spy), ("cispo_loss", cispo_spy),
                       ("aggregate_loss", aggregate_spy), ("generate", generate_spy)):
@@ -466,7 +466,7 @@ def test_the_variant_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypat
     expected = {"grpo": centered / (r.std(1, keepdim=True) + 1e-4), "rloo": r - (r.sum(1, keepdim=True) - r) / 3,
                 "dr_grpo": centered, "reinforce_pp_baseline": centered / centered.pow(2).mean().sqrt(),
                 "reinforce_pp": batch_centered / batch_centered.pow(2).mean().sqrt()}[advantage]
-    (_, level), (loss, received, epsilon_low, epsilon_high), (_, loss_type, loss_mask) = seen
+    (_, level), (loss, received, epsilon_low, epsilon_high), (_, loss_type, loss_mask, normalizers) = seen
     assert level == (flags[flags.index("--importance-sampling-level") + 1] if "--importance-sampling-level" in flags
                      else "token")
     temperature = float(flags[flags.index("--temperature") + 1]) if "--temperature" in flags else 1.0
@@ -484,18 +484,27 @@ def test_the_variant_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypat
     kept = stops.any(1) if "--mask-truncated-completions" in flags else torch.ones(len(mask), dtype=torch.bool)
     torch.testing.assert_close(loss_mask, mask.float() * kept.unsqueeze(1))
     assert kept.any() and ("--mask-truncated-completions" not in flags or not kept.all()), kept
+    # the normalizers: the minibatch's 16 completions, the tokens the loss sees (not those masked out), L_max
+    response_length = int(flags[flags.index("--response-length") + 1]) if "--response-length" in flags else 12
+    assert normalizers == (16, loss_mask.sum().item(), response_length), normalizers
 
 
 def test_each_epoch_trains_on_every_completion_once(small_checkpoints, tmp_path, monkeypatch):
     """--ppo-epochs 3 over a batch of 16 completions in minibatches of 8: six clipped surrogates, and the two of
-    each epoch receive between them every completion's advantage once. A loop that ignores --ppo-epochs fails."""
-    received, real = [], grpo.clipped_surrogate
+    each epoch receive between them every completion's advantage once. A loop that ignores --ppo-epochs fails.
+    The policy loss and the KL penalty of each are normalized by the minibatch's 8 completions, not the batch's 16."""
+    received, normalizers, real, real_aggregate = [], [], grpo.clipped_surrogate, grpo.aggregate_loss
 
     def surrogate_spy(ratio, advantages, epsilon_low, epsilon_high):
         received.append(advantages.detach().clone())
         return real(ratio, advantages, epsilon_low, epsilon_high)
 
+    def aggregate_spy(per_token, mask, loss_type, num_sequences, num_tokens, max_completion_length):
+        normalizers.append((num_sequences, num_tokens == mask.sum().item()))
+        return real_aggregate(per_token, mask, loss_type, num_sequences, num_tokens, max_completion_length)
+
     monkeypatch.setattr(grpo, "clipped_surrogate", surrogate_spy)
+    monkeypatch.setattr(grpo, "aggregate_loss", aggregate_spy)
     run_in_process("grpo.py", "--sft-model-path", str(small_checkpoints["sft"]), "--num-iterations", "1", "--batch-size",
                    "16", "--num-generations", "4", "--mini-batch-size", "8", "--ppo-epochs", "3", "--eval-size", "4",
                    "--output-dir", "out", cwd=tmp_path)
@@ -503,6 +512,7 @@ def test_each_epoch_trains_on_every_completion_once(small_checkpoints, tmp_path,
     epochs = [torch.cat(received[i : i + 2]).sort().values for i in (0, 2, 4)]
     assert (epochs[0] != 0).any()
     assert torch.equal(epochs[0], epochs[1]) and torch.equal(epochs[0], epochs[2])
+    assert normalizers == [(8, True)] * 12  # six minibatches, each a policy loss and a KL penalty (β 0.04)
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])

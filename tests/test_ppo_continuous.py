@@ -374,6 +374,16 @@ def test_the_rewards_gae_receives_are_scaled_by_the_running_return_std(tmp_path,
     assert 3.0 in expected and min(expected) < 3.0  # the clip binds on some rewards and not on others
 
 
+def test_without_norm_reward_gae_receives_the_raw_rewards(tmp_path, monkeypatch):
+    """--no-norm-reward: GAE receives the env's rewards as they are (1 per step here), neither scaled nor clipped
+    (--clip-reward 0.5 would clip them). A loop that scales them whatever the flag says fails."""
+    seen = first_gae_inputs(pc, monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    pc.main(pc.Args(**{**CLOCK, "num_envs": 1}, total_timesteps=20, gamma=0.9, norm_obs=False, norm_reward=False,
+                    clip_reward=0.5))
+    np.testing.assert_array_equal(seen["rewards"], np.ones_like(seen["rewards"]))
+
+
 def test_a_truncation_bootstraps_from_the_normalized_final_observation(tmp_path, monkeypatch):
     """With --norm-obs the agent sees normalized observations, so a truncated step's bootstrap value is
     V(normalize(final observation)) with the statistics of that step, not V of the raw one: the final observation
