@@ -411,11 +411,12 @@ def test_the_advantages_are_normalized_within_each_minibatch(tmp_path, monkeypat
 def test_each_optimizer_step_takes_the_annealed_learning_rate_and_clip(tmp_path, monkeypatch, anneal_lr, by_hand):
     """--anneal-lr: iteration i = 1..N steps at (1 − (i − 1)/N) × --learning-rate, every minibatch of it alike: over
     N = 2 iterations of 2 minibatches, 1, 1, ½, ½ of the peak; without it, the peak throughout. Every step clips the
-    gradient norm to --max-grad-norm. A loop that ignores either flag fails."""
+    gradient norm to --max-grad-norm. A loop that ignores either flag fails; so does one that ignores
+    --learning-rate, which the test sets to 2e-3, not the default 1e-3."""
     seen = optimizer_steps(ppo_kl, monkeypatch)
     monkeypatch.chdir(tmp_path)
     ppo_kl.main(ppo_kl.Args(env_id="Clock-v0", cuda=False, total_timesteps=80, num_envs=2, num_steps=20, num_minibatches=2,
-                            update_epochs=1, learning_rate=1e-3, anneal_lr=anneal_lr, max_grad_norm=0.3,
+                            update_epochs=1, learning_rate=2e-3, anneal_lr=anneal_lr, max_grad_norm=0.3,
                             eval_episodes=0))
-    assert seen["lr"] == pytest.approx([1e-3 * lr for lr in by_hand], rel=1e-6)
+    assert seen["lr"] == pytest.approx([2e-3 * lr for lr in by_hand], rel=1e-6)
     assert seen["max_norm"] == [0.3] * 4

@@ -533,7 +533,7 @@ def test_get_lr_by_hand():
         assert script.get_lr(4, 1.0, 5, 5, "linear") == 1.0  # warmup == max steps: warms up to the end
 
 
-# (script, flags, the learning rate of each optimizer step worked out by hand, × 1e-3); every step clips to 0.5
+# (script, flags, the learning rate of each optimizer step worked out by hand, × 2e-3); every step clips to 0.5
 # and decays the weights by WEIGHT_DECAY[script]
 SCHEDULES = [
     # warmup 2 of 4 steps, times cosine over the run: ½ · 1, ½(1 + cos π/4), ½(1 + cos π/2), ½(1 + cos 3π/4)
@@ -562,8 +562,9 @@ def test_each_optimizer_step_takes_the_scheduled_learning_rate_and_clip(tier, sc
                                                                         tmp_path, monkeypatch):
     """main hands the schedule its flags and the optimizer what it returns: the learning rate of every optimizer
     step, read from the optimizer as the step is taken, its weight decay, and the norm each gradient is clipped to,
-    against the schedules worked out by hand (SCHEDULES). A loop that ignores --warmup-steps, --max-steps,
-    --anneal-lr, --weight-decay or --max-grad-norm, or never gives the optimizer the scheduled rate, fails. In both
+    against the schedules worked out by hand (SCHEDULES). A loop that ignores --lr (2e-3 here, no script's
+    default), --warmup-steps, --max-steps, --anneal-lr, --weight-decay or --max-grad-norm, or never gives the
+    optimizer the scheduled rate, fails. In both
     tiers: tests/test_tiers.py runs most of these flags at their defaults, where a flag replaced by its default cannot
     show."""
     seen, real_step, real_clip = ({"lr": [], "weight_decay": [], "max_norm": []}, torch.optim.AdamW.step,
@@ -585,9 +586,9 @@ def test_each_optimizer_step_takes_the_scheduled_learning_rate_and_clip(tier, sc
              "rlhf_ppo": ["--sft-model-path", str(tiny_checkpoints["sft"]), "--reward-model-path",
                           str(tiny_checkpoints["reward_model"])],
              "grpo": ["--sft-model-path", str(tiny_checkpoints["sft"])]}[script]
-    run_in_process(f"{tier}{script}.py", *model, *flags, "--lr", "1e-3", "--max-grad-norm", "0.5", "--eval-size", "4",
+    run_in_process(f"{tier}{script}.py", *model, *flags, "--lr", "2e-3", "--max-grad-norm", "0.5", "--eval-size", "4",
                    "--output-dir", "out", cwd=tmp_path)
-    assert seen["lr"] == pytest.approx([1e-3 * lr for lr in by_hand], rel=1e-5)
+    assert seen["lr"] == pytest.approx([2e-3 * lr for lr in by_hand], rel=1e-5)
     assert seen["weight_decay"] == [WEIGHT_DECAY[script]] * len(by_hand)
     assert seen["max_norm"] == [0.5] * len(by_hand)
 

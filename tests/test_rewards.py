@@ -251,20 +251,24 @@ def test_a_reward_model_with_another_tokenizer_is_one_line(script, tiny_checkpoi
 
 @pytest.mark.parametrize("script", ["grpo.py", "rlhf_ppo.py"])
 def test_weights_follow_the_order_of_the_terms_the_reward_model_last(script, small_checkpoints, tmp_path, capsys):
-    """--reward-fn gold and the reward model weighted 0 and 1: the reward is exactly the reward model's score
-    (missing-EOS penalty included), in training and evaluation, while the gold function, whose score is not 0
-    (the small SFT model's completions stop and come near their targets), is still logged. With the weights in
-    the wrong order the reward would be the gold score; with them ignored, the sum of the two."""
+    """--reward-fn gold format and the reward model weighted 0, 0 and 1: the reward is exactly the reward model's
+    score (missing-EOS penalty included), in training and evaluation, while the gold and format functions, whose
+    scores are not 0, are still logged: the small SFT model's completions stop and come near their targets, and
+    they are digits, which the --format-pattern given matches. With the weights in the wrong order the reward
+    would be another term; with them ignored, the sum of the three; with the pattern ignored, the format score
+    another."""
     grpo_flags = ["--num-generations", "4"] if script == "grpo.py" else []
     run_in_process(script, "--sft-model-path", str(small_checkpoints["sft"]), "--reward-model-path",
-                   str(small_checkpoints["reward_model"]),
-                   "--reward-fn", "gold", "--reward-weights", "0", "1", "--num-iterations", "1", "--batch-size", "8",
+                   str(small_checkpoints["reward_model"]), "--reward-fn", "gold", "--reward-fn", "format",
+                   "--format-pattern", "[0-9]*",
+                   "--reward-weights", "0", "0", "1", "--num-iterations", "1", "--batch-size", "8",
                    "--mini-batch-size", "8", "--eval-size", "8", *grpo_flags, cwd=tmp_path)
     assert f"{4 if script == 'rlhf_ppo.py' else 3} model(s) in memory" in capsys.readouterr().out
     logs = read_scalars(str(next((tmp_path / "runs").iterdir())))
     assert logs["objective/reward"] == logs["objective/score"] and logs["eval/reward"] == logs["eval/score"]
     assert logs["objective/reward"] != logs["rewards/gold"] and "eval/rewards/gold" in logs
     assert logs["rewards/gold"][0][1] > 0.1 and logs["eval/rewards/gold"][0][1] > 0.1, logs["rewards/gold"]
+    assert logs["rewards/format"][0][1] > 0.5 and logs["eval/rewards/format"][0][1] > 0.5, logs["rewards/format"]
 
 
 @pytest.mark.parametrize("script", ["grpo.py", "scale/grpo.py"])
