@@ -564,9 +564,8 @@ def test_each_optimizer_step_takes_the_scheduled_learning_rate_and_clip(tier, sc
     step, read from the optimizer as the step is taken, its weight decay, and the norm each gradient is clipped to,
     against the schedules worked out by hand (SCHEDULES). A loop that ignores --lr (2e-3 here, no script's
     default), --warmup-steps, --max-steps, --anneal-lr, --weight-decay or --max-grad-norm, or never gives the
-    optimizer the scheduled rate, fails. In both
-    tiers: tests/test_tiers.py runs most of these flags at their defaults, where a flag replaced by its default cannot
-    show."""
+    optimizer the scheduled rate, fails. In both tiers: tests/test_tiers.py runs most of these flags at their
+    defaults, where a flag replaced by its default cannot show."""
     seen, real_step, real_clip = ({"lr": [], "weight_decay": [], "max_norm": []}, torch.optim.AdamW.step,
                                   torch.nn.utils.clip_grad_norm_)
 
