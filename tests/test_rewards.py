@@ -252,11 +252,11 @@ def test_a_reward_model_with_another_tokenizer_is_one_line(script, tiny_checkpoi
 @pytest.mark.parametrize("script", ["grpo.py", "rlhf_ppo.py"])
 def test_weights_follow_the_order_of_the_terms_the_reward_model_last(script, small_checkpoints, tmp_path, capsys):
     """--reward-fn gold, --reward-fn format and the reward model weighted 0, 0 and 1: the reward is exactly the
-    reward model's score (missing-EOS penalty included), in training and evaluation, while the gold and format functions, whose
-    scores are not 0, are still logged: the small SFT model's completions stop and come near their targets, and
-    they are digits, which the --format-pattern given matches. With the weights in the wrong order the reward
-    would be another term; with them ignored, the sum of the three; with the pattern ignored, the format score
-    another."""
+    reward model's score (missing-EOS penalty included), in training and evaluation, while the gold and format
+    functions, whose scores are not 0, are still logged: the small SFT model's completions stop and come near
+    their targets, and they are digits, which the --format-pattern given matches. With the weights in the wrong
+    order the reward would be another term; with them ignored, the sum of the three; with the pattern ignored,
+    the format score another."""
     grpo_flags = ["--num-generations", "4"] if script == "grpo.py" else []
     run_in_process(script, "--sft-model-path", str(small_checkpoints["sft"]), "--reward-model-path",
                    str(small_checkpoints["reward_model"]), "--reward-fn", "gold", "--reward-fn", "format",
