@@ -404,6 +404,9 @@ BREAKS = {
         "load_reward_functions(args.reward_fn, BUILTIN_REWARDS, r\"<answer>.*</answer>\")", "tests/test_rewards.py"),
     "grpo_ignores_format_pattern": ("grpo.py", "BUILTIN_REWARDS, args.format_pattern)",
         "BUILTIN_REWARDS, r\"<answer>.*</answer>\")", "tests/test_rewards.py"),
+    "grpo_overlong_ignores_response_length": ("grpo.py",
+        "soft_overlong_punishment(response_mask.sum(1), args.response_length,",
+        "soft_overlong_punishment(response_mask.sum(1), 12,", "tests/test_grpo.py"),
 }
 
 

@@ -406,7 +406,8 @@ def test_one_step_raises_the_clipped_surrogate_on_the_sampled_completions(small_
     # 7 new tokens: the short answers (6 tokens with the stop) finish and the longer ones are cut, whatever is drawn
     (("--advantage", "reinforce_pp_baseline", "--mask-truncated-completions", "--response-length", "7"),
      "reinforce_pp_baseline"),
-    (("--soft-overlong-cache", "5"), "grpo"),
+    # L_max 10, not the default 12: a penalty that ignores --response-length fails
+    (("--soft-overlong-cache", "5", "--response-length", "10"), "grpo"),
     (("--advantage", "reinforce_pp", "--epsilon", "0.1"), "reinforce_pp"),
 ])
 def test_the_variant_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypatch, flags, advantage):
@@ -455,9 +456,9 @@ def test_the_variant_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypat
                    "--eval-size", "8", "--output-dir", "out", *flags, cwd=tmp_path)
     sequences, _, width, mask = rollout()
     r = gold_rewards(AutoTokenizer.from_pretrained(small_checkpoints["sft"]), sequences, width, mask)
-    if "--soft-overlong-cache" in flags:  # DAPO's penalty by hand, L_max 12, L_cache 5: (7 − |o|) / 5 past 7 tokens
+    if "--soft-overlong-cache" in flags:  # DAPO's penalty by hand, L_max 10, L_cache 5: (5 − |o|) / 5 past 5 tokens
         lengths, stopped = mask.sum(1).float(), r != -1
-        penalty = torch.where(stopped & (lengths > 7), (7 - lengths) / 5, torch.zeros_like(r))
+        penalty = torch.where(stopped & (lengths > 5), (5 - lengths) / 5, torch.zeros_like(r))
         assert (penalty < 0).any(), lengths
         r = r + penalty
     r = r.view(4, 4)
