@@ -392,7 +392,7 @@ BREAKS = {
         'lr = get_lr(step - 1, 1e-3, args.warmup_steps, args.max_steps, "linear")', "tests/test_real_models.py"),
     "sft_ignores_lr": ("sft.py", 'lr = get_lr(step - 1, args.lr, args.warmup_steps, args.max_steps, "cosine")',
         'lr = get_lr(step - 1, 3e-3, args.warmup_steps, args.max_steps, "cosine")', "tests/test_real_models.py"),
-    # and the rewards' own flags: the missing-EOS penalty's value, the format reward's pattern
+    # and the rewards' own flags: the missing-EOS penalty's value, the format reward's pattern, the overlong L_max
     "rlhf_ppo_ignores_missing_eos_penalty": ("rlhf_ppo.py",
         "scores = torch.where(has_stop, scores, torch.full_like(scores, args.missing_eos_penalty))",
         "scores = torch.where(has_stop, scores, torch.full_like(scores, -3.0))", "tests/test_rlhf_ppo.py"),
