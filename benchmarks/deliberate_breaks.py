@@ -19,6 +19,17 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# the next batch of examples (sft.py) or pairs (reward_model.py, dpo.py), one text in the three files
+NEXT_BATCH = """        if position + args.batch_size > len(order):  # a new pass over the data, reshuffled
+            random.shuffle(order)
+            position = 0
+        batch = [train[i] for i in order[position : position + args.batch_size]]
+        position += args.batch_size
+"""
+# and scale/dpo.py's, which takes the indices of the pairs (each rank collates its share)
+SCALE_DPO_NEXT_BATCH = NEXT_BATCH.replace("batch = [train[i] for i in order[position : position + args.batch_size]]",
+                                          "idx = order[position : position + args.batch_size]")
+
 # name: (script, the text replaced, what replaces it, the test file that must fail)
 BREAKS = {
     "grpo_keeps_equal_groups": ("grpo.py", "groups = torch.argsort((~informative).int(), stable=True)[: B // G]",
@@ -407,6 +418,65 @@ BREAKS = {
     "grpo_overlong_ignores_response_length": ("grpo.py",
         "soft_overlong_punishment(response_mask.sum(1), args.response_length,",
         "soft_overlong_punishment(response_mask.sum(1), 12,", "tests/test_grpo.py"),
+    # a sixth audit: the shape of a batch, each flag replaced where main uses it by its default
+    "sft_ignores_batch_size": ("sft.py", NEXT_BATCH, NEXT_BATCH.replace("args.batch_size", "64"),
+        "tests/test_sft.py"),
+    "reward_model_ignores_batch_size": ("reward_model.py", NEXT_BATCH, NEXT_BATCH.replace("args.batch_size", "64"),
+        "tests/test_reward_model.py"),
+    "dpo_ignores_batch_size": ("dpo.py", NEXT_BATCH, NEXT_BATCH.replace("args.batch_size", "64"),
+        "tests/test_dpo.py"),
+    "sft_ignores_max_length": ("sft.py", 'tokenize_examples(tokenizer, train_examples, stop_ids, args.max_length, "train")',
+        'tokenize_examples(tokenizer, train_examples, stop_ids, 64, "train")', "tests/test_sft.py"),
+    "reward_model_ignores_max_length": ("reward_model.py", "tokenize_pairs(tokenizer, rows, stop_ids, args.max_length, split)",
+        "tokenize_pairs(tokenizer, rows, stop_ids, 64, split)", "tests/test_reward_model.py"),
+    "dpo_ignores_max_length": ("dpo.py", "tokenize_pairs(tokenizer, rows, stop_ids, args.max_length, split)",
+        "tokenize_pairs(tokenizer, rows, stop_ids, 64, split)", "tests/test_dpo.py"),
+    "rlhf_ppo_ignores_batch_size": ("rlhf_ppo.py", "B, mini = args.batch_size, args.mini_batch_size",
+        "B, mini = 128, args.mini_batch_size", "tests/test_rlhf_ppo.py"),
+    "rlhf_ppo_ignores_mini_batch_size": ("rlhf_ppo.py", "B, mini = args.batch_size, args.mini_batch_size",
+        "B, mini = args.batch_size, 32", "tests/test_rlhf_ppo.py"),
+    "rlhf_ppo_ignores_max_prompt_length": ("rlhf_ppo.py",
+        'tokenize_prompts(tokenizer, train_rows, args.max_prompt_length, "train")',
+        'tokenize_prompts(tokenizer, train_rows, 64, "train")', "tests/test_rlhf_ppo.py"),
+    "grpo_ignores_num_generations": ("grpo.py", "G, B = args.num_generations, args.batch_size",
+        "G, B = 8, args.batch_size", "tests/test_grpo.py"),
+    "grpo_ignores_batch_size": ("grpo.py", "G, B = args.num_generations, args.batch_size",
+        "G, B = args.num_generations, 256", "tests/test_grpo.py"),
+    "grpo_ignores_mini_batch_size": ("grpo.py",
+        "for start in range(0, B, args.mini_batch_size):\n                mb = order[start : start + args.mini_batch_size]",
+        "for start in range(0, B, 64):\n                mb = order[start : start + 64]", "tests/test_grpo.py"),
+    "grpo_ignores_max_prompt_length": ("grpo.py",
+        'tokenize_prompts(tokenizer, train_rows, args.max_prompt_length, "train")',
+        'tokenize_prompts(tokenizer, train_rows, 64, "train")', "tests/test_grpo.py"),
+    "ppo_clip_ignores_num_minibatches": ("ppo_clip.py", "minibatch_size = batch_size // args.num_minibatches",
+        "minibatch_size = batch_size // 4", "tests/test_ppo_clip.py"),
+    "ppo_kl_ignores_num_minibatches": ("ppo_kl.py", "minibatch_size = batch_size // args.num_minibatches",
+        "minibatch_size = batch_size // 4", "tests/test_ppo_kl.py"),
+    "ppo_continuous_ignores_num_minibatches": ("ppo_continuous.py", "minibatch_size = batch_size // args.num_minibatches",
+        "minibatch_size = batch_size // 32", "tests/test_ppo_continuous.py"),
+    "ppo_kl_ignores_update_epochs": ("ppo_kl.py", "for epoch in range(args.update_epochs):",
+        "for epoch in range(10):", "tests/test_ppo_kl.py"),
+    "ppo_continuous_ignores_update_epochs": ("ppo_continuous.py", "for epoch in range(args.update_epochs):",
+        "for epoch in range(10):", "tests/test_ppo_continuous.py"),
+    # their scale/ lines in other words there (each rank's share), caught where the tiers part
+    "scale_dpo_ignores_batch_size": ("scale/dpo.py", SCALE_DPO_NEXT_BATCH,
+        SCALE_DPO_NEXT_BATCH.replace("args.batch_size", "64"), "tests/test_tiers.py"),
+    "scale_reward_model_ignores_max_length": ("scale/reward_model.py",
+        'tokenize_pairs(tokenizer, train_rows, stop_ids, args.max_length, "train")',
+        'tokenize_pairs(tokenizer, train_rows, stop_ids, 64, "train")', "tests/test_tiers.py"),
+    "scale_rlhf_ppo_ignores_batch_size": ("scale/rlhf_ppo.py",
+        "per_rank, mini_per_rank = args.batch_size // world_size, args.mini_batch_size // world_size",
+        "per_rank, mini_per_rank = 128 // world_size, args.mini_batch_size // world_size", "tests/test_tiers.py"),
+    "scale_rlhf_ppo_ignores_mini_batch_size": ("scale/rlhf_ppo.py",
+        "per_rank, mini_per_rank = args.batch_size // world_size, args.mini_batch_size // world_size",
+        "per_rank, mini_per_rank = args.batch_size // world_size, 32 // world_size", "tests/test_tiers.py"),
+    "scale_grpo_ignores_num_generations": ("scale/grpo.py", "    G = args.num_generations\n", "    G = 8\n",
+        "tests/test_tiers.py"),
+    "scale_grpo_ignores_batch_size": ("scale/grpo.py", "prompts_per_rank = args.batch_size // G // world_size",
+        "prompts_per_rank = 256 // G // world_size", "tests/test_tiers.py"),
+    "scale_grpo_ignores_mini_batch_size": ("scale/grpo.py",
+        "per_rank, mini_per_rank = prompts_per_rank * G, args.mini_batch_size // world_size",
+        "per_rank, mini_per_rank = prompts_per_rank * G, 64 // world_size", "tests/test_tiers.py"),
 }
 
 

@@ -205,3 +205,29 @@ def test_the_loss_flags_reach_every_update(tiny_checkpoints, tmp_path, monkeypat
                    "--beta", str(beta), "--label-smoothing", str(label_smoothing), "--output-dir", "out", cwd=tmp_path)
     assert [grad for grad, _ in seen] == [True, True]  # 8 pairs: none held out, so no evaluation
     assert {flags for _, flags in seen} == {(beta, loss_type, label_smoothing)}
+
+
+def test_the_batch_size_and_max_length_reach_every_update(tiny_checkpoints, tmp_path, monkeypatch):
+    """--batch-size and --max-length shape each update: 3 pairs a step (the policy's pass over 6 sequences), no
+    side longer than 16 tokens, on data where most pairs are longer (and dropped). A loop that reads either flag at
+    its default (64) fails."""
+    seen, real = [], dpo.collate
+
+    def spy(batch, pad_token_id):
+        if torch.is_grad_enabled():  # the policy's pass in an update: the reference's and evaluate's run under no_grad
+            seen.append([len(ids) for ids, _ in batch])
+        return real(batch, pad_token_id)
+
+    monkeypatch.setattr(dpo, "collate", spy)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoints["sft"])
+    rows = preference_rows(60, seed=7)  # the first 6 held out for evaluation
+    length = lambda r: sum(len(tokenizer(r[k], add_special_tokens=False)["input_ids"]) for k in ("prompt", "chosen")) + 1  # noqa: E731
+    assert sum(length(r) > 16 for r in rows[6:]) > 30 and sum(length(r) <= 16 for r in rows[6:]) >= 6
+    (tmp_path / "pairs.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    run_in_process("dpo.py", "--model-name-or-path", str(tiny_checkpoints["sft"]), "--dataset-name", "pairs.jsonl",
+                   "--reward-model-path", "None", "--max-steps", "4", "--batch-size", "3", "--max-length", "16",
+                   "--eval-every", "100", "--output-dir", "out", cwd=tmp_path)
+    assert len(seen) == 4 and all(len(batch) == 6 for batch in seen), seen
+    assert max(max(batch) for batch in seen) <= 16, seen

@@ -197,16 +197,28 @@ def test_grpo_reward_model_and_rloo_without_reference(tiny_checkpoints, tmp_path
     assert [v for _, v in logs["policy/first_ratio_max_error"]] == [0.0, 0.0]
 
 
-def test_grpo_on_a_dataset_with_targets(tiny_checkpoints, tmp_path):
+def test_grpo_on_a_dataset_with_targets(tiny_checkpoints, tmp_path, monkeypatch):
     """A .jsonl of prompts with a `target` column and the exact-match reward; the reward is one of 0, 1 and the
-    missing-EOS penalty, so its mean lies within [penalty, 1]; the built-in task's gold metrics are not logged."""
-    rows = [{"prompt": f"sort {a}{b}{c}:", "target": "".join(sorted(f"{a}{b}{c}"))}
-            for a in range(3) for b in range(3) for c in range(3)]
+    missing-EOS penalty, so its mean lies within [penalty, 1]; the built-in task's gold metrics are not logged.
+    --max-prompt-length 10 drops the two thirds of the prompts that are 12 or 15 tokens long: none is sampled from
+    (a script that reads the flag at its default, 64, samples them: seen, 5 of its 8 training prompts)."""
+    lengths, real = [], grpo.generate
+
+    def spy(model, prompt_ids, *args, **kwargs):
+        lengths.extend(len(p) for p in prompt_ids)
+        return real(model, prompt_ids, *args, **kwargs)
+
+    monkeypatch.setattr(grpo, "generate", spy)
+    # 9, 12 or 15 bytes, one token each (the tiny model's tokenizer is byte-level)
+    rows = [{"prompt": f"sort {f'{a}{b}{c}' * k}:", "target": "".join(sorted(f"{a}{b}{c}" * k))}
+            for a in range(3) for b in range(3) for c in range(3) for k in (1, 2, 3)]
+    assert sorted({len(r["prompt"].encode()) for r in rows}) == [9, 12, 15]
     (tmp_path / "math.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     models = tiny_checkpoints["cwd"] / "models"
     run_in_process("grpo.py", "--sft-model-path", str(models / "sft"), "--dataset-name", "math.jsonl", "--reward-fn",
-                   "exact_match", "--num-iterations", "2", "--batch-size", "8", "--num-generations", "4",
-                   "--mini-batch-size", "8", "--eval-size", "4", cwd=tmp_path)
+                   "exact_match", "--num-iterations", "2", "--batch-size", "16", "--num-generations", "4",
+                   "--mini-batch-size", "8", "--eval-size", "4", "--max-prompt-length", "10", cwd=tmp_path)
+    assert len(lengths) >= 32 and max(lengths) <= 10, lengths  # two rollouts of 16 completions, and the evaluations
     logs = read_run(tmp_path, "grpo")
     assert all(-1.0 <= v <= 1.0 for _, v in logs["objective/reward"])
     assert "eval/rewards/exact_match" in logs and "eval/gold_accuracy" not in logs

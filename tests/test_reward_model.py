@@ -135,3 +135,28 @@ def test_the_margin_and_the_centering_reach_every_update(tiny_checkpoints, tmp_p
     assert len(seen) == 2 and all(coefficient == 0.01 for _, coefficient in seen)
     assert all(margin is not None and len(margin) == 4 and set(margin) <= {0.0, 0.5, 1.0} for margin, _ in seen)
     assert any(len(set(margin)) > 1 for margin, _ in seen), seen  # the batch's own margins, not one value
+
+
+def test_the_batch_size_and_max_length_reach_every_update(tiny_checkpoints, tmp_path, monkeypatch):
+    """--batch-size and --max-length shape each update: 3 pairs a step (6 sequences), no side longer than 16 tokens,
+    on data where most pairs are longer (and dropped). A loop that reads either flag at its default (64) fails."""
+    seen, real = [], reward_model.batch_tensors
+
+    def spy(sequences, pad_token_id, device):
+        if torch.is_grad_enabled():  # the updates' batches: evaluate runs under no_grad
+            seen.append([len(ids) for ids in sequences])
+        return real(sequences, pad_token_id, device)
+
+    monkeypatch.setattr(reward_model, "batch_tensors", spy)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoints["sft"])
+    rows = preference_rows(60, seed=7)  # the first 6 held out for evaluation
+    length = lambda r: sum(len(tokenizer(r[k], add_special_tokens=False)["input_ids"]) for k in ("prompt", "chosen")) + 1  # noqa: E731
+    assert sum(length(r) > 16 for r in rows[6:]) > 30 and sum(length(r) <= 16 for r in rows[6:]) >= 6
+    (tmp_path / "prefs.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    run_in_process("reward_model.py", "--model-name-or-path", str(tiny_checkpoints["sft"]), "--dataset-name",
+                   "prefs.jsonl", "--max-steps", "4", "--batch-size", "3", "--max-length", "16", "--eval-every", "100",
+                   "--output-dir", "rm", cwd=tmp_path)
+    assert len(seen) == 4 and all(len(batch) == 6 for batch in seen), seen
+    assert max(max(batch) for batch in seen) <= 16, seen

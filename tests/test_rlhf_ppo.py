@@ -134,14 +134,27 @@ def test_bad_input_says_which_script_to_run_first(tiny_checkpoints, tmp_path):
     assert not os.path.exists(tmp_path / "runs") and not os.path.exists(tmp_path / "models")
 
 
-def test_real_data_paths_with_local_files(tiny_checkpoints, tmp_path):
-    # TRL's prompt-only format, as a local .jsonl file
+def test_real_data_paths_with_local_files(tiny_checkpoints, tmp_path, monkeypatch):
+    """TRL's prompt-only format, as a local .jsonl file. --max-prompt-length 12 drops the prompts longer than 12
+    tokens, two thirds of them: none is sampled from (a script that reads the flag at its default, 64, samples them)."""
     import json
 
-    (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": f"sort {i}{i + 3}1:"}) for i in range(40)))
+    lengths, real = [], rlhf_ppo.generate
+
+    def spy(model, prompt_ids, *args, **kwargs):
+        lengths.extend(len(p) for p in prompt_ids)
+        return real(model, prompt_ids, *args, **kwargs)
+
+    monkeypatch.setattr(rlhf_ppo, "generate", spy)
+    # 9-11, 13-15 or 17-19 bytes, one token each (the tiny model's tokenizer is byte-level)
+    prompts = [f"sort {i}{i + 3}1{'9' * (4 * (i % 3))}:" for i in range(60)]
+    assert sum(len(p.encode()) <= 12 for p in prompts[6:]) == 18  # the first 6 are held out; batches of 16
+    (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in prompts))
     models = tiny_checkpoints["cwd"] / "models"
     run_in_process("rlhf_ppo.py", *PPO_TINY, "--dataset-name", "prompts.jsonl", "--sft-model-path", str(models / "sft"),
-                   "--reward-model-path", str(models / "reward_model"), "--output-dir", "ppo", cwd=tmp_path)
+                   "--reward-model-path", str(models / "reward_model"), "--max-prompt-length", "12",
+                   "--output-dir", "ppo", cwd=tmp_path)
+    assert len(lengths) > 32 and max(lengths) <= 12, lengths  # two rollouts of 16, and the evaluations
     scalars = read_scalars(str(sorted(tmp_path.glob("runs/rlhf_ppo__*"))[-1]))
     assert "eval/kl" in scalars and "eval/score" in scalars and "eval/gold_accuracy" not in scalars
     assert (tmp_path / "ppo" / "config.json").exists()

@@ -169,3 +169,28 @@ def test_the_logged_loss_is_the_completion_nll_of_the_starting_model(tiny_checkp
     logged = read_scalars(only_run_dir(tmp_path))["losses/loss"]
     assert logged[0][0] == 10 and logged[0][1] == pytest.approx(completion_nll(tiny_checkpoints["sft"], rows) / tokens,
                                                                 rel=1e-5), logged
+
+
+def test_the_batch_size_and_max_length_reach_every_update(tiny_checkpoints, tmp_path, monkeypatch):
+    """--batch-size and --max-length shape each update: 3 examples a step, none longer than 16 tokens, on data where
+    most examples are longer (and dropped). A loop that reads either flag at its default (64) fails."""
+    seen, real = [], sft.collate
+
+    def spy(batch, pad_token_id):
+        if torch.is_grad_enabled():  # the updates' batches: evaluate runs under no_grad
+            seen.append([len(ids) for ids, _ in batch])
+        return real(batch, pad_token_id)
+
+    monkeypatch.setattr(sft, "collate", spy)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoints["sft"])
+    rows = sort_rows(60, seed=7)  # the first 6 held out for evaluation
+    length = lambda r: sum(len(tokenizer(r[k], add_special_tokens=False)["input_ids"]) for k in r) + 1  # noqa: E731
+    assert sum(length(r) > 16 for r in rows[6:]) > 30 and sum(length(r) <= 16 for r in rows[6:]) >= 6
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    run_in_process("sft.py", "--model-name-or-path", str(tiny_checkpoints["sft"]), "--dataset-name", "rows.jsonl",
+                   "--max-steps", "4", "--batch-size", "3", "--max-length", "16", "--eval-every", "100",
+                   "--output-dir", "out", cwd=tmp_path)
+    assert len(seen) == 4 and all(len(batch) == 3 for batch in seen), seen
+    assert max(max(batch) for batch in seen) <= 16, seen

@@ -35,12 +35,16 @@ def run(script, flags, cwd):
 
 
 def flags_of(script, checkpoints):
+    """Short runs. The length limits bind: --max-length 20 here and --max-prompt-length 12 in the RL variants drop
+    the built-in task's examples and prompts of 7 and 8 digits, so a tier that read either at its default (64) would
+    train on others."""
     sft, reward_model = str(checkpoints["sft"]), str(checkpoints["reward_model"])
     return {
         "sft": [*TINY_LM, "--max-steps", "20", "--eval-every", "10", "--num-train-examples", "400", "--eval-size", "16",
-                "--batch-size", "16"],
+                "--batch-size", "16", "--max-length", "20"],
         "reward_model": ["--model-name-or-path", sft, "--max-steps", "20", "--eval-every", "10",
-                         "--num-train-pairs", "400", "--eval-size", "32", "--batch-size", "16"],
+                         "--num-train-pairs", "400", "--eval-size", "32", "--batch-size", "16",
+                         "--max-length", "20"],
         "dpo": ["--model-name-or-path", sft, "--reward-model-path", reward_model,
                 "--max-steps", "20", "--eval-every", "10", "--num-train-pairs", "400", "--eval-size", "16",
                 "--batch-size", "16"],
@@ -89,18 +93,18 @@ def variant_flags(variant, checkpoints, tmp_path):
         return ["--dataset-name", str(tmp_path / "prefs.jsonl"), "--center-rewards-coefficient", "0.01",
                 "--max-grad-norm", "0.01", "--eval-size", "8"]
     return {
-        "dpo-ipo": ["--loss-type", "ipo", "--beta", "0.3", "--max-grad-norm", "0.01"],
+        "dpo-ipo": ["--loss-type", "ipo", "--beta", "0.3", "--max-grad-norm", "0.01", "--max-length", "20"],
         "rlhf_ppo-terms": ["--reward-fn", "gold", "--reward-fn", "format", "--format-pattern", "[0-4]*",
                            "--reward-weights", "0.5", "0.25", "1", "--kl-target", "1.0", "--kl-horizon",
                            "20", "--missing-eos-penalty", "-2", "--cliprange", "0.1", "--cliprange-value", "0.1",
                            "--vf-coef", "0.3", "--gamma", "0.95", "--lam", "0.9", "--temperature", "0.8",
-                           "--response-length", "7"],
+                           "--response-length", "7", "--max-prompt-length", "12"],
         "grpo-rloo-cispo": ["--advantage", "rloo", "--loss-type", "cispo", "--epsilon-high", "0.001",
                             "--mask-truncated-completions", "--soft-overlong-cache", "4", "--beta", "1.0",
                             "--reward-fn", "gold", "--reward-fn", "format", "--format-pattern", "[0-4]*",
                             "--reward-model-path", str(checkpoints["reward_model"]),
                             "--reward-weights", "0.5", "0.25", "1", "--no-anneal-lr", "--temperature", "0.8",
-                            "--missing-eos-penalty", "-2", "--response-length", "7"],
+                            "--missing-eos-penalty", "-2", "--response-length", "7", "--max-prompt-length", "12"],
         "grpo-dr_grpo": ["--no-scale-rewards", "--loss-type", "dr_grpo", "--epsilon-high", "0.001", "--dynamic-sampling",
                          "--max-sampling-rounds", "2"],
     }.get(variant, [])
