@@ -30,6 +30,10 @@ NEXT_BATCH = """        if position + args.batch_size > len(order):  # a new pas
 SCALE_DPO_NEXT_BATCH = NEXT_BATCH.replace("batch = [train[i] for i in order[position : position + args.batch_size]]",
                                           "idx = order[position : position + args.batch_size]")
 
+# where load_data reads the dataset's config and split, and the built-in task's seed and eval size
+LOAD_ROWS = "load_rows(args.dataset_name, args.dataset_config, args.dataset_split, args.eval_size)"
+TASK_ROWS = 'task_rows(args.seed, "train", num_train, task_row), task_rows(args.seed, "eval", args.eval_size, task_row)'
+
 # name: (script, the text replaced, what replaces it, the test file that must fail)
 BREAKS = {
     "grpo_keeps_equal_groups": ("grpo.py", "groups = torch.argsort((~informative).int(), stable=True)[: B // G]",
@@ -477,6 +481,82 @@ BREAKS = {
     "scale_grpo_ignores_mini_batch_size": ("scale/grpo.py",
         "per_rank, mini_per_rank = prompts_per_rank * G, args.mini_batch_size // world_size",
         "per_rank, mini_per_rank = prompts_per_rank * G, 64 // world_size", "tests/test_tiers.py"),
+    # A seventh audit: the flags that shape what is computed beyond the loss and the batch. --bf16 where main
+    # turns autocast on (one text in the five top-level files; scale/'s own line, which FSDP's policy overrides)
+    "sft_ignores_bf16": ("sft.py", "enabled=args.bf16)  # noqa: E731", "enabled=False)  # noqa: E731",
+        "tests/test_real_models.py"),
+    "reward_model_ignores_bf16": ("reward_model.py", "enabled=args.bf16)  # noqa: E731", "enabled=False)  # noqa: E731",
+        "tests/test_real_models.py"),
+    "dpo_ignores_bf16": ("dpo.py", "enabled=args.bf16)  # noqa: E731", "enabled=False)  # noqa: E731",
+        "tests/test_real_models.py"),
+    "rlhf_ppo_ignores_bf16": ("rlhf_ppo.py", "enabled=args.bf16)  # noqa: E731", "enabled=False)  # noqa: E731",
+        "tests/test_real_models.py"),
+    "grpo_ignores_bf16": ("grpo.py", "enabled=args.bf16)  # noqa: E731", "enabled=False)  # noqa: E731",
+        "tests/test_real_models.py"),
+    "scale_sft_ignores_bf16": ("scale/sft.py", "enabled = args.bf16 and not (args.fsdp and dist.is_initialized())",
+        "enabled = False", "tests/test_real_models.py"),
+    "scale_reward_model_ignores_bf16": ("scale/reward_model.py", "enabled = args.bf16 and not (args.fsdp and dist.is_initialized())",
+        "enabled = False", "tests/test_real_models.py"),
+    "scale_dpo_ignores_bf16": ("scale/dpo.py", "enabled = args.bf16 and not (args.fsdp and dist.is_initialized())",
+        "enabled = False", "tests/test_real_models.py"),
+    "scale_rlhf_ppo_ignores_bf16": ("scale/rlhf_ppo.py", "enabled = args.bf16 and not (args.fsdp and dist.is_initialized())",
+        "enabled = False", "tests/test_real_models.py"),
+    "scale_grpo_ignores_bf16": ("scale/grpo.py", "enabled = args.bf16 and not (args.fsdp and dist.is_initialized())",
+        "enabled = False", "tests/test_real_models.py"),
+    # the size of the built-in task's training set (the same line in scale/)
+    "sft_ignores_num_train_examples": ("sft.py", "load_data(args, demonstration_row, args.num_train_examples,",
+        "load_data(args, demonstration_row, 100_000,", "tests/test_real_models.py"),
+    "reward_model_ignores_num_train_pairs": ("reward_model.py", "load_data(args, preference_row, args.num_train_pairs,",
+        "load_data(args, preference_row, 50_000,", "tests/test_real_models.py"),
+    "dpo_ignores_num_train_pairs": ("dpo.py", "load_data(args, preference_row, args.num_train_pairs,",
+        "load_data(args, preference_row, 20_000,", "tests/test_real_models.py"),
+    # load_data, one text in all ten LM files: the split, the config, the built-in task's seed and eval size
+    "sft_ignores_dataset_split": ("sft.py", LOAD_ROWS, LOAD_ROWS.replace("args.dataset_split", '"train"'),
+        "tests/test_real_models.py"),
+    "sft_ignores_dataset_config": ("sft.py", LOAD_ROWS, LOAD_ROWS.replace("args.dataset_config", "None"),
+        "tests/test_real_models.py"),
+    "sft_task_ignores_seed": ("sft.py", TASK_ROWS, TASK_ROWS.replace("task_rows(args.seed, \"train\"", "task_rows(1, \"train\""),
+        "tests/test_real_models.py"),
+    "sft_task_ignores_eval_size": ("sft.py", TASK_ROWS, TASK_ROWS.replace("args.eval_size", "512"),
+        "tests/test_real_models.py"),
+    "reward_model_ignores_dataset_split": ("reward_model.py", LOAD_ROWS, LOAD_ROWS.replace("args.dataset_split", '"train"'),
+        "tests/test_real_models.py"),
+    "reward_model_ignores_dataset_config": ("reward_model.py", LOAD_ROWS, LOAD_ROWS.replace("args.dataset_config", "None"),
+        "tests/test_real_models.py"),
+    "reward_model_task_ignores_seed": ("reward_model.py", TASK_ROWS, TASK_ROWS.replace("task_rows(args.seed, \"train\"", "task_rows(1, \"train\""),
+        "tests/test_real_models.py"),
+    "reward_model_task_ignores_eval_size": ("reward_model.py", TASK_ROWS, TASK_ROWS.replace("args.eval_size", "512"),
+        "tests/test_real_models.py"),
+    "dpo_ignores_dataset_split": ("dpo.py", LOAD_ROWS, LOAD_ROWS.replace("args.dataset_split", '"train"'),
+        "tests/test_real_models.py"),
+    "dpo_ignores_dataset_config": ("dpo.py", LOAD_ROWS, LOAD_ROWS.replace("args.dataset_config", "None"),
+        "tests/test_real_models.py"),
+    "dpo_task_ignores_seed": ("dpo.py", TASK_ROWS, TASK_ROWS.replace("task_rows(args.seed, \"train\"", "task_rows(1, \"train\""),
+        "tests/test_real_models.py"),
+    "dpo_task_ignores_eval_size": ("dpo.py", TASK_ROWS, TASK_ROWS.replace("args.eval_size", "512"),
+        "tests/test_real_models.py"),
+    "rlhf_ppo_ignores_dataset_split": ("rlhf_ppo.py", LOAD_ROWS, LOAD_ROWS.replace("args.dataset_split", '"train"'),
+        "tests/test_real_models.py"),
+    "rlhf_ppo_ignores_dataset_config": ("rlhf_ppo.py", LOAD_ROWS, LOAD_ROWS.replace("args.dataset_config", "None"),
+        "tests/test_real_models.py"),
+    "rlhf_ppo_task_ignores_seed": ("rlhf_ppo.py", TASK_ROWS, TASK_ROWS.replace("task_rows(args.seed, \"train\"", "task_rows(1, \"train\""),
+        "tests/test_real_models.py"),
+    "rlhf_ppo_task_ignores_eval_size": ("rlhf_ppo.py", TASK_ROWS, TASK_ROWS.replace("args.eval_size", "512"),
+        "tests/test_real_models.py"),
+    "grpo_ignores_dataset_split": ("grpo.py", LOAD_ROWS, LOAD_ROWS.replace("args.dataset_split", '"train"'),
+        "tests/test_real_models.py"),
+    "grpo_ignores_dataset_config": ("grpo.py", LOAD_ROWS, LOAD_ROWS.replace("args.dataset_config", "None"),
+        "tests/test_real_models.py"),
+    "grpo_task_ignores_seed": ("grpo.py", TASK_ROWS, TASK_ROWS.replace("task_rows(args.seed, \"train\"", "task_rows(1, \"train\""),
+        "tests/test_real_models.py"),
+    "grpo_task_ignores_eval_size": ("grpo.py", TASK_ROWS, TASK_ROWS.replace("args.eval_size", "512"),
+        "tests/test_real_models.py"),
+    # the tiny model's size (the same text in scale/sft.py), and grpo.py's reward functions
+    "sft_ignores_n_layer": ("sft.py", "n_layer=args.n_layer,", "n_layer=3,", "tests/test_sft.py"),
+    "sft_ignores_n_embd": ("sft.py", "n_embd=args.n_embd,", "n_embd=128,", "tests/test_sft.py"),
+    "sft_ignores_n_head": ("sft.py", "n_head=args.n_head,", "n_head=4,", "tests/test_sft.py"),
+    "grpo_ignores_reward_fn": ("grpo.py", "functions = load_reward_functions(args.reward_fn or (",
+        "functions = load_reward_functions(() or (", "tests/test_grpo.py"),
 }
 
 

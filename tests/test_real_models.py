@@ -533,6 +533,16 @@ def test_get_lr_by_hand():
         assert script.get_lr(4, 1.0, 5, 5, "linear") == 1.0  # warmup == max steps: warms up to the end
 
 
+def model_flags(script, tiny_checkpoints):
+    """The checkpoints a short run of `script` ("grpo", "grpo.py" or "scale/grpo.py") starts from: sft.py builds its
+    own tiny model."""
+    return {"sft": [], "reward_model": ["--model-name-or-path", str(tiny_checkpoints["sft"])],
+            "dpo": ["--model-name-or-path", str(tiny_checkpoints["sft"])],
+            "rlhf_ppo": ["--sft-model-path", str(tiny_checkpoints["sft"]), "--reward-model-path",
+                         str(tiny_checkpoints["reward_model"])],
+            "grpo": ["--sft-model-path", str(tiny_checkpoints["sft"])]}[os.path.basename(script).removesuffix(".py")]
+
+
 # (script, flags, the learning rate of each optimizer step worked out by hand, × 2e-3); every step clips to 0.5
 # and decays the weights by WEIGHT_DECAY[script]
 SCHEDULES = [
@@ -580,13 +590,8 @@ def test_each_optimizer_step_takes_the_scheduled_learning_rate_and_clip(tier, sc
 
     monkeypatch.setattr(torch.optim.AdamW, "step", step_spy)
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_spy)
-    model = {"sft": [], "reward_model": ["--model-name-or-path", str(tiny_checkpoints["sft"])],
-             "dpo": ["--model-name-or-path", str(tiny_checkpoints["sft"])],
-             "rlhf_ppo": ["--sft-model-path", str(tiny_checkpoints["sft"]), "--reward-model-path",
-                          str(tiny_checkpoints["reward_model"])],
-             "grpo": ["--sft-model-path", str(tiny_checkpoints["sft"])]}[script]
-    run_in_process(f"{tier}{script}.py", *model, *flags, "--lr", "2e-3", "--max-grad-norm", "0.5", "--eval-size", "4",
-                   "--output-dir", "out", cwd=tmp_path)
+    run_in_process(f"{tier}{script}.py", *model_flags(script, tiny_checkpoints), *flags, "--lr", "2e-3", "--max-grad-norm",
+                   "0.5", "--eval-size", "4", "--output-dir", "out", cwd=tmp_path)
     assert seen["lr"] == pytest.approx([2e-3 * lr for lr in by_hand], rel=1e-5)
     assert seen["weight_decay"] == [WEIGHT_DECAY[script]] * len(by_hand)
     assert seen["max_norm"] == [0.5] * len(by_hand)
@@ -617,14 +622,90 @@ def test_only_sampling_keeps_a_kv_cache(script, flags, samples, tiny_checkpoints
         return real_forward(self, *args, **kwargs)
 
     monkeypatch.setattr(GPT2Model, "forward", forward_spy)
-    name = os.path.basename(script)[: -len(".py")]
-    model = {"sft.py": [], "reward_model.py": ["--model-name-or-path", str(tiny_checkpoints["sft"])],
-             "dpo.py": ["--model-name-or-path", str(tiny_checkpoints["sft"])],
-             "rlhf_ppo.py": ["--sft-model-path", str(tiny_checkpoints["sft"]), "--reward-model-path",
-                             str(tiny_checkpoints["reward_model"])],
-             "grpo.py": ["--sft-model-path", str(tiny_checkpoints["sft"])]}[f"{name}.py"]
-    run_in_process(script, *CPU_FLOAT32, *model, *flags, "--eval-size", "4", "--output-dir", "out", cwd=tmp_path)
+    run_in_process(script, *CPU_FLOAT32, *model_flags(script, tiny_checkpoints), *flags, "--eval-size", "4",
+                   "--output-dir", "out", cwd=tmp_path)
     assert None not in seen and False in seen and (True in seen) == samples, sorted(set(map(str, seen)))
+
+
+@pytest.mark.parametrize("script,flags,samples", KV_CACHE_RUNS, ids=[run[0] for run in KV_CACHE_RUNS])
+def test_bf16_computes_the_passes_that_train_in_bfloat16(script, flags, samples, tiny_checkpoints, tmp_path):
+    """--bf16 is mixed precision on the CPU as on a GPU: autocast computes the forward passes that train in
+    bfloat16 over float32 weights, which are trained and saved in float32. The dtype of each module's output in a
+    pass with gradients is read from a hook on every module. A script that drops the flag trains in float32 and
+    fails (the other bf16 tests read values that float32 gives too: a KL of exactly 0, float32 weights)."""
+    seen = set()
+
+    def hook(module, args, output):
+        if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.is_floating_point():
+            seen.add(output.dtype)
+
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)
+    try:
+        run_in_process(script, "--no-cuda", "--bf16", *model_flags(script, tiny_checkpoints), *flags, "--eval-size", "4",
+                       "--output-dir", "out", cwd=tmp_path)
+    finally:
+        handle.remove()
+    assert torch.bfloat16 in seen, seen
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "float32"
+
+
+@pytest.mark.parametrize("script", [f"{tier}{name}" for tier in ("", "scale.") for name in
+                                    ("sft", "reward_model", "dpo", "rlhf_ppo", "grpo")])
+def test_load_data_reads_the_config_and_split_asked(script, tmp_path):
+    """--dataset-config and --dataset-split reach the loader through load_data, the one text every LM script's main
+    hands its flags to: a local dataset repository with two configs (gsm8k has "main" and "socratic"), each with a
+    `train` and an `extra` split, every row saying where it comes from. The rows read, train and held out, are
+    those of the config and split asked; a loader that takes the first config, or `train`, fails."""
+    import importlib
+    from types import SimpleNamespace
+
+    repo = tmp_path / "repo"
+    configs = "".join(f"- config_name: {config}\n  data_files:\n" + "".join(
+        f"  - split: {split}\n    path: {config}/{split}.jsonl\n" for split in ("train", "extra"))
+        for config in ("main", "socratic"))
+    for config in ("main", "socratic"):
+        (repo / config).mkdir(parents=True)
+        for split in ("train", "extra"):
+            (repo / config / f"{split}.jsonl").write_text("".join(json.dumps(
+                {"prompt": f"q{i}", "completion": f"{config}/{split}", "chosen": "a", "rejected": "b"}) + "\n"
+                for i in range(20)))
+    (repo / "README.md").write_text(f"---\nconfigs:\n{configs}---\n")
+    module = importlib.import_module(script)
+    args = SimpleNamespace(dataset_name=str(repo), dataset_config="socratic", dataset_split="extra", eval_size=2, seed=1)
+    train, evals = module.load_data(args, None, 10, [("prompt",)], "needs a prompt")
+    assert len(train) == 18 and len(evals) == 2  # no `test` split: the first rows, a tenth at most, held out
+    assert {row["completion"] for row in train + evals} == {"socratic/extra"}
+
+
+# (script, flags, the training rows of the built-in task it makes, their kind): sft.py, reward_model.py and dpo.py
+# take the number from a flag; rlhf_ppo.py and grpo.py draw their prompts from a fixed 50,000
+TASK_SIZES = [(f"{tier}{script}.py", flags, n, row) for tier in ("", "scale/") for script, flags, n, row in [
+    ("sft", [*TINY_LM, "--num-train-examples", "40", "--max-steps", "1"], 40, "demonstration_row"),
+    ("reward_model", ["--num-train-pairs", "40", "--max-steps", "1"], 40, "preference_row"),
+    ("dpo", ["--num-train-pairs", "40", "--max-steps", "1"], 40, "preference_row"),
+    ("rlhf_ppo", ["--num-iterations", "1", "--mini-batch-size", "4"], 50_000, "prompt_row"),
+    ("grpo", ["--num-iterations", "1", "--mini-batch-size", "4", "--num-generations", "4"], 50_000, "prompt_row")]]
+
+
+@pytest.mark.parametrize("script,flags,n,row", TASK_SIZES, ids=[run[0] for run in TASK_SIZES])
+def test_the_built_in_task_is_as_large_and_seeded_as_the_flags_ask(script, flags, n, row, tiny_checkpoints, tmp_path,
+                                                                   monkeypatch):
+    """--num-train-examples (sft.py) and --num-train-pairs (reward_model.py, dpo.py) set how many training rows of
+    the built-in task main makes, --eval-size how many eval rows, and --seed the random stream they come from:
+    every call main makes to the task's row maker is read. A script that takes a default instead (100,000 rows,
+    512 eval rows, seed 1) fails."""
+    import importlib
+
+    from conftest import module_name
+
+    module, made = importlib.import_module(module_name(script)), []
+    real_task_rows = module.task_rows
+    monkeypatch.setattr(module, "task_rows", lambda seed, split, size, task_row: made.append(
+        (seed, split, size, task_row.__name__)) or real_task_rows(seed, split, size, task_row))
+    run_in_process(script, *CPU_FLOAT32, *model_flags(script, tiny_checkpoints), *flags, "--batch-size", "8",
+                   "--eval-size", "6", "--seed", "3", "--output-dir", "out", cwd=tmp_path)
+    assert made[:2] == [(3, "train", n, row), (3, "eval", 6, row)], made
+    assert all(seed == 3 and split == "eval" and size == 6 for seed, split, size, _ in made[2:]), made  # dpo's prompts
 
 
 def test_long_responses_fit_the_built_in_model_and_too_long_ones_say_so(tiny_checkpoints, tmp_path):

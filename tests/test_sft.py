@@ -97,6 +97,22 @@ def test_same_seed_same_logs_and_weights(tmp_path):
     assert saved_a == saved_b and len(saved_a) == 1
 
 
+
+def test_the_tiny_model_has_the_size_the_flags_ask(tmp_path):
+    """With no --model-name-or-path, --n-layer, --n-embd and --n-head shape the GPT-2 built from scratch: the saved
+    config, and its weights counted against GPT-2's by hand: a block of width d holds 12d² + 13d (the attention's
+    4d² + 4d, the MLP's 8d² + 5d, two layer norms' 4d), the embeddings (vocabulary + 256 positions) · d and the
+    final norm 2d, the head tied to the token embeddings. A script that builds its defaults (3 layers, width 128,
+    4 heads) fails."""
+    run_in_process("sft.py", *CPU_FLOAT32, "--n-layer", "2", "--n-embd", "48", "--n-head", "3", "--max-steps", "1",
+                   "--batch-size", "8", "--num-train-examples", "16", "--eval-size", "4", "--output-dir", "m", cwd=tmp_path)
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert (config["n_layer"], config["n_embd"], config["n_head"]) == (2, 48, 3)
+    from transformers import AutoModelForCausalLM
+
+    model, d = AutoModelForCausalLM.from_pretrained(tmp_path / "m"), 48
+    assert sum(p.numel() for p in model.parameters()) == (config["vocab_size"] + 256) * d + 2 * d + 2 * (12 * d * d + 13 * d)
+
 def sort_rows(n, seed):
     """n rows of a sort task made here, independent of the scripts' task code."""
     import random
