@@ -4,6 +4,7 @@ defined in two or more scripts is one text in all of them, RL and LM families al
 definition that nothing it runs reaches. Each script keeps its own Args, Agent, act, evaluate, main, check_args
 and load_models (the models it trains and scores with)."""
 import ast
+import functools
 import os
 
 import pytest
@@ -24,11 +25,17 @@ def read(script):
         return f.read()
 
 
+@functools.lru_cache(maxsize=None)
+def parse(text):
+    """A script's syntax tree, parsed once per text: the checks below read each script many times (read-only)."""
+    return ast.parse(text)
+
+
 def definitions(text):
     """{name: (source text, ast node)} of a script's top-level functions, classes and assigned names; the
     text of a function or class includes its decorators."""
     lines, found = text.splitlines(keepends=True), {}
-    for node in ast.parse(text).body:
+    for node in parse(text).body:
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
             names = [node.name]
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
@@ -46,7 +53,7 @@ def unreached(text):
     """The top-level definitions that nothing the script runs reaches. The roots are the module-level statements
     that are not definitions or imports (the __main__ block); a definition reached names, directly or through
     others, what else is reached."""
-    tree, defs = ast.parse(text), definitions(text)
+    tree, defs = parse(text), definitions(text)
     named = lambda node: {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}  # noqa: E731
     roots = set()
     for node in tree.body:

@@ -691,21 +691,26 @@ TASK_SIZES = [(f"{tier}{script}.py", flags, n, row) for tier in ("", "scale/") f
 def test_the_built_in_task_is_as_large_and_seeded_as_the_flags_ask(script, flags, n, row, tiny_checkpoints, tmp_path,
                                                                    monkeypatch):
     """--num-train-examples (sft.py) and --num-train-pairs (reward_model.py, dpo.py) set how many training rows of
-    the built-in task main makes, --eval-size how many eval rows, and --seed the random stream they come from:
-    every call main makes to the task's row maker is read. A script that takes a default instead (100,000 rows,
-    512 eval rows, seed 1) fails."""
+    the built-in task main makes, --eval-size how many eval rows, and --seed the random stream they come from and
+    the seeds of python's generator (the data order) and torch's (a new model's weights, the sampling; rank 0's
+    under scale/): every call main makes to the task's row maker and to the two seed functions is read. A script
+    that takes a default instead (100,000 rows, 512 eval rows, seed 1) fails."""
     import importlib
+    import random
 
     from conftest import module_name
 
-    module, made = importlib.import_module(module_name(script)), []
-    real_task_rows = module.task_rows
+    module, made, seeds = importlib.import_module(module_name(script)), [], []
+    real_task_rows, real_manual_seed, real_seed = module.task_rows, torch.manual_seed, random.seed
     monkeypatch.setattr(module, "task_rows", lambda seed, split, size, task_row: made.append(
         (seed, split, size, task_row.__name__)) or real_task_rows(seed, split, size, task_row))
+    monkeypatch.setattr(torch, "manual_seed", lambda seed: seeds.append(("torch", seed)) or real_manual_seed(seed))
+    monkeypatch.setattr(random, "seed", lambda seed=None, *args: seeds.append(("python", seed)) or real_seed(seed, *args))
     run_in_process(script, *CPU_FLOAT32, *model_flags(script, tiny_checkpoints), *flags, "--batch-size", "8",
                    "--eval-size", "6", "--seed", "3", "--output-dir", "out", cwd=tmp_path)
     assert made[:2] == [(3, "train", n, row), (3, "eval", 6, row)], made
     assert all(seed == 3 and split == "eval" and size == 6 for seed, split, size, _ in made[2:]), made  # dpo's prompts
+    assert ("python", 3) in seeds and ("torch", 3) in seeds, seeds
 
 
 def test_long_responses_fit_the_built_in_model_and_too_long_ones_say_so(tiny_checkpoints, tmp_path):
