@@ -482,7 +482,8 @@ BREAKS = {
         "per_rank, mini_per_rank = prompts_per_rank * G, args.mini_batch_size // world_size",
         "per_rank, mini_per_rank = prompts_per_rank * G, 64 // world_size", "tests/test_tiers.py"),
     # A seventh audit: the flags that shape what is computed beyond the loss and the batch. --bf16 where main
-    # turns autocast on (one text in the five top-level files; scale/'s own line, which FSDP's policy overrides)
+    # turns autocast on (one text in the five top-level files; scale/'s own line, where under FSDP the mixed-precision
+    # policy casts instead)
     "sft_ignores_bf16": ("sft.py", "enabled=args.bf16)  # noqa: E731", "enabled=False)  # noqa: E731",
         "tests/test_real_models.py"),
     "reward_model_ignores_bf16": ("reward_model.py", "enabled=args.bf16)  # noqa: E731", "enabled=False)  # noqa: E731",

@@ -97,7 +97,6 @@ def test_same_seed_same_logs_and_weights(tmp_path):
     assert saved_a == saved_b and len(saved_a) == 1
 
 
-
 def test_the_tiny_model_has_the_size_the_flags_ask(tmp_path):
     """With no --model-name-or-path, --n-layer, --n-embd and --n-head shape the GPT-2 built from scratch: the saved
     config, and its weights counted against GPT-2's by hand: a block of width d holds 12d² + 13d (the attention's
@@ -112,6 +111,7 @@ def test_the_tiny_model_has_the_size_the_flags_ask(tmp_path):
 
     model, d = AutoModelForCausalLM.from_pretrained(tmp_path / "m"), 48
     assert sum(p.numel() for p in model.parameters()) == (config["vocab_size"] + 256) * d + 2 * d + 2 * (12 * d * d + 13 * d)
+
 
 def sort_rows(n, seed):
     """n rows of a sort task made here, independent of the scripts' task code."""
