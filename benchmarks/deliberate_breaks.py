@@ -584,6 +584,57 @@ BREAKS = {
     "sft_ignores_n_head": ("sft.py", "n_head=args.n_head,", "n_head=4,", "tests/test_sft.py"),
     "grpo_ignores_reward_fn": ("grpo.py", "functions = load_reward_functions(args.reward_fn or (",
         "functions = load_reward_functions(() or (", "tests/test_grpo.py"),
+    # The eighth audit. The PPO scripts: --seed where main seeds numpy's generator (the rollout's actions), torch's
+    # (the initial weights, the minibatch order), the envs' first reset and the evaluation episodes; --num-envs where
+    # it counts the env steps (the x-axis of every scalar) and the iterations; --num-steps where the rollout stops
+    **{name: (f"{script}.py", old, new, f"tests/test_{script}.py")
+       for script in ("ppo_clip", "ppo_kl", "ppo_continuous") for name, old, new in [
+           (f"{script}_torch_ignores_seed", "torch.manual_seed(args.seed)", "torch.manual_seed(1)"),
+           (f"{script}_numpy_ignores_seed", "np.random.seed(args.seed)", "np.random.seed(1)"),
+           (f"{script}_envs_ignore_seed", "envs.reset(seed=args.seed + first_iteration - 1)",
+            "envs.reset(seed=first_iteration)"),
+           (f"{script}_evaluation_ignores_seed", "env.reset(seed=args.seed + 10_000 + episode)",
+            "env.reset(seed=10_001 + episode)"),
+           (f"{script}_global_step_ignores_num_envs", "global_step += args.num_envs", "global_step += 1"),
+           (f"{script}_iterations_ignore_num_envs", "num_iterations = args.total_timesteps // batch_size",
+            "num_iterations = args.total_timesteps // args.num_steps"),
+           (f"{script}_rollout_one_step_short", "for step in range(args.num_steps):",
+            "for step in range(args.num_steps - 1):"),
+           (f"{script}_evaluation_ignores_eval_episodes", "for episode in range(args.eval_episodes):",
+            "for episode in range(10):")]},
+    # The LM scripts: --eval-every (the same text in scale/), --exp-name, the prompts drawn from --seed (the same
+    # text in scale/), the evaluation's sampling flags, --save-dtype and --output-dir
+    **{f"{script}_ignores_eval_every": (f"{script}.py", "% args.eval_every == 0", f"% {default} == 0",
+                                        "tests/test_real_models.py")
+       for script, default in (("sft", 500), ("reward_model", 200), ("dpo", 100), ("rlhf_ppo", 20), ("grpo", 20))},
+    **{f"{script}_run_name_ignores_exp_name": (f"{script}.py", 'SummaryWriter(f"runs/{args.exp_name}__',
+                                               'SummaryWriter(f"runs/run__', "tests/test_real_models.py")
+       for script in ("sft", "reward_model", "dpo", "rlhf_ppo", "grpo")},
+    **{f"{script}_prompts_ignore_seed": (f"{script}.py", "random.Random(args.seed)", "random.Random(1)",
+                                         "tests/test_real_models.py") for script in ("rlhf_ppo", "grpo")},
+    "sft_evaluation_ignores_max_new_tokens": ("sft.py", "stop_ids, args.max_new_tokens, greedy=greedy)",
+        "stop_ids, 12, greedy=greedy)", "tests/test_real_models.py"),
+    "dpo_evaluation_ignores_response_length": ("dpo.py", "tokenizer.pad_token_id, stop_ids, args.response_length,",
+        "tokenizer.pad_token_id, stop_ids, 12,", "tests/test_real_models.py"),
+    "dpo_evaluation_ignores_temperature": ("dpo.py", "stop_ids, args.response_length,\n                args.temperature)",
+        "stop_ids, args.response_length,\n                1.0)", "tests/test_real_models.py"),
+    "dpo_kl_ignores_temperature": ("dpo.py", "completion_logps(policy, sequences, attention_mask, labels, args.temperature)",
+        "completion_logps(policy, sequences, attention_mask, labels)", "tests/test_dpo.py"),
+    "dpo_evaluation_ignores_missing_eos_penalty": ("dpo.py", "args.missing_eos_penalty)[0])", "-3.0)[0])",
+        "tests/test_dpo.py"),
+    "scale_dpo_kl_ignores_temperature": ("scale/dpo.py",
+        "response_logps(policy, sequences, attention_mask, context_length, args.temperature)",
+        "response_logps(policy, sequences, attention_mask, context_length, 1.0)", "tests/test_dpo.py"),
+    "scale_dpo_evaluation_ignores_missing_eos_penalty": ("scale/dpo.py", "args.missing_eos_penalty)[0])", "-3.0)[0])",
+        "tests/test_dpo.py"),
+    "rlhf_ppo_ignores_kl_coef_flag": ("rlhf_ppo.py", "    kl_coef = args.kl_coef\n", "    kl_coef = 1.0\n",
+        "tests/test_rlhf_ppo.py"),
+    "sft_ignores_save_dtype": ("sft.py", "return getattr(torch, args.save_dtype)", "return torch.float32",
+        "tests/test_gpu_path.py"),
+    "scale_sft_ignores_save_dtype": ("scale/sft.py", "return getattr(torch, args.save_dtype)", "return torch.float32",
+        "tests/test_gpu_path.py"),
+    "sft_ignores_output_dir": ("sft.py", "save_model(model, tokenizer, args, args.output_dir, save_dtype)",
+        'save_model(model, tokenizer, args, "models/sft", save_dtype)', "tests/test_sft.py"),
 }
 
 

@@ -247,3 +247,23 @@ def optimizer_steps(module, monkeypatch):
     monkeypatch.setattr(adam, "step", step_spy)
     monkeypatch.setattr(module.nn.utils, "clip_grad_norm_", clip_spy)
     return seen
+
+
+def seeds_taken(monkeypatch):
+    """Record every seed given to numpy's global generator, torch's, and any environment's reset (gym.Env.reset,
+    which every env here and in gymnasium calls with its seed; None, an episode that goes on from the env's own
+    stream, is left out): the dict of lists it fills."""
+    import torch
+
+    seen = {"numpy": [], "torch": [], "resets": []}
+    real_numpy, real_torch, real_reset = np.random.seed, torch.manual_seed, gym.Env.reset
+
+    def reset(self, *, seed=None, options=None):
+        if seed is not None:
+            seen["resets"].append(seed)
+        return real_reset(self, seed=seed, options=options)
+
+    monkeypatch.setattr(np.random, "seed", lambda seed=None: seen["numpy"].append(seed) or real_numpy(seed))
+    monkeypatch.setattr(torch, "manual_seed", lambda seed: seen["torch"].append(seed) or real_torch(seed))
+    monkeypatch.setattr(gym.Env, "reset", reset)
+    return seen

@@ -231,3 +231,33 @@ def test_the_batch_size_and_max_length_reach_every_update(tiny_checkpoints, tmp_
                    "--eval-every", "100", "--output-dir", "out", cwd=tmp_path)
     assert len(seen) == 4 and all(len(batch) == 6 for batch in seen), seen
     assert max(max(batch) for batch in seen) <= 16, seen
+
+
+@pytest.mark.parametrize("script,logps,scores", [("dpo.py", "completion_logps", "response_scores"),
+                                                 ("scale/dpo.py", "response_logps", "score_responses")])
+def test_the_evaluation_takes_its_temperature_and_missing_eos_penalty(script, logps, scores, tiny_checkpoints, tmp_path,
+                                                                      monkeypatch):
+    """The evaluation's eval/kl compares the policy and the reference at --temperature (the distribution it samples
+    from: both log-probs of each of its batches), and its eval/score gives a completion with no stop token
+    --missing-eos-penalty; dpo.py's updates take their log-probs at temperature 1. A script that reads either flag
+    at its default (1.0, −3.0) in one of these places fails."""
+    import importlib
+
+    from conftest import module_name
+
+    module, temperatures, penalties = importlib.import_module(module_name(script)), [], []
+    real_logps, real_scores = getattr(module, logps), getattr(module, scores)
+
+    def logps_spy(*args, **kwargs):  # (model, sequences, attention_mask, labels or context_length[, temperature])
+        temperatures.append(args[4] if len(args) > 4 else kwargs.get("temperature", 1.0))
+        return real_logps(*args, **kwargs)
+
+    monkeypatch.setattr(module, logps, logps_spy)
+    monkeypatch.setattr(module, scores, lambda *args: penalties.append(args[-1]) or real_scores(*args))
+    run_in_process(script, "--model-name-or-path", str(tiny_checkpoints["sft"]), "--reward-model-path",
+                   str(tiny_checkpoints["reward_model"]), "--num-train-pairs", "40", "--max-steps", "2", "--eval-every",
+                   "2", "--batch-size", "8", "--eval-size", "6", "--temperature", "0.7", "--missing-eos-penalty", "-7",
+                   "--output-dir", "out", cwd=tmp_path)
+    # two evaluations (steps 0 and 2) of one batch of 6 prompts: the policy's and the reference's log-probs
+    assert temperatures.count(0.7) == 4 and set(temperatures) <= {0.7, 1.0}, temperatures
+    assert penalties == [-7.0, -7.0], penalties

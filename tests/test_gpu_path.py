@@ -161,20 +161,21 @@ def test_one_gradient_all_reduce_per_optimizer_step(tiny_checkpoints, tmp_path, 
 # ------------------------------------------------------------------------------------------------
 # Saving: the checkpoint's own dtype by default, --save-dtype, one line when it cannot be written
 # ------------------------------------------------------------------------------------------------
-def test_a_bf16_checkpoint_is_saved_in_bf16_and_save_dtype_overrides(tmp_path):
+@pytest.mark.parametrize("script", ["sft.py", "scale/sft.py"])  # save_dtype_of: one text in all ten LM scripts
+def test_a_bf16_checkpoint_is_saved_in_bf16_and_save_dtype_overrides(script, tmp_path):
     base = save_checkpoint(str(tmp_path / "base"), "llama", "bos", "bfloat16")
     data = write_data(tmp_path / "d.jsonl", "prompt_completion")
     common = ["--model-name-or-path", base, "--dataset-name", data, "--max-steps", "1", "--batch-size", "4",
               "--eval-every", "1", "--warmup-steps", "0"]
-    run_in_process("scale/sft.py", *common, "--output-dir", "own", cwd=tmp_path)
-    run_in_process("scale/sft.py", *common, "--output-dir", "fp32", "--save-dtype", "float32", cwd=tmp_path)
+    run_in_process(script, *common, "--output-dir", "own", cwd=tmp_path)
+    run_in_process(script, *common, "--output-dir", "fp16", "--save-dtype", "float16", cwd=tmp_path)
     from safetensors import safe_open
 
-    for name, dtype in (("own", torch.bfloat16), ("fp32", torch.float32)):
+    for name, dtype in (("own", torch.bfloat16), ("fp16", torch.float16)):  # neither float32, the weights' dtype
         with safe_open(str(tmp_path / name / "model.safetensors"), "pt") as f:
             assert {f.get_tensor(k).dtype for k in f.keys()} == {dtype}, name
         assert json.load(open(tmp_path / name / "config.json"))["dtype"] == str(dtype).split(".")[1]
-    assert_one_line_error(run_script("scale/sft.py", *common, "--save-dtype", "int8", cwd=tmp_path, check=False),
+    assert_one_line_error(run_script(script, *common, "--save-dtype", "int8", cwd=tmp_path, check=False),
                           "--save-dtype", "bfloat16")
 
 

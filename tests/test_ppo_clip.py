@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import assert_one_line_error, one_line_exit, only_run_dir, read_scalars, run_script, same_seed_scalars
-from rl_envs import gradients_by_network, optimizer_steps, CountingEnv, OffsetActionsEnv, advantages_reaching_the_loss, first_gae_inputs, recorded_writers
+from rl_envs import gradients_by_network, optimizer_steps, CountingEnv, OffsetActionsEnv, advantages_reaching_the_loss, first_gae_inputs, recorded_writers, seeds_taken
 
 import ppo_clip
 
@@ -206,6 +206,28 @@ def test_losses_kl_is_from_the_rollout_policy_to_the_updated_one(tmp_path, monke
     ppo_clip.main(ppo_clip.Args(total_timesteps=512, num_envs=2, num_steps=256, eval_episodes=0))
     assert len(calls) == 1 and len(whole_batch) == 2 and not torch.equal(*whole_batch)
     assert torch.equal(calls[0][0], whole_batch[0]) and torch.equal(calls[0][1], whole_batch[1])
+
+
+def test_the_seed_reaches_numpy_torch_and_every_reset(tmp_path, monkeypatch):
+    # --seed 7 seeds numpy's generator (the rollout's actions), torch's (the initial weights, the minibatch
+    # order), the first reset of env i with 7 + i, and evaluation episode e with 7 + 10,000 + e
+    seen = seeds_taken(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    ppo_clip.main(ppo_clip.Args(env_id="Clock-v0", cuda=False, seed=7, total_timesteps=40, num_envs=2, num_steps=20,
+                                num_minibatches=2, eval_episodes=2))
+    assert seen == {"numpy": [7], "torch": [7], "resets": [7, 8, 10_007, 10_008]}, seen
+
+
+def test_every_scalar_is_logged_at_the_env_steps_taken(tmp_path, monkeypatch):
+    # the x-axis is global_step, the env steps taken: num_envs × num_steps = 40 an iteration, and
+    # total_timesteps // 40 = 2 iterations (the 20 steps left over are not taken)
+    monkeypatch.chdir(tmp_path)
+    ppo_clip.main(ppo_clip.Args(env_id="Clock-v0", cuda=False, total_timesteps=100, num_envs=2, num_steps=20,
+                                num_minibatches=2, eval_episodes=0))
+    scalars = read_scalars(only_run_dir(tmp_path))
+    assert [step for step, _ in scalars["losses/policy_loss"]] == [40, 80]
+    ends = [step for step, _ in scalars["charts/episodic_length"]]  # a step of two envs: an even count
+    assert len(ends) >= 20 and all(step % 2 == 0 and 0 < step <= 80 for step in ends), ends
 
 
 def test_logged_returns_are_the_true_episode_returns(tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import assert_one_line_error, one_line_exit, only_run_dir, read_scalars, run_script, same_seed_scalars
 import rl_envs  # noqa: F401  (registers Target-v0)
-from rl_envs import gradients_by_network, optimizer_steps, ClockEnv, advantages_reaching_the_loss, first_gae_inputs, recorded_writers
+from rl_envs import gradients_by_network, optimizer_steps, ClockEnv, advantages_reaching_the_loss, first_gae_inputs, recorded_writers, seeds_taken
 
 import ppo_continuous as pc
 
@@ -193,6 +193,26 @@ def test_the_env_gets_clipped_actions_and_the_policy_trains_on_the_sampled_ones(
     monkeypatch.chdir(tmp_path)
     pc.main(pc.Args(**CLOCK, total_timesteps=40, log_std_init=1.5))
     assert max(trained_on) > 2.0 and max(abs(float(a[0])) for a in ClockEnv.actions_received) <= 2.0
+
+
+def test_the_seed_reaches_numpy_torch_and_every_reset(tmp_path, monkeypatch):
+    # --seed 7 seeds numpy's generator (the rollout's actions), torch's (the initial weights, the minibatch
+    # order), the first reset of env i with 7 + i, and evaluation episode e with 7 + 10,000 + e
+    seen = seeds_taken(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    pc.main(pc.Args(**{**CLOCK, "eval_episodes": 2}, seed=7, total_timesteps=40))
+    assert seen == {"numpy": [7], "torch": [7], "resets": [7, 8, 10_007, 10_008]}, seen
+
+
+def test_every_scalar_is_logged_at_the_env_steps_taken(tmp_path, monkeypatch):
+    # the x-axis is global_step, the env steps taken: num_envs × num_steps = 40 an iteration, and
+    # total_timesteps // 40 = 2 iterations (the 20 steps left over are not taken)
+    monkeypatch.chdir(tmp_path)
+    pc.main(pc.Args(**CLOCK, total_timesteps=100))
+    scalars = read_scalars(only_run_dir(tmp_path))
+    assert [step for step, _ in scalars["losses/policy_loss"]] == [40, 80]
+    ends = [step for step, _ in scalars["charts/episodic_length"]]  # a step of two envs: an even count
+    assert len(ends) >= 20 and all(step % 2 == 0 and 0 < step <= 80 for step in ends), ends
 
 
 def test_a_nan_loss_stops_the_run_with_one_line_and_saves_nothing(tmp_path, monkeypatch):

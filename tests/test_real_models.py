@@ -677,40 +677,76 @@ def test_load_data_reads_the_config_and_split_asked(script, tmp_path):
     assert {row["completion"] for row in train + evals} == {"socratic/extra"}
 
 
-# (script, flags, the training rows of the built-in task it makes, their kind): sft.py, reward_model.py and dpo.py
-# take the number from a flag; rlhf_ppo.py and grpo.py draw their prompts from a fixed 50,000
-TASK_SIZES = [(f"{tier}{script}.py", flags, n, row) for tier in ("", "scale/") for script, flags, n, row in [
-    ("sft", [*TINY_LM, "--num-train-examples", "40", "--max-steps", "1"], 40, "demonstration_row"),
-    ("reward_model", ["--num-train-pairs", "40", "--max-steps", "1"], 40, "preference_row"),
-    ("dpo", ["--num-train-pairs", "40", "--max-steps", "1"], 40, "preference_row"),
-    ("rlhf_ppo", ["--num-iterations", "1", "--mini-batch-size", "4"], 50_000, "prompt_row"),
-    ("grpo", ["--num-iterations", "1", "--mini-batch-size", "4", "--num-generations", "4"], 50_000, "prompt_row")]]
+# (script, flags, the training rows of the built-in task it makes, their kind, the sampling flags and the
+# (max_new_tokens, temperature) every sampling call must take): sft.py, reward_model.py and dpo.py take the number
+# of rows from a flag, rlhf_ppo.py and grpo.py draw their prompts from a fixed 50,000; each runs 3 steps or
+# iterations, evaluating every 2
+TASK_SIZES = [(f"{tier}{script}.py", flags, n, row, sampling) for tier in ("", "scale/")
+              for script, flags, n, row, sampling in [
+    ("sft", [*TINY_LM, "--num-train-examples", "40", "--max-steps", "3", "--max-new-tokens", "5"], 40,
+     "demonstration_row", (5, 1.0)),
+    ("reward_model", ["--num-train-pairs", "40", "--max-steps", "3"], 40, "preference_row", None),
+    ("dpo", ["--num-train-pairs", "40", "--max-steps", "3", "--response-length", "5", "--temperature", "0.7"], 40,
+     "preference_row", (5, 0.7)),
+    ("rlhf_ppo", ["--num-iterations", "3", "--mini-batch-size", "4", "--response-length", "5", "--temperature", "0.7"],
+     50_000, "prompt_row", (5, 0.7)),
+    ("grpo", ["--num-iterations", "3", "--mini-batch-size", "4", "--num-generations", "4", "--response-length", "5",
+              "--temperature", "0.7"], 50_000, "prompt_row", (5, 0.7))]]
 
 
-@pytest.mark.parametrize("script,flags,n,row", TASK_SIZES, ids=[run[0] for run in TASK_SIZES])
-def test_the_built_in_task_is_as_large_and_seeded_as_the_flags_ask(script, flags, n, row, tiny_checkpoints, tmp_path,
-                                                                   monkeypatch):
-    """--num-train-examples (sft.py) and --num-train-pairs (reward_model.py, dpo.py) set how many training rows of
-    the built-in task main makes, --eval-size how many eval rows, and --seed the random stream they come from and
-    the seeds of python's generator (the data order) and torch's (a new model's weights, the sampling; rank 0's
-    under scale/): every call main makes to the task's row maker and to the two seed functions is read. A script
-    that takes a default instead (100,000 rows, 512 eval rows, seed 1) fails."""
+@pytest.mark.parametrize("script,flags,n,row,sampling", TASK_SIZES, ids=[run[0] for run in TASK_SIZES])
+def test_the_task_seeds_evaluations_and_run_name_follow_the_flags(script, flags, n, row, sampling, tiny_checkpoints,
+                                                                  tmp_path, monkeypatch):
+    """What main makes of the flags that shape its data, its random streams, its evaluations and its logs, read
+    where main uses them. --num-train-examples (sft.py) and --num-train-pairs (reward_model.py, dpo.py) set how
+    many training rows of the built-in task main makes, --eval-size how many eval rows; --seed the random stream
+    they come from, the seeds of python's generator (the data order) and torch's (a new model's weights, the
+    sampling; rank 0's under scale/) and the generator that draws rlhf_ppo.py's and grpo.py's prompts; every call
+    to the task's row maker, the two seed functions and random.Random is read. --eval-every sets the steps that
+    log eval/ scalars (every 2nd and the last; the policy scripts also step 0, the untrained policy), --exp-name
+    the run directory runs/<exp>__<seed>__<time>, and the evaluation's --max-new-tokens (sft.py),
+    --response-length and --temperature (dpo.py; the rollouts too in rlhf_ppo.py and grpo.py) every call to the
+    sampler. A script that takes a default instead (100,000 rows, 512 eval rows, seed 1, 12 tokens, ...) fails."""
     import importlib
     import random
 
-    from conftest import module_name
+    from conftest import module_name, only_run_dir
 
-    module, made, seeds = importlib.import_module(module_name(script)), [], []
+    module, made, seeds, sampled = importlib.import_module(module_name(script)), [], [], []
     real_task_rows, real_manual_seed, real_seed = module.task_rows, torch.manual_seed, random.seed
+
+    class Random(random.Random):
+        def __init__(self, x=None):
+            if isinstance(x, int):  # not the task's streams (strings) nor the unseeded ones of other libraries
+                seeds.append(("Random", x))
+            super().__init__(x)
+
     monkeypatch.setattr(module, "task_rows", lambda seed, split, size, task_row: made.append(
         (seed, split, size, task_row.__name__)) or real_task_rows(seed, split, size, task_row))
     monkeypatch.setattr(torch, "manual_seed", lambda seed: seeds.append(("torch", seed)) or real_manual_seed(seed))
     monkeypatch.setattr(random, "seed", lambda seed=None, *args: seeds.append(("python", seed)) or real_seed(seed, *args))
+    monkeypatch.setattr(random, "Random", Random)
+    sampler = "sample" if script.startswith("scale/") else "generate"
+    if sampling is not None:
+        real_sampler = getattr(module, sampler)
+        monkeypatch.setattr(module, sampler, lambda model, prompt_ids, pad, stop_ids, max_new_tokens, temperature=1.0,
+                            **kw: sampled.append((max_new_tokens, temperature)) or real_sampler(
+                                model, prompt_ids, pad, stop_ids, max_new_tokens, temperature, **kw))
     run_in_process(script, *CPU_FLOAT32, *model_flags(script, tiny_checkpoints), *flags, "--batch-size", "8",
-                   "--eval-size", "6", "--seed", "3", "--output-dir", "out", cwd=tmp_path)
+                   "--eval-size", "6", "--seed", "3", "--eval-every", "2", "--exp-name", "named", "--output-dir", "out",
+                   cwd=tmp_path)
     assert made[:2] == [(3, "train", n, row), (3, "eval", 6, row)], made
     assert all(seed == 3 and split == "eval" and size == 6 for seed, split, size, _ in made[2:]), made  # dpo's prompts
     assert ("python", 3) in seeds and ("torch", 3) in seeds, seeds
+    if n == 50_000:  # the prompts drawn each iteration
+        assert ("Random", 3) in seeds and ("Random", 1) not in seeds, seeds
+    run_dir = only_run_dir(tmp_path)
+    assert os.path.basename(run_dir).startswith("named__3__"), run_dir
+    scalars = read_scalars(run_dir)
+    evaluated = {step for tag, values in scalars.items() if tag.startswith("eval/") for step, _ in values}
+    assert evaluated == {2, 3} | ({0} if os.path.basename(script) in ("dpo.py", "rlhf_ppo.py", "grpo.py") else set())
+    if sampling is not None:
+        assert sampled and set(sampled) == {sampling}, sampled
 
 
 def test_long_responses_fit_the_built_in_model_and_too_long_ones_say_so(tiny_checkpoints, tmp_path):
