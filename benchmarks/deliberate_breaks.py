@@ -586,7 +586,8 @@ BREAKS = {
         "functions = load_reward_functions(() or (", "tests/test_grpo.py"),
     # The eighth audit. The PPO scripts: --seed where main seeds numpy's generator (the rollout's actions), torch's
     # (the initial weights, the minibatch order), the envs' first reset and the evaluation episodes; --num-envs where
-    # it counts the env steps (the x-axis of every scalar) and the iterations; --num-steps where the rollout stops
+    # it counts the env steps (the x-axis of every scalar) and the iterations; --num-steps where the rollout stops;
+    # --eval-episodes
     **{name: (f"{script}.py", old, new, f"tests/test_{script}.py")
        for script in ("ppo_clip", "ppo_kl", "ppo_continuous") for name, old, new in [
            (f"{script}_torch_ignores_seed", "torch.manual_seed(args.seed)", "torch.manual_seed(1)"),
@@ -603,7 +604,8 @@ BREAKS = {
            (f"{script}_evaluation_ignores_eval_episodes", "for episode in range(args.eval_episodes):",
             "for episode in range(10):")]},
     # The LM scripts: --eval-every (the same text in scale/), --exp-name, the prompts drawn from --seed (the same
-    # text in scale/), the evaluation's sampling flags, --save-dtype and --output-dir
+    # text in scale/), the evaluation's sampling flags (dpo.py's also in scale/dpo.py's words), --save-dtype,
+    # --output-dir, and the --kl-coef that rlhf_ppo.py's KL controller starts from
     **{f"{script}_ignores_eval_every": (f"{script}.py", "% args.eval_every == 0", f"% {default} == 0",
                                         "tests/test_real_models.py")
        for script, default in (("sft", 500), ("reward_model", 200), ("dpo", 100), ("rlhf_ppo", 20), ("grpo", 20))},

@@ -171,7 +171,7 @@ def test_a_bf16_checkpoint_is_saved_in_bf16_and_save_dtype_overrides(script, tmp
     run_in_process(script, *common, "--output-dir", "fp16", "--save-dtype", "float16", cwd=tmp_path)
     from safetensors import safe_open
 
-    for name, dtype in (("own", torch.bfloat16), ("fp16", torch.float16)):  # neither float32, the weights' dtype
+    for name, dtype in (("own", torch.bfloat16), ("fp16", torch.float16)):  # neither is float32, the training weights'
         with safe_open(str(tmp_path / name / "model.safetensors"), "pt") as f:
             assert {f.get_tensor(k).dtype for k in f.keys()} == {dtype}, name
         assert json.load(open(tmp_path / name / "config.json"))["dtype"] == str(dtype).split(".")[1]
