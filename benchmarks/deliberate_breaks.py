@@ -637,6 +637,57 @@ BREAKS = {
         "tests/test_gpu_path.py"),
     "sft_ignores_output_dir": ("sft.py", "save_model(model, tokenizer, args, args.output_dir, save_dtype)",
         'save_model(model, tokenizer, args, "models/sft", save_dtype)', "tests/test_sft.py"),
+    # The ninth audit: the flags only scale/ has. In each main: --system-prompt, --gradient-accumulation-steps,
+    # --gradient-checkpointing, --save-every, and the evaluation's (--eval-batch-size) or the sampling's
+    # (--generation-batch-size) batch size; in the texts the five share: LoRA's --lora-r, --lora-alpha,
+    # --lora-dropout and --lora-target-modules, --merge-lora and --keep-checkpoints, broken in each copy
+    **{f"scale_{script}_ignores_system_prompt": (f"scale/{script}.py", f"{rows}, {evals} = add_system_prompt({rows}, args), "
+                                                f"add_system_prompt({evals}, args)", f"{rows}, {evals} = {rows}, {evals}",
+                                                "tests/test_rewards.py")
+       for script, rows, evals in (("sft", "train_examples", "eval_examples"), ("reward_model", "train_rows", "eval_rows"),
+                                   ("dpo", "train_rows", "eval_rows"), ("rlhf_ppo", "train_rows", "eval_rows"),
+                                   ("grpo", "train_rows", "eval_rows"))},
+    **{f"scale_{script}_ignores_gradient_accumulation_steps": (f"scale/{script}.py",
+        f"micro_size = {size} // args.gradient_accumulation_steps", f"micro_size = {size}", tests)
+       for script, size, tests in (("sft", "per_rank", "tests/test_lm_memory.py"),
+                                   ("reward_model", "per_rank", "tests/test_lm_memory.py"),
+                                   ("dpo", "per_rank", "tests/test_lm_memory.py"),
+                                   ("rlhf_ppo", "mini_per_rank", "tests/test_lm_memory.py"),
+                                   ("grpo", "mini_per_rank", "tests/test_lm_memory.py"))},
+    **{f"scale_{script}_ignores_gradient_checkpointing{which}": (f"scale/{script}.py",
+        f"    if args.gradient_checkpointing:\n        {model}.activation_checkpointing_enable",
+        f"    if False:\n        {model}.activation_checkpointing_enable", tests)
+       for script, which, model, tests in (("sft", "", "raw_model", "tests/test_lm_memory.py"),
+                                           ("reward_model", "", "raw_model", "tests/test_lm_memory.py"),
+                                           ("dpo", "", "raw_policy", "tests/test_lm_memory.py"),
+                                           ("rlhf_ppo", "", "raw_actor", "tests/test_lm_memory.py"),
+                                           ("rlhf_ppo", "_critic", "raw_critic", "tests/test_lm_memory.py"),
+                                           ("grpo", "", "raw_policy", "tests/test_lm_memory.py"))},
+    **{f"scale_{script}_ignores_save_every": (f"scale/{script}.py", f"(args.save_every and {step} % args.save_every == 0)",
+                                              "(False)", "tests/test_resume.py")
+       for script, step in (("sft", "step"), ("reward_model", "step"), ("dpo", "step"), ("rlhf_ppo", "iteration"),
+                            ("grpo", "iteration"))},
+    **{f"scale_{script}_ignores_eval_batch_size": (f"scale/{script}.py", "eval_batch_size = args.eval_batch_size or micro_size",
+                                                   "eval_batch_size = micro_size", tests)
+       for script, tests in (("sft", "tests/test_scaling.py"), ("reward_model", "tests/test_lm_memory.py"),
+                             ("dpo", "tests/test_lm_memory.py"))},
+    "scale_rlhf_ppo_ignores_generation_batch_size": ("scale/rlhf_ppo.py",
+        "                args.generation_batch_size)\n            mask = mask.float()",
+        "                128)\n            mask = mask.float()", "tests/test_lm_memory.py"),
+    "scale_grpo_ignores_generation_batch_size": ("scale/grpo.py",
+        "args.temperature, args.generation_batch_size)\n                rounds.append",
+        "args.temperature, 256)\n                rounds.append", "tests/test_lm_memory.py"),
+    **{f"scale_{script}_{name}": (f"scale/{script}.py", old, new, tests)
+       for script in ("sft", "reward_model", "dpo", "rlhf_ppo", "grpo") for name, old, new, tests in [
+           ("lora_ignores_lora_r", "config = LoraConfig(r=args.lora_r,", "config = LoraConfig(r=8,", "tests/test_lora.py"),
+           ("lora_ignores_lora_alpha", "lora_alpha=args.lora_alpha,", "lora_alpha=32.0,", "tests/test_lora.py"),
+           ("lora_ignores_lora_dropout", "lora_dropout=args.lora_dropout,", "lora_dropout=0.0,", "tests/test_lora.py"),
+           ("lora_ignores_target_modules", 'target_modules=list(args.lora_target_modules) or "all-linear"',
+            'target_modules="all-linear"', "tests/test_lora.py"),
+           ("ignores_merge_lora", "        if args.merge_lora:\n            model = model.merge_and_unload()",
+            "        if False:\n            model = model.merge_and_unload()", "tests/test_lora.py"),
+           ("ignores_keep_checkpoints", "for old in steps[: -args.keep_checkpoints]:", "for old in steps[:-2]:",
+            "tests/test_resume.py")]},
 }
 
 

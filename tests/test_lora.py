@@ -1,6 +1,6 @@
-"""LoRA (--lora-r): only the adapters and a scalar head train; the reference is the policy with its adapters off,
-exactly the base model; the merged save reproduces the adapter model; it resumes exactly, runs under torchrun,
-and a copied script runs without peft."""
+"""LoRA (--lora-r): the flags shape every adapter as in the paper's equation; only the adapters and a scalar head
+train; the reference is the policy with its adapters off, exactly the base model; the merged save reproduces the
+adapter model; it resumes exactly, runs under torchrun, and a copied script runs without peft."""
 import importlib.util
 import os
 import subprocess
@@ -113,6 +113,71 @@ def test_lora_under_torchrun_ddp_is_the_one_process_update(tmp_path):
     for tag in ("losses/loss", "train/grad_norm"):
         assert [s for s, _ in logs["one"][tag]] == [s for s, _ in logs["two"][tag]] == [10]
         assert logs["two"][tag][0][1] == pytest.approx(logs["one"][tag][0][1], rel=1e-4)
+
+
+SCALE_SCRIPTS = ["scale/sft.py", "scale/reward_model.py", "scale/dpo.py", "scale/rlhf_ppo.py", "scale/grpo.py"]
+
+
+def lora_args(script, **flags):
+    import importlib
+
+    module = importlib.import_module(module_name(script))
+    return module, module.Args(**flags)
+
+
+@pytest.mark.slow  # imports peft, about 1.5 s that the fast tier does not pay
+@pytest.mark.parametrize("script", SCALE_SCRIPTS)
+def test_the_lora_flags_shape_every_adapter(script):
+    """Each script's add_lora on a tiny Llama: --lora-target-modules q_proj v_proj adapts those layers and no other
+    (by default every linear layer but the output head); each adapted layer computes h = W₀x + (α/r)·B·A·x (Hu et
+    al. 2021, eq. 3), A of rank --lora-r, here computed by hand with --lora-r 3 and --lora-alpha 6 (scale 2, where
+    the defaults' α/r would be 32/3 or 4 with r = 8); --lora-dropout drops the adapters' input."""
+    from lm_models import make_model
+
+    torch.manual_seed(0)
+    module, args = lora_args(script, lora_r=3, lora_alpha=6.0, lora_dropout=0.25, lora_target_modules=("q_proj", "v_proj"))
+    model = module.add_lora(make_model("llama", 64), args)
+    adapted = sorted(name.split(".")[-2] for name, _ in model.named_modules() if name.endswith(".lora_A"))
+    assert adapted == ["q_proj", "q_proj", "v_proj", "v_proj"]  # 2 layers
+    layer = model.get_base_model().model.layers[1].self_attn.q_proj
+    A, B, W0 = layer.lora_A["default"].weight, layer.lora_B["default"].weight, layer.base_layer.weight
+    assert A.shape == (3, 32) and B.shape == (32, 3) and not B.any()  # B = 0: the model is unchanged at the start
+    assert layer.lora_dropout["default"].p == 0.25
+    with torch.no_grad():
+        B.normal_()
+        x = torch.randn(5, 32)
+        torch.testing.assert_close(layer.eval()(x), x @ W0.T + 2.0 * (x @ A.T @ B.T), rtol=0, atol=1e-5)
+    _, default = lora_args(script, lora_r=3)
+    default_model = module.add_lora(make_model("llama", 64), default)
+    adapted = {name.split(".")[-2] for name, _ in default_model.named_modules() if name.endswith(".lora_A")}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+@pytest.mark.parametrize("script", SCALE_SCRIPTS)
+def test_merge_lora_saves_a_plain_model_that_computes_the_adapted_one(script, tmp_path):
+    """Each script's save_atomically: with --merge-lora, a checkpoint of the base architecture (no adapter files) whose
+    logits are the adapted model's; without it, the adapter alone."""
+    from lm_models import make_model, make_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    ids = torch.tensor([[5, 17, 30, 9, 12]])
+    for merge in (True, False):
+        module, args = lora_args(script, lora_r=4, merge_lora=merge)
+        model = module.add_lora(make_model("llama", 64), args).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_()
+            adapted = model(input_ids=ids).logits
+        out = str(tmp_path / f"merged-{merge}")
+        module.save_atomically(model, make_tokenizer("eos_no_pad"), args, out, torch.float32)
+        assert os.path.exists(os.path.join(out, "config.json")) == merge
+        assert os.path.exists(os.path.join(out, "adapter_config.json")) == (not merge)
+        if merge:
+            saved = AutoModelForCausalLM.from_pretrained(out).eval()
+            with torch.no_grad():
+                torch.testing.assert_close(saved(input_ids=ids).logits, adapted, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("flags,words", [

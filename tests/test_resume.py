@@ -156,6 +156,26 @@ def test_the_checkpoint_holds_what_resuming_needs(tiny_checkpoints, tmp_path):
     assert any(k.startswith("optimizer.state.") and k.endswith("exp_avg_sq") for k in keys)
 
 
+@pytest.mark.parametrize("script", ["scale/sft.py", "scale/reward_model.py", "scale/dpo.py", "scale/rlhf_ppo.py",
+                                    "scale/grpo.py"])
+def test_the_last_keep_checkpoints_are_kept(script, tmp_path):
+    """Each script's save_checkpoint, five checkpoints in a row with --keep-checkpoints 3 (not the default 2):
+    the last three are left, each complete."""
+    import importlib
+
+    import torch
+    import tyro
+
+    module = importlib.import_module(script[: -len(".py")].replace("/", "."))
+    args = tyro.cli(module.Args, args=["--keep-checkpoints", "3"])
+    trained = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(trained.parameters())
+    for step in range(1, 6):
+        module.save_checkpoint(str(tmp_path), step, trained, optimizer, args, {})
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-3", "checkpoint-4", "checkpoint-5"]
+    assert all(os.path.exists(tmp_path / name / "checkpoint.json") for name in os.listdir(tmp_path))
+
+
 def test_sigterm_saves_a_checkpoint_and_exits_0_then_resume_finishes(tmp_path):
     """SIGTERM in the middle of training: exit code 0, a checkpoint at the step it stopped after, no final model,
     and the command to resume, which finishes the run."""

@@ -313,6 +313,27 @@ def test_a_system_prompt_on_text_data_is_one_line():
                     {"chosen": [{"role": "system", "content": "s"}], "rejected": [{"role": "system", "content": "s"}]}]
 
 
+@pytest.mark.parametrize("script,model_flag", [
+    ("scale/sft.py", None), ("scale/reward_model.py", "--model-name-or-path"), ("scale/dpo.py", "--model-name-or-path"),
+    ("scale/rlhf_ppo.py", "--sft-model-path"), ("scale/grpo.py", "--sft-model-path")])
+def test_every_scale_script_checks_the_system_prompt_before_loading_a_model(script, model_flag, tmp_path, monkeypatch):
+    """Each scale/ main hands its rows to add_system_prompt: --system-prompt on the built-in task (text) is one line,
+    before any model is loaded or placed (a main that skipped it would train with the flag silently ignored)."""
+    import importlib
+
+    module = importlib.import_module(script[: -len(".py")].replace("/", "."))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{script} reached a model with --system-prompt on text data")
+
+    monkeypatch.setattr(module, "load_model", refuse)
+    monkeypatch.setattr(module, "place_model", refuse)
+    model = [model_flag, save_checkpoint(str(tmp_path / "chat"), "llama", "chat_eot", "float32")] if model_flag else []
+    size = ["--num-train-examples", "16", "--eval-size", "4"] if script == "scale/sft.py" else []
+    message = one_line_exit(script, "--system-prompt", "Be brief.", *model, *size, cwd=tmp_path)
+    assert "--system-prompt needs conversational data; the built-in task is text" in message
+
+
 @pytest.mark.parametrize("script", ["grpo.py", "rlhf_ppo.py"])
 @pytest.mark.parametrize("flags,words", [
     (["--reward-fn", "nope"], ["--reward-fn 'nope'", "MODULE_OR_FILE:NAME"]),
