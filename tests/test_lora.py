@@ -130,8 +130,9 @@ def lora_args(script, **flags):
 def test_the_lora_flags_shape_every_adapter(script):
     """Each script's add_lora on a tiny Llama: --lora-target-modules q_proj v_proj adapts those layers and no other
     (by default every linear layer but the output head); each adapted layer computes h = W₀x + (α/r)·B·A·x (Hu et
-    al. 2021, eq. 3), A of rank --lora-r, here computed by hand with --lora-r 3 and --lora-alpha 6 (scale 2, where
-    the defaults' α/r would be 32/3 or 4 with r = 8); --lora-dropout drops the adapters' input."""
+    al. 2021, eq. 3), A of rank --lora-r, here computed by hand with --lora-r 3 and --lora-alpha 6 (scale 2; with
+    --lora-alpha's default 32 it would be 32/3, with --lora-r's default 8, 6/8); --lora-dropout drops the adapters'
+    input."""
     from lm_models import make_model
 
     torch.manual_seed(0)
