@@ -688,6 +688,31 @@ BREAKS = {
             "        if False:\n            model = model.merge_and_unload()", "tests/test_lora.py"),
            ("ignores_keep_checkpoints", "for old in steps[: -args.keep_checkpoints]:", "for old in steps[:-2]:",
             "tests/test_resume.py")]},
+    # The tenth audit: the flags no break had read yet. In the PPO scripts --exp-name in the run's name, --env-id
+    # where the training envs and the evaluation env are made, --save-model, --load-model, --capture-video,
+    # --save-every and --keep-checkpoints; in the LM scripts --save-dtype in each copy of save_dtype_of (sft.py's and
+    # scale/sft.py's are the eighth audit's)
+    **{f"{script}_{name}": (f"{script}.py", old, new, tests)
+       for script, env in (("ppo_clip", "CartPole-v1"), ("ppo_kl", "CartPole-v1"), ("ppo_continuous", "HalfCheetah-v5"))
+       for name, old, new, tests in [
+           ("run_name_ignores_exp_name", 'run_name = f"{args.env_id}__{args.exp_name}__', 'run_name = f"{args.env_id}__run__',
+            f"tests/test_{script}.py"),
+           ("envs_ignore_env_id", "[lambda: gym.make(args.env_id) for _ in range(args.num_envs)]",
+            f'[lambda: gym.make("{env}") for _ in range(args.num_envs)]', f"tests/test_{script}.py"),
+           ("evaluation_ignores_env_id", 'env = gym.make(args.env_id, render_mode="rgb_array" if video_folder else None)',
+            f'env = gym.make("{env}", render_mode="rgb_array" if video_folder else None)', f"tests/test_{script}.py"),
+           ("ignores_save_model", "    if args.save_model:", "    if False:", f"tests/test_{script}.py"),
+           ("ignores_load_model", "    if args.load_model is not None:\n        load_agent(",
+            "    if False:\n        load_agent(", f"tests/test_{script}.py"),
+           ("ignores_capture_video", 'f"videos/{run_name}" if args.capture_video else None', "None", f"tests/test_{script}.py"),
+           ("ignores_save_every", "(args.save_every and iteration % args.save_every == 0)", "(False)",
+            "tests/test_resume.py"),
+           ("ignores_keep_checkpoints", "for old in found[: -args.keep_checkpoints]:", "for old in found[:-2]:",
+            "tests/test_resume.py")]},
+    **{f"{script.replace('/', '_')}_ignores_save_dtype": (f"{script}.py", "return getattr(torch, args.save_dtype)",
+                                                          "return torch.float32", "tests/test_gpu_path.py")
+       for script in ("reward_model", "dpo", "rlhf_ppo", "grpo", "scale/reward_model", "scale/dpo", "scale/rlhf_ppo",
+                      "scale/grpo")},
 }
 
 

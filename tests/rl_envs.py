@@ -267,3 +267,15 @@ def seeds_taken(monkeypatch):
     monkeypatch.setattr(torch, "manual_seed", lambda seed: seen["torch"].append(seed) or real_torch(seed))
     monkeypatch.setattr(gym.Env, "reset", reset)
     return seen
+
+
+def env_ids_reset(monkeypatch):
+    """The id of every environment reset (gym.Env.reset, as in seeds_taken), in order: the list it fills."""
+    ids, real_reset = [], gym.Env.reset
+
+    def reset(self, *, seed=None, options=None):
+        ids.append(self.spec.id if self.spec is not None else type(self).__name__)
+        return real_reset(self, seed=seed, options=options)
+
+    monkeypatch.setattr(gym.Env, "reset", reset)
+    return ids

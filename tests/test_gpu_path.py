@@ -179,6 +179,20 @@ def test_a_bf16_checkpoint_is_saved_in_bf16_and_save_dtype_overrides(script, tmp
                           "--save-dtype", "bfloat16")
 
 
+@pytest.mark.parametrize("script", ["sft.py", "reward_model.py", "dpo.py", "rlhf_ppo.py", "grpo.py", "scale/sft.py",
+                                    "scale/reward_model.py", "scale/dpo.py", "scale/rlhf_ppo.py", "scale/grpo.py"])
+def test_every_copy_of_save_dtype_of_takes_the_flag_then_the_checkpoints_dtype(script, tmp_path):
+    """save_dtype_of in each script (the test above runs two of them end to end): --save-dtype float16 over a bf16
+    checkpoint gives float16; without the flag, the checkpoint's bfloat16; a model built from scratch, float32."""
+    import importlib
+
+    module = importlib.import_module(script[: -len(".py")].replace("/", "."))
+    base = save_checkpoint(str(tmp_path / "base"), "llama", "bos", "bfloat16")
+    assert module.save_dtype_of(module.Args(save_dtype="float16"), base) == torch.float16
+    assert module.save_dtype_of(module.Args(save_dtype=None), base) == torch.bfloat16
+    assert module.save_dtype_of(module.Args(save_dtype=None), None) == torch.float32
+
+
 def test_a_checkpoint_that_cannot_be_written_is_one_line(tmp_path):
     (tmp_path / "blocker").write_text("a file where the output's parent directory should be")
     proc = run_script("scale/sft.py", "--max-steps", "1", "--eval-size", "2", "--num-train-examples", "64",

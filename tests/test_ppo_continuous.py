@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import assert_one_line_error, one_line_exit, only_run_dir, read_scalars, run_script, same_seed_scalars
 import rl_envs  # noqa: F401  (registers Target-v0)
-from rl_envs import gradients_by_network, optimizer_steps, ClockEnv, advantages_reaching_the_loss, first_gae_inputs, recorded_writers, seeds_taken
+from rl_envs import gradients_by_network, optimizer_steps, ClockEnv, advantages_reaching_the_loss, first_gae_inputs, recorded_writers, seeds_taken, env_ids_reset
 
 import ppo_continuous as pc
 
@@ -202,6 +202,15 @@ def test_the_seed_reaches_numpy_torch_and_every_reset(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     pc.main(pc.Args(**{**CLOCK, "eval_episodes": 2}, seed=7, total_timesteps=40))
     assert seen == {"numpy": [7], "torch": [7], "resets": [7, 8, 10_007, 10_008]}, seen
+
+
+def test_the_env_id_makes_every_env_and_names_the_run(tmp_path, monkeypatch):
+    # --env-id makes the training envs and the evaluation's env; the run is runs/<env>__<exp>__<seed>__<time>
+    ids = env_ids_reset(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    pc.main(pc.Args(**{**CLOCK, "eval_episodes": 1}, exp_name="named", seed=7, total_timesteps=40))
+    assert len(ids) >= 3 and set(ids) == {"ClockBox-v0"}, ids  # two training envs and one evaluation episode at least
+    assert os.path.basename(only_run_dir(tmp_path)).startswith("ClockBox-v0__named__7__")
 
 
 def test_every_scalar_is_logged_at_the_env_steps_taken(tmp_path, monkeypatch):

@@ -176,6 +176,23 @@ def test_the_last_keep_checkpoints_are_kept(script, tmp_path):
     assert all(os.path.exists(tmp_path / name / "checkpoint.json") for name in os.listdir(tmp_path))
 
 
+@pytest.mark.parametrize("script,env", [("ppo_clip", "Clock-v0"), ("ppo_kl", "Clock-v0"), ("ppo_continuous", "ClockBox-v0")])
+def test_an_rl_run_keeps_the_last_keep_checkpoints(script, env, tmp_path, monkeypatch):
+    """A PPO script at --save-every 1 --keep-checkpoints 3 (not the default 2) for five iterations: checkpoints 3, 4
+    and 5 are left."""
+    import importlib
+
+    import rl_envs  # noqa: F401  registers the tiny envs
+
+    module = importlib.import_module(script)
+    monkeypatch.chdir(tmp_path)
+    module.main(module.Args(env_id=env, cuda=False, total_timesteps=200, num_envs=2, num_steps=20, num_minibatches=2,
+                            eval_episodes=0, save_every=1, keep_checkpoints=3))
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    assert sorted(name for name in os.listdir(only_run_dir(tmp_path)) if name.startswith("checkpoint")) == [
+        "checkpoint-3.pt", "checkpoint-4.pt", "checkpoint-5.pt"]
+
+
 def test_sigterm_saves_a_checkpoint_and_exits_0_then_resume_finishes(tmp_path):
     """SIGTERM in the middle of training: exit code 0, a checkpoint at the step it stopped after, no final model,
     and the command to resume, which finishes the run."""
