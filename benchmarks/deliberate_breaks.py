@@ -713,6 +713,29 @@ BREAKS = {
                                                           "return torch.float32", "tests/test_gpu_path.py")
        for script in ("reward_model", "dpo", "rlhf_ppo", "grpo", "scale/reward_model", "scale/dpo", "scale/rlhf_ppo",
                       "scale/grpo")},
+    # --output-dir in each main the eighth audit did not break (sft.py's is above): the checkpoint goes to the default
+    **{f"{script.replace('/', '_')}_ignores_output_dir": (f"{script}.py", "args.output_dir, save_dtype)",
+                                                          f'"models/{os.path.basename(script)}", save_dtype)', tests)
+       for script, tests in (("reward_model", "tests/test_reward_model.py"), ("dpo", "tests/test_dpo.py"),
+                             ("rlhf_ppo", "tests/test_rlhf_ppo.py"), ("grpo", "tests/test_grpo.py"),
+                             ("scale/sft", "tests/test_lm_memory.py"), ("scale/reward_model", "tests/test_lm_memory.py"),
+                             ("scale/dpo", "tests/test_lm_memory.py"), ("scale/rlhf_ppo", "tests/test_lm_memory.py"),
+                             ("scale/grpo", "tests/test_grpo.py"))},
+    # An eleventh audit: the model paths where they shape what is trained or saved. Where main asks save_dtype_of
+    # for the dtype of the checkpoint it started from (sft.py's and scale/sft.py's call, the eighth audit's
+    # save-dtype test runs), and the critic that starts as the reward model
+    **{f"{script.replace('/', '_')}_save_dtype_ignores_the_checkpoint": (f"{script}.py",
+        f"save_dtype = save_dtype_of(args, {path})", "save_dtype = save_dtype_of(args, None)", "tests/test_real_models.py")
+       for script, path in (("reward_model", "args.model_name_or_path"), ("dpo", "args.model_name_or_path"),
+                            ("rlhf_ppo", "args.sft_model_path"), ("grpo", "args.sft_model_path"),
+                            ("scale/reward_model", "args.model_name_or_path"), ("scale/dpo", "path"),
+                            ("scale/rlhf_ppo", "args.sft_model_path"), ("scale/grpo", "args.sft_model_path"))},
+    **{f"{script.replace('/', '_')}_critic_starts_from_the_sft_model": (f"{script}.py",
+        "critic_path = reward_model_path or args.sft_model_path", "critic_path = args.sft_model_path", tests)
+       for script, tests in (("rlhf_ppo", "tests/test_rlhf_ppo.py"), ("scale/rlhf_ppo", "tests/test_tiers.py"))},
+    **{f"{script.replace('/', '_')}_evaluation_ignores_reward_model_path": (f"{script}.py",
+        "has_reward = bool(args.reward_model_path) and os.path.isdir(args.reward_model_path)", "has_reward = False",
+        "tests/test_dpo.py") for script in ("dpo", "scale/dpo")},
 }
 
 

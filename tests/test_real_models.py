@@ -533,6 +533,25 @@ def test_get_lr_by_hand():
         assert script.get_lr(4, 1.0, 5, 5, "linear") == 1.0  # warmup == max steps: warms up to the end
 
 
+def bf16_copies(tiny_checkpoints, root):
+    """{name: path} of copies of the tiny checkpoints saved in bfloat16 (weights and config.json), as a hub
+    checkpoint often is. The scripts train them in float32 all the same."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    copies = {}
+    for name in ("sft", "reward_model"):
+        copies[name] = shutil.copytree(tiny_checkpoints[name], os.path.join(root, f"{name}_bf16"))
+        weights = os.path.join(copies[name], "model.safetensors")
+        save_file({k: v.bfloat16() for k, v in load_file(weights).items()}, weights, metadata={"format": "pt"})
+        with open(os.path.join(copies[name], "config.json")) as f:
+            config = json.load(f)
+        with open(os.path.join(copies[name], "config.json"), "w") as f:
+            json.dump({**config, "dtype": "bfloat16"}, f)
+    return copies
+
+
 def model_flags(script, tiny_checkpoints):
     """The checkpoints a short run of `script` ("grpo", "grpo.py" or "scale/grpo.py") starts from: sft.py builds its
     own tiny model."""
@@ -575,7 +594,10 @@ def test_each_optimizer_step_takes_the_scheduled_learning_rate_and_clip(tier, sc
     against the schedules worked out by hand (SCHEDULES). A loop that ignores --lr (2e-3 here, no script's
     default), --warmup-steps, --max-steps, --anneal-lr, --weight-decay or --max-grad-norm, or never gives the
     optimizer the scheduled rate, fails. In both tiers: tests/test_tiers.py runs most of these flags at their
-    defaults, where a flag replaced by its default cannot show."""
+    defaults, where a flag replaced by its default cannot show. The runs start from bfloat16 copies of the
+    checkpoints, and with no --save-dtype main saves the trained model in its checkpoint's dtype, bfloat16
+    (float32 for sft.py's model built from scratch): a main that asks save_dtype_of about no checkpoint saves
+    float32, twice the size."""
     seen, real_step, real_clip = ({"lr": [], "weight_decay": [], "max_norm": []}, torch.optim.AdamW.step,
                                   torch.nn.utils.clip_grad_norm_)
 
@@ -590,11 +612,17 @@ def test_each_optimizer_step_takes_the_scheduled_learning_rate_and_clip(tier, sc
 
     monkeypatch.setattr(torch.optim.AdamW, "step", step_spy)
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_spy)
-    run_in_process(f"{tier}{script}.py", *model_flags(script, tiny_checkpoints), *flags, "--lr", "2e-3", "--max-grad-norm",
-                   "0.5", "--eval-size", "4", "--output-dir", "out", cwd=tmp_path)
+    run_in_process(f"{tier}{script}.py", *model_flags(script, bf16_copies(tiny_checkpoints, str(tmp_path))), *flags,
+                   "--lr", "2e-3", "--max-grad-norm", "0.5", "--eval-size", "4", "--output-dir", "out", cwd=tmp_path)
     assert seen["lr"] == pytest.approx([2e-3 * lr for lr in by_hand], rel=1e-5)
     assert seen["weight_decay"] == [WEIGHT_DECAY[script]] * len(by_hand)
     assert seen["max_norm"] == [0.5] * len(by_hand)
+    from safetensors import safe_open
+
+    saved = "float32" if script == "sft" else "bfloat16"
+    assert json.load(open(tmp_path / "out" / "config.json"))["dtype"] == saved
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {getattr(torch, saved)}
 
 
 # (script, flags, whether it samples): short runs of every LM script in both tiers, evaluation included
