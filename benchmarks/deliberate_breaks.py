@@ -736,6 +736,13 @@ BREAKS = {
     **{f"{script.replace('/', '_')}_evaluation_ignores_reward_model_path": (f"{script}.py",
         "has_reward = bool(args.reward_model_path) and os.path.isdir(args.reward_model_path)", "has_reward = False",
         "tests/test_dpo.py") for script in ("dpo", "scale/dpo")},
+    # --fsdp where place_model shards (dpo's copy, the one tests/test_scaling.py runs on two ranks; the other four
+    # are one text with it, tests/test_copies.py) and --resume where each scale/ main looks for the checkpoint
+    "scale_dpo_ignores_fsdp": ("scale/dpo.py", "    if args.fsdp:\n        mesh = init_device_mesh",
+                               "    if False:\n        mesh = init_device_mesh", "tests/test_scaling.py"),
+    **{f"scale_{script}_ignores_resume": (f"scale/{script}.py", "    if args.resume is None:\n        return None",
+                                          "    if True:\n        return None", "tests/test_resume.py")
+       for script in ("sft", "reward_model", "dpo", "rlhf_ppo", "grpo")},
 }
 
 
