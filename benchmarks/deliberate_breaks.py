@@ -743,6 +743,19 @@ BREAKS = {
     **{f"scale_{script}_ignores_resume": (f"scale/{script}.py", "    if args.resume is None:\n        return None",
                                           "    if True:\n        return None", "tests/test_resume.py")
        for script in ("sft", "reward_model", "dpo", "rlhf_ppo", "grpo")},
+    # A twelfth audit: where each main stops on a NaN or inf loss or gradient norm before the optimizer steps
+    **{f"{script.replace('/', '_')}_never_checks_the_loss": (f"{script}.py", call, "None", "tests/test_real_models.py")
+       for script, call in (
+           ("sft", "check_finite(step, loss=loss, grad_norm=grad_norm)"),
+           ("reward_model", "check_finite(step, loss=loss, grad_norm=grad_norm)"),
+           ("dpo", "check_finite(step, loss=loss, grad_norm=grad_norm)"),
+           ("rlhf_ppo", "check_finite(iteration, loss=pg_loss + args.vf_coef * vf_loss, grad_norm=grad_norm)"),
+           ("grpo", "check_finite(iteration, loss=policy_loss + kl_penalty, grad_norm=grad_norm)"),
+           ("scale/sft", "check_finite(step, loss=batch_loss, grad_norm=grad_norm)"),
+           ("scale/reward_model", "check_finite(step, loss=loss, grad_norm=grad_norm)"),
+           ("scale/dpo", "check_finite(step, loss=loss, grad_norm=grad_norm)"),
+           ("scale/rlhf_ppo", "check_finite(iteration, loss=pg_loss + args.vf_coef * vf_loss, grad_norm=grad_norm)"),
+           ("scale/grpo", "check_finite(iteration, loss=policy_loss + kl_penalty, grad_norm=grad_norm)"))},
 }
 
 

@@ -7,7 +7,8 @@ import os
 
 import pytest
 import torch
-from conftest import CPU_FLOAT32, TINY_LM, assert_one_line_error, read_scalars, run_in_process, run_script
+from conftest import (CPU_FLOAT32, TINY_LM, assert_one_line_error, one_line_exit, read_scalars, run_in_process,
+                      run_script)
 from lm_models import TOKENIZER_KINDS, make_model, make_tokenizer, save_checkpoint
 
 import dpo
@@ -675,6 +676,24 @@ def test_bf16_computes_the_passes_that_train_in_bfloat16(script, flags, samples,
         handle.remove()
     assert torch.bfloat16 in seen, seen
     assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "float32"
+
+
+@pytest.mark.parametrize("script,flags,samples", KV_CACHE_RUNS, ids=[run[0] for run in KV_CACHE_RUNS])
+def test_a_nan_gradient_norm_stops_every_script_before_its_optimizer_step(script, flags, samples, tiny_checkpoints,
+                                                                          tmp_path, monkeypatch):
+    """Every LM main, in both tiers, checks each update's loss and gradient norm before the optimizer steps: with
+    the norm that clip_grad_norm_ returns made NaN (the gradients left as they are), the run stops at its first
+    update with one line that names it, the optimizer never steps, and no model is saved. A main that drops its
+    check_finite call trains on and saves. (The test above it in this file makes the loss itself NaN, in sft.py
+    and reward_model.py.)"""
+    stepped, real_clip = [], torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *args, **kwargs: real_clip(*args, **kwargs) * math.nan)
+    monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *args, **kwargs: stepped.append(self))
+    message = one_line_exit(script, *CPU_FLOAT32, *model_flags(script, tiny_checkpoints), *flags, "--eval-size", "4",
+                            "--output-dir", "out", cwd=tmp_path)
+    assert "grad_norm is nan at step 1; stopped, nothing saved" in message, message
+    assert not stepped
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("script", [f"{tier}{name}" for tier in ("", "scale.") for name in
