@@ -231,7 +231,8 @@ def test_sft_then_rlhf_ppo_with_the_numeric_reward_and_no_reward_model(arithmeti
     assert [v for _, v in logs["policy/first_ratio_max_error"]] == [0.0, 0.0]
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "rlhf_ppo.py", "dpo.py", "scale/grpo.py"])
+@pytest.mark.parametrize("script", ["grpo.py", "rlhf_ppo.py", "dpo.py", "scale/grpo.py", "scale/rlhf_ppo.py",
+                                    "scale/dpo.py"])
 def test_a_reward_model_with_another_tokenizer_is_one_line(script, tiny_checkpoints, tmp_path):
     """A reward model reads the policy's token ids: one whose tokenizer has another vocabulary (here one token more)
     would score other text than the policy wrote. One line names it, before any model is loaded."""
@@ -243,7 +244,7 @@ def test_a_reward_model_with_another_tokenizer_is_one_line(script, tiny_checkpoi
     tokenizer = AutoTokenizer.from_pretrained(other)
     tokenizer.add_tokens(["<extra>"])
     tokenizer.save_pretrained(other)
-    policy = "--model-name-or-path" if script == "dpo.py" else "--sft-model-path"
+    policy = "--model-name-or-path" if script.endswith("dpo.py") else "--sft-model-path"
     message = one_line_exit(script, policy, str(models / "sft"), "--reward-model-path", str(other), cwd=tmp_path)
     assert "another tokenizer" in message and str(other) in message, message
     assert not (tmp_path / "runs").exists()
