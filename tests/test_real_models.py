@@ -684,8 +684,8 @@ def test_a_nan_gradient_norm_stops_every_script_before_its_optimizer_step(script
     """Every LM main, in both tiers, checks each update's loss and gradient norm before the optimizer steps: with
     the norm that clip_grad_norm_ returns made NaN (the gradients left as they are), the run stops at its first
     update with one line that names it, the optimizer never steps, and no model is saved. A main that drops its
-    check_finite call trains on and saves. (The test above it in this file makes the loss itself NaN, in sft.py
-    and reward_model.py.)"""
+    check_finite call trains on and saves. (test_a_nan_loss_stops_the_run_with_one_line_and_saves_nothing makes
+    the loss itself NaN, in sft.py and reward_model.py.)"""
     stepped, real_clip = [], torch.nn.utils.clip_grad_norm_
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *args, **kwargs: real_clip(*args, **kwargs) * math.nan)
     monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *args, **kwargs: stepped.append(self))
