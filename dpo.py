@@ -135,10 +135,14 @@ def completion_logps(model, input_ids, attention_mask, labels, temperature=1.0):
 
 def check_args(args):
     """Every flag checked before any work: one line that says what to change."""
+    # the least each count can be (--eval-size 0: no evaluation); below it a run would crash deep inside (a
+    # modulo by zero, an empty batch) or train nothing
+    for name, least in {"max_steps": 1, "batch_size": 1, "warmup_steps": 0, "eval_every": 1, "eval_size": 0,
+                        "response_length": 1, "num_train_pairs": 1}.items():
+        if getattr(args, name) < least:
+            sys.exit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: it must be at least {least}")
     if args.loss_type not in ("sigmoid", "ipo", "hinge"):
         sys.exit(f"error: --loss-type {args.loss_type!r}: choose sigmoid, ipo or hinge")
-    if args.batch_size < 1 or args.max_steps < 1 or args.eval_every < 1:
-        sys.exit("error: --batch-size, --max-steps and --eval-every must be ≥ 1")
 
 
 def main(args: Args):
@@ -261,7 +265,7 @@ def evaluate_policy(policy, ref, reward, tokenizer, stop_ids, logps_of, evals, e
     means = {"eval/kl": torch.cat(kls).sum().item() / len(completions)} if completions else {}
     if reward is not None and completions:
         means["eval/score"] = torch.cat(scores).sum().item() / len(completions)
-    if eval_targets is not None:
+    if eval_targets is not None and completions:
         means["eval/gold_accuracy"] = sum(c == t for c, t in zip(completions, eval_targets)) / len(completions)
         means["eval/gold_score"] = sum(gold_score(c, t) for c, t in zip(completions, eval_targets)) / len(completions)
     for tag, value in means.items():

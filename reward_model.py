@@ -103,8 +103,12 @@ def bradley_terry_loss(rewards_chosen, rewards_rejected, margin=None, center_rew
 
 def check_args(args):
     """Every flag checked before any work: one line that says what to change."""
-    if args.batch_size < 1 or args.max_steps < 1 or args.eval_every < 1:
-        sys.exit("error: --batch-size, --max-steps and --eval-every must be ≥ 1")
+    # the least each count can be (--eval-size 0: no evaluation); below it a run would crash deep inside (a
+    # modulo by zero, an empty batch) or train nothing
+    for name, least in {"max_steps": 1, "batch_size": 1, "warmup_steps": 0, "eval_every": 1, "eval_size": 0,
+                        "num_train_pairs": 1}.items():
+        if getattr(args, name) < least:
+            sys.exit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: it must be at least {least}")
 
 
 def main(args: Args):

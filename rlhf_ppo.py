@@ -291,6 +291,12 @@ def combine_rewards(per_function, weights):
 
 def check_args(args):
     """Every flag checked before any work: one line that says what to change."""
+    # the least each count can be (--eval-size 0: no evaluation); below it a run would crash deep inside (a
+    # modulo by zero, an empty batch) or train nothing
+    for name, least in {"num_iterations": 1, "batch_size": 1, "mini_batch_size": 1, "ppo_epochs": 1,
+                        "response_length": 1, "kl_horizon": 1, "eval_every": 1, "eval_size": 0}.items():
+        if getattr(args, name) < least:
+            sys.exit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: it must be at least {least}")
     if args.batch_size % args.mini_batch_size:
         sys.exit(f"error: --batch-size {args.batch_size} does not split into minibatches of {args.mini_batch_size}")
     terms = len(args.reward_fn) + (args.reward_model_path is not None or not args.reward_fn)

@@ -760,6 +760,25 @@ BREAKS = {
     **{f"{script.replace('/', '_')}_never_checks_the_reward_tokenizer": (f"{script}.py", "        check_same_vocabulary(",
                                                                         "        (lambda *args: None)(", "tests/test_rewards.py")
        for script in ("dpo", "rlhf_ppo", "grpo", "scale/dpo", "scale/rlhf_ppo", "scale/grpo")},
+    # A thirteenth audit: where each main checks its flags before any work, the model paths a main could fall back
+    # from, and the RL scripts' --threads and --resume
+    **{f"{script.replace('/', '_')}_skips_check_args": (f"{script}.py", "    check_args(args)\n", "    pass\n",
+                                                        "tests/test_real_models.py")
+       for script in ("sft", "reward_model", "dpo", "rlhf_ppo", "grpo",
+                      "scale/sft", "scale/reward_model", "scale/dpo", "scale/rlhf_ppo", "scale/grpo")},
+    "sft_ignores_model_name_or_path": ("sft.py", "    if args.model_name_or_path is not None:\n",
+                                       "    if False:\n", "tests/test_sft.py"),
+    "scale_sft_ignores_model_name_or_path": ("scale/sft.py", "    if args.model_name_or_path is None:  # the tiny GPT-2",
+                                             "    if True:  # the tiny GPT-2", "tests/test_sft.py"),
+    **{f"{script.replace('/', '_')}_ignores_reward_model_path": (
+        f"{script}.py", "reward_model_path = args.reward_model_path or (None if args.reward_fn else",
+        "reward_model_path = (None if args.reward_fn else", "tests/test_rlhf_ppo.py")
+       for script in ("rlhf_ppo", "scale/rlhf_ppo")},
+    **{f"{script}_ignores_threads": (f"{script}.py", "torch.set_num_threads(args.threads)", "None",
+                                     f"tests/test_{script}.py") for script in ("ppo_clip", "ppo_kl", "ppo_continuous")},
+    **{f"{script}_ignores_resume": (f"{script}.py", "    if args.resume is None:\n        return None",
+                                    "    if True:\n        return None", "tests/test_resume.py")
+       for script in ("ppo_clip", "ppo_kl", "ppo_continuous")},
 }
 
 

@@ -196,6 +196,12 @@ def response_logps(model, sequences, attention_mask, context_length, temperature
 def check_args(args):
     """Every flag checked before any work: one line that says what to change. Under torchrun each rank checks
     the same flags and only rank 0 prints."""
+    # the least each count can be (--eval-size 0: no evaluation); below it a run would crash deep inside (a
+    # modulo by zero, an empty batch) or train nothing
+    for name, least in {"max_steps": 1, "batch_size": 1, "warmup_steps": 0, "eval_every": 1, "eval_size": 0,
+                        "response_length": 1, "num_train_pairs": 1, "gradient_accumulation_steps": 1}.items():
+        if getattr(args, name) < least:
+            sys.exit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: it must be at least {least}")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if args.loss_type not in ("sigmoid", "ipo", "hinge"):
         sys.exit(f"error: --loss-type {args.loss_type!r}: choose sigmoid, ipo or hinge")

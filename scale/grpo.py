@@ -441,6 +441,13 @@ def combine_rewards(per_function, weights):
 def check_args(args):
     """Every flag checked before any work: one line that says what to change. Under torchrun each rank checks
     the same flags and only rank 0 prints."""
+    # the least each count can be (--eval-size 0: no evaluation; a group needs 2 completions, its own baseline);
+    # below it a run would crash deep inside (a modulo by zero, an empty batch) or train nothing
+    for name, least in {"num_iterations": 1, "num_generations": 2, "batch_size": 1, "mini_batch_size": 1,
+                        "ppo_epochs": 1, "max_sampling_rounds": 1, "response_length": 1, "eval_every": 1,
+                        "eval_size": 0, "gradient_accumulation_steps": 1, "generation_batch_size": 1}.items():
+        if getattr(args, name) < least:
+            sys.exit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: it must be at least {least}")
     world_size, G = int(os.environ.get("WORLD_SIZE", "1")), args.num_generations
     advantages = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
     for flag, value, choices in (("--advantage", args.advantage, advantages),
@@ -450,15 +457,11 @@ def check_args(args):
             sys.exit(f"error: {flag} {value!r}: choose one of {', '.join(choices)}")
     if not args.scale_rewards and args.advantage != "grpo":
         sys.exit(f"error: --no-scale-rewards changes --advantage grpo only; --advantage {args.advantage} has its own scale")
-    if args.max_sampling_rounds < 1:
-        sys.exit(f"error: --max-sampling-rounds {args.max_sampling_rounds}: at least 1 (the batch itself)")
     if not 0 <= args.soft_overlong_cache < args.response_length:
         sys.exit(f"error: --soft-overlong-cache {args.soft_overlong_cache}: the last tokens before --response-length "
                  f"{args.response_length} where the penalty grows, from 0 (off) to {args.response_length - 1}")
     if args.loss_type == "cispo" and args.importance_sampling_level == "sequence":
         sys.exit("error: --loss-type cispo weighs each token by its own ratio: use --importance-sampling-level token")
-    if G < 2:
-        sys.exit(f"error: --num-generations {G}: a group needs at least 2 completions, its own baseline")
     if args.batch_size % G:
         sys.exit(f"error: --batch-size {args.batch_size} completions do not split into groups of --num-generations {G}")
     if (args.batch_size // G) % world_size:

@@ -170,6 +170,12 @@ def batch_tensors(sequences, pad_token_id, device):
 def check_args(args):
     """Every flag checked before any work: one line that says what to change. Under torchrun each rank checks
     the same flags and only rank 0 prints."""
+    # the least each count can be (--eval-size 0: no evaluation); below it a run would crash deep inside (a
+    # modulo by zero, an empty batch) or train nothing
+    for name, least in {"max_steps": 1, "batch_size": 1, "warmup_steps": 0, "eval_every": 1, "eval_size": 0,
+                        "num_train_pairs": 1, "gradient_accumulation_steps": 1}.items():
+        if getattr(args, name) < least:
+            sys.exit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: it must be at least {least}")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if args.batch_size % (world_size * args.gradient_accumulation_steps):
         sys.exit(f"error: --batch-size {args.batch_size} does not split into {world_size} rank(s) × "

@@ -345,6 +345,13 @@ def combine_rewards(per_function, weights):
 def check_args(args):
     """Every flag checked before any work: one line that says what to change. Under torchrun each rank checks
     the same flags and only rank 0 prints."""
+    # the least each count can be (--eval-size 0: no evaluation); below it a run would crash deep inside (a
+    # modulo by zero, an empty batch) or train nothing
+    for name, least in {"num_iterations": 1, "batch_size": 1, "mini_batch_size": 1, "ppo_epochs": 1,
+                        "response_length": 1, "kl_horizon": 1, "eval_every": 1, "eval_size": 0,
+                        "gradient_accumulation_steps": 1, "generation_batch_size": 1}.items():
+        if getattr(args, name) < least:
+            sys.exit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: it must be at least {least}")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if args.batch_size % args.mini_batch_size:
         sys.exit(f"error: --batch-size {args.batch_size} does not split into minibatches of {args.mini_batch_size}")

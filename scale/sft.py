@@ -160,6 +160,13 @@ def sft_loss(logprobs, labels, num_items=None):
 def check_args(args):
     """Every flag checked before any work: one line that says what to change. Under torchrun each rank checks
     the same flags and only rank 0 prints."""
+    # the least each count can be (--eval-size 0: no evaluation); below it a run would crash deep inside (a
+    # modulo by zero, an empty batch) or train nothing
+    for name, least in {"max_steps": 1, "batch_size": 1, "warmup_steps": 0, "eval_every": 1, "eval_size": 0,
+                        "max_new_tokens": 1, "num_train_examples": 1, "n_layer": 1, "n_embd": 1, "n_head": 1,
+                        "gradient_accumulation_steps": 1}.items():
+        if getattr(args, name) < least:
+            sys.exit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: it must be at least {least}")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if args.batch_size % (world_size * args.gradient_accumulation_steps):
         sys.exit(f"error: --batch-size {args.batch_size} does not split into {world_size} rank(s) × "
@@ -241,7 +248,7 @@ def main(args: Args):
             sums = all_reduce_sum({"nll": total, "tokens": count}, device)
             writer.add_scalar("eval/loss", sums["nll"] / sums["tokens"], step)
             line += f" eval/loss {sums['nll'] / sums['tokens']:.4f}"
-        if builtin:  # the gold reward of sampled and greedy completions
+        if builtin and eval_examples:  # the gold reward of sampled and greedy completions
             mine, weights = shard(eval_examples, rank, world_size)
             prompts, targets = [ex["prompt"] for ex in mine], [ex["target"] for ex in mine]
             prompt_ids = [encode_prompt(tokenizer, p) for p in prompts]

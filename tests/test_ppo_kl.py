@@ -257,6 +257,16 @@ def test_the_seed_reaches_numpy_torch_and_every_reset(tmp_path, monkeypatch):
     assert seen == {"numpy": [7], "torch": [7], "resets": [7, 8, 10_007, 10_008]}, seen
 
 
+def test_threads_is_the_number_of_threads_torch_computes_with(tmp_path, monkeypatch):
+    # --threads 3 sets torch's CPU threads once, before any work (spied, so this test's own threads stay as they are)
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    monkeypatch.chdir(tmp_path)
+    ppo_kl.main(ppo_kl.Args(env_id="Clock-v0", cuda=False, threads=3, total_timesteps=40, num_envs=2, num_steps=20,
+                            num_minibatches=2, eval_episodes=0))
+    assert calls == [3], calls
+
+
 def test_the_env_id_makes_every_env_and_names_the_run(tmp_path, monkeypatch):
     # --env-id makes the training envs and the evaluation's env; the run is runs/<env>__<exp>__<seed>__<time>
     ids = env_ids_reset(monkeypatch)

@@ -696,6 +696,39 @@ def test_a_nan_gradient_norm_stops_every_script_before_its_optimizer_step(script
     assert not (tmp_path / "out").exists()
 
 
+# The counts each LM main takes, with the least each can be (--warmup-steps 0: none; --eval-size 0: no evaluation).
+# Below it, a run crashed deep inside (a modulo by zero, an empty batch, a tensor of negative size) or trained for no
+# step and saved
+COUNTS = {"sft": {"max-steps": 1, "batch-size": 1, "warmup-steps": 0, "eval-every": 1, "eval-size": 0,
+                  "max-new-tokens": 1, "num-train-examples": 1, "n-layer": 1, "n-embd": 1, "n-head": 1},
+          "reward_model": {"max-steps": 1, "batch-size": 1, "warmup-steps": 0, "eval-every": 1, "eval-size": 0,
+                           "num-train-pairs": 1},
+          "dpo": {"max-steps": 1, "batch-size": 1, "warmup-steps": 0, "eval-every": 1, "eval-size": 0,
+                  "response-length": 1, "num-train-pairs": 1},
+          "rlhf_ppo": {"num-iterations": 1, "batch-size": 1, "mini-batch-size": 1, "ppo-epochs": 1,
+                       "response-length": 1, "kl-horizon": 1, "eval-every": 1, "eval-size": 0},
+          "grpo": {"num-iterations": 1, "num-generations": 2, "batch-size": 1, "mini-batch-size": 1, "ppo-epochs": 1,
+                   "max-sampling-rounds": 1, "response-length": 1, "eval-every": 1, "eval-size": 0}}
+ACCUMULATE = {"gradient-accumulation-steps": 1}
+SCALE_COUNTS = {"sft": ACCUMULATE, "reward_model": ACCUMULATE, "dpo": ACCUMULATE,  # and scale/'s own
+                "rlhf_ppo": {**ACCUMULATE, "generation-batch-size": 1}, "grpo": {**ACCUMULATE, "generation-batch-size": 1}}
+COUNT_CASES = [(f"{tier}{script}.py", flag, least) for tier in ("", "scale/") for script in COUNTS
+               for flag, least in (COUNTS[script] | (SCALE_COUNTS[script] if tier else {})).items()]
+
+
+@pytest.mark.parametrize("script,flag,least", COUNT_CASES, ids=[f"{s}:{f}" for s, f, _ in COUNT_CASES])
+def test_a_count_below_its_least_is_one_line_before_any_model_is_loaded(script, flag, least, tmp_path):
+    """Each count of each LM main, in both tiers, one below the least it can be: one line that names the flag, its
+    value and the least, before anything is loaded (the model path does not exist, so a check made after loading
+    would stop with another line) or written. A main that skips check_args, or a count left out of it, fails."""
+    path = ["--sft-model-path" if "rlhf_ppo" in script or "grpo" in script else "--model-name-or-path", "models/none"]
+    # sft.py builds its model: a short run, so that a main that misses the check trains for seconds, not minutes
+    short = {"max-steps": 1, "batch-size": 8, "num-train-examples": 16, "eval-size": 4, "n-layer": 1, "n-embd": 32}
+    flags = path if "sft" not in script else [f for k, v in short.items() if k != flag for f in (f"--{k}", str(v))]
+    message = one_line_exit(script, *flags, f"--{flag}", str(least - 1), cwd=tmp_path)
+    assert message == f"error: --{flag} {least - 1}: it must be at least {least}", message
+    assert not os.listdir(tmp_path)
+
 @pytest.mark.parametrize("script", [f"{tier}{name}" for tier in ("", "scale.") for name in
                                     ("sft", "reward_model", "dpo", "rlhf_ppo", "grpo")])
 def test_load_data_reads_the_config_and_split_asked(script, tmp_path):
