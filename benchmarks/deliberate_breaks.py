@@ -769,7 +769,7 @@ BREAKS = {
     "sft_ignores_model_name_or_path": ("sft.py", "    if args.model_name_or_path is not None:\n",
                                        "    if False:\n", "tests/test_sft.py"),
     "scale_sft_ignores_model_name_or_path": ("scale/sft.py", "    if args.model_name_or_path is None:  # the tiny GPT-2",
-                                             "    if True:  # the tiny GPT-2", "tests/test_sft.py"),
+                                             "    if True:  # the tiny GPT-2", "tests/test_tiers.py"),
     **{f"{script.replace('/', '_')}_ignores_reward_model_path": (
         f"{script}.py", "reward_model_path = args.reward_model_path or (None if args.reward_fn else",
         "reward_model_path = (None if args.reward_fn else", "tests/test_rlhf_ppo.py")

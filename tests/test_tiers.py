@@ -93,6 +93,7 @@ def variant_flags(variant, checkpoints, tmp_path):
         return ["--dataset-name", str(tmp_path / "prefs.jsonl"), "--center-rewards-coefficient", "0.01",
                 "--max-grad-norm", "0.01", "--eval-size", "8"]
     return {
+        "sft-pretrained": ["--model-name-or-path", str(checkpoints["sft"])],  # fine-tuning a checkpoint, not the tiny GPT-2
         "dpo-ipo": ["--loss-type", "ipo", "--beta", "0.3", "--max-grad-norm", "0.01", "--max-length", "20"],
         "rlhf_ppo-terms": ["--reward-fn", "gold", "--reward-fn", "format", "--format-pattern", "[0-4]*",
                            "--reward-weights", "0.5", "0.25", "1", "--kl-target", "1.0", "--kl-horizon",
@@ -110,7 +111,7 @@ def variant_flags(variant, checkpoints, tmp_path):
     }.get(variant, [])
 
 
-CASES = list(TIERS) + ["reward_model-margin", "dpo-ipo", "rlhf_ppo-terms", "grpo-rloo-cispo", "grpo-dr_grpo"]
+CASES = list(TIERS) + ["sft-pretrained", "reward_model-margin", "dpo-ipo", "rlhf_ppo-terms", "grpo-rloo-cispo", "grpo-dr_grpo"]
 
 
 @pytest.mark.parametrize("case", CASES)
