@@ -141,6 +141,11 @@ def check_args(args):
                         "response_length": 1, "num_train_pairs": 1}.items():
         if getattr(args, name) < least:
             sys.exit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: it must be at least {least}")
+    # the real numbers, finite and in range (a gradient clip of 0 trains nothing; below 0, the wrong way)
+    for name, rule in {"lr": ">= 0", "max_grad_norm": "> 0", "beta": "> 0", "temperature": "> 0"}.items():
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and (value > 0 or rule == ">= 0" and value == 0)):
+            sys.exit(f"error: --{name.replace('_', '-')} {value}: it must be a finite number {rule}")
     if args.loss_type not in ("sigmoid", "ipo", "hinge"):
         sys.exit(f"error: --loss-type {args.loss_type!r}: choose sigmoid, ipo or hinge")
 

@@ -391,6 +391,12 @@ def check_args(args):
                         "batch_size": 1, "ppo_epochs": 1, "response_length": 1, "eval_every": 1, "eval_size": 0}.items():
         if getattr(args, name) < least:
             sys.exit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: it must be at least {least}")
+    # the real numbers, finite and in range (a gradient clip of 0 trains nothing; below 0, the wrong way)
+    for name, rule in {"lr": ">= 0", "max_grad_norm": "> 0", "temperature": "> 0", "beta": ">= 0", "epsilon": "> 0",
+                       "epsilon_high": "> 0"}.items():
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and (value > 0 or rule == ">= 0" and value == 0)):
+            sys.exit(f"error: --{name.replace('_', '-')} {value}: it must be a finite number {rule}")
     G = args.num_generations
     advantages = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
     for flag, value, choices in (("--advantage", args.advantage, advantages),

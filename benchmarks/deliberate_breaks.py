@@ -779,6 +779,12 @@ BREAKS = {
     **{f"{script}_ignores_resume": (f"{script}.py", "    if args.resume is None:\n        return None",
                                     "    if True:\n        return None", "tests/test_resume.py")
        for script in ("ppo_clip", "ppo_kl", "ppo_continuous")},
+    # and the real-valued flags' ranges, checked in the same place
+    **{f"{script.replace('/', '_')}_skips_the_number_ranges": (
+        f"{script}.py", '        if value is not None and not (math.isfinite(value) and (value > 0 or rule == ">= 0" and value == 0)):',
+        "        if False:", "tests/test_real_models.py")
+       for script in ("sft", "reward_model", "dpo", "rlhf_ppo", "grpo",
+                      "scale/sft", "scale/reward_model", "scale/dpo", "scale/rlhf_ppo", "scale/grpo")},
 }
 
 

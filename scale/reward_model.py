@@ -176,6 +176,12 @@ def check_args(args):
                         "num_train_pairs": 1, "gradient_accumulation_steps": 1}.items():
         if getattr(args, name) < least:
             sys.exit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: it must be at least {least}")
+    # the real numbers, finite and in range (a gradient clip of 0 trains nothing; below 0, the wrong way)
+    for name, rule in {"lr": ">= 0", "weight_decay": ">= 0", "max_grad_norm": "> 0",
+                       "center_rewards_coefficient": ">= 0"}.items():
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and (value > 0 or rule == ">= 0" and value == 0)):
+            sys.exit(f"error: --{name.replace('_', '-')} {value}: it must be a finite number {rule}")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if args.batch_size % (world_size * args.gradient_accumulation_steps):
         sys.exit(f"error: --batch-size {args.batch_size} does not split into {world_size} rank(s) × "

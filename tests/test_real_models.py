@@ -729,6 +729,33 @@ def test_a_count_below_its_least_is_one_line_before_any_model_is_loaded(script, 
     assert message == f"error: --{flag} {least - 1}: it must be at least {least}", message
     assert not os.listdir(tmp_path)
 
+# The real-valued flags each LM main (both tiers) checks: finite, and > 0 or >= 0. A gradient clip of 0 scales every
+# gradient to 0 (the run trains nothing) and one below 0 turns it round; a temperature of 0 divided by zero; a
+# negative --lr or a NaN reached AdamW's own check, a traceback
+RULES = {"sft": {"lr": ">= 0", "weight-decay": ">= 0", "max-grad-norm": "> 0"},
+         "reward_model": {"lr": ">= 0", "weight-decay": ">= 0", "max-grad-norm": "> 0",
+                          "center-rewards-coefficient": ">= 0"},
+         "dpo": {"lr": ">= 0", "max-grad-norm": "> 0", "beta": "> 0", "temperature": "> 0"},
+         "rlhf_ppo": {"lr": ">= 0", "max-grad-norm": "> 0", "temperature": "> 0", "kl-coef": ">= 0", "kl-target": "> 0",
+                      "cliprange": "> 0", "cliprange-value": "> 0", "vf-coef": ">= 0"},
+         "grpo": {"lr": ">= 0", "max-grad-norm": "> 0", "temperature": "> 0", "beta": ">= 0", "epsilon": "> 0",
+                  "epsilon-high": "> 0"}}
+RULE_CASES = [(f"{tier}{script}.py", flag, rule, value) for tier in ("", "scale/") for script, rules in RULES.items()
+              for flag, rule in rules.items() for value in ({"> 0": "0.0", ">= 0": "-0.5"}[rule], "nan")]
+
+
+@pytest.mark.parametrize("script,flag,rule,value", RULE_CASES, ids=[f"{s}:{f}={v}" for s, f, _, v in RULE_CASES])
+def test_a_number_out_of_its_range_is_one_line_before_any_model_is_loaded(script, flag, rule, value, tmp_path):
+    """Each real-valued flag of each LM main just out of its range, and NaN: one line that names the flag, its value
+    and the range, before anything is loaded (the model path does not exist) or written. A main that skips the
+    check, or a flag left out of it, fails."""
+    path = ["--sft-model-path" if "rlhf_ppo" in script or "grpo" in script else "--model-name-or-path", "models/none"]
+    short = {"max-steps": 1, "batch-size": 8, "num-train-examples": 16, "eval-size": 4, "n-layer": 1, "n-embd": 32}
+    flags = path if "sft" not in script else [f for k, v in short.items() for f in (f"--{k}", str(v))]
+    message = one_line_exit(script, *flags, f"--{flag}", value, cwd=tmp_path)
+    assert message == f"error: --{flag} {float(value)}: it must be a finite number {rule}", message
+    assert not os.listdir(tmp_path)
+
 @pytest.mark.parametrize("script", [f"{tier}{name}" for tier in ("", "scale.") for name in
                                     ("sft", "reward_model", "dpo", "rlhf_ppo", "grpo")])
 def test_load_data_reads_the_config_and_split_asked(script, tmp_path):
