@@ -87,7 +87,7 @@ class Args:
     eval_every: int = 100
     """evaluate every this many steps (and before the first and after the last)"""
     eval_size: int = 512
-    """eval prompts / pairs (the built-in task's come from their own random stream)"""
+    """eval prompts / pairs, 0 for no evaluation (the built-in task's come from their own random stream)"""
     response_length: int = 12
     """new tokens sampled per completion in evaluation"""
     temperature: float = 1.0

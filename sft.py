@@ -74,7 +74,7 @@ class Args:
     eval_every: int = 500
     """evaluate every this many steps (and at the end)"""
     eval_size: int = 512
-    """eval prompts / examples (the built-in task's eval set comes from its own random stream)"""
+    """eval prompts / examples, 0 for no evaluation (the built-in task's eval set comes from its own random stream)"""
     max_new_tokens: int = 12
     """tokens sampled per completion in evaluation"""
     num_train_examples: int = 100_000

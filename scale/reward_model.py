@@ -104,7 +104,7 @@ class Args:
     eval_every: int = 200
     """evaluate every this many steps (and at the end)"""
     eval_size: int = 512
-    """held-out pairs (the built-in task's come from their own random stream)"""
+    """held-out pairs, 0 for no evaluation (the built-in task's come from their own random stream)"""
     num_train_pairs: int = 50_000
     """size of the built-in task's training set"""
 

@@ -151,8 +151,8 @@ class Args:
     eval_every: int = 20
     """evaluate every this many iterations (and before the first and after the last)"""
     eval_size: int = 512
-    """eval prompts: the built-in task's come from their own random stream; a dataset's are its `test` split,
-    or else prompts held out from the training ones"""
+    """eval prompts, 0 for no evaluation: the built-in task's come from their own random stream; a dataset's are its
+    `test` split, or else prompts held out from the training ones"""
 
     save_every: int = 0
     """write a checkpoint to resume from every this many iterations, to runs/<run>/checkpoint-<iteration> (0: none;
