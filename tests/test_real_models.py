@@ -729,6 +729,7 @@ def test_a_count_below_its_least_is_one_line_before_any_model_is_loaded(script, 
     assert message == f"error: --{flag} {least - 1}: it must be at least {least}", message
     assert not os.listdir(tmp_path)
 
+
 # The real-valued flags each LM main (both tiers) checks: finite, and > 0 or >= 0. A gradient clip of 0 scales every
 # gradient to 0 (the run trains nothing) and one below 0 turns it round; a temperature of 0 divided by zero; a
 # negative --lr or a NaN reached AdamW's own check, a traceback
@@ -755,6 +756,7 @@ def test_a_number_out_of_its_range_is_one_line_before_any_model_is_loaded(script
     message = one_line_exit(script, *flags, f"--{flag}", value, cwd=tmp_path)
     assert message == f"error: --{flag} {float(value)}: it must be a finite number {rule}", message
     assert not os.listdir(tmp_path)
+
 
 @pytest.mark.parametrize("script", [f"{tier}{name}" for tier in ("", "scale.") for name in
                                     ("sft", "reward_model", "dpo", "rlhf_ppo", "grpo")])
