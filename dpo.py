@@ -148,6 +148,8 @@ def check_args(args):
             sys.exit(f"error: --{name.replace('_', '-')} {value}: it must be a finite number {rule}")
     if args.loss_type not in ("sigmoid", "ipo", "hinge"):
         sys.exit(f"error: --loss-type {args.loss_type!r}: choose sigmoid, ipo or hinge")
+    if not 0 <= args.label_smoothing <= 0.5:  # the chance a label is flipped: above 0.5 the preference turns round
+        sys.exit(f"error: --label-smoothing {args.label_smoothing}: it must be in [0, 0.5]")
 
 
 def main(args: Args):

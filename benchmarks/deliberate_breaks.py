@@ -785,6 +785,11 @@ BREAKS = {
         "        if False:", "tests/test_real_models.py")
        for script in ("sft", "reward_model", "dpo", "rlhf_ppo", "grpo",
                       "scale/sft", "scale/reward_model", "scale/dpo", "scale/rlhf_ppo", "scale/grpo")},
+    # and the flags held to an interval: rlhf_ppo's γ and λ, dpo's label smoothing
+    **{f"{script.replace('/', '_')}_{what}_unchecked": (f"{script}.py", old, "    if False:", "tests/test_real_models.py")
+       for what, scripts, old in (("gamma_lam", ("rlhf_ppo", "scale/rlhf_ppo"), "    if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1):"),
+                                  ("label_smoothing", ("dpo", "scale/dpo"), "    if not 0 <= args.label_smoothing <= 0.5:"))
+       for script in scripts},
 }
 
 

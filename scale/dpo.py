@@ -210,6 +210,8 @@ def check_args(args):
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if args.loss_type not in ("sigmoid", "ipo", "hinge"):
         sys.exit(f"error: --loss-type {args.loss_type!r}: choose sigmoid, ipo or hinge")
+    if not 0 <= args.label_smoothing <= 0.5:  # the chance a label is flipped: above 0.5 the preference turns round
+        sys.exit(f"error: --label-smoothing {args.label_smoothing}: it must be in [0, 0.5]")
     if args.batch_size % (world_size * args.gradient_accumulation_steps):
         sys.exit(f"error: --batch-size {args.batch_size} does not split into {world_size} rank(s) × "
                  f"{args.gradient_accumulation_steps} micro-batches; make it a multiple of "

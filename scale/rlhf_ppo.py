@@ -358,6 +358,8 @@ def check_args(args):
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and (value > 0 or rule == ">= 0" and value == 0)):
             sys.exit(f"error: --{name.replace('_', '-')} {value}: it must be a finite number {rule}")
+    if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
+        sys.exit(f"error: --gamma {args.gamma} and --lam {args.lam}: each must be in [0, 1]")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if args.batch_size % args.mini_batch_size:
         sys.exit(f"error: --batch-size {args.batch_size} does not split into minibatches of {args.mini_batch_size}")

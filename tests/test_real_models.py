@@ -758,6 +758,26 @@ def test_a_number_out_of_its_range_is_one_line_before_any_model_is_loaded(script
     assert not os.listdir(tmp_path)
 
 
+# The flags held to an interval: γ and λ in [0, 1] (a discount above 1 grows the far rewards, below 0 flips them
+# term by term); DPO's label smoothing, the chance a label is flipped, in [0, 0.5] (above it the preference turns
+# round). Each ran before, silently
+INTERVAL_CASES = [(f"{tier}{script}.py", flags, message) for tier in ("", "scale/") for script, flags, message in [
+    ("rlhf_ppo", ["--gamma", "-0.5"], "--gamma -0.5 and --lam 0.95: each must be in [0, 1]"),
+    ("rlhf_ppo", ["--lam", "1.5"], "--gamma 1.0 and --lam 1.5: each must be in [0, 1]"),
+    ("rlhf_ppo", ["--gamma", "nan"], "--gamma nan and --lam 0.95: each must be in [0, 1]"),
+    ("dpo", ["--label-smoothing", "-0.1"], "--label-smoothing -0.1: it must be in [0, 0.5]"),
+    ("dpo", ["--label-smoothing", "0.6"], "--label-smoothing 0.6: it must be in [0, 0.5]"),
+    ("dpo", ["--label-smoothing", "nan"], "--label-smoothing nan: it must be in [0, 0.5]")]]
+
+
+@pytest.mark.parametrize("script,flags,message", INTERVAL_CASES, ids=[f"{s}:{' '.join(f)}" for s, f, _ in INTERVAL_CASES])
+def test_a_number_out_of_its_interval_is_one_line_before_any_model_is_loaded(script, flags, message, tmp_path):
+    """Below the interval, above it, and NaN: one line, before anything is loaded (the model path does not exist)
+    or written."""
+    path = ["--sft-model-path" if "rlhf_ppo" in script else "--model-name-or-path", "models/none"]
+    assert one_line_exit(script, *path, *flags, cwd=tmp_path) == f"error: {message}"
+    assert not os.listdir(tmp_path)
+
 @pytest.mark.parametrize("script", [f"{tier}{name}" for tier in ("", "scale.") for name in
                                     ("sft", "reward_model", "dpo", "rlhf_ppo", "grpo")])
 def test_load_data_reads_the_config_and_split_asked(script, tmp_path):
