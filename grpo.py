@@ -32,13 +32,14 @@ resume exactly.
 
 import decimal
 import functools
-import importlib.util
+import importlib
 import inspect
 import json
 import math
 import os
 import random
 import re
+import runpy
 import shutil
 import sys
 import time
@@ -505,7 +506,7 @@ def main(args: Args):
         optimizer.param_groups[0]["lr"] = lr
         # ---- rollout: G completions per prompt, their rewards, advantages within each group ----------
         policy.eval()
-        rounds = []  # (sample, rows, rewards, table, completions, has_stop) of each batch of prompts sampled
+        rounds = []  # (sample, rewards, table, completions, has_stop) of each batch of prompts sampled
         with torch.no_grad(), amp():
             while True:  # one batch of prompts; with --dynamic-sampling more, until enough groups differ
                 chosen = rng.sample(range(len(train_ids)), B // G)
@@ -513,8 +514,8 @@ def main(args: Args):
                 rows = [train_rows[i] for i in chosen for _ in range(G)]
                 sampled = generate(policy, prompt_ids, tokenizer.pad_token_id, stop_ids, args.response_length,
                                    args.temperature)
-                rounds.append((sampled, rows, *rewards_of(rows, *sampled[:3], sampled[3].float())))
-                informative = torch.cat([informative_groups(r[2], G) for r in rounds])  # of every group sampled
+                rounds.append((sampled, *rewards_of(rows, *sampled[:3], sampled[3].float())))
+                informative = torch.cat([informative_groups(r[1], G) for r in rounds])  # of every group sampled
                 if not args.dynamic_sampling:
                     break
                 short = max(0, B // G - int(informative.sum()))  # groups that differ still missing from a batch
@@ -529,10 +530,8 @@ def main(args: Args):
                 groups = torch.argsort((~informative).int(), stable=True)[: B // G]
             idx = (groups[:, None] * G + torch.arange(G, device=device)).flatten()  # their completions' rows
             sequences, attention_mask, context_length, mask = join_samples([r[0] for r in rounds], tokenizer.pad_token_id)
-            rows = [row for r in rounds for row in r[1]]
-            rows = [rows[i] for i in idx.tolist()]
             sequences, attention_mask, mask = sequences[idx], attention_mask[idx], mask[idx].float()
-            rewards, table, has_stop = (torch.cat([r[k] for r in rounds])[idx] for k in (2, 3, 5))
+            rewards, table, has_stop = (torch.cat([r[k] for r in rounds])[idx] for k in (1, 2, 4))
             if args.advantage == "rloo":
                 advantages = rloo_advantages(rewards, G)
             elif args.advantage.startswith("reinforce_pp"):  # over the whole batch
@@ -674,13 +673,10 @@ def load_models(args, device):
                               f"another tokenizer than {args.sft_model_path!r}; train it from the SFT model")
     policy = load_no_dropout(args.sft_model_path, "lm")
     ref = load_no_dropout(args.sft_model_path, "lm") if args.beta > 0 else None
-    prepare_models(tokenizer, stop_ids, [policy] + [ref] * (ref is not None), [ref] * (ref is not None))
-    reward = None
-    if args.reward_model_path is not None:
-        reward = load_no_dropout(args.reward_model_path, "score")
-        prepare_models(tokenizer, stop_ids, [reward], [reward])
-        reward = reward.to(device)
-    return tokenizer, stop_ids, policy.to(device), ref.to(device) if ref is not None else None, reward
+    reward = load_no_dropout(args.reward_model_path, "score") if args.reward_model_path is not None else None
+    frozen = [model for model in (ref, reward) if model is not None]
+    prepare_models(tokenizer, stop_ids, [policy] + frozen, frozen)
+    return tokenizer, stop_ids, *(model.to(device) if model is not None else None for model in (policy, ref, reward))
 
 
 # =============================================================================================
@@ -959,16 +955,11 @@ def load_reward_functions(specs, builtins, format_pattern):
                 sys.path.insert(0, os.getcwd())  # a module of the directory the run starts in
             if source.endswith(".py") and not os.path.isfile(source):
                 sys.exit(f"error: --reward-fn {spec!r}: the file {source!r} does not exist")
-            try:
-                if source.endswith(".py"):
-                    module_spec = importlib.util.spec_from_file_location(os.path.basename(source)[:-3], source)
-                    module = importlib.util.module_from_spec(module_spec)
-                    module_spec.loader.exec_module(module)
-                else:
-                    module = importlib.import_module(source)
+            try:  # a file runs as a module of its own (its `if __name__ == "__main__":` block does not)
+                namespace = runpy.run_path(source) if source.endswith(".py") else vars(importlib.import_module(source))
             except Exception as e:  # noqa: BLE001  the user's code: whatever it raises is one line
                 sys.exit(f"error: --reward-fn {spec!r}: importing {source!r} failed: {type(e).__name__}: {first_line(e)}")
-            fn = getattr(module, name, None)
+            fn = namespace.get(name)
             if not callable(fn):
                 sys.exit(f"error: --reward-fn {spec!r}: {source!r} has no function {name!r}")
         if name in [n for n, _ in functions]:

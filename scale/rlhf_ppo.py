@@ -25,13 +25,14 @@ import datetime
 import decimal
 import functools
 import gc
-import importlib.util
+import importlib
 import inspect
 import json
 import math
 import os
 import random
 import re
+import runpy
 import shlex
 import shutil
 import signal
@@ -979,16 +980,11 @@ def load_reward_functions(specs, builtins, format_pattern):
                 sys.path.insert(0, os.getcwd())  # a module of the directory the run starts in
             if source.endswith(".py") and not os.path.isfile(source):
                 sys.exit(f"error: --reward-fn {spec!r}: the file {source!r} does not exist")
-            try:
-                if source.endswith(".py"):
-                    module_spec = importlib.util.spec_from_file_location(os.path.basename(source)[:-3], source)
-                    module = importlib.util.module_from_spec(module_spec)
-                    module_spec.loader.exec_module(module)
-                else:
-                    module = importlib.import_module(source)
+            try:  # a file runs as a module of its own (its `if __name__ == "__main__":` block does not)
+                namespace = runpy.run_path(source) if source.endswith(".py") else vars(importlib.import_module(source))
             except Exception as e:  # noqa: BLE001  the user's code: whatever it raises is one line
                 sys.exit(f"error: --reward-fn {spec!r}: importing {source!r} failed: {type(e).__name__}: {first_line(e)}")
-            fn = getattr(module, name, None)
+            fn = namespace.get(name)
             if not callable(fn):
                 sys.exit(f"error: --reward-fn {spec!r}: {source!r} has no function {name!r}")
         if name in [n for n, _ in functions]:

@@ -83,7 +83,8 @@ def correct_length(prompts, completions, target, **columns):
 
 
 def test_a_user_function_by_path_and_by_module_name(tmp_path, monkeypatch):
-    (tmp_path / "my_rewards.py").write_text(USER_FILE)
+    # a file runs as a module, not as a program: its __main__ block (here one that would stop the run) does not run
+    (tmp_path / "my_rewards.py").write_text(USER_FILE + "\nif __name__ == '__main__':\n    raise SystemExit('ran')\n")
     monkeypatch.chdir(tmp_path)
     by_path = grpo.load_reward_functions(["my_rewards.py:correct_length", "numeric_match"], grpo.BUILTIN_REWARDS, None)
     by_module = grpo.load_reward_functions(["my_rewards:correct_length"], grpo.BUILTIN_REWARDS, None)
