@@ -150,6 +150,8 @@ def check_args(args):
         sys.exit(f"error: --loss-type {args.loss_type!r}: choose sigmoid, ipo or hinge")
     if not 0 <= args.label_smoothing <= 0.5:  # the chance a label is flipped: above 0.5 the preference turns round
         sys.exit(f"error: --label-smoothing {args.label_smoothing}: it must be in [0, 0.5]")
+    if not math.isfinite(args.missing_eos_penalty):  # the score of an unfinished completion: either sign
+        sys.exit(f"error: --missing-eos-penalty {args.missing_eos_penalty}: it must be a finite number")
 
 
 def main(args: Args):

@@ -312,6 +312,9 @@ def check_args(args):
     if args.reward_weights and len(args.reward_weights) != terms:
         sys.exit(f"error: --reward-weights has {len(args.reward_weights)} values for {terms} reward terms (one per "
                  "--reward-fn, in order, then one for the reward model)")
+    if not all(map(math.isfinite, (args.missing_eos_penalty, *args.reward_weights))):  # rewards: either sign
+        sys.exit(f"error: --missing-eos-penalty {args.missing_eos_penalty}, --reward-weights {list(args.reward_weights)}: "
+                 "each must be a finite number")
 
 
 def main(args: Args):
@@ -506,13 +509,9 @@ def evaluate(actor, ref, eval_rows, eval_ids, tokenizer, stop_ids, names, scores
 def term_means(table, names, prefix, score_tag):
     """{tag: mean} of each reward term over the completions it applies to (where its value is not NaN), tagged
     prefix + its name, the reward model's `score_tag`; a term that applies to none is left out."""
-    means = {}
-    for k, name in enumerate(names):
-        applies = ~table[:, k].isnan()
-        if applies.any():
-            means[score_tag if name == "reward_model" else prefix + name] = (
-                float(table[:, k].nan_to_num().sum()) / float(applies.sum()))
-    return means
+    return {score_tag if name == "reward_model" else prefix + name:
+            float(table[:, k].nan_to_num().sum()) / float((~table[:, k].isnan()).sum())
+            for k, name in enumerate(names) if not table[:, k].isnan().all()}
 
 
 def load_models(args, reward_model_path, device):

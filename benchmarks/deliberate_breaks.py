@@ -788,8 +788,16 @@ BREAKS = {
     # and the flags held to an interval: rlhf_ppo's γ and λ, dpo's label smoothing
     **{f"{script.replace('/', '_')}_{what}_unchecked": (f"{script}.py", old, "    if False:", "tests/test_real_models.py")
        for what, scripts, old in (("gamma_lam", ("rlhf_ppo", "scale/rlhf_ppo"), "    if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1):"),
-                                  ("label_smoothing", ("dpo", "scale/dpo"), "    if not 0 <= args.label_smoothing <= 0.5:"))
+                                  ("label_smoothing", ("dpo", "scale/dpo"), "    if not 0 <= args.label_smoothing <= 0.5:"),
+                                  ("missing_eos_penalty", ("dpo", "scale/dpo"), "    if not math.isfinite(args.missing_eos_penalty):"),
+                                  ("rewards_finite", ("rlhf_ppo", "grpo", "scale/rlhf_ppo", "scale/grpo"),
+                                   "    if not all(map(math.isfinite, (args.missing_eos_penalty, *args.reward_weights))):"))
        for script in scripts},
+    # each reward term's mean over the completions it applies to, and only where it applies to some
+    **{f"{script}_term_means_over_all": (f"{script}.py", "float((~table[:, k].isnan()).sum())", "len(table)",
+                                         "tests/test_rewards.py") for script in ("grpo", "rlhf_ppo")},
+    **{f"{script}_term_means_keep_empty_terms": (f"{script}.py", " if not table[:, k].isnan().all()}", "}",
+                                                 "tests/test_rewards.py") for script in ("grpo", "rlhf_ppo")},
 }
 
 

@@ -489,6 +489,9 @@ def check_args(args):
     if args.reward_weights and len(args.reward_weights) != terms:
         sys.exit(f"error: --reward-weights has {len(args.reward_weights)} values for {terms} reward terms (one per "
                  "--reward-fn, in order, then one for the reward model)")
+    if not all(map(math.isfinite, (args.missing_eos_penalty, *args.reward_weights))):  # rewards: either sign
+        sys.exit(f"error: --missing-eos-penalty {args.missing_eos_penalty}, --reward-weights {list(args.reward_weights)}: "
+                 "each must be a finite number")
     check_lora(args)
 
 

@@ -760,23 +760,34 @@ def test_a_number_out_of_its_range_is_one_line_before_any_model_is_loaded(script
 
 # The flags held to an interval: γ and λ in [0, 1] (a discount above 1 grows the far rewards, below 0 flips them
 # term by term); DPO's label smoothing, the chance a label is flipped, in [0, 0.5] (above it the preference turns
-# round). Each ran before, silently
+# round). A reward or a score of either sign, finite: the missing-EOS penalty and the reward weights (NaN or inf
+# ran before, and stopped only at the first loss, after the models were loaded, or in dpo.py not at all)
 INTERVAL_CASES = [(f"{tier}{script}.py", flags, message) for tier in ("", "scale/") for script, flags, message in [
     ("rlhf_ppo", ["--gamma", "-0.5"], "--gamma -0.5 and --lam 0.95: each must be in [0, 1]"),
     ("rlhf_ppo", ["--lam", "1.5"], "--gamma 1.0 and --lam 1.5: each must be in [0, 1]"),
     ("rlhf_ppo", ["--gamma", "nan"], "--gamma nan and --lam 0.95: each must be in [0, 1]"),
     ("dpo", ["--label-smoothing", "-0.1"], "--label-smoothing -0.1: it must be in [0, 0.5]"),
     ("dpo", ["--label-smoothing", "0.6"], "--label-smoothing 0.6: it must be in [0, 0.5]"),
-    ("dpo", ["--label-smoothing", "nan"], "--label-smoothing nan: it must be in [0, 0.5]")]]
+    ("dpo", ["--label-smoothing", "nan"], "--label-smoothing nan: it must be in [0, 0.5]"),
+    ("dpo", ["--missing-eos-penalty", "inf"], "--missing-eos-penalty inf: it must be a finite number"),
+    ("rlhf_ppo", ["--missing-eos-penalty", "nan"], "--missing-eos-penalty nan, --reward-weights []: each must be a "
+                                                   "finite number"),
+    ("rlhf_ppo", ["--reward-weights", "-inf"], "--missing-eos-penalty -3.0, --reward-weights [-inf]: each must be a "
+                                               "finite number"),
+    ("grpo", ["--missing-eos-penalty", "-inf"], "--missing-eos-penalty -inf, --reward-weights []: each must be a "
+                                                "finite number"),
+    ("grpo", ["--reward-fn", "gold", "--reward-weights", "nan"], "--missing-eos-penalty -1.0, --reward-weights [nan]: "
+                                                                 "each must be a finite number")]]
 
 
 @pytest.mark.parametrize("script,flags,message", INTERVAL_CASES, ids=[f"{s}:{' '.join(f)}" for s, f, _ in INTERVAL_CASES])
 def test_a_number_out_of_its_interval_is_one_line_before_any_model_is_loaded(script, flags, message, tmp_path):
     """Below the interval, above it, and NaN: one line, before anything is loaded (the model path does not exist)
     or written."""
-    path = ["--sft-model-path" if "rlhf_ppo" in script else "--model-name-or-path", "models/none"]
+    path = ["--model-name-or-path" if "dpo" in script else "--sft-model-path", "models/none"]
     assert one_line_exit(script, *path, *flags, cwd=tmp_path) == f"error: {message}"
     assert not os.listdir(tmp_path)
+
 
 @pytest.mark.parametrize("script", [f"{tier}{name}" for tier in ("", "scale.") for name in
                                     ("sft", "reward_model", "dpo", "rlhf_ppo", "grpo")])

@@ -74,6 +74,16 @@ def test_combine_rewards_weights_and_none_by_hand():
     assert grpo.combine_rewards(table, (2.0, -0.5)).tolist() == [1.75, -1.0, 0.0, 0.5]
 
 
+@pytest.mark.parametrize("script", [grpo, rlhf_ppo], ids=["grpo", "rlhf_ppo"])
+def test_term_means_by_hand(script):
+    """Each term's mean over the completions it applies to (not over all), the reward model's under its own tag;
+    a term that applies to no completion is left out, not logged as 0 or NaN."""
+    nan = float("nan")
+    table = torch.tensor([[1.0, nan, 2.0, nan], [nan, nan, 0.5, 4.0], [0.25, nan, 0.5, nan]])
+    means = script.term_means(table, ["format", "gold", "exact", "reward_model"], "rewards/", "objective/score")
+    assert means == {"rewards/format": 0.625, "rewards/exact": 1.0, "objective/score": 4.0}
+
+
 # ------------------------------------------------------------------------- loading and calling user functions
 USER_FILE = '''
 def correct_length(prompts, completions, target, **columns):
