@@ -798,6 +798,21 @@ BREAKS = {
                                          "tests/test_rewards.py") for script in ("grpo", "rlhf_ppo")},
     **{f"{script}_term_means_keep_empty_terms": (f"{script}.py", " if not table[:, k].isnan().all()}", "}",
                                                  "tests/test_rewards.py") for script in ("grpo", "rlhf_ppo")},
+    # A fourteenth audit: the plumbing's small helpers, each changed where the tests of its script did not look
+    "sft_long_text_dropped": ("sft.py", "ids, labels = ids[:max_length], labels[:max_length]", "ids, labels = ids, labels",
+                              "tests/test_sft.py"),
+    "sft_check_finite_lets_inf_through": ("sft.py", "        if not math.isfinite(value):", "        if math.isnan(value):",
+                                          "tests/test_real_models.py"),
+    "sft_holds_out_half": ("sft.py", "n_eval = min(eval_size, len(rows) // 10)", "n_eval = min(eval_size, len(rows) // 2)",
+                           "tests/test_real_models.py"),
+    "dpo_eval_prompts_repeated": ("dpo.py", "dict.fromkeys(tuple(p) for p in eval_pair_prompts if p)",
+                                  "[tuple(p) for p in eval_pair_prompts if p]", "tests/test_dpo.py"),
+    "grpo_samples_markdown_separator_short": ("grpo.py", '"|-" * (3 + len(names))', '"|-" * (2 + len(names))',
+                                              "tests/test_rewards.py"),
+    "grpo_keeps_empty_prompts": ("grpo.py", "if 0 < len(ids) <= max_prompt_length]", "if len(ids) <= max_prompt_length]",
+                                 "tests/test_grpo.py"),
+    "grpo_join_samples_unmasks_the_padding": ("grpo.py", "torch.cat([pad(s[1], width - s[2], 0) for s in samples])",
+                                              "torch.cat([pad(s[1], width - s[2], 1) for s in samples])", "tests/test_grpo.py"),
 }
 
 

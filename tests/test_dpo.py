@@ -188,6 +188,20 @@ def test_implicit_prompt_pairs_from_a_local_file(tiny_checkpoints, tmp_path):
     assert "['prompt']" in message and "chosen and rejected" in message
 
 
+def test_the_sampled_evaluation_completes_each_distinct_prompt_once():
+    """With a dataset, the evaluation samples one completion for each distinct prompt of the held-out pairs, in the
+    order first seen (in TRL's preference data several pairs share a prompt; sampling one twice would weigh it
+    twice in eval/kl and eval/score); an implicit-prompt pair's empty prompt has nothing to complete."""
+    from types import SimpleNamespace
+
+    from transformers import ByT5Tokenizer
+
+    tokenizer = ByT5Tokenizer()
+    a, b = (tokenizer(text, add_special_tokens=False)["input_ids"] for text in ("sort 21:", "sort 3:"))
+    texts, ids, targets = dpo.eval_prompts_of(SimpleNamespace(dataset_name="prefs.jsonl"), tokenizer, [a, b, a, [], b])
+    assert ids == [a, b] and texts == ["sort 21:", "sort 3:"] and targets is None
+
+
 @pytest.mark.parametrize("loss_type,beta,label_smoothing", [("ipo", 0.3, 0.0), ("sigmoid", 0.2, 0.1)])
 def test_the_loss_flags_reach_every_update(tiny_checkpoints, tmp_path, monkeypatch, loss_type, beta, label_smoothing):
     """--loss-type, --beta and --label-smoothing reach the loss of each update step. A loop that ignores one of

@@ -126,6 +126,30 @@ def test_reinforce_pp_normalizes_over_every_rank(tmp_path):
                            grpo.reinforce_pp_advantages(rewards, 2, baseline))
 
 
+def test_tokenize_prompts_drops_the_empty_and_the_too_long(capsys):
+    """tokenize_prompts (grpo.py and rlhf_ppo.py): a prompt longer than --max-prompt-length is dropped, and so is an
+    empty one, which would leave a row with nothing to attend to when its completion starts; the rows kept keep their
+    other columns, and the count dropped is printed."""
+    from transformers import ByT5Tokenizer
+
+    tokenizer = ByT5Tokenizer()
+    rows = [{"prompt": "sort 21:", "target": "12"}, {"prompt": "", "target": ""}, {"prompt": "sort 4321:", "target": "1234"}]
+    kept, ids = grpo.tokenize_prompts(tokenizer, rows, 8, "train")
+    assert kept == rows[:1] and ids == [grpo.encode_prompt(tokenizer, "sort 21:")]
+    assert "train: dropped 2 of 3 prompts longer than --max-prompt-length 8 (or empty)" in capsys.readouterr().out
+
+
+def test_join_samples_by_hand():
+    """Dynamic sampling's rounds as one batch: prompts of different widths left-padded to the widest (the padding
+    masked out), responses right-padded to the longest (outside the response mask), the context length the widest."""
+    one = (torch.tensor([[7, 8, 9]]), torch.tensor([[1, 1, 1]]), 2, torch.tensor([[1]]))  # prompt 7 8, response 9
+    two = (torch.tensor([[0, 6, 7, 3, 4]]), torch.tensor([[0, 1, 1, 1, 1]]), 3, torch.tensor([[1, 1]]))
+    sequences, attention_mask, context_length, response_mask = grpo.join_samples([one, two], pad_token_id=0)
+    assert sequences.tolist() == [[0, 7, 8, 9, 0], [0, 6, 7, 3, 4]]
+    assert attention_mask.tolist() == [[0, 1, 1, 1, 0], [0, 1, 1, 1, 1]]
+    assert context_length == 3 and response_mask.tolist() == [[1, 0], [1, 1]]
+
+
 def test_informative_groups_and_soft_overlong_punishment():
     """DAPO: a group is kept when its rewards are not all equal (eq. 11); the soft overlong punishment (eq. 13) with
     L_max = 20, L_cache = 4 is 0 up to 16 tokens, then (16 − |o|) / 4, and −1 at and past the limit."""

@@ -696,6 +696,16 @@ def test_a_nan_gradient_norm_stops_every_script_before_its_optimizer_step(script
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_check_finite_stops_on_nan_and_on_inf(value):
+    """check_finite, one text in the ten LM mains: a loss or a gradient norm that is NaN, or infinite either way,
+    stops the run with one line naming it and the step; finite values (a tensor or a float) pass."""
+    sft.check_finite(3, loss=torch.tensor(0.5), grad_norm=2.0)
+    with pytest.raises(SystemExit) as stop:
+        sft.check_finite(3, loss=torch.tensor(0.5), grad_norm=torch.tensor(value))
+    assert str(stop.value.code).startswith(f"error: grad_norm is {value} at step 3; stopped, nothing saved")
+
+
 # The counts each LM main takes, with the least each can be (--warmup-steps 0: none; --eval-size 0: no evaluation).
 # Below it, a run crashed deep inside (a modulo by zero, an empty batch, a tensor of negative size) or trained for no
 # step and saved
@@ -787,6 +797,16 @@ def test_a_number_out_of_its_interval_is_one_line_before_any_model_is_loaded(scr
     path = ["--model-name-or-path" if "dpo" in script else "--sft-model-path", "models/none"]
     assert one_line_exit(script, *path, *flags, cwd=tmp_path) == f"error: {message}"
     assert not os.listdir(tmp_path)
+
+
+def test_with_no_test_split_the_first_tenth_at_most_is_held_out(tmp_path):
+    """load_rows, one text in the ten LM mains: a dataset with no `test` split holds out its first rows for
+    evaluation, --eval-size of them but never more than a tenth, so that a small dataset still trains on most of
+    its rows; the rest, in order, is the training set."""
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps({"prompt": f"p{i}"}) for i in range(40)))
+    for eval_size, held_out in ((512, 4), (2, 2), (0, 0)):
+        train, evals = sft.load_rows(str(tmp_path / "rows.jsonl"), None, "train", eval_size)
+        assert [row["prompt"] for row in evals + train] == [f"p{i}" for i in range(40)] and len(evals) == held_out
 
 
 @pytest.mark.parametrize("script", [f"{tier}{name}" for tier in ("", "scale.") for name in

@@ -84,6 +84,20 @@ def test_term_means_by_hand(script):
     assert means == {"rewards/format": 0.625, "rewards/exact": 1.0, "objective/score": 4.0}
 
 
+def test_samples_markdown_by_hand():
+    """The eval samples' table for TensorBoard: a header and a separator with a column per reward term, one row per
+    sample (at most n), a conversation by its last message, each cell on one line with its `|` escaped, a term
+    that did not apply blank."""
+    nan = float("nan")
+    prompts = ["sort 21:", [{"role": "user", "content": "a|b"}]]
+    completions = ["12", [{"role": "assistant", "content": "x\ny"}]]
+    rewards, table = torch.tensor([1.0, -0.5]), torch.tensor([[1.0, nan], [0.25, 0.5]])
+    lines = grpo.samples_markdown(prompts, completions, rewards, table, ["gold", "format"]).splitlines()
+    assert lines == ["| prompt | completion | reward | gold | format |", "|-|-|-|-|-|",
+                     "| sort 21: | 12 | 1.000 | 1.000 |  |", "| a\\|b | x\\ny | -0.500 | 0.250 | 0.500 |"]
+    assert grpo.samples_markdown(prompts, completions, rewards, table, ["gold", "format"], n=1).splitlines() == lines[:3]
+
+
 # ------------------------------------------------------------------------- loading and calling user functions
 USER_FILE = '''
 def correct_length(prompts, completions, target, **columns):

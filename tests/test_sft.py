@@ -46,6 +46,21 @@ def test_messages_format_takes_loss_on_assistant_turns_only():
     assert all(label in (i, -100) for i, label in zip(ids, labels))
 
 
+def test_a_long_text_is_cut_to_max_length_and_a_long_completion_dropped():
+    """TRL's `text` format has no completion to keep whole: a text longer than --max-length is cut to it and trained
+    on (its first max_length tokens, labels as they were). A prompt/completion example that long is dropped, since
+    cutting it would train on a completion with no end; and so is an example with nothing to learn."""
+    from transformers import ByT5Tokenizer
+
+    tokenizer = ByT5Tokenizer()
+    stop_ids = sft.stop_token_ids(tokenizer)
+    examples = [{"text": "sort 4321: 1234"}, {"prompt": "sort 4321:", "completion": " 1234"},
+                {"prompt": "sort 21:", "completion": " 12"}, {"text": ""}]
+    kept = sft.tokenize_examples(tokenizer, examples, stop_ids, 12, "train")
+    text_ids, text_labels = sft.tokenize(examples[0], tokenizer, stop_ids)
+    assert kept == [(text_ids[:12], text_labels[:12]), sft.tokenize(examples[2], tokenizer, stop_ids)]
+
+
 def test_smoke_checkpoints_load_with_auto_classes(tiny_checkpoints):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
