@@ -809,6 +809,8 @@ BREAKS = {
                                   "[tuple(p) for p in eval_pair_prompts if p]", "tests/test_dpo.py"),
     "grpo_samples_markdown_separator_short": ("grpo.py", '"|-" * (3 + len(names))', '"|-" * (2 + len(names))',
                                               "tests/test_rewards.py"),
+    "dpo_frozen_models_keep_gradients": ("dpo.py", "        model.eval().requires_grad_(False)", "        model.eval()",
+                                         "tests/test_real_models.py"),
     "grpo_keeps_empty_prompts": ("grpo.py", "if 0 < len(ids) <= max_prompt_length]", "if len(ids) <= max_prompt_length]",
                                  "tests/test_grpo.py"),
     "grpo_join_samples_unmasks_the_padding": ("grpo.py", "torch.cat([pad(s[1], width - s[2], 0) for s in samples])",

@@ -935,6 +935,18 @@ def test_mixed_margins_and_held_out_prompts(tiny_checkpoints, tmp_path):
     assert len(evals) == 10 and not set(train) & set(evals) and len(train) == 90
 
 
+def test_prepare_models_freezes_only_the_frozen_ones():
+    """prepare_models (one text in the LM scripts): every model learns the pad id; the frozen ones (a reference, a
+    reward model) go to eval mode with no parameter that asks for a gradient, so nothing can train them or keep
+    their activations for a backward pass; the trained one is left as it was."""
+    tokenizer = make_tokenizer("pad_is_eos")
+    policy, ref = make_model("llama", 384), make_model("llama", 384)
+    dpo.prepare_models(tokenizer, dpo.stop_token_ids(tokenizer), [policy, ref], [ref])
+    assert policy.config.pad_token_id == ref.config.pad_token_id == tokenizer.pad_token_id is not None
+    assert policy.training and all(p.requires_grad for p in policy.parameters())
+    assert not ref.training and not any(p.requires_grad for p in ref.parameters())
+
+
 def test_pad_token_reuses_an_unused_special_token_and_never_shrinks_the_vocabulary():
     """Bug 9: adding a pad token resized the embeddings to len(tokenizer), shrinking a vocabulary padded to a
     multiple of 64 (Qwen) or growing it to an unaligned size, where the tokenizer had an unused token to reuse."""
