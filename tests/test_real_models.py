@@ -488,11 +488,13 @@ def test_eval_score_is_the_same_quantity_in_rlhf_ppo_and_dpo(tiny_checkpoints, t
 
 def test_dropout_is_off_also_where_it_is_a_config_number(tmp_path):
     """Bug 9: dropout was off only for nn.Dropout modules; Llama/Qwen2 attention dropout is a number each layer
-    reads from the config, so the policy's and reward model's outputs were random in train mode."""
+    reads from the config, so the policy's and reward model's outputs were random in train mode. GPT-2 names its
+    three `*_pdrop`."""
     from transformers import AutoModelForSequenceClassification
 
-    for arch in ("llama", "qwen2"):
-        base = save_checkpoint(str(tmp_path / arch), arch, "bos", "float32", attention_dropout=0.5)
+    for arch, dropout in (("llama", {"attention_dropout": 0.5}), ("qwen2", {"attention_dropout": 0.5}),
+                          ("gpt2", {"resid_pdrop": 0.5, "embd_pdrop": 0.5, "attn_pdrop": 0.5})):
+        base = save_checkpoint(str(tmp_path / arch), arch, "bos", "float32", **dropout)
         rm_path = str(tmp_path / f"{arch}_rm")
         AutoModelForSequenceClassification.from_pretrained(base, num_labels=1).save_pretrained(rm_path)
         make_tokenizer("bos").save_pretrained(rm_path)
@@ -802,11 +804,19 @@ def test_a_number_out_of_its_interval_is_one_line_before_any_model_is_loaded(scr
 def test_with_no_test_split_the_first_tenth_at_most_is_held_out(tmp_path):
     """load_rows, one text in the ten LM mains: a dataset with no `test` split holds out its first rows for
     evaluation, --eval-size of them but never more than a tenth, so that a small dataset still trains on most of
-    its rows; the rest, in order, is the training set."""
+    its rows; the rest, in order, is the training set. A `test` split is evaluated on up to --eval-size rows."""
     (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps({"prompt": f"p{i}"}) for i in range(40)))
     for eval_size, held_out in ((512, 4), (2, 2), (0, 0)):
         train, evals = sft.load_rows(str(tmp_path / "rows.jsonl"), None, "train", eval_size)
         assert [row["prompt"] for row in evals + train] == [f"p{i}" for i in range(40)] and len(evals) == held_out
+    # with a `test` split, that split is the eval set, its first --eval-size rows, and `train` is trained on whole
+    import datasets
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_list([{"prompt": f"p{i}"} for i in range(40)]),
+                          "test": datasets.Dataset.from_list([{"prompt": f"t{i}"} for i in range(30)])}
+                         ).save_to_disk(str(tmp_path / "splits"))
+    train, evals = sft.load_rows(str(tmp_path / "splits"), None, "train", 20)
+    assert len(train) == 40 and [row["prompt"] for row in evals] == [f"t{i}" for i in range(20)]
 
 
 @pytest.mark.parametrize("script", [f"{tier}{name}" for tier in ("", "scale.") for name in
