@@ -25,7 +25,7 @@ import datetime
 import decimal
 import functools
 import gc
-import importlib
+import importlib.util
 import inspect
 import json
 import math
