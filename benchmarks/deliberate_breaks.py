@@ -798,6 +798,15 @@ BREAKS = {
                                          "tests/test_rewards.py") for script in ("grpo", "rlhf_ppo")},
     **{f"{script}_term_means_keep_empty_terms": (f"{script}.py", " if not table[:, k].isnan().all()}", "}",
                                                  "tests/test_rewards.py") for script in ("grpo", "rlhf_ppo")},
+    # and scale/'s term_sums, which counts the completions each term applies to for the ranks to add up, and the
+    # lines that log a term only where it applies to some (training, then evaluation)
+    **{f"scale_{script}_term_sums_count_all": (f"scale/{script}.py", '{f"{prefix}{name}/n": (applies[:, k] * w).sum()',
+                                               '{f"{prefix}{name}/n": w.sum()', "tests/test_tiers.py")
+       for script in ("grpo", "rlhf_ppo")},
+    **{f"scale_{script}_logs_{where}_terms_that_apply_to_none": (
+        f"scale/{script}.py", f'if sums[f"rewards/{{name}}/n"] > 0:\n                tag = "{tag}"',
+        f'if True:\n                tag = "{tag}"', "tests/test_tiers.py")
+       for script in ("grpo", "rlhf_ppo") for where, tag in (("train", "objective/score"), ("eval", "eval/score"))},
     # A fourteenth audit: the plumbing's small helpers, each changed where the tests of its script did not look
     "sft_long_text_dropped": ("sft.py", "ids, labels = ids[:max_length], labels[:max_length]", "ids, labels = ids, labels",
                               "tests/test_sft.py"),
@@ -807,12 +816,16 @@ BREAKS = {
                            "tests/test_real_models.py"),
     "dpo_eval_prompts_repeated": ("dpo.py", "dict.fromkeys(tuple(p) for p in eval_pair_prompts if p)",
                                   "[tuple(p) for p in eval_pair_prompts if p]", "tests/test_dpo.py"),
+    "scale_dpo_eval_prompts_repeated": ("scale/dpo.py", "dict.fromkeys(tuple(p) for p in eval_pair_prompts if p)",
+                                        "[tuple(p) for p in eval_pair_prompts if p]", "tests/test_dpo.py"),
     "grpo_samples_markdown_separator_short": ("grpo.py", '"|-" * (3 + len(names))', '"|-" * (2 + len(names))',
                                               "tests/test_rewards.py"),
     "sft_test_split_not_cut_to_eval_size": ("sft.py", 'return rows, list(data["test"])[:eval_size]',
                                             'return rows, list(data["test"])', "tests/test_real_models.py"),
     "dpo_gpt2_dropout_left_on": ("dpo.py", 'if ("dropout" in key or "pdrop" in key)', 'if ("dropout" in key)',
                                  "tests/test_real_models.py"),
+    "scale_dpo_gpt2_dropout_left_on": ("scale/dpo.py", 'if ("dropout" in key or "pdrop" in key)', 'if ("dropout" in key)',
+                                       "tests/test_real_models.py"),
     "dpo_frozen_models_keep_gradients": ("dpo.py", "        model.eval().requires_grad_(False)", "        model.eval()",
                                          "tests/test_real_models.py"),
     "grpo_keeps_empty_prompts": ("grpo.py", "if 0 < len(ids) <= max_prompt_length]", "if len(ids) <= max_prompt_length]",

@@ -489,7 +489,7 @@ def test_eval_score_is_the_same_quantity_in_rlhf_ppo_and_dpo(tiny_checkpoints, t
 def test_dropout_is_off_also_where_it_is_a_config_number(tmp_path):
     """Bug 9: dropout was off only for nn.Dropout modules; Llama/Qwen2 attention dropout is a number each layer
     reads from the config, so the policy's and reward model's outputs were random in train mode. GPT-2 names its
-    three `*_pdrop`."""
+    three `*_pdrop`. In both tiers."""
     from transformers import AutoModelForSequenceClassification
 
     for arch, dropout in (("llama", {"attention_dropout": 0.5}), ("qwen2", {"attention_dropout": 0.5}),
@@ -504,8 +504,11 @@ def test_dropout_is_off_also_where_it_is_a_config_number(tmp_path):
         actor = grpo.load_no_dropout(base, "lm")
         critic = rlhf_ppo.load_no_dropout(rm_path, "score")
         trained_rm = reward_model.load_no_dropout(rm_path, "score")
+        # and scale/'s: its four files load these models through one text of load_config (tests/test_copies.py)
+        scale_policy = scale_dpo.load_model(base, "lm", torch.float32, scale_dpo.load_config(base, "lm"))
+        scale_critic = scale_dpo.load_model(rm_path, "score", torch.float32, scale_dpo.load_config(rm_path, "score"))
         ids = torch.tensor([tokenizer("sort 3 1 2: 1 2 3")["input_ids"] * 4])
-        for model in (policy, actor, critic, trained_rm):
+        for model in (policy, actor, critic, trained_rm, scale_policy, scale_critic):
             model.train()
             outputs = [model(input_ids=ids).logits for _ in range(2)]
             assert torch.equal(*outputs), (arch, type(model).__name__)

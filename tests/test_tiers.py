@@ -80,12 +80,27 @@ TIERS = {"sft": (SAMPLED + ["eval/gold_accuracy_greedy", "eval/gold_score_greedy
                              "eval/reward"], 1e-4, 2e-2)}
 
 
+PARTIAL = """def some(prompts, completions, **columns):
+    # None (does not apply) where the prompt has an odd number of digits
+    return [None if len(p.split()[1]) % 2 == 0 else float(len(c) % 3 == 0) for p, c in zip(prompts, completions)]
+
+
+def none(prompts, completions, **columns):
+    return [None] * len(completions)
+"""
+
+
 def variant_flags(variant, checkpoints, tmp_path):
     """Flags that take every loss-shaping flag both tiers accept off its default, at values where it binds (a clip
     that clips, a KL controller that moves the coefficient by more than the 2% the RL logs hold to): a scale/ flag
     ignored at its default value would pass the default run. The RL variants run from the small checkpoints,
     whose completions stop and score above 0, so that the reward's terms and weights show, and stop at 7 tokens,
     which the answers of 6 digits and more (7 tokens with the stop) do not fit: some completions have no stop."""
+    # a reward function that applies to some completions only (None elsewhere) and one that applies to none: each
+    # term's mean is over the completions it applies to, and a term that applies to none is not logged. Weighted 0,
+    # they add exactly 0 to every reward: what the runs train is what they trained without them
+    (tmp_path / "partial.py").write_text(PARTIAL)
+    partial = ["--reward-fn", f"{tmp_path / 'partial.py'}:some", "--reward-fn", f"{tmp_path / 'partial.py'}:none"]
     if variant == "reward_model-margin":  # a margin column, the centering term, a clip that clips
         rows = [{"prompt": f"sort {i}{i + 1}:", "chosen": f"{i}{i + 1}", "rejected": f"{i + 1}{i}",
                  "margin": 0.5 * (i % 3)} for i in range(8)] * 8
@@ -95,23 +110,26 @@ def variant_flags(variant, checkpoints, tmp_path):
     return {
         "sft-pretrained": ["--model-name-or-path", str(checkpoints["sft"])],  # fine-tuning a checkpoint, not the tiny GPT-2
         "dpo-ipo": ["--loss-type", "ipo", "--beta", "0.3", "--max-grad-norm", "0.01", "--max-length", "20"],
-        "rlhf_ppo-terms": ["--reward-fn", "gold", "--reward-fn", "format", "--format-pattern", "[0-4]*",
-                           "--reward-weights", "0.5", "0.25", "1", "--kl-target", "1.0", "--kl-horizon",
+        "rlhf_ppo-terms": ["--reward-fn", "gold", "--reward-fn", "format", "--format-pattern", "[0-4]*", *partial,
+                           "--reward-weights", "0.5", "0.25", "0", "0", "1", "--kl-target", "1.0", "--kl-horizon",
                            "20", "--missing-eos-penalty", "-2", "--cliprange", "0.1", "--cliprange-value", "0.1",
                            "--vf-coef", "0.3", "--gamma", "0.95", "--lam", "0.9", "--temperature", "0.8",
                            "--response-length", "7", "--max-prompt-length", "12"],
         "grpo-rloo-cispo": ["--advantage", "rloo", "--loss-type", "cispo", "--epsilon-high", "0.001",
                             "--mask-truncated-completions", "--soft-overlong-cache", "4", "--beta", "1.0",
-                            "--reward-fn", "gold", "--reward-fn", "format", "--format-pattern", "[0-4]*",
+                            "--reward-fn", "gold", "--reward-fn", "format", "--format-pattern", "[0-4]*", *partial,
                             "--reward-model-path", str(checkpoints["reward_model"]),
-                            "--reward-weights", "0.5", "0.25", "1", "--no-anneal-lr", "--temperature", "0.8",
+                            "--reward-weights", "0.5", "0.25", "0", "0", "1", "--no-anneal-lr", "--temperature", "0.8",
                             "--missing-eos-penalty", "-2", "--response-length", "7", "--max-prompt-length", "12"],
+        # the tiny SFT model's completions often run to the limit: here, unlike in grpo-rloo-cispo, where all stop
+        "grpo-truncated": ["--mask-truncated-completions", "--response-length", "6"],
         "grpo-dr_grpo": ["--no-scale-rewards", "--loss-type", "dr_grpo", "--epsilon-high", "0.001", "--dynamic-sampling",
                          "--max-sampling-rounds", "2"],
     }.get(variant, [])
 
 
-CASES = list(TIERS) + ["sft-pretrained", "reward_model-margin", "dpo-ipo", "rlhf_ppo-terms", "grpo-rloo-cispo", "grpo-dr_grpo"]
+CASES = list(TIERS) + ["sft-pretrained", "reward_model-margin", "dpo-ipo", "rlhf_ppo-terms", "grpo-rloo-cispo", "grpo-dr_grpo",
+                       "grpo-truncated"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -124,6 +142,8 @@ def test_the_reference_and_its_scale_sibling_compute_the_same(tiny_checkpoints, 
                                                         tmp_path / path.replace("/", "_"))
                                                     for path in (f"{script}.py", f"scale/{script}.py"))
     assert set(logs) == set(scale_logs) and len(logs) >= 5, (sorted(logs), sorted(scale_logs))
+    if case in ("rlhf_ppo-terms", "grpo-rloo-cispo"):  # the partial terms: one logged, one applying to none not
+        assert {"rewards/some", "eval/rewards/some"} <= set(logs) and not [tag for tag in logs if "none" in tag]
     assert set(weights) == set(scale_weights) and weights
     if TIERS[script] is None:  # the same computation: bitwise
         assert [tag for tag in logs if logs[tag] != scale_logs[tag]] == []
