@@ -81,7 +81,7 @@ TIERS = {"sft": (SAMPLED + ["eval/gold_accuracy_greedy", "eval/gold_score_greedy
 
 
 PARTIAL = """def some(prompts, completions, **columns):
-    # None (does not apply) where the prompt has an odd number of digits
+    # None (does not apply) where the prompt has an odd number of digits ("sort 123:": "123:" has an even length)
     return [None if len(p.split()[1]) % 2 == 0 else float(len(c) % 3 == 0) for p, c in zip(prompts, completions)]
 
 
@@ -94,11 +94,13 @@ def variant_flags(variant, checkpoints, tmp_path):
     """Flags that take every loss-shaping flag both tiers accept off its default, at values where it binds (a clip
     that clips, a KL controller that moves the coefficient by more than the 2% the RL logs hold to): a scale/ flag
     ignored at its default value would pass the default run. The RL variants run from the small checkpoints,
-    whose completions stop and score above 0, so that the reward's terms and weights show, and stop at 7 tokens,
-    which the answers of 6 digits and more (7 tokens with the stop) do not fit: some completions have no stop."""
+    whose completions stop and score above 0, so that the reward's terms and weights show, and stop at 7 tokens.
+    The longest answer --max-prompt-length 12 leaves, 6 digits and the stop token, fits them: a completion runs to
+    the limit only where the model writes too much (some of rlhf_ppo-terms', none of grpo-rloo-cispo's), so
+    grpo-truncated is the case where completions are cut."""
     # a reward function that applies to some completions only (None elsewhere) and one that applies to none: each
     # term's mean is over the completions it applies to, and a term that applies to none is not logged. Weighted 0,
-    # they add exactly 0 to every reward: what the runs train is what they trained without them
+    # they leave what the runs train as it was (bitwise; only eval/reward's float32 rounding moves)
     (tmp_path / "partial.py").write_text(PARTIAL)
     partial = ["--reward-fn", f"{tmp_path / 'partial.py'}:some", "--reward-fn", f"{tmp_path / 'partial.py'}:none"]
     if variant == "reward_model-margin":  # a margin column, the centering term, a clip that clips
@@ -121,15 +123,15 @@ def variant_flags(variant, checkpoints, tmp_path):
                             "--reward-model-path", str(checkpoints["reward_model"]),
                             "--reward-weights", "0.5", "0.25", "0", "0", "1", "--no-anneal-lr", "--temperature", "0.8",
                             "--missing-eos-penalty", "-2", "--response-length", "7", "--max-prompt-length", "12"],
-        # the tiny SFT model's completions often run to the limit: here, unlike in grpo-rloo-cispo, where all stop
+        # most of the tiny SFT model's completions run to the limit here; in grpo-rloo-cispo every one stops
         "grpo-truncated": ["--mask-truncated-completions", "--response-length", "6"],
         "grpo-dr_grpo": ["--no-scale-rewards", "--loss-type", "dr_grpo", "--epsilon-high", "0.001", "--dynamic-sampling",
                          "--max-sampling-rounds", "2"],
     }.get(variant, [])
 
 
-CASES = list(TIERS) + ["sft-pretrained", "reward_model-margin", "dpo-ipo", "rlhf_ppo-terms", "grpo-rloo-cispo", "grpo-dr_grpo",
-                       "grpo-truncated"]
+CASES = list(TIERS) + ["sft-pretrained", "reward_model-margin", "dpo-ipo", "rlhf_ppo-terms", "grpo-rloo-cispo",
+                       "grpo-dr_grpo", "grpo-truncated"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -142,7 +144,7 @@ def test_the_reference_and_its_scale_sibling_compute_the_same(tiny_checkpoints, 
                                                         tmp_path / path.replace("/", "_"))
                                                     for path in (f"{script}.py", f"scale/{script}.py"))
     assert set(logs) == set(scale_logs) and len(logs) >= 5, (sorted(logs), sorted(scale_logs))
-    if case in ("rlhf_ppo-terms", "grpo-rloo-cispo"):  # the partial terms: one logged, one applying to none not
+    if case in ("rlhf_ppo-terms", "grpo-rloo-cispo"):  # `some` is logged; `none` (it applies to no completion) is not
         assert {"rewards/some", "eval/rewards/some"} <= set(logs) and not [tag for tag in logs if "none" in tag]
     assert set(weights) == set(scale_weights) and weights
     if TIERS[script] is None:  # the same computation: bitwise
