@@ -816,6 +816,8 @@ BREAKS = {
                            "tests/test_real_models.py"),
     "dpo_eval_prompts_repeated": ("dpo.py", "dict.fromkeys(tuple(p) for p in eval_pair_prompts if p)",
                                   "[tuple(p) for p in eval_pair_prompts if p]", "tests/test_dpo.py"),
+    "scale_rlhf_ppo_ignores_kl_coef_flag": ("scale/rlhf_ppo.py", "kl_coef = args.kl_coef", "kl_coef = 1.0",
+                                            "tests/test_tiers.py"),
     "scale_dpo_eval_prompts_repeated": ("scale/dpo.py", "dict.fromkeys(tuple(p) for p in eval_pair_prompts if p)",
                                         "[tuple(p) for p in eval_pair_prompts if p]", "tests/test_dpo.py"),
     "grpo_samples_markdown_separator_short": ("grpo.py", '"|-" * (3 + len(names))', '"|-" * (2 + len(names))',

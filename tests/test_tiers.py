@@ -123,6 +123,7 @@ def variant_flags(variant, checkpoints, tmp_path):
                             "--reward-model-path", str(checkpoints["reward_model"]),
                             "--reward-weights", "0.5", "0.25", "0", "0", "1", "--no-anneal-lr", "--temperature", "0.8",
                             "--missing-eos-penalty", "-2", "--response-length", "7", "--max-prompt-length", "12"],
+        "rlhf_ppo-kl_coef": ["--kl-coef", "0.3"],  # the cases above run at its default, 1.0
         # most of the tiny SFT model's completions run to the limit here; in grpo-rloo-cispo every one stops
         "grpo-truncated": ["--mask-truncated-completions", "--response-length", "6"],
         "grpo-dr_grpo": ["--no-scale-rewards", "--loss-type", "dr_grpo", "--epsilon-high", "0.001", "--dynamic-sampling",
@@ -131,7 +132,7 @@ def variant_flags(variant, checkpoints, tmp_path):
 
 
 CASES = list(TIERS) + ["sft-pretrained", "reward_model-margin", "dpo-ipo", "rlhf_ppo-terms", "grpo-rloo-cispo",
-                       "grpo-dr_grpo", "grpo-truncated"]
+                       "grpo-dr_grpo", "grpo-truncated", "rlhf_ppo-kl_coef"]
 
 
 @pytest.mark.parametrize("case", CASES)
