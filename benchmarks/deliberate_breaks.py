@@ -8,6 +8,8 @@ then runs that script's test file; a break that no test catches is a hole in the
     python benchmarks/deliberate_breaks.py --list
     python benchmarks/deliberate_breaks.py -n 2 ...             # each test file on 2 pytest-xdist workers
     python benchmarks/deliberate_breaks.py --scale grpo_kl_sign # the same line broken in scale/grpo.py instead
+    python benchmarks/deliberate_breaks.py -x NAME ...         # stop at the first failing test (enough to show
+                                                                # that a break is caught; the list is then partial)
 """
 import argparse
 import os
@@ -837,7 +839,7 @@ BREAKS = {
 }
 
 
-def run(name, keyword=None, workers=None, scale=False):
+def run(name, keyword=None, workers=None, scale=False, first=False):
     """Apply one break in a copy of the repository, run its test file; returns (the failed tests, pytest's last line).
     With `scale`, the break goes to the top-level script's scale/ sibling, which carries the same line, and the
     test run is tests/test_tiers.py's cases of that script (the two tiers must stop computing the same thing),
@@ -859,6 +861,7 @@ def run(name, keyword=None, workers=None, scale=False):
             f.write(text.replace(old, new))
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", *tests.split()]
         cmd += ["-n", str(workers)] if workers else []
+        cmd += ["-x"] if first else []
         proc = subprocess.run(cmd + (["-k", keyword] if keyword else []), cwd=copy, capture_output=True, text=True)
     failed = re.findall(r"^FAILED \S+::(\S+)", proc.stdout, flags=re.M)
     return failed, (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
@@ -868,6 +871,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("names", nargs="*", help="breaks to run (all by default)")
     parser.add_argument("-k", dest="keyword", help="run only the tests pytest -k selects")
+    parser.add_argument("-x", dest="first", action="store_true", help="stop each test run at its first failing "
+                        "test: enough to show that a break is caught (the failing tests listed are then partial)")
     parser.add_argument("--list", action="store_true", help="list the breaks and exit")
     parser.add_argument("-n", dest="workers", type=int, help="run each test file on this many pytest-xdist workers")
     parser.add_argument("--scale", action="store_true", help="break the scale/ sibling of each top-level script "
@@ -880,7 +885,7 @@ def main():
     for name in args.names or BREAKS:
         if name not in BREAKS:
             sys.exit(f"error: no break {name!r}; --list shows them")
-        failed, summary = run(name, args.keyword, args.workers, args.scale)
+        failed, summary = run(name, args.keyword, args.workers, args.scale, args.first)
         tests = BREAKS[name][3]
         if args.scale:
             tests = "tests/test_tiers.py" + (" + the scale/ cases of " + tests) * (tests == "tests/test_real_models.py")
