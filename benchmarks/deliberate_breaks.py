@@ -8,7 +8,7 @@ then runs that script's test file; a break that no test catches is a hole in the
     python benchmarks/deliberate_breaks.py --list
     python benchmarks/deliberate_breaks.py -n 2 ...             # each test file on 2 pytest-xdist workers
     python benchmarks/deliberate_breaks.py --scale grpo_kl_sign # the same line broken in scale/grpo.py instead
-    python benchmarks/deliberate_breaks.py -x NAME ...         # stop at the first failing test (enough to show
+    python benchmarks/deliberate_breaks.py -x NAME ...          # stop at the first failing test (enough to show
                                                                 # that a break is caught; the list is then partial)
 """
 import argparse
