@@ -124,8 +124,9 @@ def variant_flags(variant, checkpoints, tmp_path):
                             "--reward-weights", "0.5", "0.25", "0", "0", "1", "--no-anneal-lr", "--temperature", "0.8",
                             "--missing-eos-penalty", "-2", "--response-length", "7", "--max-prompt-length", "12"],
         "rlhf_ppo-kl_coef": ["--kl-coef", "0.3"],  # the cases above run at its default, 1.0
-        # most of the tiny SFT model's completions run to the limit here; in grpo-rloo-cispo every one stops
-        "grpo-truncated": ["--mask-truncated-completions", "--response-length", "6"],
+        # most of the tiny SFT model's completions run to the limit here; in grpo-rloo-cispo every one stops. A
+        # token-level loss, whose normalizer counts the tokens the filter leaves (grpo's per-completion mean does not)
+        "grpo-truncated": ["--mask-truncated-completions", "--response-length", "6", "--loss-type", "dapo"],
         "grpo-dr_grpo": ["--no-scale-rewards", "--loss-type", "dr_grpo", "--epsilon-high", "0.001", "--dynamic-sampling",
                          "--max-sampling-rounds", "2"],
     }.get(variant, [])
