@@ -340,3 +340,26 @@ def main():
     assert code_lines.code_lines(text) == 15
     # the math: def loss, y, return (2 lines); rollout: b, c; update: return c
     assert code_lines.algorithm_lines(text) == 7
+
+
+@pytest.mark.slow  # about 2.5 s: each cut copy parsed and counted
+def test_each_priced_cut_applies_to_todays_files_and_drops_what_it_says():
+    """benchmarks/cap_prices.py: every cut still finds its anchors in the top-level files, the cut copy is Python with
+    fewer code lines, and what the cut says it drops is gone from it while the rest of the file stays."""
+    import cap_prices
+    import code_lines
+
+    gone = {cap_prices.no_save_dtype: ["save_dtype:", "args.save_dtype"],
+            cap_prices.sft_no_messages: ['example.get("messages")', '("messages",)'],
+            cap_prices.sft_no_text: ['example["text"]', '("text",)'],
+            cap_prices.sft_no_gold_eval: ['"eval/gold_accuracy', "def generate(", "max_new_tokens"],
+            cap_prices.dpo_no_eval_score: ['"eval/score"', "reward_model_path", "def response_scores("],
+            cap_prices.dpo_no_sampled_eval: ['"eval/kl"', '"eval/gold_accuracy"', "def generate(", "response_length"]}
+    for _, plan in cap_prices.PRICES:
+        for script, cuts in plan.items():
+            before = cap_prices.source(script)
+            after = cap_prices.apply(script, cuts)
+            assert code_lines.code_lines(after) < code_lines.code_lines(before), (script, cuts)
+            for cut in cuts:
+                assert all(text not in after for text in gone[cut]), (script, cut)
+            assert all(text in after for text in ("def main(args: Args):", ".backward()", "optimizer.step()"))  # the loop stays
