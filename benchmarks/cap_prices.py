@@ -164,7 +164,8 @@ def main():
     now = {script: code_lines(source(script)) for script in LM}
     print(f"now: {', '.join(f'{s}.py {n}' for s, n in now.items())}; the five {sum(now.values())} (cap 2600)")
     # the algorithm is ≥ 25% of a file's code lines only when the file is at most 4 × the algorithm's lines
-    print("for the algorithm's 25%, at most: " + ", ".join(f"{s}.py {4 * algorithm_lines(source(s))}" for s in LM) + "\n")
+    most = ", ".join(f"{s}.py {4 * algorithm_lines(source(s))}" for s in LM)
+    print(f"for the algorithm's 25%, at most: {most}\n")
     print("| cut | file: code lines now → after (cap) | the five after |\n|-|-|-|")
     for name, plan in PRICES:
         after = dict(now)
@@ -172,7 +173,7 @@ def main():
             after[script] = code_lines(apply(script, cuts))
         files = "; ".join(f"{s}.py {now[s]} → {after[s]} ({CAPS[s]})" for s in plan)
         print(f"| {name} | {files} | {sum(after.values())} |")
-    if run_dir is not None:  # each cut copy trains briefly and evaluates, from the models sft.py and reward_model.py make
+    if run_dir is not None:  # each cut copy trains briefly and evaluates, from sft.py's and reward_model.py's models
         os.makedirs(run_dir, exist_ok=True)
         supervised = ["--max-steps", "10", "--eval-every", "10", "--eval-size", "32"]
         rl = ["--num-iterations", "2", "--batch-size", "16", "--mini-batch-size", "8", "--eval-every", "2",
