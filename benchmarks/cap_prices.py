@@ -191,5 +191,6 @@ def main():
                 last = (out.stdout + out.stderr).strip().splitlines()[-2:]
                 print(f"{name} ({script}.py): rc {out.returncode}; {' / '.join(last)}")
 
+
 if __name__ == "__main__":
     main()
