@@ -207,6 +207,16 @@ def reinforce_pp_advantages(rewards, num_generations, group_baseline, eps=1e-8):
     return (x - mean) * torch.rsqrt(((x - mean) ** 2).sum() / len(x) + eps)
 
 
+def compute_advantages(rewards, num_generations, advantage, scale_rewards):
+    """Â_i of each completion by --advantage: grpo (group_advantages, with --no-scale-rewards Dr. GRPO's), rloo
+    (rloo_advantages), reinforce_pp and reinforce_pp_baseline (reinforce_pp_advantages, over the whole batch)."""
+    if advantage == "rloo":
+        return rloo_advantages(rewards, num_generations)
+    if advantage.startswith("reinforce_pp"):
+        return reinforce_pp_advantages(rewards, num_generations, advantage == "reinforce_pp_baseline")
+    return group_advantages(rewards, num_generations, scale_rewards)
+
+
 def informative_groups(rewards, num_generations):
     """DAPO's dynamic sampling filter (Yu et al. 2025, eq. 11, the constraint 0 < |{o_i | is_equivalent(a, o_i)}| < G):
     True for each group whose G rewards are not all equal. A group of equal rewards (every answer right, or every
@@ -274,6 +284,14 @@ def cispo_loss(ratio, logprobs, advantages, epsilon_high):
     return -torch.clamp(ratio, max=1 + epsilon_high).detach() * advantages.unsqueeze(1) * logprobs
 
 
+def token_losses(ratio, logprobs, advantages, loss_type, epsilon_low, epsilon_high):
+    """The per-token loss l_t by --loss-type: CISPO's (cispo_loss) for cispo, else the clipped surrogate
+    (clipped_surrogate); aggregate_loss then makes them one number."""
+    if loss_type == "cispo":
+        return cispo_loss(ratio, logprobs, advantages, epsilon_high)
+    return clipped_surrogate(ratio, advantages, epsilon_low, epsilon_high)
+
+
 def clipped_tokens(ratio, advantages, epsilon_low, epsilon_high, loss_type):
     """(low, high): where the clip is active on each side. The clipped surrogate cuts a token's gradient when ρ_t
     falls below 1 − ε_low with Â < 0 (low) or rises above 1 + ε_high with Â > 0 (high); out of the band on the
@@ -313,39 +331,9 @@ def aggregate_loss(per_token_loss, mask, loss_type, num_sequences, num_tokens, m
 # Pick the built-in ones by name with --reward-fn, or write your own in a file (--reward-fn my.py:fn).
 # The same text in grpo.py and rlhf_ppo.py (tests/test_copies.py checks it).
 # ---------------------------------------------------------------------------------------------
-NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")  # 1,234.5 with thousands separators, or 1234.5
-
-
 def completion_text(completion):
     """The text of a completion: itself, or the content of a conversational one's (last) message."""
     return completion[-1]["content"] if isinstance(completion, list) else completion
-
-
-def last_boxed(text):
-    """What the last \\boxed{...} of `text` contains, braces inside it matched (\\boxed{\\frac{1}{2}}), or None."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, begin = 0, start + len("\\boxed{")
-    for i in range(begin, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth < 0:
-            return text[begin:i]
-    return None  # never closed
-
-
-def answer_number(text):
-    """The number a text gives as its answer, or None: the first number after the last `####` (GSM8K's
-    answers), else the number in the last \\boxed{} (None unless it holds exactly one), else the last number
-    of the text. A Decimal: `,` thousands separators and trailing zeros (72.0, 72.50) do not change it."""
-    if "####" in text:
-        numbers = NUMBER.findall(text.rsplit("####", 1)[1])[:1]
-    elif last_boxed(text) is not None:
-        numbers = NUMBER.findall(last_boxed(text))
-        numbers = numbers if len(numbers) == 1 else []
-    else:
-        numbers = NUMBER.findall(text)[-1:]
-    return decimal.Decimal(numbers[-1].replace(",", "")) if numbers else None
 
 
 def gold(prompts, completions, target, **columns):
@@ -468,6 +456,8 @@ def main(args: Args):
     print(f"{1 + (ref is not None) + (reward is not None)} model(s) in memory: the policy"
           + (", the reference" if ref is not None else "") + (", the reward model" if reward is not None else ""))
     names = [name for name, _ in functions] + (["reward_model"] if reward is not None else [])  # the reward terms
+    rewards_of = functools.partial(completion_rewards, tokenizer=tokenizer, functions=functions, weights=weights,
+                                   reward=reward, stop_ids=stop_ids, args=args)
 
     def logprobs_of(model, sequences, attention_mask, context_length):
         """(log π(a_t | s_t), entropy) of every response token, a minibatch at a time: in a rollout these are
@@ -475,81 +465,30 @@ def main(args: Args):
         return forward_in_chunks(lambda s, a: policy_logprobs(model, s, a, context_length, args.temperature),
                                  args.mini_batch_size, sequences, attention_mask)
 
-    # ---- rollout: the reward of each completion (the evaluation's too) -------------------------------------
-    def rewards_of(rows, sequences, attention_mask, context_length, response_mask):
-        """The reward of each completion, r = Σ_k w_k r_k over the reward functions and the reward model's score
-        (combine_rewards) plus any soft overlong punishment, or --missing-eos-penalty for a completion with no stop
-        token: an unfinished answer is not scored. Returns (rewards, the [B, K] table of the terms, completions as
-        text, has_stop)."""
-        prompts = [row["prompt"] for row in rows]
-        # the text up to the stop token: the stop token and the padding after it are special tokens
-        completions = tokenizer.batch_decode(sequences[:, context_length:], skip_special_tokens=True)
-        as_passed = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c  # as TRL passes them
-                     for p, c in zip(prompts, completions)]
-        table = reward_terms(functions, prompts, as_passed, reward_columns(rows)).to(device)
-        if reward is not None:
-            scores, _ = forward_in_chunks(
-                lambda s, a, m: response_scores(reward, s, a, m, stop_ids, args.missing_eos_penalty),
-                args.mini_batch_size, sequences, attention_mask, response_mask)
-            table = torch.cat([table, scores.float()[:, None]], 1)
-        responses = sequences[:, context_length:]
-        has_stop = (torch.isin(responses, torch.tensor(stop_ids, device=device)) & response_mask.bool()).any(1)
-        rewards = combine_rewards(table, weights)
-        if args.soft_overlong_cache:  # a completion that stops near the limit loses up to 1
-            rewards = rewards + soft_overlong_punishment(response_mask.sum(1), args.response_length,
-                                                         args.soft_overlong_cache)
-        rewards = torch.where(has_stop, rewards, torch.full_like(rewards, args.missing_eos_penalty))
-        return rewards, table, completions, has_stop
-
-    # ---- the loop: an evaluation before any update, then rollout, update and log each iteration ------------
+    # ---- the loop: an evaluation before any update, then sample, advantages, update and log each iteration -----
     evaluate(policy, ref, eval_rows, eval_ids, tokenizer, stop_ids, names, rewards_of, logprobs_of, args, amp, writer, 0)
     rng, cap_reported, start_time = random.Random(args.seed), False, time.time()  # rng: the prompts drawn
     for iteration in range(1, args.num_iterations + 1):
         lr = get_lr(iteration - 1, args.lr, 0, args.num_iterations, "linear") if args.anneal_lr else args.lr
         optimizer.param_groups[0]["lr"] = lr
-        # ---- rollout: G completions per prompt, their rewards, advantages within each group ----------
+        # ---- 1. sample groups: G completions of each prompt and their rewards ------------------------------
         policy.eval()
-        rounds = []  # (sample, rewards, table, completions, has_stop) of each batch of prompts sampled
         with torch.no_grad(), amp():
-            while True:  # one batch of prompts; with --dynamic-sampling more, until enough groups differ
-                chosen = rng.sample(range(len(train_ids)), B // G)
-                prompt_ids = [train_ids[i] for i in chosen for _ in range(G)]  # each prompt G times, in adjacent rows
-                rows = [train_rows[i] for i in chosen for _ in range(G)]
-                sampled = generate(policy, prompt_ids, tokenizer.pad_token_id, stop_ids, args.response_length,
-                                   args.temperature)
-                rounds.append((sampled, *rewards_of(rows, *sampled[:3], sampled[3].float())))
-                informative = torch.cat([informative_groups(r[1], G) for r in rounds])  # of every group sampled
-                if not args.dynamic_sampling:
-                    break
-                short = max(0, B // G - int(informative.sum()))  # groups that differ still missing from a batch
-                if short == 0 or len(rounds) == args.max_sampling_rounds:
-                    break
-            groups = torch.arange(B // G, device=device)
-            if args.dynamic_sampling:  # groups that differ first, in the order sampled; equal ones only to fill up
-                if short and not cap_reported:
-                    print(f"dynamic sampling: after --max-sampling-rounds {args.max_sampling_rounds}, {short} group(s) "
-                          "short of groups that differ: the batch is filled with equal ones, now and whenever this happens")
-                    cap_reported = True
-                groups = torch.argsort((~informative).int(), stable=True)[: B // G]
-            idx = (groups[:, None] * G + torch.arange(G, device=device)).flatten()  # their completions' rows
-            sequences, attention_mask, context_length, mask = join_samples([r[0] for r in rounds], tokenizer.pad_token_id)
-            sequences, attention_mask, mask = sequences[idx], attention_mask[idx], mask[idx].float()
-            rewards, table, has_stop = (torch.cat([r[k] for r in rounds])[idx] for k in (1, 2, 4))
-            if args.advantage == "rloo":
-                advantages = rloo_advantages(rewards, G)
-            elif args.advantage.startswith("reinforce_pp"):  # over the whole batch
-                advantages = reinforce_pp_advantages(rewards, G, args.advantage == "reinforce_pp_baseline")
-            else:
-                advantages = group_advantages(rewards, G, args.scale_rewards)
+            batch = sample_groups(policy, train_rows, train_ids, rng, rewards_of, tokenizer.pad_token_id, stop_ids,
+                                  args)
+            # ---- 2. advantages within each group (or over the batch), and the log-probs the update starts from -
+            advantages = compute_advantages(batch.rewards, G, args.advantage, args.scale_rewards)
+            sequences, attention_mask, context_length, mask = (batch.sequences, batch.attention_mask,
+                                                               batch.context_length, batch.mask)
             old_logprobs, entropy = logprobs_of(policy, sequences, attention_mask, context_length)
             ref_logprobs = old_logprobs  # β = 0: no reference (the KL terms below are 0 and not logged)
             if ref is not None:
                 ref_logprobs, _ = logprobs_of(ref, sequences, attention_mask, context_length)
             k1, k3 = kl_estimators(old_logprobs, ref_logprobs, mask)
             # the tokens the loss sees: with --mask-truncated-completions not those of a completion with no stop token
-            loss_mask = mask * has_stop.unsqueeze(1) if args.mask_truncated_completions else mask
+            loss_mask = mask * batch.has_stop.unsqueeze(1) if args.mask_truncated_completions else mask
 
-        # ---- update: μ passes over the rollout in shuffled minibatches ---------------------------------
+        # ---- 3. update: μ passes over the rollout in shuffled minibatches ------------------------------------
         policy.train()
         stats = {k: 0.0 for k in ("policy_loss", "kl_penalty", "clipped_low", "clipped_high")}  # summed over minibatches
         for epoch in range(args.ppo_epochs):
@@ -563,10 +502,7 @@ def main(args: Args):
                     logprobs, _ = policy_logprobs(policy, sequences[mb], attention_mask[mb], context_length,
                                                   args.temperature)
                 ratio = importance_ratio(logprobs, old_logprobs[mb], mask[mb], args.importance_sampling_level)
-                if args.loss_type == "cispo":
-                    surrogate = cispo_loss(ratio, logprobs, advantages[mb], epsilon_high)
-                else:
-                    surrogate = clipped_surrogate(ratio, advantages[mb], args.epsilon, epsilon_high)
+                surrogate = token_losses(ratio, logprobs, advantages[mb], args.loss_type, args.epsilon, epsilon_high)
                 policy_loss = aggregate_loss(surrogate, loss_mask[mb], args.loss_type, args.mini_batch_size,
                                              num_tokens, args.response_length)
                 kl_penalty = torch.zeros((), device=device)
@@ -575,44 +511,19 @@ def main(args: Args):
                     kl_penalty = args.beta * aggregate_loss(new_k3, loss_mask[mb], args.loss_type,
                                                             args.mini_batch_size, num_tokens, args.response_length)
                 (policy_loss + kl_penalty).backward()
-                with torch.no_grad():
-                    stats["policy_loss"] += policy_loss.item()
-                    stats["kl_penalty"] += kl_penalty.item()
-                    low, high = clipped_tokens(ratio, advantages[mb], args.epsilon, epsilon_high, args.loss_type)
-                    stats["clipped_low"] += (low * mask[mb]).sum().item()
-                    stats["clipped_high"] += (high * mask[mb]).sum().item()
-                    if epoch == 0 and start == 0:  # before any step, the ratio must be exactly 1
-                        first_ratio_error = (ratio - 1).abs().max()
+                accumulate_grpo_stats(stats, policy_loss, kl_penalty, ratio, advantages[mb], mask[mb],
+                                      epoch == start == 0, args.epsilon, epsilon_high, args.loss_type)
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                 check_finite(iteration, loss=policy_loss + kl_penalty, grad_norm=grad_norm)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
 
-        # ---- log: statistics of the whole batch --------------------------------------------------------
-        groups, tokens, num_minibatches = rewards.view(-1, G), mask.sum().item(), args.ppo_epochs * B // args.mini_batch_size
-        logs = {
-            "objective/reward": rewards.sum().item() / B, "objective/reward_std": groups.std(1).sum().item() / (B // G),
-            "objective/zero_std_fraction": (groups.std(1) == 0).sum().item() / (B // G),
-            "objective/completion_length": tokens / B, "objective/prompts_sampled": len(informative),
-            "objective/zero_std_fraction_sampled": (~informative).sum().item() / len(informative),
-            "objective/kl": k1.sum().item() / B, "objective/kl_k3": k3.sum().item() / B,
-            "objective/entropy": (entropy * mask).sum().item() / B, "objective/stop_fraction": has_stop.sum().item() / B,
-            "losses/policy_loss": stats["policy_loss"] / num_minibatches,
-            "losses/kl_penalty": stats["kl_penalty"] / num_minibatches,
-            "policy/clipfrac": (stats["clipped_low"] + stats["clipped_high"]) / (args.ppo_epochs * tokens),
-            "policy/clipfrac_low": stats["clipped_low"] / (args.ppo_epochs * tokens),
-            "policy/clipfrac_high": stats["clipped_high"] / (args.ppo_epochs * tokens),
-            "policy/first_ratio_max_error": first_ratio_error,
-            "charts/learning_rate": lr, "charts/episodes_per_second": iteration * B / (time.time() - start_time),
-        }
-        if ref is None:  # no reference, no KL to it
-            del logs["objective/kl"], logs["objective/kl_k3"], logs["losses/kl_penalty"]
-        logs.update(term_means(table, names, "rewards/", "objective/score"))  # each reward term's mean
-        for tag, value in logs.items():
-            writer.add_scalar(tag, float(value), iteration)
-        if iteration % 10 == 0:
-            print(f"iteration {iteration}: reward {logs['objective/reward']:.3f} (std {logs['objective/reward_std']:.3f}), "
-                  f"kl {logs.get('objective/kl', 0.0):.3f}, {time.time() - start_time:.0f} s")
+        # ---- 4. log: statistics of the whole batch --------------------------------------------------------
+        if batch.short and not cap_reported:  # dynamic sampling ran out of rounds: said once
+            print(f"dynamic sampling: after --max-sampling-rounds {args.max_sampling_rounds}, {batch.short} group(s) "
+                  "short of groups that differ: the batch is filled with equal ones, now and whenever this happens")
+            cap_reported = True
+        log_grpo_iteration(writer, iteration, batch, stats, k1, k3, entropy, ref, names, lr, start_time, args)
         if iteration % args.eval_every == 0 or iteration == args.num_iterations:
             evaluate(policy, ref, eval_rows, eval_ids, tokenizer, stop_ids, names, rewards_of, logprobs_of, args, amp,
                      writer, iteration)
@@ -620,6 +531,122 @@ def main(args: Args):
     save_model(policy, tokenizer, args, args.output_dir, save_dtype)
     print(f"saved to {args.output_dir} after {time.time() - start_time:.0f} s")
     writer.close()
+
+
+@dataclass
+class Groups:
+    """A rollout of B completions, the G of each prompt in adjacent rows; token tensors are [B, response_length]."""
+    sequences: torch.Tensor  # prompt and completion token ids, [B, context_length + response_length]
+    attention_mask: torch.Tensor
+    context_length: int  # the prompts' padded width: completions start at this column
+    mask: torch.Tensor  # 1.0 on completion tokens up to and including the stop token
+    rewards: torch.Tensor  # [B]
+    table: torch.Tensor  # [B, K]: each reward term, NaN where it does not apply
+    has_stop: torch.Tensor  # [B]: the completion ended with a stop token
+    informative: torch.Tensor  # one per group sampled (every round): its rewards differ
+    short: int  # --dynamic-sampling: groups that differ still missing after the last round
+
+
+def sample_groups(policy, rows, prompt_ids, rng, rewards_of, pad_token_id, stop_ids, args):
+    """B / G prompts drawn without replacement, G completions of each sampled at --temperature, and their rewards.
+    With --dynamic-sampling (DAPO) more prompts are drawn, up to --max-sampling-rounds batches, until B / G groups
+    whose rewards differ are found; the batch takes them first, in the order sampled, and groups of equal rewards
+    only to fill up."""
+    G, B, rounds = args.num_generations, args.batch_size, []
+    while True:  # one batch of prompts; with --dynamic-sampling more, until enough groups differ
+        chosen = rng.sample(range(len(prompt_ids)), B // G)
+        ids = [prompt_ids[i] for i in chosen for _ in range(G)]  # each prompt G times, in adjacent rows
+        sampled = generate(policy, ids, pad_token_id, stop_ids, args.response_length, args.temperature)
+        rewards, table, _, has_stop = rewards_of([rows[i] for i in chosen for _ in range(G)], *sampled[:3],
+                                                 sampled[3].float())
+        rounds.append({"sampled": sampled, "rewards": rewards, "table": table, "has_stop": has_stop})
+        informative = torch.cat([informative_groups(r["rewards"], G) for r in rounds])  # of every group sampled
+        if not args.dynamic_sampling:
+            break
+        short = max(0, B // G - int(informative.sum()))  # groups that differ still missing from a batch
+        if short == 0 or len(rounds) == args.max_sampling_rounds:
+            break
+    groups = torch.arange(B // G, device=informative.device)
+    if args.dynamic_sampling:  # groups that differ first, in the order sampled; equal ones only to fill up
+        groups = torch.argsort((~informative).int(), stable=True)[: B // G]
+    idx = (groups[:, None] * G + torch.arange(G, device=groups.device)).flatten()  # their completions' rows
+    sequences, attention_mask, context_length, mask = join_samples([r["sampled"] for r in rounds], pad_token_id)
+    return Groups(sequences[idx], attention_mask[idx], context_length, mask[idx].float(),
+                  *(torch.cat([r[key] for r in rounds])[idx] for key in ("rewards", "table", "has_stop")),
+                  informative, short if args.dynamic_sampling else 0)
+
+
+def completion_rewards(rows, sequences, attention_mask, context_length, response_mask, tokenizer, functions, weights,
+                       reward, stop_ids, args):
+    """The reward of each completion, r = Σ_k w_k r_k over the reward functions and the reward model's score
+    (combine_rewards) plus any soft overlong punishment, or --missing-eos-penalty for a completion with no stop
+    token: an unfinished answer is not scored. Returns (rewards, the [B, K] table of the terms, completions as
+    text, has_stop)."""
+    prompts = [row["prompt"] for row in rows]
+    # the text up to the stop token: the stop token and the padding after it are special tokens
+    completions = tokenizer.batch_decode(sequences[:, context_length:], skip_special_tokens=True)
+    as_passed = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c  # as TRL passes them
+                 for p, c in zip(prompts, completions)]
+    table = reward_terms(functions, prompts, as_passed, reward_columns(rows)).to(sequences.device)
+    if reward is not None:
+        scores, _ = forward_in_chunks(
+            lambda s, a, m: response_scores(reward, s, a, m, stop_ids, args.missing_eos_penalty),
+            args.mini_batch_size, sequences, attention_mask, response_mask)
+        table = torch.cat([table, scores.float()[:, None]], 1)
+    responses = sequences[:, context_length:]
+    has_stop = (torch.isin(responses, torch.tensor(stop_ids, device=sequences.device)) & response_mask.bool()).any(1)
+    rewards = combine_rewards(table, weights)
+    if args.soft_overlong_cache:  # a completion that stops near the limit loses up to 1
+        rewards = rewards + soft_overlong_punishment(response_mask.sum(1), args.response_length,
+                                                     args.soft_overlong_cache)
+    rewards = torch.where(has_stop, rewards, torch.full_like(rewards, args.missing_eos_penalty))
+    return rewards, table, completions, has_stop
+
+
+@torch.no_grad()
+def accumulate_grpo_stats(stats, policy_loss, kl_penalty, ratio, advantages, mask, first, epsilon_low, epsilon_high,
+                          loss_type):
+    """Adds a minibatch's losses and clipped-token counts to `stats`; at the first minibatch of an iteration, before
+    any step, the ratio's largest distance from 1 (it must be exactly 0)."""
+    stats["policy_loss"] += policy_loss.item()
+    stats["kl_penalty"] += kl_penalty.item()
+    low, high = clipped_tokens(ratio, advantages, epsilon_low, epsilon_high, loss_type)
+    stats["clipped_low"] += (low * mask).sum().item()
+    stats["clipped_high"] += (high * mask).sum().item()
+    if first:
+        stats["first_ratio_max_error"] = (ratio - 1).abs().max()
+
+
+def log_grpo_iteration(writer, iteration, batch, stats, k1, k3, entropy, ref, names, lr, start_time, args):
+    """An iteration's statistics of the whole batch, to TensorBoard (docs/tags.md), and a line every 10 iterations."""
+    B, G, mask = args.batch_size, args.num_generations, batch.mask
+    groups, tokens = batch.rewards.view(-1, G), mask.sum().item()
+    num_minibatches = args.ppo_epochs * B // args.mini_batch_size
+    logs = {
+        "objective/reward": batch.rewards.sum().item() / B,
+        "objective/reward_std": groups.std(1).sum().item() / (B // G),
+        "objective/zero_std_fraction": (groups.std(1) == 0).sum().item() / (B // G),
+        "objective/completion_length": tokens / B, "objective/prompts_sampled": len(batch.informative),
+        "objective/zero_std_fraction_sampled": (~batch.informative).sum().item() / len(batch.informative),
+        "objective/kl": k1.sum().item() / B, "objective/kl_k3": k3.sum().item() / B,
+        "objective/entropy": (entropy * mask).sum().item() / B,
+        "objective/stop_fraction": batch.has_stop.sum().item() / B,
+        "losses/policy_loss": stats["policy_loss"] / num_minibatches,
+        "losses/kl_penalty": stats["kl_penalty"] / num_minibatches,
+        "policy/clipfrac": (stats["clipped_low"] + stats["clipped_high"]) / (args.ppo_epochs * tokens),
+        "policy/clipfrac_low": stats["clipped_low"] / (args.ppo_epochs * tokens),
+        "policy/clipfrac_high": stats["clipped_high"] / (args.ppo_epochs * tokens),
+        "policy/first_ratio_max_error": stats["first_ratio_max_error"],
+        "charts/learning_rate": lr, "charts/episodes_per_second": iteration * B / (time.time() - start_time),
+    }
+    if ref is None:  # no reference, no KL to it
+        del logs["objective/kl"], logs["objective/kl_k3"], logs["losses/kl_penalty"]
+    logs.update(term_means(batch.table, names, "rewards/", "objective/score"))  # each reward term's mean
+    for tag, value in logs.items():
+        writer.add_scalar(tag, float(value), iteration)
+    if iteration % 10 == 0:
+        print(f"iteration {iteration}: reward {logs['objective/reward']:.3f} (std {logs['objective/reward_std']:.3f}), "
+              f"kl {logs.get('objective/kl', 0.0):.3f}, {time.time() - start_time:.0f} s")
 
 
 @torch.no_grad()
@@ -925,9 +952,39 @@ def model_positions(model):
 
 
 # ---------------------------------------------------------------------------------------------
-# Reward functions (--reward-fn): loading, checking and calling them. The functions themselves, and how
-# their values add up, are above the banner of grpo.py and rlhf_ppo.py.
+# Reward functions (--reward-fn): loading, checking and calling them, and the answer parsing of numeric_match
+# (GSM8K's `#### 72`, \boxed{}). The functions themselves, and how their values add up, are above the banner.
 # ---------------------------------------------------------------------------------------------
+NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")  # 1,234.5 with thousands separators, or 1234.5
+
+
+def last_boxed(text):
+    """What the last \\boxed{...} of `text` contains, braces inside it matched (\\boxed{\\frac{1}{2}}), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{")
+    for i in range(begin, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth < 0:
+            return text[begin:i]
+    return None  # never closed
+
+
+def answer_number(text):
+    """The number a text gives as its answer, or None: the first number after the last `####` (GSM8K's
+    answers), else the number in the last \\boxed{} (None unless it holds exactly one), else the last number
+    of the text. A Decimal: `,` thousands separators and trailing zeros (72.0, 72.50) do not change it."""
+    if "####" in text:
+        numbers = NUMBER.findall(text.rsplit("####", 1)[1])[:1]
+    elif last_boxed(text) is not None:
+        numbers = NUMBER.findall(last_boxed(text))
+        numbers = numbers if len(numbers) == 1 else []
+    else:
+        numbers = NUMBER.findall(text)[-1:]
+    return decimal.Decimal(numbers[-1].replace(",", "")) if numbers else None
+
+
 def load_reward_functions(specs, builtins, format_pattern):
     """[(name, fn)] for --reward-fn: a built-in's name (a key of `builtins`), or MODULE_OR_FILE:NAME, a function
     in a .py file (by path) or in an importable module (the working directory is on the path). What cannot be
@@ -1091,7 +1148,7 @@ CACHE = "cache" if tuple(int(v) for v in transformers.__version__.split(".")[:2]
 @torch.no_grad()
 def generate(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature=1.0, greedy=False):
     """Complete each prompt (lists of token ids, left-padded here) with tokens drawn from softmax(logits / T) in
-    float32, as `generate` draws them (the argmax if greedy), each response ending at its first stop token.
+    float32, as transformers' generate draws them (the argmax if greedy), each response ending at its first stop token.
     Returns (sequences, attention_mask, context_length, response_mask), the responses as long as the longest
     one, response_mask 1 on response tokens up to and including the stop token. No sampling setting comes from
     the checkpoint's generation_config.json (top_k, repetition_penalty, ...): the distribution sampled is the one

@@ -219,39 +219,9 @@ def adaptive_kl_coef(kl_coef, current_kl, kl_target, horizon, n_steps):
 # Pick the built-in ones by name with --reward-fn, or write your own in a file (--reward-fn my.py:fn).
 # The same text in grpo.py and rlhf_ppo.py (tests/test_copies.py checks it).
 # ---------------------------------------------------------------------------------------------
-NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")  # 1,234.5 with thousands separators, or 1234.5
-
-
 def completion_text(completion):
     """The text of a completion: itself, or the content of a conversational one's (last) message."""
     return completion[-1]["content"] if isinstance(completion, list) else completion
-
-
-def last_boxed(text):
-    """What the last \\boxed{...} of `text` contains, braces inside it matched (\\boxed{\\frac{1}{2}}), or None."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, begin = 0, start + len("\\boxed{")
-    for i in range(begin, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth < 0:
-            return text[begin:i]
-    return None  # never closed
-
-
-def answer_number(text):
-    """The number a text gives as its answer, or None: the first number after the last `####` (GSM8K's
-    answers), else the number in the last \\boxed{} (None unless it holds exactly one), else the last number
-    of the text. A Decimal: `,` thousands separators and trailing zeros (72.0, 72.50) do not change it."""
-    if "####" in text:
-        numbers = NUMBER.findall(text.rsplit("####", 1)[1])[:1]
-    elif last_boxed(text) is not None:
-        numbers = NUMBER.findall(last_boxed(text))
-        numbers = numbers if len(numbers) == 1 else []
-    else:
-        numbers = NUMBER.findall(text)[-1:]
-    return decimal.Decimal(numbers[-1].replace(",", "")) if numbers else None
 
 
 def gold(prompts, completions, target, **columns):
@@ -360,35 +330,17 @@ def main(args: Args):
         return forward_in_chunks(lambda s, a: policy_logprobs(model, s, a, context_length, args.temperature),
                                  mini, sequences, attention_mask)
 
-    # ---- rollout: the score of each response (the evaluation's too) ----------------------------------------
-    def scores_of(rows, sequences, attention_mask, context_length, response_mask):
-        """The score of each response, Σ_k w_k r_k over the reward functions and the reward model's score
-        (combine_rewards), or --missing-eos-penalty for a response with no stop token: an unfinished answer is
-        not scored. Returns (scores, the [B, K] table of the terms, responses as text, has_stop)."""
-        prompts = [row["prompt"] for row in rows]
-        # the text up to the stop token: the stop token and the padding after it are special tokens
-        completions = tokenizer.batch_decode(sequences[:, context_length:], skip_special_tokens=True)
-        as_passed = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c  # as TRL passes them
-                     for p, c in zip(prompts, completions)]
-        table = reward_terms(functions, prompts, as_passed, reward_columns(rows)).to(device)
-        if reward is not None:
-            scores, _ = forward_in_chunks(
-                lambda s, a, m: response_scores(reward, s, a, m, stop_ids, args.missing_eos_penalty), mini,
-                sequences, attention_mask, response_mask)
-            table = torch.cat([table, scores.float()[:, None]], 1)
-        responses = sequences[:, context_length:]
-        has_stop = (torch.isin(responses, torch.tensor(stop_ids, device=device)) & response_mask.bool()).any(1)
-        scores = combine_rewards(table, weights)
-        scores = torch.where(has_stop, scores, torch.full_like(scores, args.missing_eos_penalty))
-        return scores, table, completions, has_stop
+    # the score of each response, Σ_k w_k r_k over the reward functions and the reward model (completion_scores)
+    scores_of = functools.partial(completion_scores, tokenizer=tokenizer, functions=functions, weights=weights,
+                                  reward=reward, stop_ids=stop_ids, args=args)
 
-    # ---- the loop: an evaluation before any update, then rollout, update and log each iteration ------------
+    # ---- the loop: an evaluation before any update, then rollout, advantages, update and log each iteration ----
     evaluate(actor, ref, eval_rows, eval_ids, tokenizer, stop_ids, names, scores_of, logprobs_of, args, amp, writer, 0)
     rng, start_time = random.Random(args.seed), time.time()  # rng: the prompts drawn
     for iteration in range(1, args.num_iterations + 1):
         lr = get_lr(iteration - 1, args.lr, 0, args.num_iterations, "linear") if args.anneal_lr else args.lr
         optimizer.param_groups[0]["lr"] = lr
-        # ---- rollout: sample, then score every token with the four models --------------------------
+        # ---- 1. rollout: sample, then score every token with the four models -----------------------
         actor.eval(), critic.eval()
         chosen = rng.sample(range(len(train_ids)), B)
         prompt_ids, rows = [train_ids[i] for i in chosen], [train_rows[i] for i in chosen]
@@ -402,13 +354,13 @@ def main(args: Args):
             values = forward_in_chunks(lambda s, a: scalar_head(critic, s, a)[:, context_length - 1 : -1], mini,
                                        sequences, attention_mask)
             scores, table, _, has_eos = scores_of(rows, sequences, attention_mask, context_length, mask)
-
+            # ---- 2. advantages: per-token rewards with the KL penalty, GAE, whitened over the batch -----
             rewards, non_score = shaped_rewards(logprobs, ref_logprobs, scores, mask, kl_coef)
             advantages, returns = masked_gae(rewards, values, mask, args.gamma, args.lam)
             advantages = masked_whiten(advantages, mask)  # over the whole batch
             k1, k3 = kl_estimators(logprobs, ref_logprobs, mask)
 
-        # ---- update: several epochs of shuffled minibatches ----------------------------------------
+        # ---- 3. update: several epochs of shuffled minibatches -------------------------------------
         actor.train(), critic.train()
         stats = {k: [] for k in ("pg_loss", "vf_loss", "approx_kl", "clipfrac", "ratio", "entropy")}  # per minibatch
         for epoch in range(args.ppo_epochs):
@@ -426,48 +378,19 @@ def main(args: Args):
                                              num_tokens)
                 vf_loss = masked_value_loss(new_values, values[mb], returns[mb], mask[mb], args.cliprange_value, num_tokens)
                 (pg_loss + args.vf_coef * vf_loss).backward()
-                with torch.no_grad():
-                    m = mask[mb]
-                    stats["pg_loss"].append(pg_loss.item())
-                    stats["vf_loss"].append(vf_loss.item())
-                    stats["approx_kl"].append(masked_mean(0.5 * (new_logprobs - logprobs[mb]) ** 2, m, num_tokens).item())
-                    stats["clipfrac"].append(masked_mean(((ratio - 1).abs() > args.cliprange).float(), m, num_tokens).item())
-                    stats["ratio"].append(masked_mean(ratio, m, num_tokens).item())
-                    stats["entropy"].append(masked_mean(new_entropy, m, num_tokens).item())
-                    if epoch == 0 and start == 0:  # before any step, the ratio must be exactly 1
-                        first_ratio_error = (ratio - 1).abs().max()
+                accumulate_ppo_stats(stats, pg_loss, vf_loss, ratio, new_logprobs, logprobs[mb], new_entropy, mask[mb],
+                                     num_tokens, epoch == start == 0, args.cliprange)
                 grad_norm = torch.nn.utils.clip_grad_norm_(list(actor.parameters()) + list(critic.parameters()),
                                                            args.max_grad_norm)
                 check_finite(iteration, loss=pg_loss + args.vf_coef * vf_loss, grad_norm=grad_norm)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
 
-        # ---- log, and the KL controller: statistics of the whole batch ---------------------------------
-        valid, num_minibatches = mask.bool(), args.ppo_epochs * B // mini
-        mean = {k: sum(parts) / num_minibatches for k, parts in stats.items()}  # each: the mean over minibatches
-        var_returns, var_residual = returns.double()[valid].var(), (returns - values).double()[valid].var()
-        logs = {
-            "objective/reward": scores.sum().item() / B, "objective/kl": k1.sum().item() / B,
-            "objective/kl_k3": k3.sum().item() / B, "objective/entropy": (entropy * mask).sum().item() / B,
-            "objective/non_score_reward": non_score.sum().item() / B,
-            "objective/rlhf_reward": scores.sum().item() / B + non_score.sum().item() / B,
-            "policy/approx_kl": mean["approx_kl"], "policy/clipfrac": mean["clipfrac"], "policy/ratio_mean": mean["ratio"],
-            "policy/entropy": mean["entropy"], "policy/first_ratio_max_error": first_ratio_error,
-            "losses/policy_loss": mean["pg_loss"], "losses/value_loss": mean["vf_loss"],
-            # 1 − Var(R − V) / Var(R) over the valid tokens (undefined when every return is the same)
-            "val/explained_variance": float(1 - var_residual / var_returns) if var_returns > 0 else float("nan"),
-            "val/num_eos": has_eos.sum().item(),
-            "charts/kl_coef": kl_coef, "charts/learning_rate": lr,
-            "charts/episodes_per_second": iteration * B / (time.time() - start_time),
-        }
-        logs.update(term_means(table, names, "rewards/", "objective/score"))  # each term of the score
-        for tag, value in logs.items():
-            writer.add_scalar(tag, float(value), iteration)
+        # ---- 4. log, and the KL controller: statistics of the whole batch ------------------------------
+        kl = log_ppo_iteration(writer, iteration, stats, scores, non_score, k1, k3, entropy, mask, returns, values,
+                               has_eos, table, names, kl_coef, lr, start_time, args)
         if args.kl_target is not None:
-            kl_coef = adaptive_kl_coef(kl_coef, logs["objective/kl"], args.kl_target, args.kl_horizon, B)
-        if iteration % 10 == 0:
-            print(f"iteration {iteration}: reward {logs['objective/reward']:.3f}, kl {logs['objective/kl']:.3f}, "
-                  f"eos {logs['val/num_eos'] / B:.2f}, {time.time() - start_time:.0f} s")
+            kl_coef = adaptive_kl_coef(kl_coef, kl, args.kl_target, args.kl_horizon, B)
         if iteration % args.eval_every == 0 or iteration == args.num_iterations:
             evaluate(actor, ref, eval_rows, eval_ids, tokenizer, stop_ids, names, scores_of, logprobs_of, args, amp,
                      writer, iteration)
@@ -475,6 +398,75 @@ def main(args: Args):
     save_model(actor, tokenizer, args, args.output_dir, save_dtype)
     print(f"saved to {args.output_dir} after {time.time() - start_time:.0f} s")
     writer.close()
+
+
+def completion_scores(rows, sequences, attention_mask, context_length, response_mask, tokenizer, functions, weights,
+                      reward, stop_ids, args):
+    """The score of each response, Σ_k w_k r_k over the reward functions and the reward model's score
+    (combine_rewards), or --missing-eos-penalty for a response with no stop token: an unfinished answer is
+    not scored. Returns (scores, the [B, K] table of the terms, responses as text, has_stop)."""
+    prompts = [row["prompt"] for row in rows]
+    # the text up to the stop token: the stop token and the padding after it are special tokens
+    completions = tokenizer.batch_decode(sequences[:, context_length:], skip_special_tokens=True)
+    as_passed = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c  # as TRL passes them
+                 for p, c in zip(prompts, completions)]
+    table = reward_terms(functions, prompts, as_passed, reward_columns(rows)).to(sequences.device)
+    if reward is not None:
+        scores, _ = forward_in_chunks(
+            lambda s, a, m: response_scores(reward, s, a, m, stop_ids, args.missing_eos_penalty), args.mini_batch_size,
+            sequences, attention_mask, response_mask)
+        table = torch.cat([table, scores.float()[:, None]], 1)
+    responses = sequences[:, context_length:]
+    has_stop = (torch.isin(responses, torch.tensor(stop_ids, device=sequences.device)) & response_mask.bool()).any(1)
+    scores = combine_rewards(table, weights)
+    scores = torch.where(has_stop, scores, torch.full_like(scores, args.missing_eos_penalty))
+    return scores, table, completions, has_stop
+
+
+@torch.no_grad()
+def accumulate_ppo_stats(stats, pg_loss, vf_loss, ratio, logprobs, old_logprobs, entropy, mask, num_tokens, first,
+                         cliprange):
+    """Appends a minibatch's losses and statistics to `stats`; at the first minibatch of an iteration, before any
+    step, the ratio's largest distance from 1 (it must be exactly 0)."""
+    stats["pg_loss"].append(pg_loss.item())
+    stats["vf_loss"].append(vf_loss.item())
+    stats["approx_kl"].append(masked_mean(0.5 * (logprobs - old_logprobs) ** 2, mask, num_tokens).item())
+    stats["clipfrac"].append(masked_mean(((ratio - 1).abs() > cliprange).float(), mask, num_tokens).item())
+    stats["ratio"].append(masked_mean(ratio, mask, num_tokens).item())
+    stats["entropy"].append(masked_mean(entropy, mask, num_tokens).item())
+    if first:
+        stats["first_ratio_max_error"] = (ratio - 1).abs().max()
+
+
+def log_ppo_iteration(writer, iteration, stats, scores, non_score, k1, k3, entropy, mask, returns, values, has_eos,
+                      table, names, kl_coef, lr, start_time, args):
+    """An iteration's statistics of the whole batch, to TensorBoard (docs/tags.md), and a line every 10 iterations.
+    Returns the batch's KL to the reference (k1), which the adaptive KL controller reads."""
+    B, first_ratio_error = args.batch_size, stats.pop("first_ratio_max_error")
+    valid, num_minibatches = mask.bool(), args.ppo_epochs * B // args.mini_batch_size
+    mean = {k: sum(parts) / num_minibatches for k, parts in stats.items()}  # each: the mean over minibatches
+    var_returns, var_residual = returns.double()[valid].var(), (returns - values).double()[valid].var()
+    logs = {
+        "objective/reward": scores.sum().item() / B, "objective/kl": k1.sum().item() / B,
+        "objective/kl_k3": k3.sum().item() / B, "objective/entropy": (entropy * mask).sum().item() / B,
+        "objective/non_score_reward": non_score.sum().item() / B,
+        "objective/rlhf_reward": scores.sum().item() / B + non_score.sum().item() / B,
+        "policy/approx_kl": mean["approx_kl"], "policy/clipfrac": mean["clipfrac"], "policy/ratio_mean": mean["ratio"],
+        "policy/entropy": mean["entropy"], "policy/first_ratio_max_error": first_ratio_error,
+        "losses/policy_loss": mean["pg_loss"], "losses/value_loss": mean["vf_loss"],
+        # 1 − Var(R − V) / Var(R) over the valid tokens (undefined when every return is the same)
+        "val/explained_variance": float(1 - var_residual / var_returns) if var_returns > 0 else float("nan"),
+        "val/num_eos": has_eos.sum().item(),
+        "charts/kl_coef": kl_coef, "charts/learning_rate": lr,
+        "charts/episodes_per_second": iteration * B / (time.time() - start_time),
+    }
+    logs.update(term_means(table, names, "rewards/", "objective/score"))  # each term of the score
+    for tag, value in logs.items():
+        writer.add_scalar(tag, float(value), iteration)
+    if iteration % 10 == 0:
+        print(f"iteration {iteration}: reward {logs['objective/reward']:.3f}, kl {logs['objective/kl']:.3f}, "
+              f"eos {logs['val/num_eos'] / B:.2f}, {time.time() - start_time:.0f} s")
+    return logs["objective/kl"]
 
 
 @torch.no_grad()
@@ -788,9 +780,39 @@ def model_positions(model):
 
 
 # ---------------------------------------------------------------------------------------------
-# Reward functions (--reward-fn): loading, checking and calling them. The functions themselves, and how
-# their values add up, are above the banner of grpo.py and rlhf_ppo.py.
+# Reward functions (--reward-fn): loading, checking and calling them, and the answer parsing of numeric_match
+# (GSM8K's `#### 72`, \boxed{}). The functions themselves, and how their values add up, are above the banner.
 # ---------------------------------------------------------------------------------------------
+NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")  # 1,234.5 with thousands separators, or 1234.5
+
+
+def last_boxed(text):
+    """What the last \\boxed{...} of `text` contains, braces inside it matched (\\boxed{\\frac{1}{2}}), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{")
+    for i in range(begin, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth < 0:
+            return text[begin:i]
+    return None  # never closed
+
+
+def answer_number(text):
+    """The number a text gives as its answer, or None: the first number after the last `####` (GSM8K's
+    answers), else the number in the last \\boxed{} (None unless it holds exactly one), else the last number
+    of the text. A Decimal: `,` thousands separators and trailing zeros (72.0, 72.50) do not change it."""
+    if "####" in text:
+        numbers = NUMBER.findall(text.rsplit("####", 1)[1])[:1]
+    elif last_boxed(text) is not None:
+        numbers = NUMBER.findall(last_boxed(text))
+        numbers = numbers if len(numbers) == 1 else []
+    else:
+        numbers = NUMBER.findall(text)[-1:]
+    return decimal.Decimal(numbers[-1].replace(",", "")) if numbers else None
+
+
 def load_reward_functions(specs, builtins, format_pattern):
     """[(name, fn)] for --reward-fn: a built-in's name (a key of `builtins`), or MODULE_OR_FILE:NAME, a function
     in a .py file (by path) or in an importable module (the working directory is on the path). What cannot be
@@ -954,7 +976,7 @@ CACHE = "cache" if tuple(int(v) for v in transformers.__version__.split(".")[:2]
 @torch.no_grad()
 def generate(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature=1.0, greedy=False):
     """Complete each prompt (lists of token ids, left-padded here) with tokens drawn from softmax(logits / T) in
-    float32, as `generate` draws them (the argmax if greedy), each response ending at its first stop token.
+    float32, as transformers' generate draws them (the argmax if greedy), each response ending at its first stop token.
     Returns (sequences, attention_mask, context_length, response_mask), the responses as long as the longest
     one, response_mask 1 on response tokens up to and including the stop token. No sampling setting comes from
     the checkpoint's generation_config.json (top_k, repetition_penalty, ...): the distribution sampled is the one

@@ -5,7 +5,7 @@ whose trunk is small (2 layers) and whose vocabulary and length are real (128,25
 that the logits are what the peak measures:
   - sft_train:  one micro-batch of sft.py's training (forward, sft_loss, backward), --micro sequences
   - sft_eval:   sft.py's evaluation loss pass at the batch size the script uses by default (--eval-batch)
-  - ppo_update: rlhf_ppo.py's response_logprobs forward and backward, --micro sequences of 512 + 512 tokens
+  - ppo_update: rlhf_ppo.py's policy_logprobs forward and backward, --micro sequences of 512 + 512 tokens
 under bf16 autocast, as the scripts' --bf16 without --fsdp. CUDA: torch.cuda.max_memory_allocated; an
 out-of-memory is reported as such.
 
@@ -93,7 +93,7 @@ def main():
         sequences = ids(args.micro, args.length)
         attention_mask = torch.ones_like(sequences)
         with amp():
-            logprobs, _ = ppo.response_logprobs(model, sequences, attention_mask, args.length // 2, 0.7)
+            logprobs, _ = ppo.policy_logprobs(model, sequences, attention_mask, args.length // 2, 0.7)
         logprobs.sum().backward()
 
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "scripts": os.path.abspath(args.scripts_dir),

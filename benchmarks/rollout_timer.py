@@ -6,8 +6,8 @@ which were those programs), and where its time goes, as one JSON line:
 The script's own `main(tyro.cli(Args))` runs in this process. completions_per_s is the script's last
 charts/episodes_per_second: the completions of every iteration over the loop's time, the evaluations before and
 after the loop excluded (what benchmarks/trl_grpo.py measures of TRL). With --profile, the seconds inside the loop
-spent in generation (sample_in_chunks), the reward (the reward functions and the reward model), the rollout's
-forward passes (old and reference log-probs, values: response_logprobs and token_scores without gradients) and the
+spent in generation (generate_in_chunks), the reward (the reward functions and the reward model), the rollout's
+forward passes (old and reference log-probs, values: policy_logprobs and scalar_head without gradients) and the
 rest, the update (forward, backward, AdamW), and the tokens sampled in the loop (generation tokens/s is their count
 over the generation's seconds). The timers cost a few microseconds a call; on CUDA each waits for the device
 (torch.cuda.synchronize) at its start and end, so that a part's seconds are its own kernels'. With --attention-math,
@@ -60,18 +60,18 @@ def main():
         return wrapper
 
     rollout = lambda: not torch.is_grad_enabled()  # noqa: E731  the rollout's passes, not the update's
-    sample_in_chunks = timed("generation", script.sample_in_chunks)
+    generate_in_chunks = timed("generation", script.generate_in_chunks)
 
     def counted(*args, **kwargs):  # the response tokens sampled in the loop, up to each one's stop token
-        out = sample_in_chunks(*args, **kwargs)
+        out = generate_in_chunks(*args, **kwargs)
         if state["on"]:
             state["tokens"] += int(out[3].sum())
         return out
-    script.sample_in_chunks = counted
-    script.reward_table = timed("reward", script.reward_table)
-    script.score_responses = timed("reward", script.score_responses)
-    script.response_logprobs = timed("rollout log-probs and values", script.response_logprobs, rollout)
-    script.token_scores = timed("rollout log-probs and values", script.token_scores, rollout)
+    script.generate_in_chunks = counted
+    script.reward_terms = timed("reward", script.reward_terms)
+    script.response_scores = timed("reward", script.response_scores)
+    script.policy_logprobs = timed("rollout log-probs and values", script.policy_logprobs, rollout)
+    script.scalar_head = timed("rollout log-probs and values", script.scalar_head, rollout)
     get_lr, make_writer = script.get_lr, script.make_writer
 
     def loop_starts(*args, **kwargs):  # each iteration begins with its learning rate

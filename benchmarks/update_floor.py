@@ -41,13 +41,13 @@ def main():
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     shapes = collections.Counter()  # the update's micro-batches: (rows, tokens, response tokens)
-    response_logprobs = script.response_logprobs
+    policy_logprobs = script.policy_logprobs
 
     def recorded(model, sequences, attention_mask, context_length, temperature):
         if torch.is_grad_enabled():
             shapes[(*sequences.shape, sequences.shape[1] - context_length)] += 1
-        return response_logprobs(model, sequences, attention_mask, context_length, temperature)
-    script.response_logprobs = recorded
+        return policy_logprobs(model, sequences, attention_mask, context_length, temperature)
+    script.policy_logprobs = recorded
     args = tyro.cli(script.Args, args=["--num-iterations", str(iterations), "--eval-size", "0", "--no-cuda",
                                        "--output-dir", "/tmp/update_floor_model"])
     with profile() as prof:

@@ -175,7 +175,7 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_r
 # ---------------------------------------------------------------------------------------------
 # DPO's forward passes: log-probs summed over a completion
 # ---------------------------------------------------------------------------------------------
-def sequence_logps(model, input_ids, attention_mask, labels):
+def completion_logps(model, input_ids, attention_mask, labels):
     """Σ_t log π(y_t | x, y_<t) over the completion tokens (labels ≠ −100), one value per sequence."""
     targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # position t predicts token t + 1
     logprobs = head_logprobs(model, targets.clamp(min=0), input_ids=input_ids, attention_mask=attention_mask,
@@ -265,7 +265,7 @@ def main(args: Args):
     # Each model loaded, then placed (on the device, whole or sharded) before the next: rank 0 holds one whole
     # model at a time. The trained policy is data-parallel; the frozen models are whole on every rank, or sharded.
     config = load_config(path, "lm")
-    raw_policy = load_model(path, "lm", base_dtype(args), config)  # π_θ (raw: to sample and save)
+    raw_policy = load_no_dropout(path, "lm", base_dtype(args), config)  # π_θ (raw: to sample and save)
     prepare_models(tokenizer, stop_ids, [raw_policy])
     if args.gradient_checkpointing:
         raw_policy.activation_checkpointing_enable({"use_reentrant": False})
@@ -275,13 +275,13 @@ def main(args: Args):
     if args.lora_r:
         ref = AdaptersOff(raw_policy)
     else:
-        ref = load_model(path, "lm", torch.float32, config)
+        ref = load_no_dropout(path, "lm", torch.float32, config)
         prepare_models(tokenizer, stop_ids, [ref], [ref])
     ref = place_model(ref, device, args, trained=False)
     reward = None
     if has_reward:  # only scored, never compared with the policy: bfloat16 under --bf16
-        reward = load_model(args.reward_model_path, "score", torch.bfloat16 if args.bf16 else torch.float32,
-                            load_config(args.reward_model_path, "score"))
+        reward = load_no_dropout(args.reward_model_path, "score", torch.bfloat16 if args.bf16 else torch.float32,
+                                 load_config(args.reward_model_path, "score"))
         prepare_models(tokenizer, stop_ids, [reward], [reward])
         reward = place_model(TokenScorer(reward), device, args, trained=False)  # its forward: a score per position
 
@@ -308,7 +308,7 @@ def main(args: Args):
         input_ids, attention_mask, labels = (t.to(device) for t in collate([c for c, _ in batch] + [r for _, r in batch],
                                                                           tokenizer.pad_token_id))
         with amp():
-            logps = sequence_logps(model, input_ids, attention_mask, labels)
+            logps = completion_logps(model, input_ids, attention_mask, labels)
         return logps[: len(batch)], logps[len(batch) :]
 
     @torch.no_grad()
@@ -341,13 +341,13 @@ def main(args: Args):
             completions, kls, scores = [], [], []
             for i in range(0, len(mine), eval_batch_size):
                 with torch.no_grad(), amp():
-                    sequences, attention_mask, context_length, response_mask = sample(
+                    sequences, attention_mask, context_length, response_mask = generate(
                         raw_policy, [eval_ids[j] for j in mine[i : i + eval_batch_size]], tokenizer.pad_token_id,
                         stop_ids, args.response_length, args.temperature)
                     kls.append(response_logps(policy, sequences, attention_mask, context_length, args.temperature)
                                - response_logps(ref, sequences, attention_mask, context_length, args.temperature))
                     if reward is not None:
-                        scores.append(score_responses(reward, sequences, attention_mask, response_mask, stop_ids,
+                        scores.append(response_scores(reward, sequences, attention_mask, response_mask, stop_ids,
                                                       args.missing_eos_penalty)[0])
                 # the text up to the stop token: the stop token and the padding after it are special tokens
                 completions += tokenizer.batch_decode(sequences[:, context_length:], skip_special_tokens=True)
@@ -435,7 +435,7 @@ def main(args: Args):
         if sigterm:
             return writer.close()
 
-    save_atomically(raw_policy, tokenizer, args, args.output_dir, save_dtype)
+    save_model(raw_policy, tokenizer, args, args.output_dir, save_dtype)
     print(f"saved to {args.output_dir} after {time.time() - start_time:.0f} s")
     writer.close()
 
@@ -753,7 +753,7 @@ def load_config(path, head):
         sys.exit(f"error: cannot load a model from {path!r}: {first_line(e)}")
 
 
-def load_model(path, head, dtype, config=None):
+def load_no_dropout(path, head, dtype, config=None):
     """A checkpoint as a causal LM (head "lm") or with a scalar head (head "score", with a config of num_labels 1:
     a sequence classifier with one label, its head new when the checkpoint has none), its weights in `dtype`
     whatever they were saved in. Trained models take float32 (master weights: in fp16 AdamW's eps underflows
@@ -828,7 +828,7 @@ HEAD_CHUNK_ELEMENTS = 2**26  # logits made at once by head_logprobs, in float32:
 def head_logprobs(model, targets, temperature=1.0, with_entropy=False, **inputs):
     """`model(**inputs)` with its LM head applied a chunk of positions at a time inside the forward pass: log π of
     `targets` ([batch, positions], one per position whose logits the pass computes) as [batch, positions] float32,
-    z = head(h) upcast to float32, then divided by the temperature (as `sample` draws tokens), log π = z(target) −
+    z = head(h) upcast to float32, then divided by the temperature (as `generate` draws tokens), log π = z(target) −
     logsumexp(z); with_entropy, also the entropy H = logsumexp(z) − Σ softmax(z)·z (no gradient). Each chunk's
     logits are recomputed in the backward pass (activation checkpointing), so that no [batch, length, vocabulary]
     tensor exists in any dtype, only [chunk, vocabulary] (torchtune's chunked cross-entropy and Liger's fused linear
@@ -894,7 +894,7 @@ def last_token_index(attention_mask):
 CACHE = "cache" if tuple(int(v) for v in transformers.__version__.split(".")[:2]) >= (5, 24) else "past_key_values"
 
 
-def token_scores(model, sequences, attention_mask):
+def scalar_head(model, sequences, attention_mask):
     """The scalar head of a sequence-classification model on every position: [batch, length], computed in
     float32 (a value or reward is one number: it gets float32's precision, not bfloat16's 3 digits)."""
     if hasattr(model, "get_base_model"):  # a LoRA model (peft): the classifier inside, its adapters in place
@@ -908,7 +908,7 @@ def token_scores(model, sequences, attention_mask):
 
 
 class TokenScorer(torch.nn.Module):
-    """token_scores as a module's forward. DDP and FSDP act in the forward of the module they wrap, so a
+    """scalar_head as a module's forward. DDP and FSDP act in the forward of the module they wrap, so a
     trained scalar head is wrapped in this: its forward, unlike the classifier's own, keeps every position."""
 
     def __init__(self, classifier):
@@ -916,11 +916,11 @@ class TokenScorer(torch.nn.Module):
         self.classifier = classifier
 
     def forward(self, sequences, attention_mask):
-        return token_scores(self.classifier, sequences, attention_mask)
+        return scalar_head(self.classifier, sequences, attention_mask)
 
 
 @torch.no_grad()
-def score_responses(reward, sequences, attention_mask, response_mask, stop_ids, missing_eos_penalty):
+def response_scores(reward, sequences, attention_mask, response_mask, stop_ids, missing_eos_penalty):
     """The reward model's score (`reward`: a TokenScorer, or FSDP around one) at each response's last token, its
     stop token; `missing_eos_penalty` instead for a response with no stop token in the length sampled (an
     unfinished answer is not scored). Returns (scores, has_stop)."""
@@ -931,9 +931,9 @@ def score_responses(reward, sequences, attention_mask, response_mask, stop_ids, 
 
 
 @torch.no_grad()
-def sample(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature=1.0, greedy=False):
+def generate(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature=1.0, greedy=False):
     """Complete each prompt (lists of token ids, left-padded here) with tokens drawn from softmax(logits / T) in
-    float32, as `generate` draws them (the argmax if greedy), each response ending at its first stop token.
+    float32, as transformers' generate draws them (the argmax if greedy), each response ending at its first stop token.
     Returns (sequences, attention_mask, context_length, response_mask), the responses as long as the longest
     one, response_mask 1 on response tokens up to and including the stop token. No sampling setting comes from
     the checkpoint's generation_config.json (top_k, repetition_penalty, ...): the distribution sampled is the one
@@ -970,7 +970,7 @@ def sample(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperatur
 
 
 def sample_tokens(model, input_ids, attention_mask, stops, pad_token_id, max_new_tokens, temperature, greedy):
-    """The sampling loop of `sample`: [rows, max_new_tokens] tokens, pad_token_id after a row's stop token."""
+    """The sampling loop of `generate`: [rows, max_new_tokens] tokens, pad_token_id after a row's stop token."""
     width = input_ids.shape[1]
     distinct, row_prompt = torch.unique(torch.cat([input_ids, attention_mask], 1), dim=0, return_inverse=True)
     prompt_mask = distinct[:, width:]
@@ -1007,12 +1007,12 @@ def sample_tokens(model, input_ids, attention_mask, stops, pad_token_id, max_new
 
 def sample_tokens_graphed(model, input_ids, attention_mask, stops, pad_token_id, max_new_tokens, temperature, greedy,
                           graph=True, check_every=16):
-    """The sampling loop of `sample` on CUDA, as fast as the GPU allows: the KV cache allocated once for the
+    """The sampling loop of `generate` on CUDA, as fast as the GPU allows: the KV cache allocated once for the
     whole rollout (transformers' StaticCache), the one-token step recorded once as a CUDA graph and replayed (one
     launch for the whole model instead of hundreds), tokens drawn on the device (`draw_tokens`), and the finished
     rows looked at every `check_every` steps, so that no step waits for the host. A row that stopped steps on
     padding until all have. The same distribution as `sample_tokens`, drawn with other random numbers; with
-    graph=False (tests on the CPU) the same steps run one by one. Not under FSDP (`sample`), nor for a model
+    graph=False (tests on the CPU) the same steps run one by one. Not under FSDP (`generate`), nor for a model
     with sliding-window layers (Mistral's, Gemma 2's), whose cache keeps a rolling window that these masks do
     not describe: those take `sample_tokens`."""
     rows, width = input_ids.shape
@@ -1123,7 +1123,7 @@ def autocast(device, args):
 
 def place_model(model, device, args, trained=True):
     """Put a model on the device. In one process: moved there whole. Under torchrun, rank 0 holds the weights
-    (load_model built the model on the meta device elsewhere; a model built from scratch, or a new scalar head,
+    (load_no_dropout built the model on the meta device elsewhere; a model built from scratch, or a new scalar head,
     starts from other random values on each rank) and the others receive them. Without --fsdp: a full copy per
     rank, and a trained model in DDP (gradients averaged in the backward pass). With --fsdp: FSDP2 shards the
     model first, then each rank receives only its shard of every weight from rank 0's copy, which is then freed
@@ -1281,7 +1281,7 @@ def check_finite(step, **values):
                      "(lower --lr; with a half-precision model, train without --bf16 to check)")
 
 
-def save_atomically(model, tokenizer, args, output_dir, dtype):
+def save_model(model, tokenizer, args, output_dir, dtype):
     """Save a Hugging Face model (the one inside any DDP wrapper), its weights in `dtype` (save_dtype_of), so
     that a crash never leaves a half-written checkpoint: rank 0 writes to a temporary directory, then renames
     it. Every rank calls this: under FSDP they first gather the full weights (to rank 0's CPU memory), and all

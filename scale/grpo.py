@@ -239,7 +239,7 @@ def rloo_advantages(rewards, num_generations):
     return (groups - baseline).flatten()
 
 
-def reinforce_pp_advantages_over_ranks(rewards, num_generations, group_baseline, eps=1e-8):
+def reinforce_pp_advantages(rewards, num_generations, group_baseline, eps=1e-8):
     """grpo.py's reinforce_pp_advantages over the completions of every rank (the sums are added up over the ranks;
     on one process, the same). REINFORCE++ (Hu 2025): no group statistics in the scale; the rewards are normalized
     over the whole batch, which keeps the estimate's scale steady where a group's own std would blow up the
@@ -260,6 +260,16 @@ def reinforce_pp_advantages_over_ranks(rewards, num_generations, group_baseline,
     if dist.is_initialized():
         dist.all_reduce(square_sum)
     return (x - mean) * torch.rsqrt(square_sum / sums[1] + eps)
+
+
+def compute_advantages(rewards, num_generations, advantage, scale_rewards):
+    """Â_i of each completion by --advantage: grpo (group_advantages, with --no-scale-rewards Dr. GRPO's), rloo
+    (rloo_advantages), reinforce_pp and reinforce_pp_baseline (reinforce_pp_advantages, over the whole batch)."""
+    if advantage == "rloo":
+        return rloo_advantages(rewards, num_generations)
+    if advantage.startswith("reinforce_pp"):
+        return reinforce_pp_advantages(rewards, num_generations, advantage == "reinforce_pp_baseline")
+    return group_advantages(rewards, num_generations, scale_rewards)
 
 
 def informative_groups(rewards, num_generations):
@@ -329,6 +339,14 @@ def cispo_loss(ratio, logprobs, advantages, epsilon_high):
     return -torch.clamp(ratio, max=1 + epsilon_high).detach() * advantages.unsqueeze(1) * logprobs
 
 
+def token_losses(ratio, logprobs, advantages, loss_type, epsilon_low, epsilon_high):
+    """The per-token loss l_t by --loss-type: CISPO's (cispo_loss) for cispo, else the clipped surrogate
+    (clipped_surrogate); aggregate_loss then makes them one number."""
+    if loss_type == "cispo":
+        return cispo_loss(ratio, logprobs, advantages, epsilon_high)
+    return clipped_surrogate(ratio, advantages, epsilon_low, epsilon_high)
+
+
 def clipped_tokens(ratio, advantages, epsilon_low, epsilon_high, loss_type):
     """(low, high): where the clip is active on each side. The clipped surrogate cuts a token's gradient when ρ_t
     falls below 1 − ε_low with Â < 0 (low) or rises above 1 + ε_high with Â > 0 (high); out of the band on the
@@ -368,39 +386,9 @@ def aggregate_loss(per_token_loss, mask, loss_type, num_sequences, num_tokens, m
 # Pick the built-in ones by name with --reward-fn, or write your own in a file (--reward-fn my.py:fn).
 # The same text in grpo.py and rlhf_ppo.py (tests/test_copies.py checks it).
 # ---------------------------------------------------------------------------------------------
-NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")  # 1,234.5 with thousands separators, or 1234.5
-
-
 def completion_text(completion):
     """The text of a completion: itself, or the content of a conversational one's (last) message."""
     return completion[-1]["content"] if isinstance(completion, list) else completion
-
-
-def last_boxed(text):
-    """What the last \\boxed{...} of `text` contains, braces inside it matched (\\boxed{\\frac{1}{2}}), or None."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, begin = 0, start + len("\\boxed{")
-    for i in range(begin, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth < 0:
-            return text[begin:i]
-    return None  # never closed
-
-
-def answer_number(text):
-    """The number a text gives as its answer, or None: the first number after the last `####` (GSM8K's
-    answers), else the number in the last \\boxed{} (None unless it holds exactly one), else the last number
-    of the text. A Decimal: `,` thousands separators and trailing zeros (72.0, 72.50) do not change it."""
-    if "####" in text:
-        numbers = NUMBER.findall(text.rsplit("####", 1)[1])[:1]
-    elif last_boxed(text) is not None:
-        numbers = NUMBER.findall(last_boxed(text))
-        numbers = numbers if len(numbers) == 1 else []
-    else:
-        numbers = NUMBER.findall(text)[-1:]
-    return decimal.Decimal(numbers[-1].replace(",", "")) if numbers else None
 
 
 def gold(prompts, completions, target, **columns):
@@ -538,7 +526,7 @@ def main(args: Args):
     # Each model loaded, then placed (on the device, whole or sharded) before the next: rank 0 holds one whole model
     # at a time. The trained policy is data-parallel; the frozen models are whole on every rank, or sharded.
     config = load_config(args.sft_model_path, "lm")
-    raw_policy = load_model(args.sft_model_path, "lm", base_dtype(args), config)  # π_θ (raw: to sample and save)
+    raw_policy = load_no_dropout(args.sft_model_path, "lm", base_dtype(args), config)  # π_θ (raw: to sample and save)
     prepare_models(tokenizer, stop_ids, [raw_policy])
     if args.gradient_checkpointing:
         raw_policy.activation_checkpointing_enable({"use_reentrant": False})
@@ -549,7 +537,7 @@ def main(args: Args):
     if args.beta > 0 and args.lora_r:
         ref = AdaptersOff(raw_policy)  # π_ref: π_θ itself with its adapters off, no second copy
     elif args.beta > 0:
-        ref = load_model(args.sft_model_path, "lm", torch.float32, config)
+        ref = load_no_dropout(args.sft_model_path, "lm", torch.float32, config)
         prepare_models(tokenizer, stop_ids, [ref], [ref])
         if args.gradient_checkpointing:  # the policy's path, one pass (not shared_prompt_logprobs): equal at the start
             ref.activation_checkpointing_enable({"use_reentrant": False})
@@ -557,8 +545,8 @@ def main(args: Args):
         ref = place_model(ref, device, args, trained=False)
     reward = None
     if args.reward_model_path is not None:  # only scored, never compared with the policy: bfloat16 under --bf16
-        reward = load_model(args.reward_model_path, "score", torch.bfloat16 if args.bf16 else torch.float32,
-                            load_config(args.reward_model_path, "score"))
+        reward = load_no_dropout(args.reward_model_path, "score", torch.bfloat16 if args.bf16 else torch.float32,
+                                 load_config(args.reward_model_path, "score"))
         prepare_models(tokenizer, stop_ids, [reward], [reward])
         reward = place_model(TokenScorer(reward), device, args, trained=False)  # its forward: a score per position
 
@@ -592,10 +580,10 @@ def main(args: Args):
         completions = tokenizer.batch_decode(sequences[:, context_length:], skip_special_tokens=True)
         as_passed = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c  # as TRL passes them
                      for p, c in zip(prompts, completions)]
-        table = reward_table(functions, prompts, as_passed, reward_columns(rows)).to(device)
+        table = reward_terms(functions, prompts, as_passed, reward_columns(rows)).to(device)
         if reward is not None:
             scores, _ = forward_in_chunks(
-                lambda s, a, m: score_responses(reward, s, a, m, stop_ids, args.missing_eos_penalty), micro_size,
+                lambda s, a, m: response_scores(reward, s, a, m, stop_ids, args.missing_eos_penalty), micro_size,
                 sequences, attention_mask, response_mask)
             table = torch.cat([table, scores.float()[:, None]], 1)
         responses = sequences[:, context_length:]
@@ -618,7 +606,7 @@ def main(args: Args):
     def logprobs_of(model, sequences, attention_mask, context_length):
         """(log π(a_t | s_t), entropy) of every response token, a micro-batch at a time (what fits with gradients
         fits without): in a rollout these are exactly the update's chunks, so the first ratio is exactly 1."""
-        return forward_in_chunks(lambda s, a: response_logprobs(model, s, a, context_length, args.temperature),
+        return forward_in_chunks(lambda s, a: policy_logprobs(model, s, a, context_length, args.temperature),
                                  micro_size, sequences, attention_mask)
 
     def evaluate(iteration):
@@ -630,7 +618,7 @@ def main(args: Args):
         w = torch.tensor(weights, device=device, dtype=torch.float)
         rows = [eval_rows[j] for j in mine]
         with torch.no_grad(), amp():
-            sequences, attention_mask, context_length, response_mask = sample_in_chunks(
+            sequences, attention_mask, context_length, response_mask = generate_in_chunks(
                 raw_policy, [eval_ids[j] for j in mine], tokenizer.pad_token_id, stop_ids, args.response_length,
                 args.temperature, args.generation_batch_size)
             sums = {"n": w.sum()}
@@ -682,8 +670,8 @@ def main(args: Args):
                 chosen = rng.sample(range(len(train_ids)), args.batch_size // G)[rank * prompts_per_rank : (rank + 1) * prompts_per_rank]
                 prompt_ids = [train_ids[i] for i in chosen for _ in range(G)]  # each prompt G times, in adjacent rows
                 rows = [train_rows[i] for i in chosen for _ in range(G)]
-                sampled = sample_in_chunks(raw_policy, prompt_ids, tokenizer.pad_token_id, stop_ids, args.response_length,
-                                           args.temperature, args.generation_batch_size)
+                sampled = generate_in_chunks(raw_policy, prompt_ids, tokenizer.pad_token_id, stop_ids, args.response_length,
+                                             args.temperature, args.generation_batch_size)
                 rounds.append((sampled, *rewards_of(rows, *sampled[:3], sampled[3].float())))
                 informative = torch.cat([informative_groups(r[1], G) for r in rounds])  # of every group sampled
                 if not args.dynamic_sampling:
@@ -704,12 +692,7 @@ def main(args: Args):
             sequences, attention_mask, context_length, mask = join_samples([r[0] for r in rounds], tokenizer.pad_token_id)
             sequences, attention_mask, mask = sequences[idx], attention_mask[idx], mask[idx].float()
             rewards, table, has_stop = (torch.cat([r[k] for r in rounds])[idx] for k in (1, 2, 4))
-            if args.advantage == "rloo":
-                advantages = rloo_advantages(rewards, G)
-            elif args.advantage.startswith("reinforce_pp"):  # over the whole batch, all ranks together
-                advantages = reinforce_pp_advantages_over_ranks(rewards, G, args.advantage == "reinforce_pp_baseline")
-            else:
-                advantages = group_advantages(rewards, G, args.scale_rewards)
+            advantages = compute_advantages(rewards, G, args.advantage, args.scale_rewards)  # reinforce_pp: all ranks
             old_logprobs, entropy = logprobs_of(policy, sequences, attention_mask, context_length)
             ref_logprobs = old_logprobs  # β = 0: no reference (the KL terms below are 0 and not logged)
             if ref is not None:
@@ -733,13 +716,10 @@ def main(args: Args):
                     idx = mb[micro : micro + micro_size]
                     gradient_sync(policy, micro + micro_size == mini_per_rank)  # once per step, with the last micro-batch
                     with amp():
-                        logprobs, _ = response_logprobs(policy, sequences[idx], attention_mask[idx], context_length,
-                                                        args.temperature)
+                        logprobs, _ = policy_logprobs(policy, sequences[idx], attention_mask[idx], context_length,
+                                                      args.temperature)
                     ratio = importance_ratio(logprobs, old_logprobs[idx], mask[idx], args.importance_sampling_level)
-                    if args.loss_type == "cispo":
-                        surrogate = cispo_loss(ratio, logprobs, advantages[idx], epsilon_high)
-                    else:
-                        surrogate = clipped_surrogate(ratio, advantages[idx], args.epsilon, epsilon_high)
+                    surrogate = token_losses(ratio, logprobs, advantages[idx], args.loss_type, args.epsilon, epsilon_high)
                     policy_loss = aggregate_loss(surrogate, loss_mask[idx], args.loss_type, args.mini_batch_size,
                                                  num_tokens, args.response_length)
                     kl_penalty = torch.zeros((), device=device)
@@ -812,7 +792,7 @@ def main(args: Args):
         if sigterm:
             return writer.close()
 
-    save_atomically(raw_policy, tokenizer, args, args.output_dir, save_dtype)
+    save_model(raw_policy, tokenizer, args, args.output_dir, save_dtype)
     print(f"saved to {args.output_dir} after {time.time() - start_time:.0f} s")
     writer.close()
 
@@ -1045,7 +1025,7 @@ def load_config(path, head):
         sys.exit(f"error: cannot load a model from {path!r}: {first_line(e)}")
 
 
-def load_model(path, head, dtype, config=None):
+def load_no_dropout(path, head, dtype, config=None):
     """A checkpoint as a causal LM (head "lm") or with a scalar head (head "score", with a config of num_labels 1:
     a sequence classifier with one label, its head new when the checkpoint has none), its weights in `dtype`
     whatever they were saved in. Trained models take float32 (master weights: in fp16 AdamW's eps underflows
@@ -1103,9 +1083,39 @@ def model_positions(model):
 
 
 # ---------------------------------------------------------------------------------------------
-# Reward functions (--reward-fn): loading, checking and calling them. The functions themselves, and how
-# their values add up, are above the banner of grpo.py and rlhf_ppo.py.
+# Reward functions (--reward-fn): loading, checking and calling them, and the answer parsing of numeric_match
+# (GSM8K's `#### 72`, \boxed{}). The functions themselves, and how their values add up, are above the banner.
 # ---------------------------------------------------------------------------------------------
+NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")  # 1,234.5 with thousands separators, or 1234.5
+
+
+def last_boxed(text):
+    """What the last \\boxed{...} of `text` contains, braces inside it matched (\\boxed{\\frac{1}{2}}), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{")
+    for i in range(begin, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth < 0:
+            return text[begin:i]
+    return None  # never closed
+
+
+def answer_number(text):
+    """The number a text gives as its answer, or None: the first number after the last `####` (GSM8K's
+    answers), else the number in the last \\boxed{} (None unless it holds exactly one), else the last number
+    of the text. A Decimal: `,` thousands separators and trailing zeros (72.0, 72.50) do not change it."""
+    if "####" in text:
+        numbers = NUMBER.findall(text.rsplit("####", 1)[1])[:1]
+    elif last_boxed(text) is not None:
+        numbers = NUMBER.findall(last_boxed(text))
+        numbers = numbers if len(numbers) == 1 else []
+    else:
+        numbers = NUMBER.findall(text)[-1:]
+    return decimal.Decimal(numbers[-1].replace(",", "")) if numbers else None
+
+
 def load_reward_functions(specs, builtins, format_pattern):
     """[(name, fn)] for --reward-fn: a built-in's name (a key of `builtins`), or MODULE_OR_FILE:NAME, a function
     in a .py file (by path) or in an importable module (the working directory is on the path). What cannot be
@@ -1164,7 +1174,7 @@ def reward_columns(rows):
     return {name: [row[name] for row in rows] for name in rows[0] if name != "prompt"} if rows else {}
 
 
-def reward_table(functions, prompts, completions, columns):
+def reward_terms(functions, prompts, completions, columns):
     """[B, K] float32: reward function k on completion i, NaN where it returned None ("does not apply"). A
     function that raises, or returns a value that is not a finite number or None, or not one value per
     completion, stops the run with one line naming it and the sample; nothing is saved. Under torchrun every
@@ -1253,7 +1263,7 @@ def rowwise(fn, *tensors):
 
 def token_logprobs(logits, tokens, with_entropy=False, temperature=1.0):
     """log π(token) = z(token) − logsumexp(z) at each position, z = logits / temperature in float32 (as
-    `sample` draws tokens: the logits upcast before the temperature divides them), and optionally the
+    `generate` draws tokens: the logits upcast before the temperature divides them), and optionally the
     entropy H = logsumexp(z) − Σ softmax(z)·z. A few rows at a time (rowwise): no float32 [batch, length,
     vocabulary] tensor is made or kept."""
     def chunk_logprobs(rows, row_tokens):
@@ -1277,7 +1287,7 @@ HEAD_CHUNK_ELEMENTS = 2**26  # logits made at once by head_logprobs, in float32:
 def head_logprobs(model, targets, temperature=1.0, with_entropy=False, **inputs):
     """`model(**inputs)` with its LM head applied a chunk of positions at a time inside the forward pass: log π of
     `targets` ([batch, positions], one per position whose logits the pass computes) as [batch, positions] float32,
-    z = head(h) upcast to float32, then divided by the temperature (as `sample` draws tokens), log π = z(target) −
+    z = head(h) upcast to float32, then divided by the temperature (as `generate` draws tokens), log π = z(target) −
     logsumexp(z); with_entropy, also the entropy H = logsumexp(z) − Σ softmax(z)·z (no gradient). Each chunk's
     logits are recomputed in the backward pass (activation checkpointing), so that no [batch, length, vocabulary]
     tensor exists in any dtype, only [chunk, vocabulary] (torchtune's chunked cross-entropy and Liger's fused linear
@@ -1338,7 +1348,7 @@ def last_token_index(attention_mask):
     return (positions * attention_mask).argmax(-1)
 
 
-def response_logprobs(model, sequences, attention_mask, context_length, temperature):
+def policy_logprobs(model, sequences, attention_mask, context_length, temperature):
     """(log π(a_t | s_t) of each response token, the entropy of π(·|s_t)), z divided by the sampling temperature
     in float32 as when sampling: from one forward pass over prompt + response, the LM head applied to the response
     positions only and in chunks (head_logprobs), or, where rows repeat a prompt (GRPO's G completions of each),
@@ -1359,7 +1369,7 @@ CACHE = "cache" if tuple(int(v) for v in transformers.__version__.split(".")[:2]
 
 
 def shared_prompt_logprobs(model, sequences, attention_mask, context_length, temperature):
-    """response_logprobs with each distinct prompt of the batch computed once: one forward pass over the distinct
+    """policy_logprobs with each distinct prompt of the batch computed once: one forward pass over the distinct
     prompts, whose keys and values (the KV cache, as in generation) every row that repeats the prompt reuses, then
     one over the responses. A causal model's prompt positions never see the response, so this is the same function
     of the weights as one pass over prompt + response (equal up to float rounding; the rollout and the update both
@@ -1389,7 +1399,7 @@ def shared_prompt_logprobs(model, sequences, attention_mask, context_length, tem
     return torch.cat([first[0], rest[0]], 1), torch.cat([first[1], rest[1]], 1)
 
 
-def token_scores(model, sequences, attention_mask):
+def scalar_head(model, sequences, attention_mask):
     """The scalar head of a sequence-classification model on every position: [batch, length], computed in
     float32 (a value or reward is one number: it gets float32's precision, not bfloat16's 3 digits)."""
     if hasattr(model, "get_base_model"):  # a LoRA model (peft): the classifier inside, its adapters in place
@@ -1403,7 +1413,7 @@ def token_scores(model, sequences, attention_mask):
 
 
 class TokenScorer(torch.nn.Module):
-    """token_scores as a module's forward. DDP and FSDP act in the forward of the module they wrap, so a
+    """scalar_head as a module's forward. DDP and FSDP act in the forward of the module they wrap, so a
     trained scalar head is wrapped in this: its forward, unlike the classifier's own, keeps every position."""
 
     def __init__(self, classifier):
@@ -1411,11 +1421,11 @@ class TokenScorer(torch.nn.Module):
         self.classifier = classifier
 
     def forward(self, sequences, attention_mask):
-        return token_scores(self.classifier, sequences, attention_mask)
+        return scalar_head(self.classifier, sequences, attention_mask)
 
 
 @torch.no_grad()
-def score_responses(reward, sequences, attention_mask, response_mask, stop_ids, missing_eos_penalty):
+def response_scores(reward, sequences, attention_mask, response_mask, stop_ids, missing_eos_penalty):
     """The reward model's score (`reward`: a TokenScorer, or FSDP around one) at each response's last token, its
     stop token; `missing_eos_penalty` instead for a response with no stop token in the length sampled (an
     unfinished answer is not scored). Returns (scores, has_stop)."""
@@ -1434,9 +1444,9 @@ def forward_in_chunks(fn, size, *tensors):
 
 
 @torch.no_grad()
-def sample(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature=1.0, greedy=False):
+def generate(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature=1.0, greedy=False):
     """Complete each prompt (lists of token ids, left-padded here) with tokens drawn from softmax(logits / T) in
-    float32, as `generate` draws them (the argmax if greedy), each response ending at its first stop token.
+    float32, as transformers' generate draws them (the argmax if greedy), each response ending at its first stop token.
     Returns (sequences, attention_mask, context_length, response_mask), the responses as long as the longest
     one, response_mask 1 on response tokens up to and including the stop token. No sampling setting comes from
     the checkpoint's generation_config.json (top_k, repetition_penalty, ...): the distribution sampled is the one
@@ -1473,7 +1483,7 @@ def sample(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperatur
 
 
 def sample_tokens(model, input_ids, attention_mask, stops, pad_token_id, max_new_tokens, temperature, greedy):
-    """The sampling loop of `sample`: [rows, max_new_tokens] tokens, pad_token_id after a row's stop token."""
+    """The sampling loop of `generate`: [rows, max_new_tokens] tokens, pad_token_id after a row's stop token."""
     width = input_ids.shape[1]
     distinct, row_prompt = torch.unique(torch.cat([input_ids, attention_mask], 1), dim=0, return_inverse=True)
     prompt_mask = distinct[:, width:]
@@ -1510,12 +1520,12 @@ def sample_tokens(model, input_ids, attention_mask, stops, pad_token_id, max_new
 
 def sample_tokens_graphed(model, input_ids, attention_mask, stops, pad_token_id, max_new_tokens, temperature, greedy,
                           graph=True, check_every=16):
-    """The sampling loop of `sample` on CUDA, as fast as the GPU allows: the KV cache allocated once for the
+    """The sampling loop of `generate` on CUDA, as fast as the GPU allows: the KV cache allocated once for the
     whole rollout (transformers' StaticCache), the one-token step recorded once as a CUDA graph and replayed (one
     launch for the whole model instead of hundreds), tokens drawn on the device (`draw_tokens`), and the finished
     rows looked at every `check_every` steps, so that no step waits for the host. A row that stopped steps on
     padding until all have. The same distribution as `sample_tokens`, drawn with other random numbers; with
-    graph=False (tests on the CPU) the same steps run one by one. Not under FSDP (`sample`), nor for a model
+    graph=False (tests on the CPU) the same steps run one by one. Not under FSDP (`generate`), nor for a model
     with sliding-window layers (Mistral's, Gemma 2's), whose cache keeps a rolling window that these masks do
     not describe: those take `sample_tokens`."""
     rows, width = input_ids.shape
@@ -1594,14 +1604,14 @@ def kv_cache_bytes(model, rows, length, bf16):
     return config.num_hidden_layers * heads * head_size * rows * length * (width + (2 if bf16 else width))
 
 
-def sample_in_chunks(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature, size):
-    """`sample` in chunks of `size` prompts (the KV cache grows with it), joined as one sample."""
-    return join_samples([sample(model, prompt_ids[i : i + size], pad_token_id, stop_ids, max_new_tokens, temperature)
+def generate_in_chunks(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature, size):
+    """`generate` in chunks of `size` prompts (the KV cache grows with it), joined as one sample."""
+    return join_samples([generate(model, prompt_ids[i : i + size], pad_token_id, stop_ids, max_new_tokens, temperature)
                          for i in range(0, len(prompt_ids), size)], pad_token_id)
 
 
 def join_samples(samples, pad_token_id):
-    """Outputs of `sample`, (sequences, attention_mask, context_length, response_mask), as one: the rows of all,
+    """Outputs of `generate`, (sequences, attention_mask, context_length, response_mask), as one: the rows of all,
     the prompts left-padded to the longest and the responses right-padded to the longest."""
     width, length = max(s[2] for s in samples), max(s[3].shape[1] for s in samples)
     pad = lambda t, left, value: F.pad(t, (left, width + length - left - t.shape[1]), value=value)  # noqa: E731
@@ -1667,7 +1677,7 @@ def autocast(device, args):
 
 def place_model(model, device, args, trained=True):
     """Put a model on the device. In one process: moved there whole. Under torchrun, rank 0 holds the weights
-    (load_model built the model on the meta device elsewhere; a model built from scratch, or a new scalar head,
+    (load_no_dropout built the model on the meta device elsewhere; a model built from scratch, or a new scalar head,
     starts from other random values on each rank) and the others receive them. Without --fsdp: a full copy per
     rank, and a trained model in DDP (gradients averaged in the backward pass). With --fsdp: FSDP2 shards the
     model first, then each rank receives only its shard of every weight from rank 0's copy, which is then freed
@@ -1825,7 +1835,7 @@ def check_finite(step, **values):
                      "(lower --lr; with a half-precision model, train without --bf16 to check)")
 
 
-def save_atomically(model, tokenizer, args, output_dir, dtype):
+def save_model(model, tokenizer, args, output_dir, dtype):
     """Save a Hugging Face model (the one inside any DDP wrapper), its weights in `dtype` (save_dtype_of), so
     that a crash never leaves a half-written checkpoint: rank 0 writes to a temporary directory, then renames
     it. Every rank calls this: under FSDP they first gather the full weights (to rank 0's CPU memory), and all

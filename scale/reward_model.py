@@ -152,7 +152,7 @@ def bradley_terry_loss(rewards_chosen, rewards_rejected, margin=None, center_rew
 # ---------------------------------------------------------------------------------------------
 # The reward of a sequence: the scalar head at its last token
 # ---------------------------------------------------------------------------------------------
-def get_rewards(scorer, input_ids, attention_mask):
+def sequence_rewards(scorer, input_ids, attention_mask):
     """One reward per sequence: the scalar head (a TokenScorer, or DDP/FSDP around one) at its last non-pad
     token, the stop token."""
     scores = scorer(input_ids, attention_mask)
@@ -219,7 +219,7 @@ def main(args: Args):
     train = [(p + c, p + r, float(row.get("margin") or 0.0)) for p, c, r, row in train_pairs]
     evals = [(p + c, p + r, float(row.get("margin") or 0.0)) for p, c, r, row in eval_pairs]
     eval_rows = [row for _, _, _, row in eval_pairs]
-    raw_model = load_model(args.model_name_or_path, "score", base_dtype(args), load_config(args.model_name_or_path, "score"))
+    raw_model = load_no_dropout(args.model_name_or_path, "score", base_dtype(args), load_config(args.model_name_or_path, "score"))
     prepare_models(tokenizer, stop_ids, [raw_model])  # raw_model: the one to save
     if args.gradient_checkpointing:
         raw_model.activation_checkpointing_enable({"use_reentrant": False})
@@ -231,7 +231,7 @@ def main(args: Args):
         input_ids, attention_mask = batch_tensors([c for c, _, _ in batch] + [r for _, r, _ in batch],
                                                   tokenizer.pad_token_id, device)
         with amp():
-            rewards = get_rewards(model, input_ids, attention_mask)
+            rewards = sequence_rewards(model, input_ids, attention_mask)
         margin = torch.tensor([m for _, _, m in batch], device=device) if has_margin else None
         return rewards[: len(batch)], rewards[len(batch) :], margin
 
@@ -344,7 +344,7 @@ def main(args: Args):
     tokens_seen = all_reduce_sum({"tokens": tokens_seen}, device)["tokens"]
     print(f"{args.max_steps * args.batch_size / elapsed:.0f} pairs/s, {tokens_seen / elapsed:.0f} tokens/s, "
           f"{100 * model_time / elapsed:.0f}% of the time in forward/backward/optimizer, {elapsed:.0f} s in all")
-    save_atomically(raw_model, tokenizer, args, args.output_dir, save_dtype)
+    save_model(raw_model, tokenizer, args, args.output_dir, save_dtype)
     print(f"saved to {args.output_dir}")
     writer.close()
 
@@ -656,7 +656,7 @@ def load_config(path, head):
         sys.exit(f"error: cannot load a model from {path!r}: {first_line(e)}")
 
 
-def load_model(path, head, dtype, config=None):
+def load_no_dropout(path, head, dtype, config=None):
     """A checkpoint as a causal LM (head "lm") or with a scalar head (head "score", with a config of num_labels 1:
     a sequence classifier with one label, its head new when the checkpoint has none), its weights in `dtype`
     whatever they were saved in. Trained models take float32 (master weights: in fp16 AdamW's eps underflows
@@ -716,7 +716,7 @@ def last_token_index(attention_mask):
     return (positions * attention_mask).argmax(-1)
 
 
-def token_scores(model, sequences, attention_mask):
+def scalar_head(model, sequences, attention_mask):
     """The scalar head of a sequence-classification model on every position: [batch, length], computed in
     float32 (a value or reward is one number: it gets float32's precision, not bfloat16's 3 digits)."""
     if hasattr(model, "get_base_model"):  # a LoRA model (peft): the classifier inside, its adapters in place
@@ -730,7 +730,7 @@ def token_scores(model, sequences, attention_mask):
 
 
 class TokenScorer(torch.nn.Module):
-    """token_scores as a module's forward. DDP and FSDP act in the forward of the module they wrap, so a
+    """scalar_head as a module's forward. DDP and FSDP act in the forward of the module they wrap, so a
     trained scalar head is wrapped in this: its forward, unlike the classifier's own, keeps every position."""
 
     def __init__(self, classifier):
@@ -738,7 +738,7 @@ class TokenScorer(torch.nn.Module):
         self.classifier = classifier
 
     def forward(self, sequences, attention_mask):
-        return token_scores(self.classifier, sequences, attention_mask)
+        return scalar_head(self.classifier, sequences, attention_mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -798,7 +798,7 @@ def autocast(device, args):
 
 def place_model(model, device, args, trained=True):
     """Put a model on the device. In one process: moved there whole. Under torchrun, rank 0 holds the weights
-    (load_model built the model on the meta device elsewhere; a model built from scratch, or a new scalar head,
+    (load_no_dropout built the model on the meta device elsewhere; a model built from scratch, or a new scalar head,
     starts from other random values on each rank) and the others receive them. Without --fsdp: a full copy per
     rank, and a trained model in DDP (gradients averaged in the backward pass). With --fsdp: FSDP2 shards the
     model first, then each rank receives only its shard of every weight from rank 0's copy, which is then freed
@@ -956,7 +956,7 @@ def check_finite(step, **values):
                      "(lower --lr; with a half-precision model, train without --bf16 to check)")
 
 
-def save_atomically(model, tokenizer, args, output_dir, dtype):
+def save_model(model, tokenizer, args, output_dir, dtype):
     """Save a Hugging Face model (the one inside any DDP wrapper), its weights in `dtype` (save_dtype_of), so
     that a crash never leaves a half-written checkpoint: rank 0 writes to a temporary directory, then renames
     it. Every rank calls this: under FSDP they first gather the full weights (to rank 0's CPU memory), and all

@@ -186,7 +186,7 @@ def masked_mean(x, mask, num_tokens=None):
     return (x * mask).sum() / (mask.sum() if num_tokens is None else num_tokens)
 
 
-def masked_whiten_over_ranks(x, mask, eps=1e-8):
+def masked_whiten(x, mask, eps=1e-8):
     """rlhf_ppo.py's masked_whiten over the valid tokens of all ranks: (x − mean) / std, padding 0, with the sums
     in mean = Σ x·m / Σ m and var = Σ (x − mean)²·m / Σ m added up over the ranks (on one process, the same)."""
     sums = torch.stack([(x * mask).sum(), mask.sum()])
@@ -272,39 +272,9 @@ def adaptive_kl_coef(kl_coef, current_kl, kl_target, horizon, n_steps):
 # Pick the built-in ones by name with --reward-fn, or write your own in a file (--reward-fn my.py:fn).
 # The same text in grpo.py and rlhf_ppo.py (tests/test_copies.py checks it).
 # ---------------------------------------------------------------------------------------------
-NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")  # 1,234.5 with thousands separators, or 1234.5
-
-
 def completion_text(completion):
     """The text of a completion: itself, or the content of a conversational one's (last) message."""
     return completion[-1]["content"] if isinstance(completion, list) else completion
-
-
-def last_boxed(text):
-    """What the last \\boxed{...} of `text` contains, braces inside it matched (\\boxed{\\frac{1}{2}}), or None."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, begin = 0, start + len("\\boxed{")
-    for i in range(begin, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth < 0:
-            return text[begin:i]
-    return None  # never closed
-
-
-def answer_number(text):
-    """The number a text gives as its answer, or None: the first number after the last `####` (GSM8K's
-    answers), else the number in the last \\boxed{} (None unless it holds exactly one), else the last number
-    of the text. A Decimal: `,` thousands separators and trailing zeros (72.0, 72.50) do not change it."""
-    if "####" in text:
-        numbers = NUMBER.findall(text.rsplit("####", 1)[1])[:1]
-    elif last_boxed(text) is not None:
-        numbers = NUMBER.findall(last_boxed(text))
-        numbers = numbers if len(numbers) == 1 else []
-    else:
-        numbers = NUMBER.findall(text)[-1:]
-    return decimal.Decimal(numbers[-1].replace(",", "")) if numbers else None
 
 
 def gold(prompts, completions, target, **columns):
@@ -419,7 +389,7 @@ def main(args: Args):
     # Each model loaded, then placed (on the device, whole or sharded) before the next: rank 0 holds one whole model
     # at a time. The trained actor and critic are data-parallel; the frozen ones whole on every rank, or sharded.
     lm_config, critic_config = load_config(args.sft_model_path, "lm"), load_config(critic_path, "score")
-    raw_actor = load_model(args.sft_model_path, "lm", base_dtype(args), lm_config)  # π_θ (raw: to sample and save)
+    raw_actor = load_no_dropout(args.sft_model_path, "lm", base_dtype(args), lm_config)  # π_θ (raw: to sample and save)
     prepare_models(tokenizer, stop_ids, [raw_actor])
     if args.gradient_checkpointing:
         raw_actor.activation_checkpointing_enable({"use_reentrant": False})
@@ -428,17 +398,17 @@ def main(args: Args):
     if args.lora_r:
         ref = AdaptersOff(raw_actor)  # with LoRA, π_ref is π_θ with its adapters off
     else:
-        ref = load_model(args.sft_model_path, "lm", torch.float32, lm_config)  # π_ref
+        ref = load_no_dropout(args.sft_model_path, "lm", torch.float32, lm_config)  # π_ref
         prepare_models(tokenizer, stop_ids, [ref], [ref])
         if args.gradient_checkpointing:  # the policy's path, one pass (not shared_prompt_logprobs): equal at the start
             ref.activation_checkpointing_enable({"use_reentrant": False})
     ref = place_model(ref, device, args, trained=False)
     reward = None
     if reward_model_path is not None:  # r_φ
-        reward = load_model(reward_model_path, "score", torch.bfloat16 if args.bf16 else torch.float32, critic_config)
+        reward = load_no_dropout(reward_model_path, "score", torch.bfloat16 if args.bf16 else torch.float32, critic_config)
         prepare_models(tokenizer, stop_ids, [reward], [reward])
         reward = place_model(TokenScorer(reward), device, args, trained=False)  # its forward: r_φ at every position
-    raw_critic = load_model(critic_path, "score", base_dtype(args), critic_config)  # V_ψ
+    raw_critic = load_no_dropout(critic_path, "score", base_dtype(args), critic_config)  # V_ψ
     prepare_models(tokenizer, stop_ids, [raw_critic])
     if args.gradient_checkpointing:
         raw_critic.activation_checkpointing_enable({"use_reentrant": False})
@@ -474,10 +444,10 @@ def main(args: Args):
         completions = tokenizer.batch_decode(sequences[:, context_length:], skip_special_tokens=True)
         as_passed = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c  # as TRL passes them
                      for p, c in zip(prompts, completions)]
-        table = reward_table(functions, prompts, as_passed, reward_columns(rows)).to(device)
+        table = reward_terms(functions, prompts, as_passed, reward_columns(rows)).to(device)
         if reward is not None:
             scores, _ = forward_in_chunks(
-                lambda s, a, m: score_responses(reward, s, a, m, stop_ids, args.missing_eos_penalty), micro_size,
+                lambda s, a, m: response_scores(reward, s, a, m, stop_ids, args.missing_eos_penalty), micro_size,
                 sequences, attention_mask, response_mask)
             table = torch.cat([table, scores.float()[:, None]], 1)
         responses = sequences[:, context_length:]
@@ -497,7 +467,7 @@ def main(args: Args):
     def logprobs_of(model, sequences, attention_mask, context_length):
         """(log π(a_t | s_t), entropy) of every response token, a micro-batch at a time (what fits with gradients
         fits without): in a rollout these are exactly the update's chunks, so the first ratio is exactly 1."""
-        return forward_in_chunks(lambda s, a: response_logprobs(model, s, a, context_length, args.temperature),
+        return forward_in_chunks(lambda s, a: policy_logprobs(model, s, a, context_length, args.temperature),
                                  micro_size, sequences, attention_mask)
 
     def evaluate(iteration):
@@ -508,7 +478,7 @@ def main(args: Args):
         mine, weights = shard(list(range(len(eval_ids))), rank, world_size)
         rows = [eval_rows[j] for j in mine]
         with torch.no_grad(), amp():
-            sequences, attention_mask, context_length, response_mask = sample_in_chunks(
+            sequences, attention_mask, context_length, response_mask = generate_in_chunks(
                 raw_actor, [eval_ids[j] for j in mine], tokenizer.pad_token_id, stop_ids, args.response_length,
                 args.temperature, args.generation_batch_size)
             logprobs, _ = logprobs_of(actor, sequences, attention_mask, context_length)
@@ -555,7 +525,7 @@ def main(args: Args):
         chosen = rng.sample(range(len(train_ids)), args.batch_size)[rank * per_rank : (rank + 1) * per_rank]  # its share
         prompt_ids, rows = [train_ids[i] for i in chosen], [train_rows[i] for i in chosen]
         with torch.no_grad(), amp():
-            sequences, attention_mask, context_length, mask = sample_in_chunks(
+            sequences, attention_mask, context_length, mask = generate_in_chunks(
                 raw_actor, prompt_ids, tokenizer.pad_token_id, stop_ids, args.response_length, args.temperature,
                 args.generation_batch_size)
             mask = mask.float()
@@ -569,7 +539,7 @@ def main(args: Args):
 
             rewards, non_score = shaped_rewards(logprobs, ref_logprobs, scores, mask, kl_coef)
             advantages, returns = masked_gae(rewards, values, mask, args.gamma, args.lam)
-            advantages = masked_whiten_over_ranks(advantages, mask)  # over the whole batch, all ranks together
+            advantages = masked_whiten(advantages, mask)  # over the whole batch, all ranks together
             k1, k3 = kl_estimators(logprobs, ref_logprobs, mask)
 
         # ---- update: several epochs of shuffled minibatches ----------------------------------------
@@ -587,8 +557,8 @@ def main(args: Args):
                     for model in (actor, critic):  # once per step, with the last micro-batch
                         gradient_sync(model, micro + micro_size == mini_per_rank)
                     with amp():
-                        new_logprobs, new_entropy = response_logprobs(actor, sequences[idx], attention_mask[idx],
-                                                                      context_length, args.temperature)
+                        new_logprobs, new_entropy = policy_logprobs(actor, sequences[idx], attention_mask[idx],
+                                                                    context_length, args.temperature)
                         new_values = critic(sequences[idx], attention_mask[idx])[:, context_length - 1 : -1]
                     pg_loss, ratio = policy_loss(new_logprobs, logprobs[idx], advantages[idx], mask[idx], args.cliprange,
                                                  num_tokens)
@@ -663,7 +633,7 @@ def main(args: Args):
         if sigterm:
             return writer.close()
 
-    save_atomically(raw_actor, tokenizer, args, args.output_dir, save_dtype)
+    save_model(raw_actor, tokenizer, args, args.output_dir, save_dtype)
     print(f"saved to {args.output_dir} after {time.time() - start_time:.0f} s")
     writer.close()
 
@@ -896,7 +866,7 @@ def load_config(path, head):
         sys.exit(f"error: cannot load a model from {path!r}: {first_line(e)}")
 
 
-def load_model(path, head, dtype, config=None):
+def load_no_dropout(path, head, dtype, config=None):
     """A checkpoint as a causal LM (head "lm") or with a scalar head (head "score", with a config of num_labels 1:
     a sequence classifier with one label, its head new when the checkpoint has none), its weights in `dtype`
     whatever they were saved in. Trained models take float32 (master weights: in fp16 AdamW's eps underflows
@@ -954,9 +924,39 @@ def model_positions(model):
 
 
 # ---------------------------------------------------------------------------------------------
-# Reward functions (--reward-fn): loading, checking and calling them. The functions themselves, and how
-# their values add up, are above the banner of grpo.py and rlhf_ppo.py.
+# Reward functions (--reward-fn): loading, checking and calling them, and the answer parsing of numeric_match
+# (GSM8K's `#### 72`, \boxed{}). The functions themselves, and how their values add up, are above the banner.
 # ---------------------------------------------------------------------------------------------
+NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")  # 1,234.5 with thousands separators, or 1234.5
+
+
+def last_boxed(text):
+    """What the last \\boxed{...} of `text` contains, braces inside it matched (\\boxed{\\frac{1}{2}}), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{")
+    for i in range(begin, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth < 0:
+            return text[begin:i]
+    return None  # never closed
+
+
+def answer_number(text):
+    """The number a text gives as its answer, or None: the first number after the last `####` (GSM8K's
+    answers), else the number in the last \\boxed{} (None unless it holds exactly one), else the last number
+    of the text. A Decimal: `,` thousands separators and trailing zeros (72.0, 72.50) do not change it."""
+    if "####" in text:
+        numbers = NUMBER.findall(text.rsplit("####", 1)[1])[:1]
+    elif last_boxed(text) is not None:
+        numbers = NUMBER.findall(last_boxed(text))
+        numbers = numbers if len(numbers) == 1 else []
+    else:
+        numbers = NUMBER.findall(text)[-1:]
+    return decimal.Decimal(numbers[-1].replace(",", "")) if numbers else None
+
+
 def load_reward_functions(specs, builtins, format_pattern):
     """[(name, fn)] for --reward-fn: a built-in's name (a key of `builtins`), or MODULE_OR_FILE:NAME, a function
     in a .py file (by path) or in an importable module (the working directory is on the path). What cannot be
@@ -1015,7 +1015,7 @@ def reward_columns(rows):
     return {name: [row[name] for row in rows] for name in rows[0] if name != "prompt"} if rows else {}
 
 
-def reward_table(functions, prompts, completions, columns):
+def reward_terms(functions, prompts, completions, columns):
     """[B, K] float32: reward function k on completion i, NaN where it returned None ("does not apply"). A
     function that raises, or returns a value that is not a finite number or None, or not one value per
     completion, stops the run with one line naming it and the sample; nothing is saved. Under torchrun every
@@ -1104,7 +1104,7 @@ def rowwise(fn, *tensors):
 
 def token_logprobs(logits, tokens, with_entropy=False, temperature=1.0):
     """log π(token) = z(token) − logsumexp(z) at each position, z = logits / temperature in float32 (as
-    `sample` draws tokens: the logits upcast before the temperature divides them), and optionally the
+    `generate` draws tokens: the logits upcast before the temperature divides them), and optionally the
     entropy H = logsumexp(z) − Σ softmax(z)·z. A few rows at a time (rowwise): no float32 [batch, length,
     vocabulary] tensor is made or kept."""
     def chunk_logprobs(rows, row_tokens):
@@ -1128,7 +1128,7 @@ HEAD_CHUNK_ELEMENTS = 2**26  # logits made at once by head_logprobs, in float32:
 def head_logprobs(model, targets, temperature=1.0, with_entropy=False, **inputs):
     """`model(**inputs)` with its LM head applied a chunk of positions at a time inside the forward pass: log π of
     `targets` ([batch, positions], one per position whose logits the pass computes) as [batch, positions] float32,
-    z = head(h) upcast to float32, then divided by the temperature (as `sample` draws tokens), log π = z(target) −
+    z = head(h) upcast to float32, then divided by the temperature (as `generate` draws tokens), log π = z(target) −
     logsumexp(z); with_entropy, also the entropy H = logsumexp(z) − Σ softmax(z)·z (no gradient). Each chunk's
     logits are recomputed in the backward pass (activation checkpointing), so that no [batch, length, vocabulary]
     tensor exists in any dtype, only [chunk, vocabulary] (torchtune's chunked cross-entropy and Liger's fused linear
@@ -1189,7 +1189,7 @@ def last_token_index(attention_mask):
     return (positions * attention_mask).argmax(-1)
 
 
-def response_logprobs(model, sequences, attention_mask, context_length, temperature):
+def policy_logprobs(model, sequences, attention_mask, context_length, temperature):
     """(log π(a_t | s_t) of each response token, the entropy of π(·|s_t)), z divided by the sampling temperature
     in float32 as when sampling: from one forward pass over prompt + response, the LM head applied to the response
     positions only and in chunks (head_logprobs), or, where rows repeat a prompt (GRPO's G completions of each),
@@ -1210,7 +1210,7 @@ CACHE = "cache" if tuple(int(v) for v in transformers.__version__.split(".")[:2]
 
 
 def shared_prompt_logprobs(model, sequences, attention_mask, context_length, temperature):
-    """response_logprobs with each distinct prompt of the batch computed once: one forward pass over the distinct
+    """policy_logprobs with each distinct prompt of the batch computed once: one forward pass over the distinct
     prompts, whose keys and values (the KV cache, as in generation) every row that repeats the prompt reuses, then
     one over the responses. A causal model's prompt positions never see the response, so this is the same function
     of the weights as one pass over prompt + response (equal up to float rounding; the rollout and the update both
@@ -1240,7 +1240,7 @@ def shared_prompt_logprobs(model, sequences, attention_mask, context_length, tem
     return torch.cat([first[0], rest[0]], 1), torch.cat([first[1], rest[1]], 1)
 
 
-def token_scores(model, sequences, attention_mask):
+def scalar_head(model, sequences, attention_mask):
     """The scalar head of a sequence-classification model on every position: [batch, length], computed in
     float32 (a value or reward is one number: it gets float32's precision, not bfloat16's 3 digits)."""
     if hasattr(model, "get_base_model"):  # a LoRA model (peft): the classifier inside, its adapters in place
@@ -1254,7 +1254,7 @@ def token_scores(model, sequences, attention_mask):
 
 
 class TokenScorer(torch.nn.Module):
-    """token_scores as a module's forward. DDP and FSDP act in the forward of the module they wrap, so a
+    """scalar_head as a module's forward. DDP and FSDP act in the forward of the module they wrap, so a
     trained scalar head is wrapped in this: its forward, unlike the classifier's own, keeps every position."""
 
     def __init__(self, classifier):
@@ -1262,11 +1262,11 @@ class TokenScorer(torch.nn.Module):
         self.classifier = classifier
 
     def forward(self, sequences, attention_mask):
-        return token_scores(self.classifier, sequences, attention_mask)
+        return scalar_head(self.classifier, sequences, attention_mask)
 
 
 @torch.no_grad()
-def score_responses(reward, sequences, attention_mask, response_mask, stop_ids, missing_eos_penalty):
+def response_scores(reward, sequences, attention_mask, response_mask, stop_ids, missing_eos_penalty):
     """The reward model's score (`reward`: a TokenScorer, or FSDP around one) at each response's last token, its
     stop token; `missing_eos_penalty` instead for a response with no stop token in the length sampled (an
     unfinished answer is not scored). Returns (scores, has_stop)."""
@@ -1285,9 +1285,9 @@ def forward_in_chunks(fn, size, *tensors):
 
 
 @torch.no_grad()
-def sample(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature=1.0, greedy=False):
+def generate(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature=1.0, greedy=False):
     """Complete each prompt (lists of token ids, left-padded here) with tokens drawn from softmax(logits / T) in
-    float32, as `generate` draws them (the argmax if greedy), each response ending at its first stop token.
+    float32, as transformers' generate draws them (the argmax if greedy), each response ending at its first stop token.
     Returns (sequences, attention_mask, context_length, response_mask), the responses as long as the longest
     one, response_mask 1 on response tokens up to and including the stop token. No sampling setting comes from
     the checkpoint's generation_config.json (top_k, repetition_penalty, ...): the distribution sampled is the one
@@ -1324,7 +1324,7 @@ def sample(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperatur
 
 
 def sample_tokens(model, input_ids, attention_mask, stops, pad_token_id, max_new_tokens, temperature, greedy):
-    """The sampling loop of `sample`: [rows, max_new_tokens] tokens, pad_token_id after a row's stop token."""
+    """The sampling loop of `generate`: [rows, max_new_tokens] tokens, pad_token_id after a row's stop token."""
     width = input_ids.shape[1]
     distinct, row_prompt = torch.unique(torch.cat([input_ids, attention_mask], 1), dim=0, return_inverse=True)
     prompt_mask = distinct[:, width:]
@@ -1361,12 +1361,12 @@ def sample_tokens(model, input_ids, attention_mask, stops, pad_token_id, max_new
 
 def sample_tokens_graphed(model, input_ids, attention_mask, stops, pad_token_id, max_new_tokens, temperature, greedy,
                           graph=True, check_every=16):
-    """The sampling loop of `sample` on CUDA, as fast as the GPU allows: the KV cache allocated once for the
+    """The sampling loop of `generate` on CUDA, as fast as the GPU allows: the KV cache allocated once for the
     whole rollout (transformers' StaticCache), the one-token step recorded once as a CUDA graph and replayed (one
     launch for the whole model instead of hundreds), tokens drawn on the device (`draw_tokens`), and the finished
     rows looked at every `check_every` steps, so that no step waits for the host. A row that stopped steps on
     padding until all have. The same distribution as `sample_tokens`, drawn with other random numbers; with
-    graph=False (tests on the CPU) the same steps run one by one. Not under FSDP (`sample`), nor for a model
+    graph=False (tests on the CPU) the same steps run one by one. Not under FSDP (`generate`), nor for a model
     with sliding-window layers (Mistral's, Gemma 2's), whose cache keeps a rolling window that these masks do
     not describe: those take `sample_tokens`."""
     rows, width = input_ids.shape
@@ -1445,14 +1445,14 @@ def kv_cache_bytes(model, rows, length, bf16):
     return config.num_hidden_layers * heads * head_size * rows * length * (width + (2 if bf16 else width))
 
 
-def sample_in_chunks(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature, size):
-    """`sample` in chunks of `size` prompts (the KV cache grows with it), joined as one sample."""
-    return join_samples([sample(model, prompt_ids[i : i + size], pad_token_id, stop_ids, max_new_tokens, temperature)
+def generate_in_chunks(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature, size):
+    """`generate` in chunks of `size` prompts (the KV cache grows with it), joined as one sample."""
+    return join_samples([generate(model, prompt_ids[i : i + size], pad_token_id, stop_ids, max_new_tokens, temperature)
                          for i in range(0, len(prompt_ids), size)], pad_token_id)
 
 
 def join_samples(samples, pad_token_id):
-    """Outputs of `sample`, (sequences, attention_mask, context_length, response_mask), as one: the rows of all,
+    """Outputs of `generate`, (sequences, attention_mask, context_length, response_mask), as one: the rows of all,
     the prompts left-padded to the longest and the responses right-padded to the longest."""
     width, length = max(s[2] for s in samples), max(s[3].shape[1] for s in samples)
     pad = lambda t, left, value: F.pad(t, (left, width + length - left - t.shape[1]), value=value)  # noqa: E731
@@ -1518,7 +1518,7 @@ def autocast(device, args):
 
 def place_model(model, device, args, trained=True):
     """Put a model on the device. In one process: moved there whole. Under torchrun, rank 0 holds the weights
-    (load_model built the model on the meta device elsewhere; a model built from scratch, or a new scalar head,
+    (load_no_dropout built the model on the meta device elsewhere; a model built from scratch, or a new scalar head,
     starts from other random values on each rank) and the others receive them. Without --fsdp: a full copy per
     rank, and a trained model in DDP (gradients averaged in the backward pass). With --fsdp: FSDP2 shards the
     model first, then each rank receives only its shard of every weight from rank 0's copy, which is then freed
@@ -1676,7 +1676,7 @@ def check_finite(step, **values):
                      "(lower --lr; with a half-precision model, train without --bf16 to check)")
 
 
-def save_atomically(model, tokenizer, args, output_dir, dtype):
+def save_model(model, tokenizer, args, output_dir, dtype):
     """Save a Hugging Face model (the one inside any DDP wrapper), its weights in `dtype` (save_dtype_of), so
     that a crash never leaves a half-written checkpoint: rank 0 writes to a temporary directory, then renames
     it. Every rank calls this: under FSDP they first gather the full weights (to rank 0's CPU memory), and all

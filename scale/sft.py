@@ -220,7 +220,7 @@ def main(args: Args):
                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         raw_model = GPT2LMHeadModel(config)
     else:
-        raw_model = load_model(args.model_name_or_path, "lm", base_dtype(args))  # dropout as the checkpoint has it
+        raw_model = load_no_dropout(args.model_name_or_path, "lm", base_dtype(args))  # dropout as the checkpoint has it
     prepare_models(tokenizer, stop_ids, [raw_model])  # raw_model: to sample and save
     if args.gradient_checkpointing:
         raw_model.activation_checkpointing_enable({"use_reentrant": False})
@@ -261,9 +261,9 @@ def main(args: Args):
                 completions = []
                 for i in range(0, len(prompt_ids), eval_batch_size):
                     with amp():
-                        sequences, _, width, response_mask = sample(raw_model, prompt_ids[i : i + eval_batch_size],
-                                                                    tokenizer.pad_token_id, stop_ids, args.max_new_tokens,
-                                                                    greedy=greedy)
+                        sequences, _, width, response_mask = generate(raw_model, prompt_ids[i : i + eval_batch_size],
+                                                                      tokenizer.pad_token_id, stop_ids, args.max_new_tokens,
+                                                                      greedy=greedy)
                     # the text up to the stop token: the stop token and the padding after it are special tokens
                     completions += tokenizer.batch_decode(sequences[:, width:], skip_special_tokens=True)
                 if not greedy:
@@ -344,7 +344,7 @@ def main(args: Args):
     tokens_seen = all_reduce_sum({"tokens": tokens_seen}, device)["tokens"]
     print(f"{args.max_steps * args.batch_size / elapsed:.0f} samples/s, {tokens_seen / elapsed:.0f} tokens/s, "
           f"{100 * model_time / elapsed:.0f}% of the time in forward/backward/optimizer, {elapsed:.0f} s in all")
-    save_atomically(raw_model, tokenizer, args, args.output_dir, save_dtype)
+    save_model(raw_model, tokenizer, args, args.output_dir, save_dtype)
     print(f"saved to {args.output_dir}")
     writer.close()
 
@@ -638,7 +638,7 @@ def load_tokenizer(path, hint):
         sys.exit(f"error: cannot load a tokenizer from {path!r}: {first_line(e)}")
 
 
-def load_model(path, head, dtype, config=None):
+def load_no_dropout(path, head, dtype, config=None):
     """A checkpoint as a causal LM (head "lm") or with a scalar head (head "score", with a config of num_labels 1:
     a sequence classifier with one label, its head new when the checkpoint has none), its weights in `dtype`
     whatever they were saved in. Trained models take float32 (master weights: in fp16 AdamW's eps underflows
@@ -705,7 +705,7 @@ HEAD_CHUNK_ELEMENTS = 2**26  # logits made at once by head_logprobs, in float32:
 def head_logprobs(model, targets, temperature=1.0, with_entropy=False, **inputs):
     """`model(**inputs)` with its LM head applied a chunk of positions at a time inside the forward pass: log π of
     `targets` ([batch, positions], one per position whose logits the pass computes) as [batch, positions] float32,
-    z = head(h) upcast to float32, then divided by the temperature (as `sample` draws tokens), log π = z(target) −
+    z = head(h) upcast to float32, then divided by the temperature (as `generate` draws tokens), log π = z(target) −
     logsumexp(z); with_entropy, also the entropy H = logsumexp(z) − Σ softmax(z)·z (no gradient). Each chunk's
     logits are recomputed in the backward pass (activation checkpointing), so that no [batch, length, vocabulary]
     tensor exists in any dtype, only [chunk, vocabulary] (torchtune's chunked cross-entropy and Liger's fused linear
@@ -765,9 +765,9 @@ CACHE = "cache" if tuple(int(v) for v in transformers.__version__.split(".")[:2]
 
 
 @torch.no_grad()
-def sample(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature=1.0, greedy=False):
+def generate(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature=1.0, greedy=False):
     """Complete each prompt (lists of token ids, left-padded here) with tokens drawn from softmax(logits / T) in
-    float32, as `generate` draws them (the argmax if greedy), each response ending at its first stop token.
+    float32, as transformers' generate draws them (the argmax if greedy), each response ending at its first stop token.
     Returns (sequences, attention_mask, context_length, response_mask), the responses as long as the longest
     one, response_mask 1 on response tokens up to and including the stop token. No sampling setting comes from
     the checkpoint's generation_config.json (top_k, repetition_penalty, ...): the distribution sampled is the one
@@ -804,7 +804,7 @@ def sample(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperatur
 
 
 def sample_tokens(model, input_ids, attention_mask, stops, pad_token_id, max_new_tokens, temperature, greedy):
-    """The sampling loop of `sample`: [rows, max_new_tokens] tokens, pad_token_id after a row's stop token."""
+    """The sampling loop of `generate`: [rows, max_new_tokens] tokens, pad_token_id after a row's stop token."""
     width = input_ids.shape[1]
     distinct, row_prompt = torch.unique(torch.cat([input_ids, attention_mask], 1), dim=0, return_inverse=True)
     prompt_mask = distinct[:, width:]
@@ -841,12 +841,12 @@ def sample_tokens(model, input_ids, attention_mask, stops, pad_token_id, max_new
 
 def sample_tokens_graphed(model, input_ids, attention_mask, stops, pad_token_id, max_new_tokens, temperature, greedy,
                           graph=True, check_every=16):
-    """The sampling loop of `sample` on CUDA, as fast as the GPU allows: the KV cache allocated once for the
+    """The sampling loop of `generate` on CUDA, as fast as the GPU allows: the KV cache allocated once for the
     whole rollout (transformers' StaticCache), the one-token step recorded once as a CUDA graph and replayed (one
     launch for the whole model instead of hundreds), tokens drawn on the device (`draw_tokens`), and the finished
     rows looked at every `check_every` steps, so that no step waits for the host. A row that stopped steps on
     padding until all have. The same distribution as `sample_tokens`, drawn with other random numbers; with
-    graph=False (tests on the CPU) the same steps run one by one. Not under FSDP (`sample`), nor for a model
+    graph=False (tests on the CPU) the same steps run one by one. Not under FSDP (`generate`), nor for a model
     with sliding-window layers (Mistral's, Gemma 2's), whose cache keeps a rolling window that these masks do
     not describe: those take `sample_tokens`."""
     rows, width = input_ids.shape
@@ -957,7 +957,7 @@ def autocast(device, args):
 
 def place_model(model, device, args, trained=True):
     """Put a model on the device. In one process: moved there whole. Under torchrun, rank 0 holds the weights
-    (load_model built the model on the meta device elsewhere; a model built from scratch, or a new scalar head,
+    (load_no_dropout built the model on the meta device elsewhere; a model built from scratch, or a new scalar head,
     starts from other random values on each rank) and the others receive them. Without --fsdp: a full copy per
     rank, and a trained model in DDP (gradients averaged in the backward pass). With --fsdp: FSDP2 shards the
     model first, then each rank receives only its shard of every weight from rank 0's copy, which is then freed
@@ -1115,7 +1115,7 @@ def check_finite(step, **values):
                      "(lower --lr; with a half-precision model, train without --bf16 to check)")
 
 
-def save_atomically(model, tokenizer, args, output_dir, dtype):
+def save_model(model, tokenizer, args, output_dir, dtype):
     """Save a Hugging Face model (the one inside any DDP wrapper), its weights in `dtype` (save_dtype_of), so
     that a crash never leaves a half-written checkpoint: rank 0 writes to a temporary directory, then renames
     it. Every rank calls this: under FSDP they first gather the full weights (to rank 0's CPU memory), and all

@@ -156,7 +156,7 @@ def _whiten_on_rank(rank, init_file, x, mask, out_file):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     half = len(x) // 2
     rows = slice(rank * half, (rank + 1) * half)
-    torch.save(rlhf_ppo.masked_whiten_over_ranks(x[rows], mask[rows]), f"{out_file}.{rank}")
+    torch.save(rlhf_ppo.masked_whiten(x[rows], mask[rows]), f"{out_file}.{rank}")
     dist.destroy_process_group()
 
 
@@ -173,8 +173,8 @@ def test_masked_whiten_uses_the_whole_batch_over_ranks(tmp_path):
     valid = x[mask.bool()]
     expected = (x - valid.mean()) / torch.sqrt(((valid - valid.mean()) ** 2).mean() + 1e-8) * mask
     torch.testing.assert_close(together, expected, atol=1e-5, rtol=0)
-    torch.testing.assert_close(rlhf_ppo.masked_whiten_over_ranks(x, mask), expected, atol=1e-5, rtol=0)
-    assert torch.equal(rlhf_ppo.masked_whiten_over_ranks(x, mask), reference_rlhf_ppo.masked_whiten(x, mask))  # one process
+    torch.testing.assert_close(rlhf_ppo.masked_whiten(x, mask), expected, atol=1e-5, rtol=0)
+    assert torch.equal(rlhf_ppo.masked_whiten(x, mask), reference_rlhf_ppo.masked_whiten(x, mask))  # one process
 
 
 # ------------------------------------------------------------------------------------------------
@@ -250,7 +250,7 @@ import os, sys, torch
 sys.path.insert(0, {root!r})
 import {script} as script
 
-real = script.sample_in_chunks
+real = script.generate_in_chunks
 
 
 def replay(model, prompt_ids, *args, **kwargs):
@@ -263,7 +263,7 @@ def replay(model, prompt_ids, *args, **kwargs):
     return sequences[rows], attention_mask[rows], width, mask[rows]
 
 
-script.sample_in_chunks = replay
+script.generate_in_chunks = replay
 script.main(script.tyro.cli(script.Args, args=sys.argv[1:]))
 """
 
@@ -282,7 +282,7 @@ def test_one_update_on_a_given_rollout_is_the_same_on_two_ranks(small_checkpoint
     import importlib
 
     module = importlib.import_module(module_name(script))
-    real, recorded = module.sample_in_chunks, []
+    real, recorded = module.generate_in_chunks, []
 
     def recording(model, prompt_ids, *args, **kwargs):
         out = real(model, prompt_ids, *args, **kwargs)
@@ -290,7 +290,7 @@ def test_one_update_on_a_given_rollout_is_the_same_on_two_ranks(small_checkpoint
             recorded.append(out)
         return out
 
-    monkeypatch.setattr(module, "sample_in_chunks", recording)
+    monkeypatch.setattr(module, "generate_in_chunks", recording)
     models = ["--sft-model-path", str(small_checkpoints["sft"])]
     models += ["--reward-model-path", str(small_checkpoints["reward_model"])] if script == "scale/rlhf_ppo.py" else []
     common = [*CPU_FLOAT32, *models, "--num-iterations", "1", "--ppo-epochs", "1", "--lr", "1e-3", "--eval-size", "2", *flags]

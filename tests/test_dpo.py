@@ -265,7 +265,7 @@ def test_the_batch_size_and_max_length_reach_every_update(tiny_checkpoints, tmp_
 
 
 @pytest.mark.parametrize("script,logps,scores", [("dpo.py", "completion_logps", "response_scores"),
-                                                 ("scale/dpo.py", "response_logps", "score_responses")])
+                                                 ("scale/dpo.py", "response_logps", "response_scores")])
 def test_the_evaluation_takes_its_temperature_and_missing_eos_penalty(script, logps, scores, tiny_checkpoints, tmp_path,
                                                                       monkeypatch):
     """The evaluation's eval/kl compares the policy and the reference at --temperature (the distribution it samples

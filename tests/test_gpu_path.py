@@ -218,13 +218,13 @@ def test_grpo_clipfrac_counts_only_where_the_clip_is_active():
 
 
 def test_sampling_keeps_the_models_generation_config(tmp_path):
-    """sample replaced model.generation_config, so a saved policy lost the base model's (its top_p, its eos)."""
+    """generate replaced model.generation_config, so a saved policy lost the base model's (its top_p, its eos)."""
     path = save_checkpoint(str(tmp_path / "m"), "llama", "bos", "float32", generation={"top_p": 0.8, "do_sample": True})
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path)
     before = model.generation_config.to_dict()
-    sequences, _, width, mask = rlhf_ppo.sample(model, [[1, 5, 6]], 0, [2], 4, temperature=0.7)
+    sequences, _, width, mask = rlhf_ppo.generate(model, [[1, 5, 6]], 0, [2], 4, temperature=0.7)
     assert model.generation_config.to_dict() == before and before["top_p"] == 0.8
     assert sequences.shape == (1, width + mask.shape[1]) and mask.shape[1] <= 4
 
@@ -240,7 +240,7 @@ def test_heads_compute_in_float32_under_autocast():
         num_key_value_heads=2, num_labels=1, pad_token_id=0))
     ids = torch.randint(1, 50, (2, 7))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        scores = rlhf_ppo.token_scores(model, ids, torch.ones_like(ids))
+        scores = rlhf_ppo.scalar_head(model, ids, torch.ones_like(ids))
         hidden = model.base_model(input_ids=ids).last_hidden_state
     assert scores.dtype == torch.float32
     torch.testing.assert_close(scores, (hidden.float() @ model.score.weight.T).squeeze(-1), atol=1e-6, rtol=0)
@@ -337,7 +337,7 @@ def test_a_model_with_sliding_window_layers_samples_with_the_eager_loop(device):
 
 def test_the_graphed_loop_samples_from_the_policy_it_trains():
     """At temperature 0.7 the graphed loop's log-prob of each token it drew (read at each step of its forward)
-    is the log-prob the update computes for that token (response_logprobs: one pass over prompt + response),
+    is the log-prob the update computes for that token (policy_logprobs: one pass over prompt + response),
     to 1e-5: the cache, mask and positions of the steps are the model's."""
     from lm_models import make_model
 
@@ -351,7 +351,7 @@ def test_the_graphed_loop_samples_from_the_policy_it_trains():
         assert len(steps) == 12  # the prompt's pass and 11 steps, each giving the next token's logits
         sampled = torch.stack([torch.log_softmax(z / 0.7, -1) for z in steps], 1).gather(2, responses[..., None])[..., 0]
         sequences, full_mask = torch.cat([input_ids, responses], 1), torch.cat([mask, torch.ones_like(responses)], 1)
-        trained, _ = grpo.response_logprobs(model, sequences, full_mask, input_ids.shape[1], 0.7)
+        trained, _ = grpo.policy_logprobs(model, sequences, full_mask, input_ids.shape[1], 0.7)
     assert torch.allclose(sampled, trained, atol=1e-5, rtol=0), (sampled - trained).abs().max()
 
 

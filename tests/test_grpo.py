@@ -35,6 +35,37 @@ def test_rloo_advantages():
     torch.testing.assert_close(grpo.rloo_advantages(torch.tensor([1.0, 0.0, 0.5]), 3), torch.tensor([0.75, -0.75, 0.0]))
 
 
+
+@pytest.mark.parametrize("module", [grpo, scale_grpo])
+def test_compute_advantages_dispatches_each_variant(module):
+    """Rewards 1, 0, 0.5 | 2, 2, 2 in groups of G = 3, by hand. rloo: 1 − 0.25 = 0.75, 0 − 0.75 = −0.75,
+    0.5 − 0.5 = 0; the equal group 0. grpo: deviations 0.5, −0.5, 0 over std 0.5 (G − 1 = 2): ±0.5 / (0.5 + 1e-4);
+    without scaling the deviations. reinforce_pp_baseline: r' = 0.5, −0.5, 0, 0, 0, 0, population std
+    sqrt(0.5 / 6) = 0.288675: ±1.732051 (1e-8 in the variance); reinforce_pp: batch mean 7.5 / 6 = 1.25."""
+    rewards = torch.tensor([1.0, 0.0, 0.5, 2.0, 2.0, 2.0])
+    a = 0.5 / (0.5 + 1e-4)
+    cases = {("rloo", True): [0.75, -0.75, 0.0, 0.0, 0.0, 0.0], ("grpo", True): [a, -a, 0.0, 0.0, 0.0, 0.0],
+             ("grpo", False): [0.5, -0.5, 0.0, 0.0, 0.0, 0.0],
+             ("reinforce_pp_baseline", True): [1.732051, -1.732051, 0.0, 0.0, 0.0, 0.0]}
+    for (advantage, scale), expected in cases.items():
+        torch.testing.assert_close(module.compute_advantages(rewards, 3, advantage, scale), torch.tensor(expected))
+    x = rewards - 1.25  # −0.25, −1.25, −0.75, 0.75 ×3; population variance (0.0625 + 1.5625 + 0.5625 + 3 · 0.5625) / 6
+    torch.testing.assert_close(module.compute_advantages(rewards, 3, "reinforce_pp", True),
+                               x / math.sqrt((0.0625 + 1.5625 + 0.5625 + 3 * 0.5625) / 6))
+
+
+@pytest.mark.parametrize("module", [grpo, scale_grpo])
+def test_token_losses_dispatch_cispo_and_the_clipped_surrogate(module):
+    """ρ = 1.5, 0.5, 1.1, Â = 2, log π = log 0.6, log 0.2, log 0.9, ε_low 0.2, ε_high 0.3. The clipped surrogate:
+    −min(3, 2.6) = −2.6, −min(1, 1.6) = −1, −min(2.2, 2.2) = −2.2 (every loss type but cispo); cispo: weights 1.3,
+    0.5, 1.1 times −Â log π: −1.3·2·(−0.510826) = 1.328148, 1.609438, −1.1·2·(−0.105361) = 0.231793."""
+    ratio, logprobs, advantages = torch.tensor([[1.5, 0.5, 1.1]]), torch.log(torch.tensor([[0.6, 0.2, 0.9]])), torch.tensor([2.0])
+    for loss_type in ("grpo", "dapo", "dr_grpo"):
+        torch.testing.assert_close(module.token_losses(ratio, logprobs, advantages, loss_type, 0.2, 0.3),
+                                   torch.tensor([[-2.6, -1.0, -2.2]]))
+    torch.testing.assert_close(module.token_losses(ratio, logprobs, advantages, "cispo", 0.2, 0.3),
+                               torch.tensor([[1.328148, 1.609438, 0.231793]]))
+
 def test_clipped_surrogate_both_signs_and_clip_higher():
     ratios = torch.tensor([[1.5, 0.5, 1.1]])
     mask = torch.ones(1, 3)
@@ -106,7 +137,7 @@ def _reinforce_pp_on_rank(rank, init_file, rewards, out_file):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     half = len(rewards) // 2
-    torch.save(scale_grpo.reinforce_pp_advantages_over_ranks(rewards[rank * half : (rank + 1) * half], 2, True),
+    torch.save(scale_grpo.reinforce_pp_advantages(rewards[rank * half : (rank + 1) * half], 2, True),
                f"{out_file}.{rank}")
     dist.destroy_process_group()
 
@@ -122,7 +153,7 @@ def test_reinforce_pp_normalizes_over_every_rank(tmp_path):
     torch.testing.assert_close(together, grpo.reinforce_pp_advantages(rewards, 2, True), atol=1e-6, rtol=0)
     assert (together[:4] - grpo.reinforce_pp_advantages(rewards[:4], 2, True)).abs().max() > 0.1
     for baseline in (False, True):
-        assert torch.equal(scale_grpo.reinforce_pp_advantages_over_ranks(rewards, 2, baseline),
+        assert torch.equal(scale_grpo.reinforce_pp_advantages(rewards, 2, baseline),
                            grpo.reinforce_pp_advantages(rewards, 2, baseline))
 
 
@@ -299,7 +330,7 @@ def test_an_empty_target_is_one_line_for_the_gold_score(tiny_checkpoints, tmp_pa
 
 
 def test_response_logprobs_are_those_of_the_token_after_each_position():
-    """policy_logprobs (grpo.py) and scale/'s response_logprobs: the log-prob at each response token is that of the
+    """policy_logprobs (grpo.py) and scale/'s policy_logprobs: the log-prob at each response token is that of the
     position before it, at the temperature given (2: the log-softmax of logits / 2)."""
     model = PositionLogits()
     sequences = torch.tensor([[0, 3, 4, 5, 6, 2], [0, 0, 7, 1, 9, 8]])  # context 3 (row 1 left-padded), response 3
@@ -309,13 +340,13 @@ def test_response_logprobs_are_those_of_the_token_after_each_position():
         expected = by_hand(logits / temperature, sequences, [(b, p) for b in range(2) for p in range(3, 6)]).view(2, 3)
         logprobs, _ = grpo.policy_logprobs(model, sequences, attention_mask, 3, temperature)
         torch.testing.assert_close(logprobs, expected)
-        logprobs, _ = scale_grpo.response_logprobs(model, sequences, attention_mask, 3, temperature)
+        logprobs, _ = scale_grpo.policy_logprobs(model, sequences, attention_mask, 3, temperature)
         torch.testing.assert_close(logprobs, expected)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_rows_that_repeat_a_prompt_share_its_forward_pass(arch):
-    """response_logprobs over rows that repeat prompts (one left-padded, responses of unequal length): the prompt
+    """policy_logprobs over rows that repeat prompts (one left-padded, responses of unequal length): the prompt
     pass sees each distinct prompt once, and the log-probs, entropies and gradients are those of one pass over
     prompt + response; rows with distinct prompts take the one pass."""
     from lm_models import make_model
@@ -332,7 +363,7 @@ def test_rows_that_repeat_a_prompt_share_its_forward_pass(arch):
     def logprobs_and_grads(shared):
         model.zero_grad()
         if shared:
-            logprobs, entropy = scale_grpo.response_logprobs(model, sequences, attention_mask, 3, 0.7)
+            logprobs, entropy = scale_grpo.policy_logprobs(model, sequences, attention_mask, 3, 0.7)
         else:  # the one pass, by hand
             logits = model(input_ids=sequences, attention_mask=attention_mask,
                            position_ids=grpo.position_ids_of(attention_mask)).logits[:, 2:-1]
@@ -347,7 +378,7 @@ def test_rows_that_repeat_a_prompt_share_its_forward_pass(arch):
     for a, b in zip(shared[2], one_pass[2]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     batch_sizes.clear()
-    scale_grpo.response_logprobs(model, sequences[::2], attention_mask[::2], 3, 0.7)
+    scale_grpo.policy_logprobs(model, sequences[::2], attention_mask[::2], 3, 0.7)
     assert batch_sizes == [3]
     # off the CPU (a GPU; here the meta device stands in for one) the one pass is taken: no model call made here
     assert scale_grpo.shared_prompt_logprobs(model, sequences.to("meta"), attention_mask.to("meta"), 3, 0.7) is None
@@ -396,10 +427,10 @@ def gold_rewards(tokenizer, sequences, width, mask, missing_eos_penalty=-1.0):
 
 
 def recorded_rollout(module, monkeypatch, rows):
-    """Patch `module`'s sampling (generate; scale/'s sample_in_chunks) to record what it returns; returns a function
+    """Patch `module`'s sampling (generate; scale/'s generate_in_chunks) to record what it returns; returns a function
     giving the call that sampled `rows` completions (the training rollout's size: the evaluation samples another
     number)."""
-    name = "sample_in_chunks" if hasattr(module, "sample_in_chunks") else "generate"
+    name = "generate_in_chunks" if hasattr(module, "generate_in_chunks") else "generate"
     calls, real = [], getattr(module, name)
 
     def recording(*args, **kwargs):

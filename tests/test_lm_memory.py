@@ -65,7 +65,7 @@ def test_gradient_accumulation_gives_the_same_update(tmp_path, script, data, mon
     data = write_data(tmp_path / "d.jsonl", data)
     weights, logs, passes, sampled = [], [], {}, {}
     module = importlib.import_module(script[: -len(".py")].replace("/", "."))
-    real_sample = getattr(module, "sample", None)  # the reward model samples nothing
+    real_sample = getattr(module, "generate", None)  # the reward model samples nothing
     loss_tag = "losses/loss"
     original = LlamaMLP.forward
     for accumulation in (1, 2, 4):
@@ -81,7 +81,7 @@ def test_gradient_accumulation_gives_the_same_update(tmp_path, script, data, mon
         monkeypatch.setattr(LlamaMLP, "forward", forward)
         prompts = sampled[accumulation] = []  # how many prompts each call of the sampler completes
         if real_sample is not None:
-            monkeypatch.setattr(module, "sample", lambda model, ids, *a, _prompts=prompts, **k:
+            monkeypatch.setattr(module, "generate", lambda model, ids, *a, _prompts=prompts, **k:
                                 (_prompts.append(len(ids)), real_sample(model, ids, *a, **k))[1])
         run_in_process(script, *CPU_FLOAT32, "--model-name-or-path", base, "--dataset-name", data, "--max-steps", "10", "--batch-size", "8",
                        "--gradient-accumulation-steps", str(accumulation), "--lr", "1e-3", "--warmup-steps", "1",
@@ -134,8 +134,8 @@ def test_rollout_forward_passes_use_the_update_micro_batch_size(tiny_checkpoints
     import importlib
 
     module = importlib.import_module(script[: -len(".py")].replace("/", "."))
-    real_sample, sampled = module.sample, []  # how many prompts each call of the sampler completes
-    monkeypatch.setattr(module, "sample",
+    real_sample, sampled = module.generate, []  # how many prompts each call of the sampler completes
+    monkeypatch.setattr(module, "generate",
                         lambda model, ids, *a, **k: (sampled.append(len(ids)), real_sample(model, ids, *a, **k))[1])
     from transformers import GPT2LMHeadModel
     from transformers.models.gpt2.modeling_gpt2 import GPT2MLP, GPT2Model

@@ -17,13 +17,13 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason
 
 
 def trained_model_of(script, flags, cwd, monkeypatch):
-    """Run a script in this process and return the model it hands to save_atomically (a peft model)."""
+    """Run a script in this process and return the model it hands to save_model (a peft model)."""
     import importlib
 
     module = importlib.import_module(module_name(script))
     captured = []
-    real = module.save_atomically
-    monkeypatch.setattr(module, "save_atomically", lambda model, *a: (captured.append(model), real(model, *a)))
+    real = module.save_model
+    monkeypatch.setattr(module, "save_model", lambda model, *a: (captured.append(model), real(model, *a)))
     run_in_process(script, *CPU_FLOAT32, *flags, cwd=cwd)
     return captured[0]
 
@@ -156,7 +156,7 @@ def test_the_lora_flags_shape_every_adapter(script):
 
 @pytest.mark.parametrize("script", SCALE_SCRIPTS)
 def test_merge_lora_saves_a_plain_model_that_computes_the_adapted_one(script, tmp_path):
-    """Each script's save_atomically: with --merge-lora, a checkpoint of the base architecture (no adapter files) whose
+    """Each script's save_model: with --merge-lora, a checkpoint of the base architecture (no adapter files) whose
     logits are the adapted model's; without it, the adapter alone."""
     from lm_models import make_model, make_tokenizer
     from transformers import AutoModelForCausalLM
@@ -172,7 +172,7 @@ def test_merge_lora_saves_a_plain_model_that_computes_the_adapted_one(script, tm
                     p.normal_()
             adapted = model(input_ids=ids).logits
         out = str(tmp_path / f"merged-{merge}")
-        module.save_atomically(model, make_tokenizer("eos_no_pad"), args, out, torch.float32)
+        module.save_model(model, make_tokenizer("eos_no_pad"), args, out, torch.float32)
         assert os.path.exists(os.path.join(out, "config.json")) == merge
         assert os.path.exists(os.path.join(out, "adapter_config.json")) == (not merge)
         if merge:

@@ -177,7 +177,7 @@ def rm_eval_loss(path, data):
     model, tokenizer = AutoModelForSequenceClassification.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
     triples = [rm.tokenize_preference(tokenizer, row, rm.stop_token_ids(tokenizer)) for row in eval_rows(data)]
     sequences = [p + c for p, c, _ in triples] + [p + r for p, _, r in triples]
-    rewards = rm.get_rewards(rm.TokenScorer(model), *rm.batch_tensors(sequences, tokenizer.pad_token_id, "cpu"))
+    rewards = rm.sequence_rewards(rm.TokenScorer(model), *rm.batch_tensors(sequences, tokenizer.pad_token_id, "cpu"))
     return rm.bradley_terry_loss(rewards[: len(triples)], rewards[len(triples) :]).item()
 
 
@@ -192,7 +192,7 @@ def dpo_eval_loss(root, data):
     logps = {}
     for name in ("dpo", "sft"):
         model = AutoModelForCausalLM.from_pretrained(root / name).eval()
-        logps[name] = dpo.sequence_logps(model, *dpo.collate(batch, tokenizer.pad_token_id))
+        logps[name] = dpo.completion_logps(model, *dpo.collate(batch, tokenizer.pad_token_id))
     n = len(triples)
     return dpo.dpo_loss(logps["dpo"][:n], logps["dpo"][n:], logps["sft"][:n], logps["sft"][n:], beta=0.5)[0].item()
 
@@ -262,7 +262,7 @@ def test_a_nan_loss_stops_the_run_with_one_line_and_saves_nothing(tmp_path):
 def test_sampling_draws_from_the_models_own_distribution(tmp_path, script):
     """Bug 2: generation_config.json (repetition_penalty, no_repeat_ngram_size, min_new_tokens, top_k, a
     temperature) leaked into sampling, so the tokens sampled did not come from the distribution whose log-probs PPO
-    trains. sample's own loop: greedy, every token is the argmax of one forward pass over prompt + response at its
+    trains. generate's own loop: greedy, every token is the argmax of one forward pass over prompt + response at its
     position (prompts shared by two rows each, left padding, a row that stops early and leaves the batch); sampled,
     the first token's frequencies over 4,000 rows of one prompt are softmax(logits / 0.7)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -278,7 +278,7 @@ def test_sampling_draws_from_the_models_own_distribution(tmp_path, script):
     with torch.no_grad():
         model.lm_head.weight *= 20  # a peaked distribution: the right temperature, and the right position, show
     never = [len(tokenizer) - 1]  # a stop token that greedy sampling does not produce here
-    sample = getattr(script, "sample", None) or script.generate  # the top-level references call it generate
+    sample = script.generate
     sequences, _, width, _ = sample(model, prompts, pad, never, 8, greedy=True)
     stop = [sequences[0, width + 1].item()]  # row 0 stops at its second token; the others go on longer
     steps = []  # the logits of each step after the first, of the rows still running
@@ -393,19 +393,16 @@ def test_sampling_and_scoring_stop_at_the_end_of_turn_token():
         __getattr__ = dict.__getitem__
 
     for script in (rlhf_ppo, scale_dpo, grpo, dpo):
-        sample = getattr(script, "sample", None) or script.generate  # the top-level references call it generate
+        sample = script.generate
         sequences, attention_mask, width, mask = sample(ScriptedModel(), [[3, 4], [6]], pad, stop_ids, 4)
         assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]  # cut after the end-of-turn token
         assert sequences[:, width:].tolist() == [[5, eot, pad, pad], [5, 6, 6, 6]]
         reward = AutoModelForSequenceClassification.from_config(GPT2Config(vocab_size=10, n_embd=8, n_layer=1, n_head=2,
                                                                            num_labels=1, pad_token_id=pad)).eval()
-        if hasattr(script, "response_scores"):  # the top-level references: the scalar head at the last token only
-            scores, has_stop = script.response_scores(reward, sequences, attention_mask, mask, stop_ids, -7.0)
-        else:
-            scores, has_stop = script.score_responses(script.TokenScorer(reward), sequences, attention_mask, mask,
-                                                      stop_ids, -7.0)
+        scorer = script.TokenScorer(reward) if hasattr(script, "TokenScorer") else reward  # scale/: on every token
+        scores, has_stop = script.response_scores(scorer, sequences, attention_mask, mask, stop_ids, -7.0)
         assert has_stop.tolist() == [True, False] and scores[1].item() == -7.0
-        expected = scale_dpo.token_scores(reward, sequences[:1, :4], attention_mask[:1, :4])[0, -1]  # at the eot
+        expected = scale_dpo.scalar_head(reward, sequences[:1, :4], attention_mask[:1, :4])[0, -1]  # at the eot
         assert scores[0].item() == pytest.approx(expected.item(), abs=1e-6)
 
 
@@ -505,8 +502,8 @@ def test_dropout_is_off_also_where_it_is_a_config_number(tmp_path):
         critic = rlhf_ppo.load_no_dropout(rm_path, "score")
         trained_rm = reward_model.load_no_dropout(rm_path, "score")
         # and scale/'s: its four files load these models through one text of load_config (tests/test_copies.py)
-        scale_policy = scale_dpo.load_model(base, "lm", torch.float32, scale_dpo.load_config(base, "lm"))
-        scale_critic = scale_dpo.load_model(rm_path, "score", torch.float32, scale_dpo.load_config(rm_path, "score"))
+        scale_policy = scale_dpo.load_no_dropout(base, "lm", torch.float32, scale_dpo.load_config(base, "lm"))
+        scale_critic = scale_dpo.load_no_dropout(rm_path, "score", torch.float32, scale_dpo.load_config(rm_path, "score"))
         ids = torch.tensor([tokenizer("sort 3 1 2: 1 2 3")["input_ids"] * 4])
         for model in (policy, actor, critic, trained_rm, scale_policy, scale_critic):
             model.train()
@@ -899,7 +896,7 @@ def test_the_task_seeds_evaluations_and_run_name_follow_the_flags(script, flags,
     monkeypatch.setattr(torch, "manual_seed", lambda seed: seeds.append(("torch", seed)) or real_manual_seed(seed))
     monkeypatch.setattr(random, "seed", lambda seed=None, *args: seeds.append(("python", seed)) or real_seed(seed, *args))
     monkeypatch.setattr(random, "Random", Random)
-    sampler = "sample" if script.startswith("scale/") else "generate"
+    sampler = "generate"
     if sampling is not None:
         real_sampler = getattr(module, sampler)
         monkeypatch.setattr(module, sampler, lambda model, prompt_ids, pad, stop_ids, max_new_tokens, temperature=1.0,

@@ -157,7 +157,7 @@ def test_bad_reward_functions_are_one_line(tmp_path, monkeypatch):
     ("return [1.0]", ["'f' returned 1 values for 3 completions"]),
 ])
 def test_a_reward_that_raises_or_is_nan_names_the_function_and_the_sample(body, words):
-    """One line naming the function and what it did: grpo.py's reward_terms; scale/'s reward_table (which also
+    """One line naming the function and what it did: grpo.py's reward_terms; scale/'s reward_terms (which also
     names the sample, found by calling the function on each alone) says the same first."""
     from scale import grpo as scale_grpo
 
@@ -165,7 +165,7 @@ def test_a_reward_that_raises_or_is_nan_names_the_function_and_the_sample(body, 
         return eval(body.removeprefix("return "))
 
     assert words[0] in one_line(grpo.reward_terms, [("f", f)], ["a", "b", "c"], ["x", "", "z"], {})
-    message = one_line(scale_grpo.reward_table, [("f", f)], ["a", "b", "c"], ["x", "", "z"], {})
+    message = one_line(scale_grpo.reward_terms, [("f", f)], ["a", "b", "c"], ["x", "", "z"], {})
     for word in words:
         assert word in message, message
 
@@ -352,7 +352,7 @@ def test_every_scale_script_checks_the_system_prompt_before_loading_a_model(scri
     def refuse(*args, **kwargs):
         raise AssertionError(f"{script} reached a model with --system-prompt on text data")
 
-    monkeypatch.setattr(module, "load_model", refuse)
+    monkeypatch.setattr(module, "load_no_dropout", refuse)
     monkeypatch.setattr(module, "place_model", refuse)
     model = [model_flag, save_checkpoint(str(tmp_path / "chat"), "llama", "chat_eot", "float32")] if model_flag else []
     size = ["--num-train-examples", "16", "--eval-size", "4"] if script == "scale/sft.py" else []

@@ -167,7 +167,7 @@ def test_response_logprobs_are_those_of_the_token_after_each_position():
     logits = model(sequences).logits
     expected = by_hand(logits, sequences, [(b, p) for b in range(2) for p in range(3, 6)]).view(2, 3)
     torch.testing.assert_close(rlhf_ppo.policy_logprobs(model, sequences, attention_mask, 3, 1.0)[0], expected)
-    torch.testing.assert_close(scale_rlhf_ppo.response_logprobs(model, sequences, attention_mask, 3, 1.0)[0], expected)
+    torch.testing.assert_close(scale_rlhf_ppo.policy_logprobs(model, sequences, attention_mask, 3, 1.0)[0], expected)
 
 
 def test_same_seed_same_logs_and_weights(tiny_checkpoints, tmp_path):

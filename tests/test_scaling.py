@@ -37,7 +37,7 @@ def _place_on_rank(rank, init_file, cases, out_file):
     for path, head, fsdp, trained in cases:
         args = type("Args", (), {"fsdp": fsdp, "bf16": False})()
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = dpo.load_model(path, head, torch.float32, dpo.load_config(path, head))
+        model = dpo.load_no_dropout(path, head, torch.float32, dpo.load_config(path, head))
         on_meta = all(p.is_meta for p in model.parameters())
         dpo.prepare_models(tokenizer, dpo.stop_token_ids(tokenizer), [model], [] if trained else [model])
         x = torch.tensor([[1, 5, 9, 13, 2, 7], [3, 4, 8, 6, 11, tokenizer.pad_token_id]])
@@ -207,8 +207,8 @@ def test_evaluation_runs_at_the_micro_batch_size(tiny_checkpoints, tmp_path, mon
         original = module.batch_tensors
         monkeypatch.setattr(module, "batch_tensors", lambda seqs, *a: sizes.append(len(seqs) // 2) or original(seqs, *a))
     else:
-        original = module.sample
-        monkeypatch.setattr(module, "sample", lambda m, ids, *a, **k: sizes.append(len(ids)) or original(m, ids, *a, **k))
+        original = module.generate
+        monkeypatch.setattr(module, "generate", lambda m, ids, *a, **k: sizes.append(len(ids)) or original(m, ids, *a, **k))
     run_in_process(script, *common, cwd=tmp_path)
     assert sizes and max(sizes) == 4, sizes
     if script == "scale/sft.py":  # the flag itself (the same lines in each script)
@@ -226,13 +226,13 @@ def test_no_gradients_live_through_a_rollout(tiny_checkpoints, tmp_path, monkeyp
     holds a gradient (they would be the size of the trained weights, through the whole sampling)."""
     module = sys.modules[module_name(script)]
     held = []
-    original = module.sample_in_chunks
+    original = module.generate_in_chunks
 
     def recorded(model, *a, **k):
         held.append(sum(p.grad is not None for p in model.parameters()))
         return original(model, *a, **k)
 
-    monkeypatch.setattr(module, "sample_in_chunks", recorded)
+    monkeypatch.setattr(module, "generate_in_chunks", recorded)
     reward = (["--reward-model-path", str(tiny_checkpoints["reward_model"])] if script == "scale/rlhf_ppo.py" else [])
     run_in_process(script, "--sft-model-path", str(tiny_checkpoints["sft"]), *reward, *flags, "--num-iterations", "3",
                    "--eval-every", "100", "--eval-size", "2", "--response-length", "3", "--output-dir", "out", cwd=tmp_path)
