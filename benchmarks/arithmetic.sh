@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# The arithmetic task of the README's grpo card, end to end on the CPU: a GSM8K-format file, mapped to the
-# scripts' columns; sft.py; then grpo.py and rlhf_ppo.py with the numeric reward, each from that SFT model.
-# Writes each run's log and wall time to $OUT (benchmarks/arithmetic); summarize with
-# `python benchmarks/summarize_arithmetic.py`. SEED=2 bash benchmarks/arithmetic.sh for another seed;
-# TASK=heldout for the held-out task of benchmarks/make_heldout.py (to $OUT, default benchmarks/heldout).
-# ONLY_SFT=1: the data and the SFT model alone (what benchmarks/grpo_variants.sh starts from); SFT_STEPS: sft.py's
-# --max-steps (750).
+# The data and SFT models of docs/grpo.md's variants tables (ONLY_SFT=1, which benchmarks/grpo_variants.sh starts
+# from), or the arithmetic task end to end on the CPU: a GSM8K-format file (benchmarks/make_arithmetic.py), mapped to
+# the scripts' columns; sft.py; then grpo.py and rlhf_ppo.py with the numeric reward, each from that SFT model.
+# Writes each run's log and wall time to $OUT (benchmarks/arithmetic). SEED=2 for another seed; TASK=heldout for the
+# held-out task (to benchmarks/heldout); SFT_STEPS: sft.py's --max-steps (750).
+#   ONLY_SFT=1 bash benchmarks/arithmetic.sh && TASK=heldout ONLY_SFT=1 bash benchmarks/arithmetic.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seed=${SEED:-1}
@@ -14,7 +13,7 @@ out=${OUT:-benchmarks/$task}/seed$seed
 mkdir -p "$out"
 response_length=24  # the longest answer and its EOS: 24 bytes (ByT5's tokens) on the arithmetic task, 36 held out
 if [ "$task" = heldout ]; then
-    python benchmarks/make_heldout.py --out "$out/gsm8k_format.jsonl" --num-rows 6000 --seed "$seed"
+    python benchmarks/make_arithmetic.py --task heldout --out "$out/gsm8k_format.jsonl" --num-rows 6000 --seed "$seed"
     response_length=40
 else
     python benchmarks/make_arithmetic.py --out "$out/gsm8k_format.jsonl" --num-rows 6000 --seed "$seed"

@@ -1,4 +1,5 @@
-"""Break a script on purpose, run its tests, and say which fail: the check that a test guards what it claims to.
+"""Break a script on purpose, run its tests, and say which fail: the check that a test guards what it claims to
+(docs/tests.md says how to run it).
 
 Each break below changes one line of one script, in a copy of the repository (the checkout is never touched),
 then runs that script's test file; a break that no test catches is a hole in the tests.

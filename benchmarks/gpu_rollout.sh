@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# grpo.py against TRL's GRPOTrainer on one GPU, side by side: a random Qwen2 of Qwen2.5-0.5B's shape
+# docs/scaling.md's table of scale/grpo.py against TRL's GRPOTrainer on one GPU, side by side: a random Qwen2 of Qwen2.5-0.5B's shape
 # (benchmarks/random_qwen.py: prompts of about 200 tokens), 256 completions per rollout (32 prompts × 8) of 128 new
 # tokens, minibatches of 64 in micro-batches of 16, μ = 2, β = 0.04, exact match as the reward, bfloat16 autocast
 # over float32 weights on both sides, ITERATIONS rollouts (default 3). PAIRS alternating pairs (default 3), each

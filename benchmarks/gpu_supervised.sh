@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# docs/scaling.md's table of the supervised scripts on one GPU:
 # scale/sft.py, scale/reward_model.py and scale/dpo.py against TRL's SFTTrainer, RewardTrainer and DPOTrainer
 # (benchmarks/trl_supervised.py), side by side on one GPU, alternating: benchmarks/random_qwen.py's random Qwen2 of
 # Qwen2.5-0.5B's shape and its data (rows of about 250 tokens), BATCH samples or pairs per step (default 8) in one
@@ -10,9 +11,7 @@
 # SCRIPTS="sft dpo" runs some of the three; DATA=DIR takes DIR/base, DIR/sft.jsonl and DIR/pref.jsonl instead of
 # making them (`python benchmarks/random_qwen.py DIR --tiny`: a tiny model, to try the commands on the CPU).
 # Both sides also report the steady speed, after the first WARMUP_STEPS steps (default 10; benchmarks/step_clock.py),
-# which a real run's thousands of steps see; the tables give both. CANDIDATES=a,b runs the scripts with
-# benchmarks/candidates.py's training-throughput candidates (fused_adamw, whole_head, compile), and AGAINST=plain puts
-# them against the same script without them instead of TRL. PROFILE_STEPS=N runs each side once with a profile of N
+# which a real run's thousands of steps see; the tables give both. PROFILE_STEPS=N runs each side once with a profile of N
 # steps after the warmup instead of the pairs (the GPU's busy fraction, kernels per step, the longest kernels).
 # Each script's pairs start with an untimed run of the first side (UNTIMED_FIRST=1 of benchmarks/rollout_speed.py;
 # UNTIMED_FIRST=0 to skip it): on one H100, TRL's two runs that came first after an idle GPU were the slow ones.
@@ -36,14 +35,8 @@ for name in ${SCRIPTS:-sft reward_model dpo}; do
       $ours_precision --output-dir $out/$name $extra"
   trl="$TRL_PYTHON $ROOT/benchmarks/trl_supervised.py $name --model $work/base --dataset $work/$data --max-length 1024
       --batch-size $B --max-steps $S --lr 1e-5 --warmup-steps 1 $trl_precision"
-  mine="scale/$name.py${CANDIDATES:+ with $CANDIDATES}"
-  if [ "${AGAINST:-TRL}" = plain ]; then
-    echo "## $mine against scale/$name.py on $device, batch $B, $S steps"
-    set -- "scale/$name.py=env CANDIDATES= $(echo $ours)" "$mine=env CANDIDATES=${CANDIDATES:-} $(echo $ours)"
-  else
-    echo "## $mine against TRL $($TRL_PYTHON -c 'import trl; print(trl.__version__)') on $device, batch $B, $S steps"
-    set -- "TRL=$(echo $trl)" "$mine=env CANDIDATES=${CANDIDATES:-} $(echo $ours)"
-  fi
+  echo "## scale/$name.py against TRL $($TRL_PYTHON -c 'import trl; print(trl.__version__)') on $device, batch $B, $S steps"
+  set -- "TRL=$(echo $trl)" "scale/$name.py=$(echo $ours)"
   if [ -n "${PROFILE_STEPS:-}" ]; then
     for side in "$@"; do
       echo "### ${side%%=*}"

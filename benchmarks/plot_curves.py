@@ -1,4 +1,4 @@
-"""The README's learning curves, from the TensorBoard runs of the benchmark scripts.
+"""The learning curves of the docs pages (docs/curves/*.svg), from the TensorBoard runs of the benchmark scripts.
 
     python benchmarks/plot_curves.py                  # reads benchmarks/runs and runs/, writes docs/curves/*.svg
 

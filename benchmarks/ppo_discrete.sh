@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Benchmarks of ppo_clip.py and ppo_kl.py: 3 seeds each, two runs at a time (one per core).
-# Writes TensorBoard runs to benchmarks/runs/, then prints the README table and draws the curves.
+# docs/ppo_clip.md's and ppo_kl.md's results: ppo_clip.py and ppo_kl.py, 3 seeds each, two runs at a time (one per
+# core). Writes TensorBoard runs to benchmarks/runs/, then prints the tables and draws the curves and β's figure.
 #   bash benchmarks/ppo_discrete.sh
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -15,6 +15,5 @@ wait
 # ppo_kl.py at ppo_clip.py's learning rate, schedule and epochs, where the penalty switches itself off (one seed)
 python ../ppo_kl.py --env-id CartPole-v1 --learning-rate 2.5e-4 --anneal-lr --update-epochs 4 \
   --exp-name ppo_kl_clip_defaults --seed 1 > /dev/null
-python summarize_ppo.py runs
-python plot_ppo_kl_beta.py runs ../docs/ppo_kl_beta.svg
+python summarize_ppo.py runs --beta-figure ../docs/ppo_kl_beta.svg
 (cd .. && python benchmarks/plot_curves.py)

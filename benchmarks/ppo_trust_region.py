@@ -1,4 +1,4 @@
-"""The trust-region table and figure (PPO paper, Table 1, on discrete tasks): what clipping and the KL
+"""docs/ppo_kl.md's trust-region table and figure (PPO paper, Table 1, on discrete tasks): what clipping and the KL
 penalty do in a regime where unconstrained updates overshoot. Reads the runs of ppo_trust_region.sh.
 
     python benchmarks/ppo_trust_region.py benchmarks/trust_region/runs docs/curves/trust_region.svg

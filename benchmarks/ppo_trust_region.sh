@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The PPO paper's Table 1 on discrete tasks: no constraint, clipping, adaptive KL, fixed-β KL, all else equal,
+# docs/ppo_kl.md's trust-region table, the PPO paper's Table 1 on discrete tasks: no constraint, clipping, adaptive KL, fixed-β KL, all else equal,
 # in a regime where unconstrained updates overshoot (lr 1e-3 without annealing, 10 epochs: ppo_kl.py's defaults;
 # ppo_clip.py's are 2.5e-4 annealed, 4 epochs). 3 variants × 2 envs × 5 seeds, 200k steps each, JOBS runs at a
 # time (default 2). Writes TensorBoard runs to benchmarks/trust_region/runs/, then prints the table (mean and 95%

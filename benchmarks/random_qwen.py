@@ -1,6 +1,6 @@
 """A random Qwen2 of Qwen2.5-0.5B's shape (24 layers, 896 wide, 151,936-token vocabulary: 494M parameters, saved in
 bf16) with a small tokenizer trained on the fly, and data of about 250 tokens per prompt and completion, for the GPU
-benchmarks (gpu_steps.sh, gpu_rollout.sh); no download:
+benchmarks of docs/scaling.md (gpu_rollout.sh, gpu_supervised.sh, decode_speed.py); no download:
 
     python benchmarks/random_qwen.py DIR    # DIR/base, DIR/sft.jsonl, DIR/pref.jsonl, DIR/prompts.jsonl
     python benchmarks/random_qwen.py DIR --tiny    # 2 layers, 64 wide, the tokenizer's vocabulary: the same

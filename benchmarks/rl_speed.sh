@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Throughput of ppo_clip.py and ppo_continuous.py as a ratio to CleanRL's ppo.py and ppo_continuous_action.py, side
+# docs/ppo_clip.md's and ppo_continuous.md's speed tables: ppo_clip.py and ppo_continuous.py as a ratio to CleanRL's ppo.py and ppo_continuous_action.py, side
 # by side: in each pair the programs run one after the other, alternating, on an otherwise idle machine, each with
 # its own defaults (the same networks and hyperparameters), at the same torch thread count (1: ours --threads 1,
 # CleanRL OMP_NUM_THREADS=1) and CleanRL also at its own default (torch's, one thread per core). Then the
 # environment alone, stepped as the scripts step it with random actions: the limit a training loop cannot pass.
 #   bash benchmarks/rl_speed.sh BASELINE_DIR [PAIRS]       # PAIRS=3 by default; 2.5 to 5 minutes a pair here (the speed varies between sessions)
 # BASELINE_DIR holds cleanrl_ppo.py and cleanrl_ppo_continuous_action.py, CleanRL's files ported to gymnasium 1.x
-# (kept outside this repo; how to make them: docs/rl_notes.md). CartPole-v1 runs 102,400 steps (50 iterations),
+# (kept outside this repo; how to make them: docs/ppo_clip.md). CartPole-v1 runs 102,400 steps (50 iterations),
 # HalfCheetah-v5 40,960 (20 iterations): steps/s is each run's last SPS, over its whole loop.
 set -euo pipefail
 BASELINE=$(cd "$1" && pwd)
@@ -28,7 +28,24 @@ for i in $(seq "$PAIRS"); do
   echo "HalfCheetah-v5 cleanrl-default $(base default "$BASELINE/cleanrl_ppo_continuous_action.py" --total-timesteps 40960)" | tee -a log
 done
 for env_id in CartPole-v1 HalfCheetah-v5; do
-  echo "$env_id env-only $(OMP_NUM_THREADS=1 python "$REPO/benchmarks/env_only_sps.py" "$env_id" 2>/dev/null)" | tee -a log
+  # the environment alone, stepped as the scripts step it (same-step autoreset, 4 envs for discrete actions, 1 for
+  # Box ones), random actions drawn beforehand: no training loop can be faster
+  echo "$env_id env-only $(OMP_NUM_THREADS=1 python - "$env_id" 2>/dev/null <<'PY'
+import sys, time
+import gymnasium as gym
+env_id, steps = sys.argv[1], 40_960
+num_envs = 4 if isinstance(gym.make(env_id).action_space, gym.spaces.Discrete) else 1
+envs = gym.vector.SyncVectorEnv([lambda: gym.make(env_id) for _ in range(num_envs)],
+                                autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+envs.action_space.seed(0)
+actions = [envs.action_space.sample() for _ in range(steps // num_envs)]
+envs.reset(seed=0)
+start = time.perf_counter()
+for action in actions:
+    envs.step(action)
+print(f"{steps // num_envs * num_envs / (time.perf_counter() - start):.0f}")
+PY
+)" | tee -a log
 done
 python - log <<'PY'
 import sys

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The RLHF pipeline on the built-in task with every default, timed, then the README table.
-# Run it on an otherwise idle machine: the times are part of what it measures.
+# The figures of docs/sft.md, reward_model.md, rlhf_ppo.md, dpo.md and grpo.md (the built-in task, every default):
+# the pipeline in order, each run timed, then the one table of all of them (benchmarks/summarize_rlhf.py).
+# Run it on an otherwise idle machine (the times are part of what it measures); about 15 minutes on 2 CPU cores.
 #   bash benchmarks/rlhf_pipeline.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-for cmd in "sft.py" "reward_model.py" "rlhf_ppo.py" "dpo.py" \
-           "rlhf_ppo.py --kl-coef 0 --exp-name rlhf_ppo_kl0 --output-dir models/rlhf_ppo_kl0"; do
+for cmd in "sft.py" "reward_model.py" "rlhf_ppo.py" "dpo.py" "grpo.py" \
+           "rlhf_ppo.py --kl-coef 0 --exp-name rlhf_ppo_kl0 --output-dir models/rlhf_ppo_kl0" \
+           "grpo.py --reward-model-path models/reward_model --exp-name grpo_rm --output-dir models/grpo_rm"; do
   start=$(date +%s)
   python $cmd > "benchmarks/$(echo "$cmd" | tr ' /' '__').log"
   echo "python $cmd: $(( $(date +%s) - start )) s"

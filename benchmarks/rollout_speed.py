@@ -1,4 +1,4 @@
-"""Two commands that each print a JSON line with completions_per_s (benchmarks/rollout_timer.py,
+"""The pairs of docs/scaling.md's speed tables (gpu_rollout.sh, gpu_supervised.sh run it). Two commands that each print a JSON line with completions_per_s (benchmarks/rollout_timer.py,
 benchmarks/trl_grpo.py) or samples_per_second (benchmarks/gpu_step.py, benchmarks/trl_supervised.py), run side by
 side: python benchmarks/rollout_speed.py PAIRS 'A=COMMAND' 'B=COMMAND'
 
@@ -8,7 +8,7 @@ its median and range, the same of the steady speed after a warmup where both sid
 (benchmarks/step_clock.py), and the mean seconds of each part where the commands were given --profile. Run it alone
 on an idle machine. UNTIMED_FIRST=1 runs A once more before the pairs and leaves that run out, so that no timed run
 comes right after an idle GPU: on one H100, TRL's SFTTrainer ran at 30.2 and 30.5 steady samples/s where it came
-first in a call and at 43.8 right after another run (docs/rollout_speed.md)."""
+first in a call and at 43.8 right after another run (docs/scaling.md)."""
 import json
 import os
 import shlex

@@ -1,5 +1,5 @@
-"""The training loop's speed of scale/grpo.py or scale/rlhf_ppo.py (or, at aee7bdc and before, the top-level files,
-which were those programs), and where its time goes, as one JSON line:
+"""The training loop's speed of scale/grpo.py or scale/rlhf_ppo.py, and where its time goes, as one JSON line: our
+side of docs/scaling.md's table against TRL's GRPOTrainer (benchmarks/gpu_rollout.sh runs it).
 
     python benchmarks/rollout_timer.py PATH/scale/grpo.py [--profile] [--attention-math] [--eager-sampling] [flags]
 
@@ -12,14 +12,13 @@ rest, the update (forward, backward, AdamW), and the tokens sampled in the loop 
 over the generation's seconds). The timers cost a few microseconds a call; on CUDA each waits for the device
 (torch.cuda.synchronize) at its start and end, so that a part's seconds are its own kernels'. With --attention-math,
 the whole run takes scaled_dot_product_attention's math kernel (torch.nn.attention.sdpa_kernel) instead of the flash
-kernel torch picks on the CPU, whose bfloat16 backward is slow at the built-in task's short sequences
-(benchmarks/update_floor.py); the scripts themselves leave the choice to torch. With --eager-sampling, a script that
+kernel torch picks on the CPU, whose bfloat16 backward is slow at the built-in task's short sequences; the scripts
+themselves leave the choice to torch. With --eager-sampling, a script that
 samples on CUDA with sample_tokens_graphed (the step as a CUDA graph) takes the eager loop, sample_tokens, instead:
-the two side by side. CANDIDATES=a,b puts benchmarks/candidates.py's training-throughput candidates into the script."""
+the two side by side."""
 import contextlib
 import importlib.util
 import json
-import os
 import sys
 import time
 
@@ -27,15 +26,11 @@ import torch
 import tyro
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import candidates  # noqa: E402
-
 
 def main():
     path, flags = sys.argv[1], sys.argv[2:]
     profile, attention_math, eager = "--profile" in flags, "--attention-math" in flags, "--eager-sampling" in flags
     flags = [f for f in flags if f not in ("--profile", "--attention-math", "--eager-sampling")]
-    candidates.apply(candidates.from_environment())
     spec = importlib.util.spec_from_file_location("script_under_test", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

@@ -1,4 +1,5 @@
-"""Same seed, same results: run every script briefly from a repo checkout and fingerprint what it computed.
+"""Same seed, same results: run every script briefly from a repo checkout and fingerprint what it computed (the
+check of docs/tests.md that a change computes what the commit before did).
 
 A refactor that claims to change no computation is checked by running this on the commit before and after
 and comparing the two files. Each script runs in a fresh folder with fixed seeds on the CPU, one thread; the

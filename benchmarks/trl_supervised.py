@@ -1,5 +1,5 @@
 """TRL's SFTTrainer, RewardTrainer or DPOTrainer with the settings of scale/sft.py, scale/reward_model.py or
-scale/dpo.py, for benchmarks/gpu_supervised.sh. It runs in TRL's own environment (docs/rollout_speed.md says how
+scale/dpo.py, for benchmarks/gpu_supervised.sh. It runs in TRL's own environment (docs/scaling.md says how
 to make one; on a lent GPU, TRL and its needs carried as wheels), never in this repo's:
 
     TRL_PYTHON benchmarks/trl_supervised.py sft|reward_model|dpo --model M --dataset D.jsonl [--gpu] \

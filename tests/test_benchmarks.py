@@ -1,7 +1,7 @@
-"""The benchmark tools: plot_curves.py must refuse to mix runs; the rollout timers must time what they say."""
+"""The benchmark tools: plot_curves.py and summarize_ppo.py must refuse to mix runs; the rollout timers must time what they
+say; the generated tasks are what docs/grpo.md says."""
 import glob
 import os
-import subprocess
 import sys
 
 import pytest
@@ -10,8 +10,6 @@ from torch.utils.tensorboard import SummaryWriter
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import make_arithmetic  # noqa: E402
-import make_heldout  # noqa: E402
-import plot_ppo_kl_beta  # noqa: E402
 import rollout_speed  # noqa: E402
 import summarize_variants  # noqa: E402
 
@@ -80,7 +78,9 @@ def test_the_beta_plot_reads_runs_where_the_penalty_binds_and_where_it_vanishes(
         writer.add_scalar("charts/kl_coef", beta, 512 * (i + 1))
         writer.add_scalar("losses/kl", 0.01, 512 * (i + 1))
     writer.close()
-    plot_ppo_kl_beta.main(str(tmp_path), str(tmp_path / "beta.svg"))
+    import summarize_ppo  # here, not at the top: it imports plot_curves, whose pyplot costs every worker's collection
+
+    summarize_ppo.beta_figure(str(tmp_path), str(tmp_path / "beta.svg"))
     assert words in capsys.readouterr().out and (tmp_path / "beta.svg").read_text().startswith("<svg")
 
 
@@ -185,7 +185,7 @@ def test_the_step_clock_times_the_optimizer_steps_after_the_warmup(monkeypatch):
 
 
 def test_the_held_out_task_is_another_task_whose_answers_are_right():
-    """make_heldout.py's problems: every answer's work and its `####` number are right, the gold reward
+    """make_arithmetic.py's held-out problems: every answer's work and its `####` number are right, the gold reward
     (numeric_match) gives the answer itself 1, a quarter take two steps, and they share no question with the
     arithmetic task (another operation, other sentences); its answers run longer (arithmetic.sh samples 40 tokens)."""
     import random
@@ -193,7 +193,7 @@ def test_the_held_out_task_is_another_task_whose_answers_are_right():
     import grpo
 
     rng = random.Random(1)
-    rows = [make_heldout.problem(rng) for _ in range(400)]
+    rows = [make_arithmetic.heldout_problem(rng) for _ in range(400)]
     two_steps = 0
     for row in rows:
         work, number = row["answer"].split("\n#### ")
@@ -240,126 +240,3 @@ def test_the_step_clock_profiles_the_steps_after_the_warmup():
         assert profile["gpu_busy"] is None and profile["kernels_per_step"] is None
         assert profile["top_ops_ms_per_step"][0][0] == "aten::mm", profile["top_ops_ms_per_step"]
         assert ops["Optimizer.step#SGD.step"] == 1.0, profile["top_ops_ms_per_step"]
-
-
-def test_the_throughput_candidates_change_what_they_say(tmp_path, monkeypatch):
-    """benchmarks/candidates.py, applied in a process of its own: fused_adamw makes every AdamW the fused kernel;
-    whole_head runs a checkpointed function once (no recomputation in the backward pass); compile compiles each
-    transformer block where it computes gradients (a graph made by torch.compile) and leaves it eager without them
-    (none). An unknown name is one line. On the CPU the compiled graph runs through aot_eager (dynamo's graph and
-    autograd's, no C++ build: the probe took 29 s with inductor, 16 s with aot_eager, one run each on 2 cores); on
-    CUDA, inductor's Triton."""
-    probe = tmp_path / "probe.py"
-    probe.write_text(f"""
-import sys
-sys.path.insert(0, {os.path.join(ROOT, "benchmarks")!r})
-import torch
-import candidates
-if not torch.cuda.is_available():
-    import functools
-    torch.compile = functools.partial(torch.compile, backend="aot_eager")
-candidates.apply(candidates.from_environment())
-from torch._dynamo.utils import counters
-from torch.utils.checkpoint import checkpoint
-from transformers import GPT2Config, GPT2LMHeadModel
-calls = []
-x = torch.ones(3, requires_grad=True)
-checkpoint(lambda t: calls.append(1) or t * t, x, use_reentrant=False).sum().backward()  # t saved: recomputed
-device = "cuda" if torch.cuda.is_available() else "cpu"
-model = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=2)).to(device)
-tokens = torch.tensor([[1, 2]], device=device)
-with torch.no_grad():
-    model(tokens, use_cache=False)
-without_gradients = counters["stats"]["unique_graphs"]
-model(tokens, use_cache=False).logits.sum().backward()
-print(torch.optim.AdamW(model.parameters()).defaults["fused"], len(calls), without_gradients,
-      counters["stats"]["unique_graphs"])
-""")
-    seen = {}
-    for names in ("", "fused_adamw", "whole_head", "compile"):
-        proc = subprocess.run([sys.executable, str(probe)], env={**os.environ, "CANDIDATES": names},
-                              capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        seen[names] = proc.stdout.split()
-    assert seen[""] == ["None", "2", "0", "0"]
-    assert seen["fused_adamw"] == ["True", "2", "0", "0"]
-    assert seen["whole_head"] == ["None", "1", "0", "0"]
-    assert seen["compile"][:3] == ["None", "2", "0"] and int(seen["compile"][3]) >= 1, seen["compile"]
-    import candidates
-
-    monkeypatch.setenv("CANDIDATES", "fused")
-    with pytest.raises(SystemExit) as stop:  # sys.exit's one line on stderr
-        candidates.from_environment()
-    assert stop.value.code == "error: unknown CANDIDATES ['fused']: choose from fused_adamw, whole_head, compile"
-
-
-def test_code_lines_count_code_only_and_the_algorithm_by_its_sections():
-    """benchmarks/code_lines.py, counted by hand on a small file: docstrings (the module's, a function's, an Args
-    field's), comments and blank lines are not code; a statement over two lines is two. The algorithm is the math
-    section (its header to check_args) and main's "# ---- rollout" and "# ---- update" sections, up to the next
-    "# ---- " comment."""
-    import code_lines
-
-    text = '''"""A module docstring
-over two lines."""
-import os
-
-
-class Args:
-    seed: int = 1
-    """a field's docstring"""
-
-
-# ---------------------------------------------------------------------------------------------
-# The math: one function
-# ---------------------------------------------------------------------------------------------
-def loss(x):
-    """Its equation."""
-    y = x + 1  # a comment after code
-    return (y
-            * 2)
-
-
-def check_args(args):
-    pass
-
-
-def main():
-    # a comment alone
-    a = 1
-    # ---- rollout: counted --------------------------------------------------
-    b = a + 1
-
-    c = b + 1
-    # ---- log: not counted --------------------------------------------------
-    print(c)
-    # ---- update: counted ---------------------------------------------------
-    return c
-'''
-    # code: import, class, seed, def loss, y, return (2), def check_args, pass, def main, a, b, c, print, return
-    assert code_lines.code_lines(text) == 15
-    # the math: def loss, y, return (2 lines); rollout: b, c; update: return c
-    assert code_lines.algorithm_lines(text) == 7
-
-
-@pytest.mark.slow  # about 2.5 s: each cut copy parsed and counted
-def test_each_priced_cut_applies_to_todays_files_and_drops_what_it_says():
-    """benchmarks/cap_prices.py: every cut still finds its anchors in the top-level files, the cut copy is Python with
-    fewer code lines, what the cut says it drops is gone from it, and the training loop is still there."""
-    import cap_prices
-    import code_lines
-
-    gone = {cap_prices.no_save_dtype: ["save_dtype:", "args.save_dtype"],
-            cap_prices.sft_no_messages: ['example.get("messages")', '("messages",)'],
-            cap_prices.sft_no_text: ['example["text"]', '("text",)'],
-            cap_prices.sft_no_gold_eval: ['"eval/gold_accuracy', "def generate(", "max_new_tokens"],
-            cap_prices.dpo_no_eval_score: ['"eval/score"', "reward_model_path", "def response_scores("],
-            cap_prices.dpo_no_sampled_eval: ['"eval/kl"', '"eval/gold_accuracy"', "def generate(", "response_length"]}
-    for _, plan in cap_prices.PRICES:
-        for script, cuts in plan.items():
-            before = cap_prices.source(script)
-            after = cap_prices.apply(script, cuts)
-            assert code_lines.code_lines(after) < code_lines.code_lines(before), (script, cuts)
-            for cut in cuts:
-                assert all(text not in after for text in gone[cut]), (script, cut)
-            assert all(text in after for text in ("def main(args: Args):", ".backward()", "optimizer.step()"))
