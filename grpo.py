@@ -22,7 +22,7 @@ newly sampled ones (--dynamic-sampling, DAPO).
     python sft.py && python grpo.py                      # built-in task: the gold score is the reward
     python grpo.py --reward-model-path models/reward_model   # the reward model of reward_model.py instead
     python grpo.py --advantage rloo                      # RLOO
-    python grpo.py --dynamic-sampling                    # the recommended start (docs/grpo_variants.md)
+    python grpo.py --dynamic-sampling                    # the recommended start (docs/grpo.md)
     python grpo.py --sft-model-path my-sft --dataset-name math.jsonl --reward-fn numeric_match --lr 1e-6
 
 This is the one-device reference. scale/grpo.py computes the same thing and adds what larger runs need:
@@ -456,6 +456,7 @@ def main(args: Args):
     print(f"{1 + (ref is not None) + (reward is not None)} model(s) in memory: the policy"
           + (", the reference" if ref is not None else "") + (", the reward model" if reward is not None else ""))
     names = [name for name, _ in functions] + (["reward_model"] if reward is not None else [])  # the reward terms
+    # the reward of each completion: Σ_k w_k r_k over the reward terms, then the length terms (completion_rewards)
     rewards_of = functools.partial(completion_rewards, tokenizer=tokenizer, functions=functions, weights=weights,
                                    reward=reward, stop_ids=stop_ids, args=args)
 

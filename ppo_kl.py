@@ -68,7 +68,7 @@ class Args:
     learning_rate: float = 1e-3
     """Adam learning rate (rlhf_ppo.py: --lr). ppo_clip.py's 2.5e-4 (annealed) moves the policy by less than
     d_targ/1.5 per update, so β halves after nearly every update and is below 1e-6 from update 21; at 1e-3, constant,
-    with 10 epochs, an update pushes against the penalty and β adapts (see the README)"""
+    with 10 epochs, an update pushes against the penalty and β adapts (docs/ppo_kl.md)"""
     num_envs: int = 4
     """number of parallel environments"""
     num_steps: int = 128

@@ -22,13 +22,13 @@ newly sampled ones (--dynamic-sampling, DAPO).
     python sft.py && python scale/grpo.py                      # built-in task: the gold score is the reward
     python scale/grpo.py --reward-model-path models/reward_model   # the reward model of reward_model.py instead
     python scale/grpo.py --advantage rloo                      # RLOO
-    python scale/grpo.py --dynamic-sampling                    # the recommended start (docs/grpo_variants.md)
+    python scale/grpo.py --dynamic-sampling                    # the recommended start (docs/grpo.md)
     python scale/grpo.py --sft-model-path my-sft --dataset-name math.jsonl --reward-fn numeric_match --lr 1e-6 --bf16
 
 The full program. Take it instead of the top-level grpo.py, the one-device reference, for torchrun (DDP, FSDP2),
 LoRA, gradient accumulation and checkpointing, or checkpoints that resume exactly; on one process it computes what
 grpo.py computes (tests/test_tiers.py). On one GPU it samples with the token step replayed as a CUDA graph
-(`sample_tokens_graphed`; its speed against the eager loop and TRL: docs/rollout_speed.md).
+(`sample_tokens_graphed`; its speed against the eager loop and TRL: docs/scaling.md).
 """
 import datetime
 import decimal
@@ -1377,7 +1377,7 @@ def shared_prompt_logprobs(model, sequences, attention_mask, context_length, tem
     gradients flow through the cache like any activation. None, for one pass instead, when no prompt repeats, the
     responses are one token long, with activation checkpointing (which keeps no cache), or on a GPU: there a pass
     costs its kernel launches more than its FLOPs, and two passes took twice as long as one (an H100, a 0.5B model,
-    8 completions of each 200-token prompt in micro-batches of 16: docs/rollout_speed.md); on the CPU the FLOPs
+    8 completions of each 200-token prompt in micro-batches of 16, measured once); on the CPU the FLOPs
     saved count."""
     if sequences.device.type != "cpu" or any(getattr(m, "gradient_checkpointing", False) is True
                                              for m in model.modules()):

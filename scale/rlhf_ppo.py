@@ -19,7 +19,7 @@ a reward model, three models are in memory and the critic starts from the SFT mo
 The full program. Take it instead of the top-level rlhf_ppo.py, the one-device reference, for torchrun (DDP, FSDP2),
 LoRA, gradient accumulation and checkpointing, or checkpoints that resume exactly; on one process it computes what
 rlhf_ppo.py computes (tests/test_tiers.py). On one GPU it samples with the token step replayed as a CUDA graph
-(`sample_tokens_graphed`; its speed against the eager loop and TRL: docs/rollout_speed.md).
+(`sample_tokens_graphed`; its speed against the eager loop and TRL: docs/scaling.md).
 """
 import datetime
 import decimal
@@ -1218,7 +1218,7 @@ def shared_prompt_logprobs(model, sequences, attention_mask, context_length, tem
     gradients flow through the cache like any activation. None, for one pass instead, when no prompt repeats, the
     responses are one token long, with activation checkpointing (which keeps no cache), or on a GPU: there a pass
     costs its kernel launches more than its FLOPs, and two passes took twice as long as one (an H100, a 0.5B model,
-    8 completions of each 200-token prompt in micro-batches of 16: docs/rollout_speed.md); on the CPU the FLOPs
+    8 completions of each 200-token prompt in micro-batches of 16, measured once); on the CPU the FLOPs
     saved count."""
     if sequences.device.type != "cpu" or any(getattr(m, "gradient_checkpointing", False) is True
                                              for m in model.modules()):

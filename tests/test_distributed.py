@@ -81,7 +81,7 @@ def test_two_ranks_give_the_same_update_as_one_process(tmp_path, script, data):
         assert weights[name].keys() == weights["one"].keys()
         for key in weights["one"]:
             torch.testing.assert_close(weights[name][key], weights["one"][key], atol=1e-4, rtol=0, msg=(name, key))
-        if os.environ.get("LM_EQUIVALENCE_REPORT"):  # the figures quoted in the README
+        if os.environ.get("LM_EQUIVALENCE_REPORT"):  # a report of the largest differences, on request
             with open(os.environ["LM_EQUIVALENCE_REPORT"], "a") as f:
                 f.write(json.dumps({"script": script, "data": data, "run": name, "max_weight_difference": max(
                     (weights[name][k] - weights["one"][k]).abs().max().item() for k in weights["one"]),

@@ -91,8 +91,8 @@ def test_exact_resume_one_process(tiny_checkpoints, tmp_path, script):
 @pytest.mark.parametrize("script,fsdp", [("scale/sft.py", False), ("scale/rlhf_ppo.py", True)], ids=["sft-ddp", "rlhf_ppo-fsdp"])
 def test_exact_resume_two_ranks(tiny_checkpoints, tmp_path, script, fsdp):
     """torchrun, 2 gloo ranks: under --fsdp each rank saves and loads its own shards (torch.distributed.checkpoint).
-    Two of the four cells of docs/long_runs.md's table (sft with --fsdp and rlhf_ppo with DDP: measured there, not
-    run in CI, for its 15 minutes)."""
+    Two cells of script × mode (sft with --fsdp and rlhf_ppo with DDP also hold, and are not run in CI, for its
+    20 minutes)."""
     flags, n = lm_flags(script, tiny_checkpoints["cwd"] / "models")
     check_exact_resume(script, flags + ["--fsdp"] * fsdp, n, tmp_path, run=torchrun)
 
