@@ -620,4 +620,4 @@ def save_model(model, tokenizer, args, output_dir, dtype):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(tyro.cli(Args, description=__doc__))

@@ -51,3 +51,23 @@ def test_every_tag_the_script_names_is_in_docs_tags(script):
     tags = set(re.findall(rf'"((?:{prefixes})/[a-z_0-9/]*[a-z_0-9])"', source))  # not a prefix such as "rewards/"
     assert len(tags) >= 5, tags  # the pattern still finds the script's tags
     assert tags <= documented, sorted(tags - documented)
+
+
+@pytest.mark.parametrize("script", ALL_SCRIPTS)
+def test_help_shows_what_the_script_implements(script):
+    """`python X.py --help` is the manual: tyro is handed the module docstring (what the script implements and its
+    example commands), in every script of both tiers."""
+    with open(os.path.join(ROOT, f"{script}.py"), encoding="utf-8") as f:
+        source = f.read()
+    assert source.count("tyro.cli(Args, description=__doc__)") == 1
+
+
+@pytest.mark.slow
+def test_help_of_sft_prints_its_docstring():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "sft.py"), "--help"], capture_output=True, text=True,
+                          env=dict(os.environ, COLUMNS="200"), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Supervised fine-tuning" in proc.stdout and "python sft.py --model-name-or-path" in proc.stdout
