@@ -1,6 +1,7 @@
-"""docs/scaling.md's sampling speed on one GPU: scale/grpo.py's `generate` with its two loops on a random Qwen2 of Qwen2.5-0.5B's shape
-(benchmarks/random_qwen.py's model, built here in memory): ROWS rows (prompts of 164 tokens, each repeated 8
-times, as GRPO's groups) × 128 new tokens, under bf16 autocast over float32 weights as the scripts sample, warm.
+"""docs/scaling.md's sampling speed on one GPU: scale/grpo.py's `generate` with its two loops on a random Qwen2 of
+Qwen2.5-0.5B's shape (benchmarks/random_qwen.py's model, built here in memory): ROWS rows (prompts of 164 tokens, each
+repeated 8 times, as GRPO's groups) × 128 new tokens, under bf16 autocast over float32 weights as the scripts sample,
+warm.
 
     python benchmarks/decode_speed.py [ROWS ...]      # default 256 64
 

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# docs/scaling.md's table of scale/grpo.py against TRL's GRPOTrainer on one GPU, side by side: a random Qwen2 of Qwen2.5-0.5B's shape
-# (benchmarks/random_qwen.py: prompts of about 200 tokens), 256 completions per rollout (32 prompts × 8) of 128 new
-# tokens, minibatches of 64 in micro-batches of 16, μ = 2, β = 0.04, exact match as the reward, bfloat16 autocast
-# over float32 weights on both sides, ITERATIONS rollouts (default 3). PAIRS alternating pairs (default 3), each
-# run with --profile: completions/s of the loop, generation tokens/s, and where the loop's time goes.
+# docs/scaling.md's table of scale/grpo.py against TRL's GRPOTrainer on one GPU, side by side: a random Qwen2 of
+# Qwen2.5-0.5B's shape (benchmarks/random_qwen.py: prompts of about 200 tokens), 256 completions per rollout (32
+# prompts × 8) of 128 new tokens, minibatches of 64 in micro-batches of 16, μ = 2, β = 0.04, exact match as the
+# reward, bfloat16 autocast over float32 weights on both sides, ITERATIONS rollouts (default 3). PAIRS alternating
+# pairs (default 3), each run with --profile: completions/s of the loop, generation tokens/s, and where the loop's
+# time goes.
 #   TRL_PYTHON=python3 bash benchmarks/gpu_rollout.sh [PAIRS]     # TRL 1.16 importable by TRL_PYTHON
 set -euo pipefail
 PAIRS=${1:-3}; PY=${PYTHON:-python}; N=${ITERATIONS:-3}; ROOT=$(pwd); work=$(mktemp -d)

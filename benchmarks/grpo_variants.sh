@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# docs/grpo.md's variants tables: grpo.py's variants side by side: each one flag (or one paper's set of flags), everything else at the defaults,
-# every run from the same SFT model. Tasks:
+# docs/grpo.md's variants tables: grpo.py's variants side by side: each one flag (or one paper's set of flags),
+# everything else at the defaults, every run from the same SFT model. Tasks:
 #   builtin     the sort task, gold reward, from models/sft (`python sft.py` first)
 #   arithmetic  benchmarks/arithmetic/seed1 (`ONLY_SFT=1 bash benchmarks/arithmetic.sh` first), numeric_match
 #   heldout     benchmarks/heldout/seed1 (`TASK=heldout ONLY_SFT=1 bash benchmarks/arithmetic.sh` first)

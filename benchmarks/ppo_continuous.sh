@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# docs/ppo_continuous.md's table and figure: ppo_continuous.py at 1M steps, 3 seeds each on HalfCheetah-v5, Hopper-v5 and Walker2d-v5, two
-# runs at a time (one per core, about 10 minutes per run alone here). Writes TensorBoard runs to benchmarks/runs/,
-# then prints the table and draws the curves.
+# docs/ppo_continuous.md's table and figure: ppo_continuous.py at 1M steps, 3 seeds each on HalfCheetah-v5, Hopper-v5
+# and Walker2d-v5, two runs at a time (one per core, about 10 minutes per run alone here). Writes TensorBoard runs to
+# benchmarks/runs/, then prints the table and draws the curves.
 #   bash benchmarks/ppo_continuous.sh             # the defaults (exp name ppo_continuous)
 #   bash benchmarks/ppo_continuous.sh cleanrl     # CleanRL's settings (exp name ppo_continuous_cleanrl)
 #   bash benchmarks/ppo_continuous.sh defaults HalfCheetah-v5     # some of the envs only (then no figure)

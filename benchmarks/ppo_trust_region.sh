@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# docs/ppo_kl.md's trust-region table, the PPO paper's Table 1 on discrete tasks: no constraint, clipping, adaptive KL, fixed-β KL, all else equal,
-# in a regime where unconstrained updates overshoot (lr 1e-3 without annealing, 10 epochs: ppo_kl.py's defaults;
-# ppo_clip.py's are 2.5e-4 annealed, 4 epochs). 3 variants × 2 envs × 5 seeds, 200k steps each, JOBS runs at a
-# time (default 2). Writes TensorBoard runs to benchmarks/trust_region/runs/, then prints the table (mean and 95%
-# interval over seeds) and draws the figure.
+# docs/ppo_kl.md's trust-region table, the PPO paper's Table 1 on discrete tasks: no constraint, clipping, adaptive
+# KL, fixed-β KL, all else equal, in a regime where unconstrained updates overshoot (lr 1e-3 without annealing, 10
+# epochs: ppo_kl.py's defaults; ppo_clip.py's are 2.5e-4 annealed, 4 epochs). 3 variants × 2 envs × 5 seeds, 200k
+# steps each, JOBS runs at a time (default 2). Writes TensorBoard runs to benchmarks/trust_region/runs/, then prints
+# the table (mean and 95% interval over seeds) and draws the figure.
 #   bash benchmarks/ppo_trust_region.sh              # SEEDS="1 2 3 4 5" by default
 set -euo pipefail
 cd "$(dirname "$0")"

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# docs/ppo_clip.md's and ppo_continuous.md's speed tables: ppo_clip.py and ppo_continuous.py as a ratio to CleanRL's ppo.py and ppo_continuous_action.py, side
-# by side: in each pair the programs run one after the other, alternating, on an otherwise idle machine, each with
-# its own defaults (the same networks and hyperparameters), at the same torch thread count (1: ours --threads 1,
-# CleanRL OMP_NUM_THREADS=1) and CleanRL also at its own default (torch's, one thread per core). Then the
-# environment alone, stepped as the scripts step it with random actions: the limit a training loop cannot pass.
+# docs/ppo_clip.md's and ppo_continuous.md's speed tables: ppo_clip.py and ppo_continuous.py as a ratio to CleanRL's
+# ppo.py and ppo_continuous_action.py, side by side: in each pair the programs run one after the other, alternating,
+# on an otherwise idle machine, each with its own defaults (the same networks and hyperparameters), at the same torch
+# thread count (1: ours --threads 1, CleanRL OMP_NUM_THREADS=1) and CleanRL also at its own default (torch's, one
+# thread per core). Then the environment alone, stepped as the scripts step it with random actions: the limit a
+# training loop cannot pass.
 #   bash benchmarks/rl_speed.sh BASELINE_DIR [PAIRS]       # PAIRS=3 by default; 2.5 to 5 minutes a pair here (the speed varies between sessions)
 # BASELINE_DIR holds cleanrl_ppo.py and cleanrl_ppo_continuous_action.py, CleanRL's files ported to gymnasium 1.x
 # (kept outside this repo; how to make them: docs/ppo_clip.md). CartPole-v1 runs 102,400 steps (50 iterations),

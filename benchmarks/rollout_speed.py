@@ -1,6 +1,8 @@
-"""The pairs of docs/scaling.md's speed tables (gpu_rollout.sh, gpu_supervised.sh run it). Two commands that each print a JSON line with completions_per_s (benchmarks/rollout_timer.py,
-benchmarks/trl_grpo.py) or samples_per_second (benchmarks/gpu_step.py, benchmarks/trl_supervised.py), run side by
-side: python benchmarks/rollout_speed.py PAIRS 'A=COMMAND' 'B=COMMAND'
+"""The pairs of docs/scaling.md's speed tables (gpu_rollout.sh, gpu_supervised.sh run it). Two commands that each
+print a JSON line with completions_per_s (benchmarks/rollout_timer.py, benchmarks/trl_grpo.py) or samples_per_second
+(benchmarks/gpu_step.py, benchmarks/trl_supervised.py), run side by side:
+
+    python benchmarks/rollout_speed.py PAIRS 'A=COMMAND' 'B=COMMAND'
 
 They run PAIRS times each, alternating (A B, B A, A B, ...), one at a time, with the environment they inherit (run
 under OMP_NUM_THREADS=1 for equal threads). Prints a markdown table: each pair's speeds, the ratio B / A,

@@ -1,5 +1,6 @@
-"""The steady speed of docs/scaling.md's supervised table: the speed of a training loop, timed the same way whatever runs it (this repo's scripts through
-benchmarks/gpu_step.py, TRL's trainers through benchmarks/trl_supervised.py): a global hook on every torch
+"""The steady speed of docs/scaling.md's supervised table (`bash benchmarks/gpu_supervised.sh` uses it): the speed
+of a training loop, timed the same way whatever runs it (this repo's scripts through benchmarks/gpu_step.py, TRL's
+trainers through benchmarks/trl_supervised.py): a global hook on every torch
 optimizer's step waits for the device and notes the time after each optimizer step. The first `warmup` steps
 are left out (on a GPU they hold CUDA's lazy kernel loading, cuBLAS's first calls and the caching allocator
 growing, seconds that a 40-step run spreads over every step and a real run pays once): the steady speed is

@@ -1,8 +1,9 @@
-"""docs/grpo.md's variants tables, from the runs of benchmarks/grpo_variants.sh: for each variant, the final evaluation's accuracy (the
-built-in task's gold accuracy, else eval/rewards/numeric_match: the share of the 512 eval prompts whose sampled
-completion is right), its gain over the SFT model (the same evaluation before the first update), the KL to the SFT
-model, and the wall time, over the seeds found. With 2 or more seeds the interval is the 95% t-interval of the
-mean over seeds; with one, the 95% binomial interval over the eval prompts (sampling noise of one evaluation).
+"""docs/grpo.md's variants tables, from the runs of benchmarks/grpo_variants.sh: for each variant, the final
+evaluation's accuracy (the built-in task's gold accuracy, else eval/rewards/numeric_match: the share of the 512 eval
+prompts whose sampled completion is right), its gain over the SFT model (the same evaluation before the first update),
+the KL to the SFT model, and the wall time, over the seeds found. With 2 or more seeds the interval is the 95%
+t-interval of the mean over seeds; with one, the 95% binomial interval over the eval prompts (sampling noise of one
+evaluation).
 
     python benchmarks/summarize_variants.py benchmarks/variants/arithmetic [runs.csv]
 

@@ -1,5 +1,6 @@
-"""TRL's GRPOTrainer on grpo.py's built-in task with grpo.py's defaults, for docs/scaling.md's table (benchmarks/gpu_rollout.sh).
-It runs in TRL's own virtual environment (docs/scaling.md says how to make it), never in this repo's:
+"""TRL's GRPOTrainer on grpo.py's built-in task with grpo.py's defaults, for docs/scaling.md's table
+(benchmarks/gpu_rollout.sh). It runs in TRL's own virtual environment (docs/scaling.md says how to make it), never in
+this repo's:
 
     TRL_PYTHON benchmarks/trl_grpo.py --sft-model-path models/sft --num-iterations 10 [--profile]
 
