@@ -664,7 +664,7 @@ def main(args: Args):
         optimizer.param_groups[0]["lr"] = lr
         # ---- rollout: G completions per prompt, their rewards, advantages within each group ----------
         policy.eval()
-        rounds = []  # (sample, rewards, table, completions, has_stop) of each batch of prompts sampled
+        rounds = []  # (generate's output, rewards, table, completions, has_stop) of each batch of prompts sampled
         with torch.no_grad(), amp():
             while True:  # one batch of prompts; with --dynamic-sampling more, until every rank's groups differ
                 chosen = rng.sample(range(len(train_ids)), args.batch_size // G)[rank * prompts_per_rank : (rank + 1) * prompts_per_rank]
