@@ -12,8 +12,8 @@ only (SFT), AdamW with the scripts' weight decay (SFT 0.01, the reward model and
 --lr with --warmup-steps of warmup then cosine decay (SFT) or linear decay (reward model, DPO), DPO's sigmoid loss
 with β = 0.5 against a frozen copy of the starting model, dropout off for the reward model and DPO (SFT keeps the
 checkpoint's, as scale/sft.py does; random_qwen.py's has none), float32 (--gpu: bfloat16 autocast over float32
-weights, as the scripts' --bf16). TRL keeps its own defaults elsewhere: the fused AdamW kernel (the scripts use
-torch's default, foreach) and its own data order. Prints one JSON line: samples (pairs, for the reward model and
+weights, as the scripts' --bf16). TRL keeps its own defaults elsewhere: the fused AdamW kernel (the scripts' too,
+on CUDA) and its own data order. Prints one JSON line: samples (pairs, for the reward model and
 DPO) per second of the training loop, from the first step's start to the last step's end (the device waited for at
 each step's end), as the scripts' charts/samples_per_second, and on CUDA the peak torch.cuda.max_memory_allocated;
 also the steady speed after the first WARMUP_STEPS optimizer steps (default 10), or with PROFILE_STEPS=N a profile

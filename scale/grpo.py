@@ -121,6 +121,9 @@ class Args:
     gradient_checkpointing: Annotated[bool | None, tyro.conf.DisallowNone] = None
     """(default: on under --fsdp, else off) recompute activations in the backward pass (less memory, one more forward
     pass of compute)"""
+    compile: bool = False
+    """torch.compile each transformer block of the trained model for the passes that compute gradients (fewer,
+    fused kernels; the first steps pay the compile time; docs/scaling.md measures it)"""
     generation_batch_size: int = 256
     """prompts per sampling call, on each rank (the KV cache grows with it; forward passes run in micro-batches)"""
     lr: float = 1e-4
@@ -532,6 +535,8 @@ def main(args: Args):
         raw_policy.activation_checkpointing_enable({"use_reentrant": False})
     raw_policy = add_lora(raw_policy, args)  # --lora-r: adapters on the frozen weights
     policy = place_model(raw_policy, device, args)
+    if args.compile:
+        compile_blocks(raw_policy)
     # π_ref: held and computed exactly as π_θ, so that before the first update the KL is exactly 0
     ref = None
     if args.beta > 0 and args.lora_r:
@@ -562,7 +567,11 @@ def main(args: Args):
     check_kv_cache(raw_policy, min(args.generation_batch_size, max(per_rank, -(-len(eval_ids) // world_size))),
                    longest + args.response_length, device, args.bf16)
 
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.lr)
+    # on CUDA AdamW's fused kernel (one launch for every tensor, TRL's default); on the CPU torch's default
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.lr,
+                                  fused=True if device.type == "cuda" else None)
+    choose_head(device, args.fsdp, micro_size, longest + args.response_length,
+                raw_policy.get_output_embeddings().weight.shape[0])
     print(f"policy: {parameter_count(raw_policy)}")
     writer = make_writer(args, rank, run_dir, checkpoint["step"] if checkpoint else 0)
     print(f"{1 + (ref is not None) + (reward is not None)} model(s) in memory: the policy"
@@ -703,7 +712,7 @@ def main(args: Args):
 
         # ---- update: μ passes over the rollout in shuffled minibatches ---------------------------------
         policy.train()
-        stats = {k: 0.0 for k in ("policy_loss", "kl_penalty", "clipped_low", "clipped_high")}  # summed over micro-batches
+        stats = {k: [] for k in ("policy_loss", "kl_penalty", "clipped_low", "clipped_high")}  # micro-batch parts
         for epoch in range(args.ppo_epochs):
             # the first pass takes the rollout in order, so its first minibatch is exactly the rollout's first
             # chunk; later passes reshuffle (whole groups need not stay together: advantages are computed)
@@ -729,12 +738,12 @@ def main(args: Args):
                                                                 args.mini_batch_size, num_tokens, args.response_length)
                     # DDP and FSDP average the ranks' gradients; × world_size turns that into the minibatch's sum
                     ((policy_loss + kl_penalty) * world_size).backward()
-                    with torch.no_grad():
-                        stats["policy_loss"] += policy_loss.item()
-                        stats["kl_penalty"] += kl_penalty.item()
+                    with torch.no_grad():  # kept on the device, read once after the loop: no waiting inside a step
+                        stats["policy_loss"].append(policy_loss.detach())
+                        stats["kl_penalty"].append(kl_penalty.detach())
                         low, high = clipped_tokens(ratio, advantages[idx], args.epsilon, epsilon_high, args.loss_type)
-                        stats["clipped_low"] += (low * mask[idx]).sum().item()
-                        stats["clipped_high"] += (high * mask[idx]).sum().item()
+                        stats["clipped_low"].append((low * mask[idx]).sum())
+                        stats["clipped_high"].append((high * mask[idx]).sum())
                         if epoch == 0 and start == 0 and micro == 0:  # before any step, the ratio must be exactly 1
                             first_ratio_error = (ratio - 1).abs().max()
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
@@ -743,6 +752,7 @@ def main(args: Args):
                 optimizer.zero_grad(set_to_none=True)  # no gradients held through the next rollout
 
         # ---- log: statistics of the whole batch, sums added up over the ranks --------------------------
+        stats = {name: sum(torch.stack(parts).float().tolist()) for name, parts in stats.items()}
         groups = rewards.view(-1, G)
         sums = all_reduce_sum({"reward": rewards.sum(), "reward_std": groups.std(1).sum(),
                                "zero_std": (groups.std(1) == 0).sum(), "zero_std_sampled": (~informative).sum(),
@@ -1282,6 +1292,26 @@ def token_logprobs(logits, tokens, with_entropy=False, temperature=1.0):
 
 
 HEAD_CHUNK_ELEMENTS = 2**26  # logits made at once by head_logprobs, in float32: 256 MiB
+whole_head_elements = 0  # up to this many logits a pass, head_logprobs makes them at once (choose_head sets it)
+
+
+def choose_head(device, fsdp, rows, positions, vocabulary):
+    """How head_logprobs applies the LM head, chosen once and printed. On one GPU (or DDP) without --fsdp, a pass
+    whose float32 logits take at most an eighth of the GPU's memory makes them at once and keeps them for the
+    backward pass: one matrix product instead of a chunk at a time recomputed in the backward (the kernels the
+    host launches are what bounds a step at these sizes). Larger passes, --fsdp (memory first) and the CPU (its
+    results unchanged) keep the chunks. `rows` × `positions`: the largest pass of the run."""
+    global whole_head_elements
+    if device.type == "cuda" and not fsdp:
+        whole_head_elements = torch.cuda.get_device_properties(device).total_memory // 8 // 4
+    size = f"passes of up to {rows} × {positions} positions: {rows * positions * vocabulary * 4 / 2**30:.2f} GiB"
+    if rows * positions * vocabulary <= whole_head_elements:
+        print(f"LM head: whole, kept for the backward pass ({size} of float32 logits, within an eighth of the GPU's "
+              "memory)")
+    else:
+        print(f"LM head: in chunks of {max(1, HEAD_CHUNK_ELEMENTS // vocabulary)} positions, recomputed in the "
+              f"backward pass ({size} of float32 logits; whole only on a GPU without --fsdp, up to an eighth of "
+              "its memory)")
 
 
 def head_logprobs(model, targets, temperature=1.0, with_entropy=False, **inputs):
@@ -1291,9 +1321,10 @@ def head_logprobs(model, targets, temperature=1.0, with_entropy=False, **inputs)
     logsumexp(z); with_entropy, also the entropy H = logsumexp(z) − Σ softmax(z)·z (no gradient). Each chunk's
     logits are recomputed in the backward pass (activation checkpointing), so that no [batch, length, vocabulary]
     tensor exists in any dtype, only [chunk, vocabulary] (torchtune's chunked cross-entropy and Liger's fused linear
-    cross-entropy do the same). The head still runs inside the model's forward, so DDP, FSDP and autocast see the
-    usual pass. Logit softcapping (Gemma 2, 3) is applied in the chunk; a model that changes its logits after the
-    head in another way, or an adapted head, stops the run with one line."""
+    cross-entropy do the same); on a GPU, a pass within choose_head's budget is one chunk, kept for the backward.
+    The head still runs inside the model's forward, so DDP, FSDP and autocast see the usual pass. Logit
+    softcapping (Gemma 2, 3) is applied in the chunk; a model that changes its logits after the head in another
+    way, or an adapted head, stops the run with one line."""
     lm = model.module if isinstance(model, DistributedDataParallel) else model
     lm = getattr(lm, "policy", [lm])[0]  # a LoRA reference (AdaptersOff) computes with its policy's head
     head, config, returned = lm.get_output_embeddings(), lm.config, []
@@ -1314,8 +1345,10 @@ def head_logprobs(model, targets, temperature=1.0, with_entropy=False, **inputs)
         return torch.stack([logprobs, entropy], -1)
 
     def forward(hidden):  # [batch, positions, width] → [batch, positions(, 2)]
-        size = max(1, HEAD_CHUNK_ELEMENTS // head.weight.shape[0])
-        grad = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
+        n = hidden.shape[0] * hidden.shape[1]
+        whole = n * head.weight.shape[0] <= whole_head_elements  # choose_head: made at once, kept for the backward
+        size = max(1, n if whole else HEAD_CHUNK_ELEMENTS // head.weight.shape[0])
+        grad = not whole and torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
         parts = [checkpoint(chunk, h, y, use_reentrant=False) if grad else chunk(h, y)
                  for h, y in zip(hidden.flatten(0, 1).split(size), targets.flatten().split(size))]
         returned.append(torch.cat(parts).view(*hidden.shape[:2], *parts[0].shape[1:]))
@@ -1728,6 +1761,25 @@ def place_model(model, device, args, trained=True):
     moe = any(getattr(config, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                    find_unused_parameters=moe)
+
+
+def compile_blocks(model):
+    """--compile: torch.compile each transformer block (the classes a Hugging Face model names in its
+    _no_split_modules, the blocks FSDP2 shards) for the passes that compute gradients. Passes without gradients
+    (sampling, whose decode step on CUDA is a graph of its own, and the scoring and evaluation passes) keep the
+    eager blocks. The blocks of a class share one compiled function; a new sequence length compiles it once more,
+    with dynamic shapes from then on."""
+    names = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or []}
+    compiled = {}
+    for block in [module for module in model.modules() if type(module).__name__ in names]:
+        if type(block) not in compiled:
+            compiled[type(block)] = torch.compile(type(block).forward)
+        block.forward = functools.partial(compiled_or_eager, compiled[type(block)], block)
+
+
+def compiled_or_eager(compiled, block, *args, **kwargs):
+    """A block's forward under --compile: compiled where it computes gradients, eager elsewhere."""
+    return (compiled if torch.is_grad_enabled() else type(block).forward)(block, *args, **kwargs)
 
 
 def gradient_sync(model, enabled):

@@ -18,6 +18,7 @@ LoRA, gradient accumulation and checkpointing, or checkpoints that resume exactl
 reward_model.py computes (tests/test_tiers.py).
 """
 import datetime
+import functools
 import gc
 import importlib.util
 import json
@@ -81,6 +82,9 @@ class Args:
     gradient_checkpointing: Annotated[bool | None, tyro.conf.DisallowNone] = None
     """(default: on under --fsdp, else off) recompute activations in the backward pass (less memory, one more forward
     pass of compute)"""
+    compile: bool = False
+    """torch.compile each transformer block of the trained model for the passes that compute gradients (fewer,
+    fused kernels; the first steps pay the compile time; docs/scaling.md measures it)"""
     eval_batch_size: int | None = None
     """pairs per forward pass in evaluation, on each rank (None: training's micro-batch size)"""
     lr: float = 1e-3
@@ -160,11 +164,11 @@ def sequence_rewards(scorer, input_ids, attention_mask):
 
 
 def batch_tensors(sequences, pad_token_id, device):
-    """Right-pad token lists: (input_ids, attention_mask)."""
+    """Right-pad token lists: (input_ids, attention_mask), copied to the device without waiting for it."""
     width = max(len(s) for s in sequences)
-    input_ids = torch.tensor([s + [pad_token_id] * (width - len(s)) for s in sequences], device=device)
-    attention_mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences], device=device)
-    return input_ids, attention_mask
+    input_ids = torch.tensor([s + [pad_token_id] * (width - len(s)) for s in sequences])
+    attention_mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences])
+    return input_ids.to(device, non_blocking=True), attention_mask.to(device, non_blocking=True)
 
 
 def check_args(args):
@@ -225,6 +229,8 @@ def main(args: Args):
         raw_model.activation_checkpointing_enable({"use_reentrant": False})
     raw_model = add_lora(raw_model, args)  # --lora-r: adapters on the frozen weights, the head trained whole
     model = place_model(TokenScorer(raw_model), device, args)  # forward and backward passes
+    if args.compile:
+        compile_blocks(raw_model)
 
     def pair_rewards(batch):
         """Chosen and rejected sequences in one forward pass: (r_chosen, r_rejected, margin or None)."""
@@ -237,8 +243,9 @@ def main(args: Args):
 
     writer = make_writer(args, rank, run_dir, checkpoint["step"] if checkpoint else 0)
     print(f"{parameter_count(raw_model)}, {len(train):,} training pairs")
+    # on CUDA AdamW's fused kernel (one launch for every tensor, TRL's default); on the CPU torch's default
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
-                                  weight_decay=args.weight_decay)
+                                  weight_decay=args.weight_decay, fused=True if device.type == "cuda" else None)
 
     def evaluate(step):
         """Each rank evaluates its shard of the eval pairs; the sums are added up over the ranks."""
@@ -849,6 +856,25 @@ def place_model(model, device, args, trained=True):
     moe = any(getattr(config, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                    find_unused_parameters=moe)
+
+
+def compile_blocks(model):
+    """--compile: torch.compile each transformer block (the classes a Hugging Face model names in its
+    _no_split_modules, the blocks FSDP2 shards) for the passes that compute gradients. Passes without gradients
+    (sampling, whose decode step on CUDA is a graph of its own, and the scoring and evaluation passes) keep the
+    eager blocks. The blocks of a class share one compiled function; a new sequence length compiles it once more,
+    with dynamic shapes from then on."""
+    names = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or []}
+    compiled = {}
+    for block in [module for module in model.modules() if type(module).__name__ in names]:
+        if type(block) not in compiled:
+            compiled[type(block)] = torch.compile(type(block).forward)
+        block.forward = functools.partial(compiled_or_eager, compiled[type(block)], block)
+
+
+def compiled_or_eager(compiled, block, *args, **kwargs):
+    """A block's forward under --compile: compiled where it computes gradients, eager elsewhere."""
+    return (compiled if torch.is_grad_enabled() else type(block).forward)(block, *args, **kwargs)
 
 
 def gradient_sync(model, enabled):

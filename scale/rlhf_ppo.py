@@ -106,6 +106,9 @@ class Args:
     gradient_checkpointing: Annotated[bool | None, tyro.conf.DisallowNone] = None
     """(default: on under --fsdp, else off) recompute activations in the backward pass of the actor and critic (less
     memory, one more forward pass of compute)"""
+    compile: bool = False
+    """torch.compile each transformer block of the actor and the critic for the passes that compute gradients
+    (fewer, fused kernels; the first steps pay the compile time; docs/scaling.md measures it)"""
     generation_batch_size: int = 128
     """prompts per sampling call, on each rank (the KV cache grows with it; forward passes run in micro-batches)"""
     ppo_epochs: int = 4
@@ -414,6 +417,9 @@ def main(args: Args):
         raw_critic.activation_checkpointing_enable({"use_reentrant": False})
     raw_critic = add_lora(raw_critic, args)  # --lora-r; the critic's head trains whole
     critic = place_model(TokenScorer(raw_critic), device, args)  # its forward: V(s_t) at every position
+    if args.compile:
+        compile_blocks(raw_actor)
+        compile_blocks(raw_critic)
 
     train_rows, train_ids = tokenize_prompts(tokenizer, train_rows, args.max_prompt_length, "train")
     if len(train_ids) < args.batch_size:
@@ -427,7 +433,11 @@ def main(args: Args):
                    longest + args.response_length, device, args.bf16)
 
     trained = torch.nn.ModuleList([actor, critic])  # what a checkpoint saves
-    optimizer = torch.optim.AdamW([p for p in trained.parameters() if p.requires_grad], lr=args.lr)
+    # on CUDA AdamW's fused kernel (one launch for every tensor, TRL's default); on the CPU torch's default
+    optimizer = torch.optim.AdamW([p for p in trained.parameters() if p.requires_grad], lr=args.lr,
+                                  fused=True if device.type == "cuda" else None)
+    choose_head(device, args.fsdp, micro_size, longest + args.response_length,
+                raw_actor.get_output_embeddings().weight.shape[0])
     print(f"actor and critic: {parameter_count(raw_actor, raw_critic)}; "
           f"{3 + (reward is not None) - (ref is None)} model(s) in memory")
     kl_coef = args.kl_coef
@@ -565,14 +575,15 @@ def main(args: Args):
                     vf_loss = masked_value_loss(new_values, values[idx], returns[idx], mask[idx], args.cliprange_value, num_tokens)
                     # DDP and FSDP average the ranks' gradients; × world_size turns that into the minibatch's sum
                     ((pg_loss + args.vf_coef * vf_loss) * world_size).backward()
-                    with torch.no_grad():
+                    with torch.no_grad():  # kept on the device, read once after the loop: no waiting inside a step
                         m = mask[idx]
-                        stats["pg_loss"].append(pg_loss.item())
-                        stats["vf_loss"].append(vf_loss.item())
-                        stats["approx_kl"].append(masked_mean(0.5 * (new_logprobs - logprobs[idx]) ** 2, m, num_tokens).item())
-                        stats["clipfrac"].append(masked_mean(((ratio - 1).abs() > args.cliprange).float(), m, num_tokens).item())
-                        stats["ratio"].append(masked_mean(ratio, m, num_tokens).item())
-                        stats["entropy"].append(masked_mean(new_entropy, m, num_tokens).item())
+                        stats["pg_loss"].append(pg_loss.detach())
+                        stats["vf_loss"].append(vf_loss.detach())
+                        stats["approx_kl"].append(masked_mean(0.5 * (new_logprobs - logprobs[idx]) ** 2, m, num_tokens))
+                        clipped = ((ratio - 1).abs() > args.cliprange).float()
+                        stats["clipfrac"].append(masked_mean(clipped, m, num_tokens))
+                        stats["ratio"].append(masked_mean(ratio, m, num_tokens))
+                        stats["entropy"].append(masked_mean(new_entropy, m, num_tokens))
                         if epoch == 0 and start == 0 and micro == 0:  # before any step, the ratio must be exactly 1
                             first_ratio_error = (ratio - 1).abs().max()
                 grad_norm = torch.nn.utils.clip_grad_norm_(list(actor.parameters()) + list(critic.parameters()),
@@ -582,6 +593,7 @@ def main(args: Args):
                 optimizer.zero_grad(set_to_none=True)  # no gradients held through the next rollout
 
         # ---- log, and the KL controller: statistics of the whole batch, sums added up over the ranks -----
+        stats = {name: torch.stack(parts).tolist() for name, parts in stats.items()}
         valid, residual = mask.bool(), (returns - values).double()
         r = returns.double()[valid]
         sums = all_reduce_sum({"score": scores.sum(), "k1": k1.sum(), "k3": k3.sum(), "rollout_entropy": (entropy * mask).sum(),
@@ -1123,6 +1135,26 @@ def token_logprobs(logits, tokens, with_entropy=False, temperature=1.0):
 
 
 HEAD_CHUNK_ELEMENTS = 2**26  # logits made at once by head_logprobs, in float32: 256 MiB
+whole_head_elements = 0  # up to this many logits a pass, head_logprobs makes them at once (choose_head sets it)
+
+
+def choose_head(device, fsdp, rows, positions, vocabulary):
+    """How head_logprobs applies the LM head, chosen once and printed. On one GPU (or DDP) without --fsdp, a pass
+    whose float32 logits take at most an eighth of the GPU's memory makes them at once and keeps them for the
+    backward pass: one matrix product instead of a chunk at a time recomputed in the backward (the kernels the
+    host launches are what bounds a step at these sizes). Larger passes, --fsdp (memory first) and the CPU (its
+    results unchanged) keep the chunks. `rows` × `positions`: the largest pass of the run."""
+    global whole_head_elements
+    if device.type == "cuda" and not fsdp:
+        whole_head_elements = torch.cuda.get_device_properties(device).total_memory // 8 // 4
+    size = f"passes of up to {rows} × {positions} positions: {rows * positions * vocabulary * 4 / 2**30:.2f} GiB"
+    if rows * positions * vocabulary <= whole_head_elements:
+        print(f"LM head: whole, kept for the backward pass ({size} of float32 logits, within an eighth of the GPU's "
+              "memory)")
+    else:
+        print(f"LM head: in chunks of {max(1, HEAD_CHUNK_ELEMENTS // vocabulary)} positions, recomputed in the "
+              f"backward pass ({size} of float32 logits; whole only on a GPU without --fsdp, up to an eighth of "
+              "its memory)")
 
 
 def head_logprobs(model, targets, temperature=1.0, with_entropy=False, **inputs):
@@ -1132,9 +1164,10 @@ def head_logprobs(model, targets, temperature=1.0, with_entropy=False, **inputs)
     logsumexp(z); with_entropy, also the entropy H = logsumexp(z) − Σ softmax(z)·z (no gradient). Each chunk's
     logits are recomputed in the backward pass (activation checkpointing), so that no [batch, length, vocabulary]
     tensor exists in any dtype, only [chunk, vocabulary] (torchtune's chunked cross-entropy and Liger's fused linear
-    cross-entropy do the same). The head still runs inside the model's forward, so DDP, FSDP and autocast see the
-    usual pass. Logit softcapping (Gemma 2, 3) is applied in the chunk; a model that changes its logits after the
-    head in another way, or an adapted head, stops the run with one line."""
+    cross-entropy do the same); on a GPU, a pass within choose_head's budget is one chunk, kept for the backward.
+    The head still runs inside the model's forward, so DDP, FSDP and autocast see the usual pass. Logit
+    softcapping (Gemma 2, 3) is applied in the chunk; a model that changes its logits after the head in another
+    way, or an adapted head, stops the run with one line."""
     lm = model.module if isinstance(model, DistributedDataParallel) else model
     lm = getattr(lm, "policy", [lm])[0]  # a LoRA reference (AdaptersOff) computes with its policy's head
     head, config, returned = lm.get_output_embeddings(), lm.config, []
@@ -1155,8 +1188,10 @@ def head_logprobs(model, targets, temperature=1.0, with_entropy=False, **inputs)
         return torch.stack([logprobs, entropy], -1)
 
     def forward(hidden):  # [batch, positions, width] → [batch, positions(, 2)]
-        size = max(1, HEAD_CHUNK_ELEMENTS // head.weight.shape[0])
-        grad = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
+        n = hidden.shape[0] * hidden.shape[1]
+        whole = n * head.weight.shape[0] <= whole_head_elements  # choose_head: made at once, kept for the backward
+        size = max(1, n if whole else HEAD_CHUNK_ELEMENTS // head.weight.shape[0])
+        grad = not whole and torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
         parts = [checkpoint(chunk, h, y, use_reentrant=False) if grad else chunk(h, y)
                  for h, y in zip(hidden.flatten(0, 1).split(size), targets.flatten().split(size))]
         returned.append(torch.cat(parts).view(*hidden.shape[:2], *parts[0].shape[1:]))
@@ -1569,6 +1604,25 @@ def place_model(model, device, args, trained=True):
     moe = any(getattr(config, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                    find_unused_parameters=moe)
+
+
+def compile_blocks(model):
+    """--compile: torch.compile each transformer block (the classes a Hugging Face model names in its
+    _no_split_modules, the blocks FSDP2 shards) for the passes that compute gradients. Passes without gradients
+    (sampling, whose decode step on CUDA is a graph of its own, and the scoring and evaluation passes) keep the
+    eager blocks. The blocks of a class share one compiled function; a new sequence length compiles it once more,
+    with dynamic shapes from then on."""
+    names = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or []}
+    compiled = {}
+    for block in [module for module in model.modules() if type(module).__name__ in names]:
+        if type(block) not in compiled:
+            compiled[type(block)] = torch.compile(type(block).forward)
+        block.forward = functools.partial(compiled_or_eager, compiled[type(block)], block)
+
+
+def compiled_or_eager(compiled, block, *args, **kwargs):
+    """A block's forward under --compile: compiled where it computes gradients, eager elsewhere."""
+    return (compiled if torch.is_grad_enabled() else type(block).forward)(block, *args, **kwargs)
 
 
 def gradient_sync(model, enabled):

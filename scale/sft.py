@@ -18,6 +18,7 @@ LoRA, gradient accumulation and checkpointing, or checkpoints that resume exactl
 sft.py computes (tests/test_tiers.py).
 """
 import datetime
+import functools
 import gc
 import importlib.util
 import json
@@ -82,6 +83,9 @@ class Args:
     gradient_checkpointing: Annotated[bool | None, tyro.conf.DisallowNone] = None
     """(default: on under --fsdp, else off) recompute activations in the backward pass (less memory, one more forward
     pass of compute)"""
+    compile: bool = False
+    """torch.compile each transformer block of the trained model for the passes that compute gradients (fewer,
+    fused kernels; the first steps pay the compile time; docs/scaling.md measures it)"""
     eval_batch_size: int | None = None
     """prompts per sampling call in evaluation, on each rank (None: training's micro-batch size; the eval loss runs
     in micro-batches of training's size: a forward pass that fits with gradients fits without)"""
@@ -226,13 +230,17 @@ def main(args: Args):
         raw_model.activation_checkpointing_enable({"use_reentrant": False})
     raw_model = add_lora(raw_model, args)  # --lora-r: adapters on the frozen weights
     model = place_model(raw_model, device, args)  # forward and backward passes
+    if args.compile:
+        compile_blocks(raw_model)
 
     writer = make_writer(args, rank, run_dir, checkpoint["step"] if checkpoint else 0)
     print(f"{parameter_count(raw_model)}, {len(train):,} training examples")
+    # on CUDA AdamW's fused kernel (one launch for every tensor, TRL's default); on the CPU torch's default
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
-                                  weight_decay=args.weight_decay)
+                                  weight_decay=args.weight_decay, fused=True if device.type == "cuda" else None)
     per_rank = args.batch_size // world_size
     micro_size = per_rank // args.gradient_accumulation_steps
+    choose_head(device, args.fsdp, micro_size, args.max_length, raw_model.get_output_embeddings().weight.shape[0])
     eval_batch_size = args.eval_batch_size or micro_size
 
     def evaluate(step):
@@ -301,17 +309,21 @@ def main(args: Args):
             group["lr"] = lr
 
         # ---- update: this rank's share of the batch, in micro-batches -----------------------------
-        tick, batch_loss = time.time(), 0.0
+        tick, losses = time.time(), []
         for m in range(rank * per_rank, (rank + 1) * per_rank, micro_size):
             gradient_sync(model, m + micro_size == (rank + 1) * per_rank)  # once per step, with the last micro-batch
-            input_ids, attention_mask, labels = (t.to(device) for t in collate(batch[m : m + micro_size], tokenizer.pad_token_id))
-            with amp():  # the LM head in chunks: no [batch, length, vocabulary] logits
+            input_ids, attention_mask, labels = collate(batch[m : m + micro_size], tokenizer.pad_token_id)
+            tokens_seen += int(attention_mask.sum())
+            # no waiting for the device inside the step: copies that do not wait, the losses read after the backward
+            input_ids, attention_mask, labels = (t.to(device, non_blocking=True)
+                                                 for t in (input_ids, attention_mask, labels))
+            with amp():  # the LM head in chunks (no [batch, length, vocabulary] logits), or whole on a GPU
                 logprobs = head_logprobs(model, next_tokens(labels), input_ids=input_ids, attention_mask=attention_mask)
             loss = sft_loss(logprobs, labels, num_items)
             # DDP and FSDP average the ranks' gradients; × world_size turns that into the sum over the whole batch
             (loss * world_size).backward()
-            batch_loss += loss.item()
-            tokens_seen += int(attention_mask.sum())
+            losses.append(loss.detach())
+        batch_loss = sum(torch.stack(losses).tolist())
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         check_finite(step, loss=batch_loss, grad_norm=grad_norm)
         optimizer.step()
@@ -700,6 +712,26 @@ def collate(batch, pad_token_id):
 
 
 HEAD_CHUNK_ELEMENTS = 2**26  # logits made at once by head_logprobs, in float32: 256 MiB
+whole_head_elements = 0  # up to this many logits a pass, head_logprobs makes them at once (choose_head sets it)
+
+
+def choose_head(device, fsdp, rows, positions, vocabulary):
+    """How head_logprobs applies the LM head, chosen once and printed. On one GPU (or DDP) without --fsdp, a pass
+    whose float32 logits take at most an eighth of the GPU's memory makes them at once and keeps them for the
+    backward pass: one matrix product instead of a chunk at a time recomputed in the backward (the kernels the
+    host launches are what bounds a step at these sizes). Larger passes, --fsdp (memory first) and the CPU (its
+    results unchanged) keep the chunks. `rows` × `positions`: the largest pass of the run."""
+    global whole_head_elements
+    if device.type == "cuda" and not fsdp:
+        whole_head_elements = torch.cuda.get_device_properties(device).total_memory // 8 // 4
+    size = f"passes of up to {rows} × {positions} positions: {rows * positions * vocabulary * 4 / 2**30:.2f} GiB"
+    if rows * positions * vocabulary <= whole_head_elements:
+        print(f"LM head: whole, kept for the backward pass ({size} of float32 logits, within an eighth of the GPU's "
+              "memory)")
+    else:
+        print(f"LM head: in chunks of {max(1, HEAD_CHUNK_ELEMENTS // vocabulary)} positions, recomputed in the "
+              f"backward pass ({size} of float32 logits; whole only on a GPU without --fsdp, up to an eighth of "
+              "its memory)")
 
 
 def head_logprobs(model, targets, temperature=1.0, with_entropy=False, **inputs):
@@ -709,9 +741,10 @@ def head_logprobs(model, targets, temperature=1.0, with_entropy=False, **inputs)
     logsumexp(z); with_entropy, also the entropy H = logsumexp(z) − Σ softmax(z)·z (no gradient). Each chunk's
     logits are recomputed in the backward pass (activation checkpointing), so that no [batch, length, vocabulary]
     tensor exists in any dtype, only [chunk, vocabulary] (torchtune's chunked cross-entropy and Liger's fused linear
-    cross-entropy do the same). The head still runs inside the model's forward, so DDP, FSDP and autocast see the
-    usual pass. Logit softcapping (Gemma 2, 3) is applied in the chunk; a model that changes its logits after the
-    head in another way, or an adapted head, stops the run with one line."""
+    cross-entropy do the same); on a GPU, a pass within choose_head's budget is one chunk, kept for the backward.
+    The head still runs inside the model's forward, so DDP, FSDP and autocast see the usual pass. Logit
+    softcapping (Gemma 2, 3) is applied in the chunk; a model that changes its logits after the head in another
+    way, or an adapted head, stops the run with one line."""
     lm = model.module if isinstance(model, DistributedDataParallel) else model
     lm = getattr(lm, "policy", [lm])[0]  # a LoRA reference (AdaptersOff) computes with its policy's head
     head, config, returned = lm.get_output_embeddings(), lm.config, []
@@ -732,8 +765,10 @@ def head_logprobs(model, targets, temperature=1.0, with_entropy=False, **inputs)
         return torch.stack([logprobs, entropy], -1)
 
     def forward(hidden):  # [batch, positions, width] → [batch, positions(, 2)]
-        size = max(1, HEAD_CHUNK_ELEMENTS // head.weight.shape[0])
-        grad = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
+        n = hidden.shape[0] * hidden.shape[1]
+        whole = n * head.weight.shape[0] <= whole_head_elements  # choose_head: made at once, kept for the backward
+        size = max(1, n if whole else HEAD_CHUNK_ELEMENTS // head.weight.shape[0])
+        grad = not whole and torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
         parts = [checkpoint(chunk, h, y, use_reentrant=False) if grad else chunk(h, y)
                  for h, y in zip(hidden.flatten(0, 1).split(size), targets.flatten().split(size))]
         returned.append(torch.cat(parts).view(*hidden.shape[:2], *parts[0].shape[1:]))
@@ -1008,6 +1043,25 @@ def place_model(model, device, args, trained=True):
     moe = any(getattr(config, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                    find_unused_parameters=moe)
+
+
+def compile_blocks(model):
+    """--compile: torch.compile each transformer block (the classes a Hugging Face model names in its
+    _no_split_modules, the blocks FSDP2 shards) for the passes that compute gradients. Passes without gradients
+    (sampling, whose decode step on CUDA is a graph of its own, and the scoring and evaluation passes) keep the
+    eager blocks. The blocks of a class share one compiled function; a new sequence length compiles it once more,
+    with dynamic shapes from then on."""
+    names = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or []}
+    compiled = {}
+    for block in [module for module in model.modules() if type(module).__name__ in names]:
+        if type(block) not in compiled:
+            compiled[type(block)] = torch.compile(type(block).forward)
+        block.forward = functools.partial(compiled_or_eager, compiled[type(block)], block)
+
+
+def compiled_or_eager(compiled, block, *args, **kwargs):
+    """A block's forward under --compile: compiled where it computes gradients, eager elsewhere."""
+    return (compiled if torch.is_grad_enabled() else type(block).forward)(block, *args, **kwargs)
 
 
 def gradient_sync(model, enabled):

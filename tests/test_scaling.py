@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, TINY_LM, module_name, run_in_process
+from conftest import ROOT, TINY_LM, module_name, read_scalars, run_in_process
 from lm_models import save_checkpoint
 
 from scale import dpo
@@ -254,13 +254,16 @@ def tiny_lm(arch):
     return make_model(arch, 50, **(dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0) if arch == "gpt2" else {})).eval()
 
 
+@pytest.mark.parametrize("head", ["chunks", "whole"])
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma2"])
-def test_head_logprobs_equal_the_whole_pass(arch, monkeypatch):
-    """head_logprobs with chunks of 3 positions (of 2 × 7) against one pass that makes the whole [2, 7, 50] logits:
-    the same log-probs at temperature 0.7, entropies and gradients of every weight, to float rounding; with
-    logits_to_keep, only the kept positions. GPT-2's head is its embedding (tied); Gemma 2 softcaps its logits."""
+def test_head_logprobs_equal_the_whole_pass(arch, head, monkeypatch):
+    """head_logprobs with chunks of 3 positions (of 2 × 7), or whole as choose_head picks it on a GPU, against one
+    pass that makes the whole [2, 7, 50] logits: the same log-probs at temperature 0.7, entropies and gradients of
+    every weight, to float rounding; with logits_to_keep, only the kept positions. GPT-2's head is its embedding
+    (tied); Gemma 2 softcaps its logits."""
     model = tiny_lm(arch)
     monkeypatch.setattr(dpo, "HEAD_CHUNK_ELEMENTS", 3 * 50)
+    monkeypatch.setattr(dpo, "whole_head_elements", 2 * 7 * 50 if head == "whole" else 0)
     ids = torch.randint(1, 50, (2, 7))
     targets = torch.nn.functional.pad(ids[:, 1:], (0, 1))
 
@@ -300,6 +303,71 @@ def test_head_logprobs_keep_no_logits_for_the_backward_pass():
     assert whole >= logits_bytes and chunked < logits_bytes / 10, (whole, chunked)  # measured: 21.2 MB, 0.7 MB
 
 
+def test_the_whole_head_keeps_its_logits_and_recomputes_nothing(monkeypatch):
+    """Where choose_head allows it, the pass makes its logits once and keeps them for the backward pass (at least
+    their 16 MiB saved, as the plain pass), and the backward pass runs the head's forward no more."""
+    from lm_models import make_model
+    from test_gpu_path import saved_bytes
+
+    torch.manual_seed(0)
+    model = make_model("llama", 32000)
+    ids = torch.randint(0, 32000, (2, 64))
+    calls = []
+    model.get_output_embeddings().register_forward_pre_hook(lambda module, inputs: calls.append(1))
+    monkeypatch.setattr(dpo, "whole_head_elements", 2 * 64 * 32000)
+    kept, _ = saved_bytes(lambda: dpo.head_logprobs(model, ids, input_ids=ids).sum())
+    assert kept >= 2 * 64 * 32000 * 4, kept
+    model.zero_grad()
+    dpo.head_logprobs(model, ids, input_ids=ids).sum().backward()
+    assert len(calls) == 2  # one forward each in saved_bytes and here: none again in a backward pass
+
+
+@pytest.mark.parametrize("script", [sft, dpo, rlhf_ppo, grpo], ids=lambda m: m.__name__)
+def test_the_head_is_whole_only_on_a_gpu_without_fsdp_within_an_eighth_of_its_memory(script, monkeypatch, capsys):
+    """choose_head: Qwen2.5's vocabulary, 8 × 1024 positions (4.6 GiB of float32 logits): whole on an 80 GiB GPU
+    (10 GiB budget), in chunks on a 24 GiB one (3 GiB), under --fsdp, and on the CPU; the choice printed once."""
+    class Properties:
+        total_memory = 80 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    for device, fsdp, memory, whole in ((cuda, False, 80, True), (cuda, False, 24, False), (cuda, True, 80, False),
+                                        (cpu, False, 80, False)):
+        monkeypatch.setattr(script, "whole_head_elements", 0)
+        Properties.total_memory = memory * 2**30
+        script.choose_head(device, fsdp, 8, 1024, 151936)
+        line = capsys.readouterr().out
+        assert line.count("\n") == 1 and line.startswith("LM head: whole" if whole else "LM head: in chunks"), line
+        assert "4.64 GiB" in line
+        assert (script.whole_head_elements >= 8 * 1024 * 151936) == whole
+
+
+@pytest.mark.parametrize("script", [sft, reward_model, dpo, rlhf_ppo, grpo], ids=lambda m: m.__name__)
+def test_compile_blocks_compiles_each_block_for_the_passes_with_gradients(script, monkeypatch):
+    """--compile: torch.compile once per block class (GPT-2's 2 blocks share it); a pass with gradients runs each
+    block through it, a pass without (sampling, scoring, evaluation) runs the eager blocks; the same outputs."""
+    from lm_models import make_model
+
+    compiled, calls = [], []
+
+    def fake_compile(fn):
+        compiled.append(fn)
+        return lambda *args, **kwargs: calls.append(1) or fn(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    torch.manual_seed(0)
+    model = make_model("gpt2", 50, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    ids = torch.randint(0, 50, (2, 5))
+    expected = model(input_ids=ids).logits
+    script.compile_blocks(model)
+    assert len(compiled) == 1
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=0, atol=0)
+    assert calls == []
+    torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=0, atol=0)
+    assert len(calls) == 2
+
+
 def test_a_model_that_changes_its_logits_after_the_head_is_one_line():
     """Cohere scales its logits after the head (logit_scale): log-probs computed in the head would be wrong, so
     head_logprobs stops with one line instead."""
@@ -311,3 +379,17 @@ def test_a_model_that_changes_its_logits_after_the_head_is_one_line():
     with pytest.raises(SystemExit) as stop:
         dpo.head_logprobs(model, ids, input_ids=ids)
     assert str(stop.value.code).startswith("error: CohereForCausalLM changes its logits after the LM head")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+def test_on_cuda_the_head_is_whole_and_compile_trains_as_eager(tmp_path, capsys):
+    """On one GPU: scale/sft.py says once that it computes the LM head whole, and with --compile (each GPT-2 block
+    compiled for the passes with gradients) it trains to the loss it reaches eager, to bfloat16 rounding."""
+    losses = {}
+    for name, extra in (("eager", []), ("compiled", ["--compile"])):
+        run_in_process("scale/sft.py", *TINY_LM, "--max-steps", "20", "--num-train-examples", "400", "--eval-size", "0",
+                       "--eval-every", "100", "--exp-name", name, "--output-dir", name, cwd=tmp_path)
+        out = capsys.readouterr().out
+        assert out.count("LM head: whole, kept for the backward pass") == 1, out
+        losses[name] = read_scalars(str(next((tmp_path / "runs").glob(f"{name}__*"))))["losses/loss"][-1][1]
+    assert abs(losses["compiled"] - losses["eager"]) < 0.02 * losses["eager"], losses
