@@ -23,7 +23,7 @@ newly sampled ones (--dynamic-sampling, DAPO).
     python grpo.py --reward-model-path models/reward_model   # the reward model of reward_model.py instead
     python grpo.py --advantage rloo                      # RLOO
     python grpo.py --dynamic-sampling                    # the recommended start (docs/grpo.md)
-    python grpo.py --sft-model-path my-sft --dataset-name math.jsonl --reward-fn numeric_match --lr 1e-6
+    python grpo.py --model-name-or-path my-sft --dataset-name math.jsonl --reward-fn numeric_match --lr 1e-6
 
 This is the one-device reference. scale/grpo.py computes the same thing and adds what larger runs need:
 torchrun (DDP, FSDP2), LoRA, gradient accumulation and checkpointing, sampling in chunks, checkpoints that
@@ -61,8 +61,13 @@ class Args:
     """seed of python, torch and the built-in task's data"""
     cuda: bool = True
     """use CUDA when it is available (the CPU otherwise)"""
-    sft_model_path: str = "models/sft"
-    """the policy's start and the frozen reference (sft.py's output by default)"""
+    threads: int | None = None
+    """torch CPU threads (default: OMP_NUM_THREADS where set, else one fewer than the cores, at least 1: a thread
+    that waits for a core stalls the others at every step, so leaving a core free keeps a run's speed on a busy
+    machine; README's quickstart has the figures)"""
+    model_name_or_path: Annotated[str, tyro.conf.arg(aliases=("--sft-model-path",))] = "models/sft"
+    """hub id or local directory of the policy's start and the frozen reference (sft.py's output by default; TRL:
+    model_name_or_path; --sft-model-path works too in this release, grpo.py's and rlhf_ppo.py's old name)"""
     reward_fn: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
     """a reward function, repeatable (the reward is the weighted sum): a built-in, gold (the built-in task's
     gold score: 1 − normalized edit distance to the `target`), exact_match, numeric_match or format (see below),
@@ -86,7 +91,7 @@ class Args:
     output_dir: str = "models/grpo"
     """where the trained policy is saved as a Hugging Face checkpoint (atomically)"""
     save_dtype: str | None = None
-    """dtype of the saved weights (float32, bfloat16, float16); None: that of --sft-model-path"""
+    """dtype of the saved weights (float32, bfloat16, float16); None: that of --model-name-or-path"""
 
     num_iterations: int = 120
     """rollout-then-update rounds, as in rlhf_ppo.py and CleanRL (TRL's max_steps counts optimizer steps instead)"""
@@ -374,6 +379,8 @@ def combine_rewards(per_function, weights):
 
 def check_args(args):
     """Every flag checked before any work: one line that says what to change."""
+    if args.threads is not None and args.threads < 1:
+        sys.exit(f"error: --threads {args.threads}: it must be at least 1 (leave it out for the default)")
     # the least each count can be (--eval-size 0: no evaluation; a group needs 2 completions, its own baseline);
     # below it a run would crash deep inside (a modulo by zero, an empty batch) or train nothing
     for name, least in {"num_iterations": 1, "num_generations": 2, "mini_batch_size": 1, "max_sampling_rounds": 1,
@@ -420,6 +427,8 @@ def main(args: Args):
     if args.bf16 is None:  # as in TRL's configs: bf16 where CUDA has it; on the CPU float32 is faster
         args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     check_args(args)
+    note_overwrite(args.output_dir)
+    torch.set_num_threads(cpu_threads(args.threads))
     # the reward functions: the built-in task's gold score unless others (or only a reward model) are given
     functions = load_reward_functions(args.reward_fn or (() if args.reward_model_path else ("gold",)),
                                       BUILTIN_REWARDS, args.format_pattern)
@@ -440,7 +449,7 @@ def main(args: Args):
         sys.exit(f"error: dataset {args.dataset_name!r} has an empty `target`; the gold score (an edit distance "
                  "relative to the target's length) needs one, or use --reward-fn exact_match")
     tokenizer, stop_ids, policy, ref, reward = load_models(args, device)
-    save_dtype = save_dtype_of(args, args.sft_model_path)
+    save_dtype = save_dtype_of(args, args.model_name_or_path)
     train_rows, train_ids = tokenize_prompts(tokenizer, train_rows, args.max_prompt_length, "train")
     if len(train_ids) < B // G:
         sys.exit(f"error: {len(train_ids)} training prompts fit --max-prompt-length, fewer than the {B // G} of a "
@@ -692,14 +701,14 @@ def load_models(args, device):
     (master weights) whatever the checkpoint's dtype, the reference as the policy, so that before the first update
     the KL is exactly 0; dropout off in all. The reference only when β > 0, a reward model only with
     --reward-model-path."""
-    tokenizer = load_tokenizer(args.sft_model_path, "run `python sft.py` first or pass a path")
+    tokenizer = load_tokenizer(args.model_name_or_path, "run `python sft.py` first or pass a path")
     stop_ids = stop_token_ids(tokenizer)
     if args.reward_model_path is not None:
         reward_tokenizer = load_tokenizer(args.reward_model_path, "run `python reward_model.py` first or pass a path")
         check_same_vocabulary(tokenizer, reward_tokenizer, stop_ids, f"the reward model {args.reward_model_path!r} has "
-                              f"another tokenizer than {args.sft_model_path!r}; train it from the SFT model")
-    policy = load_no_dropout(args.sft_model_path, "lm")
-    ref = load_no_dropout(args.sft_model_path, "lm") if args.beta > 0 else None
+                              f"another tokenizer than {args.model_name_or_path!r}; train it from the SFT model")
+    policy = load_no_dropout(args.model_name_or_path, "lm")
+    ref = load_no_dropout(args.model_name_or_path, "lm") if args.beta > 0 else None
     reward = load_no_dropout(args.reward_model_path, "score") if args.reward_model_path is not None else None
     frozen = [model for model in (ref, reward) if model is not None]
     prepare_models(tokenizer, stop_ids, [policy] + frozen, frozen)
@@ -831,7 +840,7 @@ def tokenize_prompts(tokenizer, rows, max_prompt_length, split):
     kept = [i for i, ids in enumerate(encoded) if 0 < len(ids) <= max_prompt_length]
     if len(kept) < len(encoded):
         print(f"{split}: dropped {len(encoded) - len(kept):,} of {len(encoded):,} prompts longer than "
-              f"--max-prompt-length {max_prompt_length} (or empty)")
+              f"--max-prompt-length {max_prompt_length} (or empty; the longest: {max(map(len, encoded)):,} tokens)")
     return [rows[i] for i in kept], [encoded[i] for i in kept]
 
 
@@ -851,6 +860,8 @@ def load_rows(name, config, split, eval_size):
     import datasets
 
     datasets.disable_progress_bars()
+    if name.endswith((".json", ".jsonl")) and os.path.isfile(name):
+        check_json_file(name)
     try:
         if name.endswith((".json", ".jsonl", ".parquet")):  # a missing file: "Unable to find ..."
             data = datasets.load_dataset("parquet" if name.endswith(".parquet") else "json", data_files=name)
@@ -863,10 +874,33 @@ def load_rows(name, config, split, eval_size):
     if split not in data:
         sys.exit(f"error: dataset {name!r} has the splits {list(data)}; pass one of them as --dataset-split")
     rows = list(data[split])
+    if not rows:
+        sys.exit(f"error: split {split!r} of dataset {name!r} has no rows")
     if "test" in data and split != "test":
         return rows, list(data["test"])[:eval_size]
     n_eval = min(eval_size, len(rows) // 10)
     return rows[n_eval:], rows[:n_eval]
+
+def check_json_file(path):
+    """A .json or .jsonl file datasets would stop on with a message of its own (an empty .jsonl: StopIteration):
+    one line that names the file and the line, before any work."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    rows, number = [], 0  # number: the .jsonl line read last
+    try:
+        if path.endswith(".jsonl"):
+            for number, line in enumerate(text.splitlines(), 1):
+                if line.strip():
+                    rows.append(json.loads(line))
+                    if not isinstance(rows[-1], dict):
+                        sys.exit(f"error: {path}, line {number}: a JSON {type(rows[-1]).__name__}, not an object")
+        else:
+            rows = json.loads(text)
+    except json.JSONDecodeError as e:
+        sys.exit(f"error: {path}, line {number or e.lineno}: not JSON ({e.msg}, column {e.colno})")
+    if not rows:
+        sys.exit(f"error: {path} has no rows")
+
 
 
 def load_data(args, task_row, num_train, accepts, needs):
@@ -1240,6 +1274,37 @@ def save_model(model, tokenizer, args, output_dir, dtype):
         shutil.rmtree(tmp_dir, ignore_errors=True)
         sys.exit(f"error: cannot write the checkpoint to {output_dir!r}: {e}; nothing was saved")
 
+def note_overwrite(output_dir):
+    """One line before any work when --output-dir already holds a model: this run replaces it when it ends, and
+    a later stage reads that directory, so the run says so rather than replace another run's model silently."""
+    if os.environ.get("RANK", "0") != "0" or not any(os.path.exists(os.path.join(output_dir, name))
+                                                      for name in ("config.json", "adapter_config.json")):
+        return
+    saved = time.strftime("%Y-%m-%d %H:%M", time.localtime(os.path.getmtime(output_dir)))
+    try:
+        with open(os.path.join(output_dir, "training_args.json")) as f:
+            flags = json.load(f)
+        length = next((f" --{k.replace('_', '-')} {flags[k]}" for k in ("max_steps", "num_iterations") if k in flags),
+                      "")
+        by = f" by a run of {flags.get('exp_name', '?')}{length}"
+    except (OSError, ValueError):
+        by = ""
+    print(f"note: --output-dir {output_dir} holds a model saved {saved}{by}; this run replaces it when it ends")
+
+def cpu_threads(threads):
+    """--threads, or by default OMP_NUM_THREADS where it is set (torchrun sets 1 per rank), else one fewer than the
+    cores this process may run on, at least 1."""
+    if threads:
+        return threads
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return int(os.environ["OMP_NUM_THREADS"])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores - 1)
+
+
+
 
 if __name__ == "__main__":
+    if any(arg.split("=")[0] == "--sft-model-path" for arg in sys.argv[1:]) and os.environ.get("RANK", "0") == "0":
+        print("note: --sft-model-path is now --model-name-or-path (TRL's name); the old name works in this release")
     main(tyro.cli(Args, description=__doc__))

@@ -41,6 +41,10 @@ class Args:
     """seed of python, torch and the built-in task's data"""
     cuda: bool = True
     """use CUDA when it is available (the CPU otherwise)"""
+    threads: int | None = None
+    """torch CPU threads (default: OMP_NUM_THREADS where set, else one fewer than the cores, at least 1: a thread
+    that waits for a core stalls the others at every step, so leaving a core free keeps a run's speed on a busy
+    machine; README's quickstart has the figures)"""
     model_name_or_path: str = "models/sft"
     """hub id or local directory of the model to start from (sft.py's output by default)"""
     dataset_name: str | None = None
@@ -103,6 +107,8 @@ def bradley_terry_loss(rewards_chosen, rewards_rejected, margin=None, center_rew
 
 def check_args(args):
     """Every flag checked before any work: one line that says what to change."""
+    if args.threads is not None and args.threads < 1:
+        sys.exit(f"error: --threads {args.threads}: it must be at least 1 (leave it out for the default)")
     # the least each count can be (--eval-size 0: no evaluation); below it a run would crash deep inside (a
     # modulo by zero, an empty batch) or train nothing
     for name, least in {"max_steps": 1, "batch_size": 1, "warmup_steps": 0, "eval_every": 1, "eval_size": 0,
@@ -115,12 +121,15 @@ def check_args(args):
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and (value > 0 or rule == ">= 0" and value == 0)):
             sys.exit(f"error: --{name.replace('_', '-')} {value}: it must be a finite number {rule}")
+    check_warmup(args.warmup_steps, args.max_steps, "linear")
 
 
 def main(args: Args):
     if args.bf16 is None:  # as in TRL's configs: bf16 where CUDA has it; on the CPU float32 is faster
         args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     check_args(args)
+    note_overwrite(args.output_dir)
+    torch.set_num_threads(cpu_threads(args.threads))
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     random.seed(args.seed)  # the data order
     torch.manual_seed(args.seed)
@@ -420,20 +429,24 @@ def tokenize_pairs(tokenizer, rows, stop_ids, max_length, split):
     """[(prompt_ids, chosen_ids, rejected_ids, row)] of the preference rows that fit `max_length`: a pair whose
     longer side does not fit, or whose sides are the same tokens, is dropped (and counted) rather than cut, so
     no fake EOS and no zero-gradient pair is trained on."""
-    kept, too_long, same = [], 0, 0
+    kept, too_long, same, lengths = [], 0, 0, []
     for row in rows:
         prompt_ids, chosen_ids, rejected_ids = tokenize_preference(tokenizer, row, stop_ids)
-        if len(prompt_ids) + max(len(chosen_ids), len(rejected_ids)) > max_length:
+        lengths.append(len(prompt_ids) + max(len(chosen_ids), len(rejected_ids)))
+        if lengths[-1] > max_length:
             too_long += 1
         elif chosen_ids == rejected_ids:
             same += 1
         else:
             kept.append((prompt_ids, chosen_ids, rejected_ids, row))
     if too_long or same:
-        print(f"{split}: dropped {too_long:,} of {len(rows):,} pairs longer than --max-length {max_length}, "
-              f"{same:,} whose chosen and rejected are the same tokens")
+        print(f"{split}: dropped {too_long:,} of {len(rows):,} pairs longer than --max-length {max_length} (the "
+              f"longest: {max(lengths):,} tokens), {same:,} whose chosen and rejected are the same tokens")
+    if not kept and split == "train" and too_long:
+        sys.exit(f"error: no training pair fits --max-length {max_length}: they have {min(lengths):,} to "
+                 f"{max(lengths):,} tokens; raise --max-length (TRL's default: 1024)")
     if not kept and split == "train":
-        sys.exit("error: no training pair is left (see above); raise --max-length or check the data")
+        sys.exit("error: no training pair is left (see above); check the data")
     return kept
 
 
@@ -453,6 +466,8 @@ def load_rows(name, config, split, eval_size):
     import datasets
 
     datasets.disable_progress_bars()
+    if name.endswith((".json", ".jsonl")) and os.path.isfile(name):
+        check_json_file(name)
     try:
         if name.endswith((".json", ".jsonl", ".parquet")):  # a missing file: "Unable to find ..."
             data = datasets.load_dataset("parquet" if name.endswith(".parquet") else "json", data_files=name)
@@ -465,10 +480,33 @@ def load_rows(name, config, split, eval_size):
     if split not in data:
         sys.exit(f"error: dataset {name!r} has the splits {list(data)}; pass one of them as --dataset-split")
     rows = list(data[split])
+    if not rows:
+        sys.exit(f"error: split {split!r} of dataset {name!r} has no rows")
     if "test" in data and split != "test":
         return rows, list(data["test"])[:eval_size]
     n_eval = min(eval_size, len(rows) // 10)
     return rows[n_eval:], rows[:n_eval]
+
+def check_json_file(path):
+    """A .json or .jsonl file datasets would stop on with a message of its own (an empty .jsonl: StopIteration):
+    one line that names the file and the line, before any work."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    rows, number = [], 0  # number: the .jsonl line read last
+    try:
+        if path.endswith(".jsonl"):
+            for number, line in enumerate(text.splitlines(), 1):
+                if line.strip():
+                    rows.append(json.loads(line))
+                    if not isinstance(rows[-1], dict):
+                        sys.exit(f"error: {path}, line {number}: a JSON {type(rows[-1]).__name__}, not an object")
+        else:
+            rows = json.loads(text)
+    except json.JSONDecodeError as e:
+        sys.exit(f"error: {path}, line {number or e.lineno}: not JSON ({e.msg}, column {e.colno})")
+    if not rows:
+        sys.exit(f"error: {path} has no rows")
+
 
 
 def load_data(args, task_row, num_train, accepts, needs):
@@ -592,6 +630,14 @@ def get_lr(step, lr, warmup_steps, max_steps, decay):
         return lr * warmup * min(1.0, max(0.0, (max_steps - step) / max(1, max_steps - warmup_steps)))
     return lr * warmup * 0.5 * (1 + math.cos(math.pi * min(1.0, step / max_steps)))
 
+def check_warmup(warmup_steps, max_steps, decay):
+    """One warning line when the warmup lasts the whole run: the learning rate then never reaches --lr."""
+    if warmup_steps >= max_steps and os.environ.get("RANK", "0") == "0":
+        peak = max(get_lr(step, 1.0, warmup_steps, max_steps, decay) for step in range(max_steps))
+        print(f"warning: --warmup-steps {warmup_steps} ≥ --max-steps {max_steps}: the learning rate peaks at "
+              f"{peak:.0%} of --lr; lower --warmup-steps")
+
+
 
 def check_finite(step, **values):
     """Stop the run with one line, before anything is saved, when a loss or gradient norm is NaN or inf."""
@@ -617,6 +663,35 @@ def save_model(model, tokenizer, args, output_dir, dtype):
     except OSError as e:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         sys.exit(f"error: cannot write the checkpoint to {output_dir!r}: {e}; nothing was saved")
+
+def note_overwrite(output_dir):
+    """One line before any work when --output-dir already holds a model: this run replaces it when it ends, and
+    a later stage reads that directory, so the run says so rather than replace another run's model silently."""
+    if os.environ.get("RANK", "0") != "0" or not any(os.path.exists(os.path.join(output_dir, name))
+                                                      for name in ("config.json", "adapter_config.json")):
+        return
+    saved = time.strftime("%Y-%m-%d %H:%M", time.localtime(os.path.getmtime(output_dir)))
+    try:
+        with open(os.path.join(output_dir, "training_args.json")) as f:
+            flags = json.load(f)
+        length = next((f" --{k.replace('_', '-')} {flags[k]}" for k in ("max_steps", "num_iterations") if k in flags),
+                      "")
+        by = f" by a run of {flags.get('exp_name', '?')}{length}"
+    except (OSError, ValueError):
+        by = ""
+    print(f"note: --output-dir {output_dir} holds a model saved {saved}{by}; this run replaces it when it ends")
+
+def cpu_threads(threads):
+    """--threads, or by default OMP_NUM_THREADS where it is set (torchrun sets 1 per rank), else one fewer than the
+    cores this process may run on, at least 1."""
+    if threads:
+        return threads
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return int(os.environ["OMP_NUM_THREADS"])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores - 1)
+
+
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ a reward model, three models are in memory and the critic starts from the SFT mo
     python sft.py && python reward_model.py && python rlhf_ppo.py    # built-in task, CPU
     python rlhf_ppo.py --kl-coef 0                                   # what the KL penalty is for
     python rlhf_ppo.py --reward-fn gold                              # the gold score, no reward model
-    python rlhf_ppo.py --sft-model-path my-sft --reward-model-path my-rm --dataset-name prompts.jsonl --lr 1e-6
+    python rlhf_ppo.py --model-name-or-path my-sft --reward-model-path my-rm --dataset-name prompts.jsonl --lr 1e-6
 
 This is the one-device reference. scale/rlhf_ppo.py computes the same thing and adds what larger runs need:
 torchrun (DDP, FSDP2), LoRA, gradient accumulation and checkpointing, sampling in chunks, checkpoints that
@@ -52,8 +52,13 @@ class Args:
     """seed of python, torch and the built-in task's prompts"""
     cuda: bool = True
     """use CUDA when it is available (the CPU otherwise)"""
-    sft_model_path: str = "models/sft"
-    """the SFT model: the actor's start and the frozen reference (made by sft.py)"""
+    threads: int | None = None
+    """torch CPU threads (default: OMP_NUM_THREADS where set, else one fewer than the cores, at least 1: a thread
+    that waits for a core stalls the others at every step, so leaving a core free keeps a run's speed on a busy
+    machine; README's quickstart has the figures)"""
+    model_name_or_path: Annotated[str, tyro.conf.arg(aliases=("--sft-model-path",))] = "models/sft"
+    """the SFT model, hub id or local directory: the actor's start and the frozen reference (made by sft.py; TRL:
+    model_name_or_path; --sft-model-path, its old name here, works in this release)"""
     reward_model_path: str | None = None
     """the frozen reward model, also the critic's start (reward_model.py's output); None: models/reward_model,
     or with --reward-fn no reward model at all (three models in memory; the critic starts from the SFT model)"""
@@ -75,7 +80,7 @@ class Args:
     output_dir: str = "models/rlhf_ppo"
     """where the trained policy is saved as a Hugging Face checkpoint (atomically)"""
     save_dtype: str | None = None
-    """dtype of the saved weights (float32, bfloat16, float16); None: that of --sft-model-path"""
+    """dtype of the saved weights (float32, bfloat16, float16); None: that of --model-name-or-path"""
 
     num_iterations: int = 80
     """rollout-then-update iterations (CleanRL: --total-timesteps / batch; TRL: total_episodes / batch_size)"""
@@ -262,6 +267,8 @@ def combine_rewards(per_function, weights):
 
 def check_args(args):
     """Every flag checked before any work: one line that says what to change."""
+    if args.threads is not None and args.threads < 1:
+        sys.exit(f"error: --threads {args.threads}: it must be at least 1 (leave it out for the default)")
     # the least each count can be (--eval-size 0: no evaluation); below it a run would crash deep inside (a
     # modulo by zero, an empty batch) or train nothing
     for name, least in {"num_iterations": 1, "batch_size": 1, "mini_batch_size": 1, "ppo_epochs": 1,
@@ -291,6 +298,8 @@ def main(args: Args):
     if args.bf16 is None:  # as in TRL's configs: bf16 where CUDA has it; on the CPU float32 is faster
         args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     check_args(args)
+    note_overwrite(args.output_dir)
+    torch.set_num_threads(cpu_threads(args.threads))
     # the score: the reward model's (by default), the reward functions', or their weighted sum
     reward_model_path = args.reward_model_path or (None if args.reward_fn else "models/reward_model")
     functions = load_reward_functions(args.reward_fn, BUILTIN_REWARDS, args.format_pattern)
@@ -308,7 +317,7 @@ def main(args: Args):
     if len(train_rows) < B:
         sys.exit(f"error: {len(train_rows)} training prompts, fewer than --batch-size {B}; lower it")
     tokenizer, stop_ids, actor, ref, reward, critic = load_models(args, reward_model_path, device)
-    save_dtype = save_dtype_of(args, args.sft_model_path)
+    save_dtype = save_dtype_of(args, args.model_name_or_path)
     train_rows, train_ids = tokenize_prompts(tokenizer, train_rows, args.max_prompt_length, "train")
     if len(train_ids) < B:
         sys.exit(f"error: {len(train_ids)} training prompts fit --max-prompt-length, fewer than --batch-size {B}")
@@ -512,16 +521,16 @@ def load_models(args, reward_model_path, device):
     checkpoints' dtype, the reference as the actor (so that they agree exactly before the first update); dropout
     off in all (log-probs, values and scores must not be random). The critic starts from the reward model, or from
     the SFT model with a new head."""
-    tokenizer = load_tokenizer(args.sft_model_path, "run `python sft.py` first or pass a path")
+    tokenizer = load_tokenizer(args.model_name_or_path, "run `python sft.py` first or pass a path")
     stop_ids = stop_token_ids(tokenizer)
-    critic_path = reward_model_path or args.sft_model_path
+    critic_path = reward_model_path or args.model_name_or_path
     if reward_model_path is not None:
         reward_tokenizer = load_tokenizer(reward_model_path, "run `python reward_model.py` first or pass a path")
         check_same_vocabulary(tokenizer, reward_tokenizer, stop_ids, f"the reward model {reward_model_path!r} has "
-                              f"another tokenizer than {args.sft_model_path!r}; train it from the SFT model")
-    actor = load_no_dropout(args.sft_model_path, "lm")  # π_θ
+                              f"another tokenizer than {args.model_name_or_path!r}; train it from the SFT model")
+    actor = load_no_dropout(args.model_name_or_path, "lm")  # π_θ
     prepare_models(tokenizer, stop_ids, [actor])
-    ref = load_no_dropout(args.sft_model_path, "lm")  # π_ref
+    ref = load_no_dropout(args.model_name_or_path, "lm")  # π_ref
     prepare_models(tokenizer, stop_ids, [ref], [ref])
     reward = None
     if reward_model_path is not None:  # r_φ
@@ -658,7 +667,7 @@ def tokenize_prompts(tokenizer, rows, max_prompt_length, split):
     kept = [i for i, ids in enumerate(encoded) if 0 < len(ids) <= max_prompt_length]
     if len(kept) < len(encoded):
         print(f"{split}: dropped {len(encoded) - len(kept):,} of {len(encoded):,} prompts longer than "
-              f"--max-prompt-length {max_prompt_length} (or empty)")
+              f"--max-prompt-length {max_prompt_length} (or empty; the longest: {max(map(len, encoded)):,} tokens)")
     return [rows[i] for i in kept], [encoded[i] for i in kept]
 
 
@@ -678,6 +687,8 @@ def load_rows(name, config, split, eval_size):
     import datasets
 
     datasets.disable_progress_bars()
+    if name.endswith((".json", ".jsonl")) and os.path.isfile(name):
+        check_json_file(name)
     try:
         if name.endswith((".json", ".jsonl", ".parquet")):  # a missing file: "Unable to find ..."
             data = datasets.load_dataset("parquet" if name.endswith(".parquet") else "json", data_files=name)
@@ -690,10 +701,33 @@ def load_rows(name, config, split, eval_size):
     if split not in data:
         sys.exit(f"error: dataset {name!r} has the splits {list(data)}; pass one of them as --dataset-split")
     rows = list(data[split])
+    if not rows:
+        sys.exit(f"error: split {split!r} of dataset {name!r} has no rows")
     if "test" in data and split != "test":
         return rows, list(data["test"])[:eval_size]
     n_eval = min(eval_size, len(rows) // 10)
     return rows[n_eval:], rows[:n_eval]
+
+def check_json_file(path):
+    """A .json or .jsonl file datasets would stop on with a message of its own (an empty .jsonl: StopIteration):
+    one line that names the file and the line, before any work."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    rows, number = [], 0  # number: the .jsonl line read last
+    try:
+        if path.endswith(".jsonl"):
+            for number, line in enumerate(text.splitlines(), 1):
+                if line.strip():
+                    rows.append(json.loads(line))
+                    if not isinstance(rows[-1], dict):
+                        sys.exit(f"error: {path}, line {number}: a JSON {type(rows[-1]).__name__}, not an object")
+        else:
+            rows = json.loads(text)
+    except json.JSONDecodeError as e:
+        sys.exit(f"error: {path}, line {number or e.lineno}: not JSON ({e.msg}, column {e.colno})")
+    if not rows:
+        sys.exit(f"error: {path} has no rows")
+
 
 
 def load_data(args, task_row, num_train, accepts, needs):
@@ -1057,6 +1091,37 @@ def save_model(model, tokenizer, args, output_dir, dtype):
         shutil.rmtree(tmp_dir, ignore_errors=True)
         sys.exit(f"error: cannot write the checkpoint to {output_dir!r}: {e}; nothing was saved")
 
+def note_overwrite(output_dir):
+    """One line before any work when --output-dir already holds a model: this run replaces it when it ends, and
+    a later stage reads that directory, so the run says so rather than replace another run's model silently."""
+    if os.environ.get("RANK", "0") != "0" or not any(os.path.exists(os.path.join(output_dir, name))
+                                                      for name in ("config.json", "adapter_config.json")):
+        return
+    saved = time.strftime("%Y-%m-%d %H:%M", time.localtime(os.path.getmtime(output_dir)))
+    try:
+        with open(os.path.join(output_dir, "training_args.json")) as f:
+            flags = json.load(f)
+        length = next((f" --{k.replace('_', '-')} {flags[k]}" for k in ("max_steps", "num_iterations") if k in flags),
+                      "")
+        by = f" by a run of {flags.get('exp_name', '?')}{length}"
+    except (OSError, ValueError):
+        by = ""
+    print(f"note: --output-dir {output_dir} holds a model saved {saved}{by}; this run replaces it when it ends")
+
+def cpu_threads(threads):
+    """--threads, or by default OMP_NUM_THREADS where it is set (torchrun sets 1 per rank), else one fewer than the
+    cores this process may run on, at least 1."""
+    if threads:
+        return threads
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return int(os.environ["OMP_NUM_THREADS"])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores - 1)
+
+
+
 
 if __name__ == "__main__":
+    if any(arg.split("=")[0] == "--sft-model-path" for arg in sys.argv[1:]) and os.environ.get("RANK", "0") == "0":
+        print("note: --sft-model-path is now --model-name-or-path (TRL's name); the old name works in this release")
     main(tyro.cli(Args, description=__doc__))

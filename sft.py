@@ -40,6 +40,10 @@ class Args:
     """seed of python, torch and the built-in task's data"""
     cuda: bool = True
     """use CUDA when it is available (the CPU otherwise)"""
+    threads: int | None = None
+    """torch CPU threads (default: OMP_NUM_THREADS where set, else one fewer than the cores, at least 1: a thread
+    that waits for a core stalls the others at every step, so leaving a core free keeps a run's speed on a busy
+    machine; README's quickstart has the figures)"""
     model_name_or_path: str | None = None
     """hub id or local directory of a causal LM to fine-tune; None builds the tiny GPT-2 below from scratch"""
     dataset_name: str | None = None
@@ -108,6 +112,8 @@ def sft_loss(logprobs, labels, num_items=None):
 
 def check_args(args):
     """Every flag checked before any work: one line that says what to change."""
+    if args.threads is not None and args.threads < 1:
+        sys.exit(f"error: --threads {args.threads}: it must be at least 1 (leave it out for the default)")
     # the least each count can be (--eval-size 0: no evaluation); below it a run would crash deep inside (a
     # modulo by zero, an empty batch) or train nothing
     for name, least in {"max_steps": 1, "batch_size": 1, "warmup_steps": 0, "eval_every": 1, "eval_size": 0,
@@ -119,12 +125,15 @@ def check_args(args):
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and (value > 0 or rule == ">= 0" and value == 0)):
             sys.exit(f"error: --{name.replace('_', '-')} {value}: it must be a finite number {rule}")
+    check_warmup(args.warmup_steps, args.max_steps, "cosine")
 
 
 def main(args: Args):
     if args.bf16 is None:  # as in TRL's configs: bf16 where CUDA has it; on the CPU float32 is faster
         args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     check_args(args)
+    note_overwrite(args.output_dir)
+    torch.set_num_threads(cpu_threads(args.threads))
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     random.seed(args.seed)  # the data order
     torch.manual_seed(args.seed)  # the model's initial weights and the sampling
@@ -228,10 +237,24 @@ def evaluate(model, tokenizer, stop_ids, evals, task_examples, args, amp, writer
             logs[f"eval/gold_score{name}"] = sum(gold_score(c, t) for c, t in zip(completions, targets)) / len(targets)
         writer.add_text("eval/samples", "\n".join(f"    {ex['prompt']} {c!r} (target {ex['target']})"
                                                   for ex, c in zip(task_examples[:8], sampled)), step)
+    elif evals:  # own data: completions sampled from 8 held-out prompts, to read beside the loss
+        prompts = [ids[: prompt_length(labels)] for ids, labels in evals[:8]]
+        with amp():
+            sequences, _, width, _ = generate(model, prompts, tokenizer.pad_token_id, stop_ids, args.max_new_tokens)
+        completions = tokenizer.batch_decode(sequences[:, width:], skip_special_tokens=True)
+        writer.add_text("eval/samples", "\n".join(f"    {tokenizer.decode(p)[-300:]!r} {c!r}"
+                                                  for p, c in zip(prompts, completions)), step)
     for tag, value in logs.items():
         writer.add_scalar(tag, value, step)
     print(f"step {step}: " + ", ".join(f"{tag} {value:.4f}" for tag, value in logs.items()))
     model.train()
+
+
+def prompt_length(labels):
+    """The tokens of an example before its first labeled one (its prompt); a `text` example, labeled throughout:
+    the first half of it."""
+    start = next((t for t, label in enumerate(labels) if label != -100), len(labels))
+    return start if start > 0 else max(1, len(labels) // 2)
 
 
 def make_tokenizer(path):
@@ -452,20 +475,22 @@ def tokenize(example, tokenizer, stop_ids):
 def tokenize_examples(tokenizer, examples, stop_ids, max_length, split):
     """[(input_ids, labels)] of the examples that fit `max_length` (a `text` example is cut to it); the others
     are dropped and counted, as are examples with nothing to learn."""
-    kept, dropped = [], 0
+    kept, dropped, lengths = [], 0, []
     for ex in examples:
         ids, labels = tokenize(ex, tokenizer, stop_ids)
         if ex.get("text") is not None and ex.get("messages") is None and ex.get("completion") is None:
             ids, labels = ids[:max_length], labels[:max_length]
+        lengths.append(len(ids))
         if len(ids) > max_length or all(label == -100 for label in labels[1:]):
             dropped += 1
         else:
             kept.append((ids, labels))
     if dropped:
         print(f"{split}: dropped {dropped:,} of {len(examples):,} examples longer than --max-length {max_length} "
-              "or with nothing to learn")
+              f"or with nothing to learn (the longest: {max(lengths):,} tokens)")
     if not kept and split == "train":
-        sys.exit(f"error: no training example fits --max-length {max_length} (see above); raise it")
+        sys.exit(f"error: no training example fits --max-length {max_length}: they have {min(lengths):,} to "
+                 f"{max(lengths):,} tokens; raise --max-length (TRL's default: 1024)")
     return kept
 
 
@@ -485,6 +510,8 @@ def load_rows(name, config, split, eval_size):
     import datasets
 
     datasets.disable_progress_bars()
+    if name.endswith((".json", ".jsonl")) and os.path.isfile(name):
+        check_json_file(name)
     try:
         if name.endswith((".json", ".jsonl", ".parquet")):  # a missing file: "Unable to find ..."
             data = datasets.load_dataset("parquet" if name.endswith(".parquet") else "json", data_files=name)
@@ -497,10 +524,33 @@ def load_rows(name, config, split, eval_size):
     if split not in data:
         sys.exit(f"error: dataset {name!r} has the splits {list(data)}; pass one of them as --dataset-split")
     rows = list(data[split])
+    if not rows:
+        sys.exit(f"error: split {split!r} of dataset {name!r} has no rows")
     if "test" in data and split != "test":
         return rows, list(data["test"])[:eval_size]
     n_eval = min(eval_size, len(rows) // 10)
     return rows[n_eval:], rows[:n_eval]
+
+def check_json_file(path):
+    """A .json or .jsonl file datasets would stop on with a message of its own (an empty .jsonl: StopIteration):
+    one line that names the file and the line, before any work."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    rows, number = [], 0  # number: the .jsonl line read last
+    try:
+        if path.endswith(".jsonl"):
+            for number, line in enumerate(text.splitlines(), 1):
+                if line.strip():
+                    rows.append(json.loads(line))
+                    if not isinstance(rows[-1], dict):
+                        sys.exit(f"error: {path}, line {number}: a JSON {type(rows[-1]).__name__}, not an object")
+        else:
+            rows = json.loads(text)
+    except json.JSONDecodeError as e:
+        sys.exit(f"error: {path}, line {number or e.lineno}: not JSON ({e.msg}, column {e.colno})")
+    if not rows:
+        sys.exit(f"error: {path} has no rows")
+
 
 
 def load_data(args, task_row, num_train, accepts, needs):
@@ -655,6 +705,14 @@ def get_lr(step, lr, warmup_steps, max_steps, decay):
         return lr * warmup * min(1.0, max(0.0, (max_steps - step) / max(1, max_steps - warmup_steps)))
     return lr * warmup * 0.5 * (1 + math.cos(math.pi * min(1.0, step / max_steps)))
 
+def check_warmup(warmup_steps, max_steps, decay):
+    """One warning line when the warmup lasts the whole run: the learning rate then never reaches --lr."""
+    if warmup_steps >= max_steps and os.environ.get("RANK", "0") == "0":
+        peak = max(get_lr(step, 1.0, warmup_steps, max_steps, decay) for step in range(max_steps))
+        print(f"warning: --warmup-steps {warmup_steps} ≥ --max-steps {max_steps}: the learning rate peaks at "
+              f"{peak:.0%} of --lr; lower --warmup-steps")
+
+
 
 def check_finite(step, **values):
     """Stop the run with one line, before anything is saved, when a loss or gradient norm is NaN or inf."""
@@ -680,6 +738,35 @@ def save_model(model, tokenizer, args, output_dir, dtype):
     except OSError as e:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         sys.exit(f"error: cannot write the checkpoint to {output_dir!r}: {e}; nothing was saved")
+
+def note_overwrite(output_dir):
+    """One line before any work when --output-dir already holds a model: this run replaces it when it ends, and
+    a later stage reads that directory, so the run says so rather than replace another run's model silently."""
+    if os.environ.get("RANK", "0") != "0" or not any(os.path.exists(os.path.join(output_dir, name))
+                                                      for name in ("config.json", "adapter_config.json")):
+        return
+    saved = time.strftime("%Y-%m-%d %H:%M", time.localtime(os.path.getmtime(output_dir)))
+    try:
+        with open(os.path.join(output_dir, "training_args.json")) as f:
+            flags = json.load(f)
+        length = next((f" --{k.replace('_', '-')} {flags[k]}" for k in ("max_steps", "num_iterations") if k in flags),
+                      "")
+        by = f" by a run of {flags.get('exp_name', '?')}{length}"
+    except (OSError, ValueError):
+        by = ""
+    print(f"note: --output-dir {output_dir} holds a model saved {saved}{by}; this run replaces it when it ends")
+
+def cpu_threads(threads):
+    """--threads, or by default OMP_NUM_THREADS where it is set (torchrun sets 1 per rank), else one fewer than the
+    cores this process may run on, at least 1."""
+    if threads:
+        return threads
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return int(os.environ["OMP_NUM_THREADS"])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores - 1)
+
+
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ rm -f "$out/times.txt"
 timed sft python sft.py --dataset-name "$out/sft.jsonl" --max-length 128 --max-steps "${SFT_STEPS:-750}" \
     --eval-every 250 --seed "$seed" --exp-name "arith_sft" --output-dir "$out/sft"
 [ -z "${ONLY_SFT:-}" ] || exit 0
-rl=(--sft-model-path "$out/sft" --dataset-name "$out/rl.jsonl" --reward-fn numeric_match --max-prompt-length 96
+rl=(--model-name-or-path "$out/sft" --dataset-name "$out/rl.jsonl" --reward-fn numeric_match --max-prompt-length 96
     --response-length "$response_length" --seed "$seed")
 timed grpo python grpo.py "${rl[@]}" --exp-name "arith_grpo" --output-dir "$out/grpo"
 timed rlhf_ppo python rlhf_ppo.py "${rl[@]}" --kl-coef 0.05 --missing-eos-penalty -1 --exp-name "arith_rlhf_ppo" \

@@ -730,11 +730,11 @@ BREAKS = {
     **{f"{script.replace('/', '_')}_save_dtype_ignores_the_checkpoint": (f"{script}.py",
         f"save_dtype = save_dtype_of(args, {path})", "save_dtype = save_dtype_of(args, None)", "tests/test_real_models.py")
        for script, path in (("reward_model", "args.model_name_or_path"), ("dpo", "args.model_name_or_path"),
-                            ("rlhf_ppo", "args.sft_model_path"), ("grpo", "args.sft_model_path"),
+                            ("rlhf_ppo", "args.model_name_or_path"), ("grpo", "args.model_name_or_path"),
                             ("scale/reward_model", "args.model_name_or_path"), ("scale/dpo", "path"),
-                            ("scale/rlhf_ppo", "args.sft_model_path"), ("scale/grpo", "args.sft_model_path"))},
+                            ("scale/rlhf_ppo", "args.model_name_or_path"), ("scale/grpo", "args.model_name_or_path"))},
     **{f"{script.replace('/', '_')}_critic_starts_from_the_sft_model": (f"{script}.py",
-        "critic_path = reward_model_path or args.sft_model_path", "critic_path = args.sft_model_path", tests)
+        "critic_path = reward_model_path or args.model_name_or_path", "critic_path = args.model_name_or_path", tests)
        for script, tests in (("rlhf_ppo", "tests/test_rlhf_ppo.py"), ("scale/rlhf_ppo", "tests/test_tiers.py"))},
     **{f"{script.replace('/', '_')}_evaluation_ignores_reward_model_path": (f"{script}.py",
         "has_reward = bool(args.reward_model_path) and os.path.isdir(args.reward_model_path)", "has_reward = False",
@@ -848,6 +848,23 @@ BREAKS = {
     **{f"scale_{script}_compiles_passes_without_gradients": (f"scale/{script}.py",
         "(compiled if torch.is_grad_enabled() else type(block).forward)", "compiled", "tests/test_scaling.py")
        for script in ("sft", "reward_model", "dpo", "rlhf_ppo", "grpo")},
+    # A new user's first hour (tests/test_first_hour.py): the thread count, the old flag name, the note before an
+    # overwrite, own data (a malformed file, the lengths, the warmup, the samples), dpo.py's default reward model
+    **{name: (script, old, new, "tests/test_first_hour.py") for name, script, old, new in [
+        ("sft_threads_take_every_core", "sft.py", "return max(1, cores - 1)", "return cores"),
+        ("sft_ignores_threads", "sft.py", "torch.set_num_threads(cpu_threads(args.threads))",
+         "torch.set_num_threads(cpu_threads(None))"),
+        ("scale_grpo_drops_the_old_flag_name", "scale/grpo.py", 'tyro.conf.arg(aliases=("--sft-model-path",))',
+         "tyro.conf.arg(aliases=())"),
+        ("sft_overwrites_silently", "sft.py", "    note_overwrite(args.output_dir)\n", ""),
+        ("sft_leaves_json_to_datasets", "sft.py", "        check_json_file(name)\n", "        pass\n"),
+        ("sft_length_error_without_lengths", "sft.py", 'fits --max-length {max_length}: they have {min(lengths):,} to "',
+         'fits --max-length {max_length}: "'),
+        ("sft_no_warmup_warning", "sft.py", '    check_warmup(args.warmup_steps, args.max_steps, "cosine")\n', ""),
+        ("sft_no_samples_on_own_data", "sft.py", "    elif evals:  # own data", "    elif False:  # own data"),
+        ("dpo_default_reward_model_stops", "dpo.py",
+         "            if args.reward_model_path != Args.reward_model_path:\n                raise",
+         "            if True:\n                raise")]},
     "scale_sft_logs_one_micro_batch_loss": ("scale/sft.py", "batch_loss = sum(torch.stack(losses).tolist())",
                                             "batch_loss = losses[0].item()", "tests/test_lm_memory.py"),
 }

@@ -10,11 +10,11 @@ set -euo pipefail
 PAIRS=${1:-3}; PY=${PYTHON:-python}; N=${ITERATIONS:-3}; ROOT=$(pwd); work=$(mktemp -d)
 export PYTHONUNBUFFERED=1
 $PY benchmarks/random_qwen.py "$work"
-ours="$PY $ROOT/benchmarks/rollout_timer.py $ROOT/scale/grpo.py --sft-model-path $work/base --dataset-name $work/prompts.jsonl
+ours="$PY $ROOT/benchmarks/rollout_timer.py $ROOT/scale/grpo.py --model-name-or-path $work/base --dataset-name $work/prompts.jsonl
     --reward-fn exact_match --num-iterations $N --response-length 128 --max-prompt-length 512 --batch-size 256
     --generation-batch-size 256 --mini-batch-size 64 --gradient-accumulation-steps 4 --eval-every 1000 --eval-size 16
     --bf16 --output-dir $work/out --profile"
-trl="$TRL_PYTHON $ROOT/benchmarks/trl_grpo.py --gpu --sft-model-path $work/base --dataset-name $work/prompts.jsonl
+trl="$TRL_PYTHON $ROOT/benchmarks/trl_grpo.py --gpu --model-name-or-path $work/base --dataset-name $work/prompts.jsonl
     --num-iterations $N --response-length 128 --batch-size 256 --mini-batch-size 64 --micro-batch-size 16 --profile"
 cd "$work"
 echo "## grpo.py against TRL $($TRL_PYTHON -c 'import trl; print(trl.__version__)')'s GRPOTrainer on $($PY -c 'import torch; print(torch.cuda.get_device_name())')"

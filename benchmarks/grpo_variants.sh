@@ -39,11 +39,11 @@ flags_of() {  # VARIANT RESPONSE_LENGTH: its flags; L_cache a fifth of the respo
 run_one() {  # TASK VARIANT SEED
   local task=$1 variant=$2 seed=$3 start base
   case $task in
-    builtin) base="--sft-model-path ${SFT_BUILTIN:-$root/models/sft}"; length=12 ;;
+    builtin) base="--model-name-or-path ${SFT_BUILTIN:-$root/models/sft}"; length=12 ;;
     arithmetic|heldout)
       local d=${DATA:-$root/benchmarks}/$task/seed1
       length=24; [ "$task" = heldout ] && length=40
-      base="--sft-model-path $d/sft --dataset-name $d/rl.jsonl --reward-fn numeric_match --max-prompt-length 96
+      base="--model-name-or-path $d/sft --dataset-name $d/rl.jsonl --reward-fn numeric_match --max-prompt-length 96
             --response-length $length" ;;
     *) echo "unknown task $task" >&2; exit 1 ;;
   esac

@@ -88,9 +88,11 @@ def run_all(root, out, overrides, top_level=False):
             continue  # the top-level LM files are one process
         flags = shlex.split(overrides.get(name, TOP_LEVEL_FLAGS.get(name, flags) if top_level else flags))
         if script in ("rlhf_ppo.py", "grpo.py"):
-            flags += ["--sft-model-path", f"{models}/models/sft", "--reward-model-path", f"{models}/models/reward_model"]
+            flags += ["--model-name-or-path", f"{models}/models/sft",
+                                      "--reward-model-path", f"{models}/models/reward_model"]
         if script == "dpo.py":
-            flags += ["--model-name-or-path", f"{models}/models/sft", "--reward-model-path", f"{models}/models/reward_model"]
+            flags += ["--model-name-or-path", f"{models}/models/sft",
+                                      "--reward-model-path", f"{models}/models/reward_model"]
         cwd = models if script in ("sft.py", "reward_model.py") else tempfile.mkdtemp(prefix=f"same_results_{name}_")
         launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", "29533"]
                     if ranks > 1 else [sys.executable])

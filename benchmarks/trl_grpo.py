@@ -2,12 +2,12 @@
 (benchmarks/gpu_rollout.sh). It runs in TRL's own virtual environment (docs/scaling.md says how to make it), never in
 this repo's:
 
-    TRL_PYTHON benchmarks/trl_grpo.py --sft-model-path models/sft --num-iterations 10 [--profile]
+    TRL_PYTHON benchmarks/trl_grpo.py --model-name-or-path models/sft --num-iterations 10 [--profile]
 
 On a GPU (benchmarks/gpu_rollout.sh), with a model and a .jsonl of prompts and targets, rewarded by exact match as
 grpo.py's --reward-fn exact_match, in bfloat16 autocast over float32 weights as grpo.py's --bf16:
 
-    TRL_PYTHON benchmarks/trl_grpo.py --gpu --sft-model-path M --dataset-name prompts.jsonl --response-length 128 \
+    TRL_PYTHON benchmarks/trl_grpo.py --gpu --model-name-or-path M --dataset-name prompts.jsonl --response-length 128 \
         --micro-batch-size 16 --profile
 
 The model, tokenizer and prompts are those of grpo.py (its task functions are imported from it); the reward is the
@@ -60,7 +60,7 @@ class Timers:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sft-model-path", default="models/sft")
+    parser.add_argument("--model-name-or-path", default="models/sft")
     parser.add_argument("--num-iterations", type=int, default=10, help="rollouts of --batch-size completions")
     parser.add_argument("--dataset-name", default=None, help=".jsonl of prompts and targets (default: the built-in task)")
     parser.add_argument("--response-length", type=int, default=12, help="new tokens per completion")
@@ -72,7 +72,7 @@ def main():
     parser.add_argument("--profile", action="store_true", help="time generation, reward, log-probs, update")
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(args.sft_model_path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(args.model_name_or_path)
     stop_ids = grpo.stop_token_ids(tokenizer)
     if args.dataset_name is None:
         rows = grpo.task_rows(args.seed, "train", 50_000, grpo.prompt_row)  # grpo.py's training prompts
@@ -105,7 +105,7 @@ def main():
         max_grad_norm=1.0, temperature=1.0, top_p=1.0, top_k=0, gradient_checkpointing=False, bf16=args.gpu,
         model_init_kwargs={"dtype": torch.float32},  # float32 master weights, as grpo.py's (--bf16: autocast)
         max_steps=args.num_iterations * (args.batch_size // args.mini_batch_size) * 2)
-    trainer = GRPOTrainer(model=args.sft_model_path, reward_funcs=timers.wrap("reward", gold_reward), args=config,
+    trainer = GRPOTrainer(model=args.model_name_or_path, reward_funcs=timers.wrap("reward", gold_reward), args=config,
                           train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer)
     if args.profile:  # the parts of a rollout; the rest of the loop is the update (forward, backward, AdamW)
         model = trainer.model

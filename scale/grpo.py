@@ -23,7 +23,7 @@ newly sampled ones (--dynamic-sampling, DAPO).
     python scale/grpo.py --reward-model-path models/reward_model   # the reward model of reward_model.py instead
     python scale/grpo.py --advantage rloo                      # RLOO
     python scale/grpo.py --dynamic-sampling                    # the recommended start (docs/grpo.md)
-    python scale/grpo.py --sft-model-path my-sft --dataset-name math.jsonl --reward-fn numeric_match --lr 1e-6 --bf16
+    python scale/grpo.py --model-name-or-path my-sft --dataset-name math.jsonl --reward-fn numeric_match --lr 1e-6
 
 The full program. Take it instead of the top-level grpo.py, the one-device reference, for torchrun (DDP, FSDP2),
 LoRA, gradient accumulation and checkpointing, or checkpoints that resume exactly; on one process it computes what
@@ -75,8 +75,13 @@ class Args:
     """seed of python, torch and the built-in task's data"""
     cuda: bool = True
     """use CUDA when it is available (the CPU otherwise)"""
-    sft_model_path: str = "models/sft"
-    """the policy's start and the frozen reference (sft.py's output by default)"""
+    threads: int | None = None
+    """torch CPU threads (default: OMP_NUM_THREADS where set, else one fewer than the cores, at least 1: a thread
+    that waits for a core stalls the others at every step, so leaving a core free keeps a run's speed on a busy
+    machine; README's quickstart has the figures)"""
+    model_name_or_path: Annotated[str, tyro.conf.arg(aliases=("--sft-model-path",))] = "models/sft"
+    """hub id or local directory of the policy's start and the frozen reference (sft.py's output by default; TRL:
+    model_name_or_path; --sft-model-path works too in this release, grpo.py's and rlhf_ppo.py's old name)"""
     reward_fn: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
     """a reward function, repeatable (the reward is the weighted sum): a built-in, gold (the built-in task's
     gold score: 1 − normalized edit distance to the `target`), exact_match, numeric_match or format (see below),
@@ -102,7 +107,7 @@ class Args:
     output_dir: str = "models/grpo"
     """where the trained policy is saved as a Hugging Face checkpoint (atomically)"""
     save_dtype: str | None = None
-    """dtype of the saved weights (float32, bfloat16, float16); None: that of --sft-model-path"""
+    """dtype of the saved weights (float32, bfloat16, float16); None: that of --model-name-or-path"""
 
     num_iterations: int = 120
     """rollout-then-update rounds, as in rlhf_ppo.py and CleanRL (TRL's max_steps counts optimizer steps instead)"""
@@ -433,6 +438,8 @@ def combine_rewards(per_function, weights):
 def check_args(args):
     """Every flag checked before any work: one line that says what to change. Under torchrun each rank checks
     the same flags and only rank 0 prints."""
+    if args.threads is not None and args.threads < 1:
+        sys.exit(f"error: --threads {args.threads}: it must be at least 1 (leave it out for the default)")
     # the least each count can be (--eval-size 0: no evaluation; a group needs 2 completions, its own baseline);
     # below it a run would crash deep inside (a modulo by zero, an empty batch) or train nothing
     for name, least in {"num_iterations": 1, "num_generations": 2, "batch_size": 1, "mini_batch_size": 1,
@@ -489,6 +496,8 @@ def check_args(args):
 def main(args: Args):
     settle_defaults(args)  # --bf16 and --gradient-checkpointing, where not given
     check_args(args)
+    note_overwrite(args.output_dir)
+    torch.set_num_threads(cpu_threads(args.threads))
     # the reward functions: the built-in task's gold score unless others (or only a reward model) are given
     functions = load_reward_functions(args.reward_fn or (() if args.reward_model_path else ("gold",)),
                                       BUILTIN_REWARDS, args.format_pattern)
@@ -517,19 +526,19 @@ def main(args: Args):
     # The policy in float32 (master weights) whatever the checkpoint's dtype, the reference as the policy, the
     # reward model in the dtype it computes in; dropout off. The reference only when β > 0, a reward model only
     # with --reward-model-path.
-    tokenizer = load_tokenizer(args.sft_model_path, "run `python sft.py` first or pass a path")
+    tokenizer = load_tokenizer(args.model_name_or_path, "run `python sft.py` first or pass a path")
     if args.reward_model_path is not None:
         reward_tokenizer = load_tokenizer(args.reward_model_path, "run `python reward_model.py` first or pass a path")
     stop_ids = stop_token_ids(tokenizer)
-    save_dtype = save_dtype_of(args, args.sft_model_path)
+    save_dtype = save_dtype_of(args, args.model_name_or_path)
     if args.reward_model_path is not None:
         check_same_vocabulary(tokenizer, reward_tokenizer, stop_ids,
                               f"the reward model {args.reward_model_path!r} has another tokenizer than the SFT model "
-                              f"{args.sft_model_path!r}; train it from the SFT model with reward_model.py")
+                              f"{args.model_name_or_path!r}; train it from the SFT model with reward_model.py")
     # Each model loaded, then placed (on the device, whole or sharded) before the next: rank 0 holds one whole model
     # at a time. The trained policy is data-parallel; the frozen models are whole on every rank, or sharded.
-    config = load_config(args.sft_model_path, "lm")
-    raw_policy = load_no_dropout(args.sft_model_path, "lm", base_dtype(args), config)  # π_θ (raw: to sample and save)
+    config = load_config(args.model_name_or_path, "lm")
+    raw_policy = load_no_dropout(args.model_name_or_path, "lm", base_dtype(args), config)  # π_θ (raw: sample, save)
     prepare_models(tokenizer, stop_ids, [raw_policy])
     if args.gradient_checkpointing:
         raw_policy.activation_checkpointing_enable({"use_reentrant": False})
@@ -542,7 +551,7 @@ def main(args: Args):
     if args.beta > 0 and args.lora_r:
         ref = AdaptersOff(raw_policy)  # π_ref: π_θ itself with its adapters off, no second copy
     elif args.beta > 0:
-        ref = load_no_dropout(args.sft_model_path, "lm", torch.float32, config)
+        ref = load_no_dropout(args.model_name_or_path, "lm", torch.float32, config)
         prepare_models(tokenizer, stop_ids, [ref], [ref])
         if args.gradient_checkpointing:  # the policy's path, one pass (not shared_prompt_logprobs): equal at the start
             ref.activation_checkpointing_enable({"use_reentrant": False})
@@ -932,7 +941,7 @@ def tokenize_prompts(tokenizer, rows, max_prompt_length, split):
     kept = [i for i, ids in enumerate(encoded) if 0 < len(ids) <= max_prompt_length]
     if len(kept) < len(encoded):
         print(f"{split}: dropped {len(encoded) - len(kept):,} of {len(encoded):,} prompts longer than "
-              f"--max-prompt-length {max_prompt_length} (or empty)")
+              f"--max-prompt-length {max_prompt_length} (or empty; the longest: {max(map(len, encoded)):,} tokens)")
     return [rows[i] for i in kept], [encoded[i] for i in kept]
 
 
@@ -952,6 +961,8 @@ def load_rows(name, config, split, eval_size):
     import datasets
 
     datasets.disable_progress_bars()
+    if name.endswith((".json", ".jsonl")) and os.path.isfile(name):
+        check_json_file(name)
     try:
         if name.endswith((".json", ".jsonl", ".parquet")):  # a missing file: "Unable to find ..."
             data = datasets.load_dataset("parquet" if name.endswith(".parquet") else "json", data_files=name)
@@ -964,10 +975,33 @@ def load_rows(name, config, split, eval_size):
     if split not in data:
         sys.exit(f"error: dataset {name!r} has the splits {list(data)}; pass one of them as --dataset-split")
     rows = list(data[split])
+    if not rows:
+        sys.exit(f"error: split {split!r} of dataset {name!r} has no rows")
     if "test" in data and split != "test":
         return rows, list(data["test"])[:eval_size]
     n_eval = min(eval_size, len(rows) // 10)
     return rows[n_eval:], rows[:n_eval]
+
+def check_json_file(path):
+    """A .json or .jsonl file datasets would stop on with a message of its own (an empty .jsonl: StopIteration):
+    one line that names the file and the line, before any work."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    rows, number = [], 0  # number: the .jsonl line read last
+    try:
+        if path.endswith(".jsonl"):
+            for number, line in enumerate(text.splitlines(), 1):
+                if line.strip():
+                    rows.append(json.loads(line))
+                    if not isinstance(rows[-1], dict):
+                        sys.exit(f"error: {path}, line {number}: a JSON {type(rows[-1]).__name__}, not an object")
+        else:
+            rows = json.loads(text)
+    except json.JSONDecodeError as e:
+        sys.exit(f"error: {path}, line {number or e.lineno}: not JSON ({e.msg}, column {e.colno})")
+    if not rows:
+        sys.exit(f"error: {path} has no rows")
+
 
 
 def load_data(args, task_row, num_train, accepts, needs):
@@ -1935,6 +1969,35 @@ def save_model(model, tokenizer, args, output_dir, dtype):
         print(f"note: the checkpoint {output_dir!r} is on the first node only (this node does not share its "
               "filesystem): copy it from there", file=sys.stderr)
 
+def note_overwrite(output_dir):
+    """One line before any work when --output-dir already holds a model: this run replaces it when it ends, and
+    a later stage reads that directory, so the run says so rather than replace another run's model silently."""
+    if os.environ.get("RANK", "0") != "0" or not any(os.path.exists(os.path.join(output_dir, name))
+                                                      for name in ("config.json", "adapter_config.json")):
+        return
+    saved = time.strftime("%Y-%m-%d %H:%M", time.localtime(os.path.getmtime(output_dir)))
+    try:
+        with open(os.path.join(output_dir, "training_args.json")) as f:
+            flags = json.load(f)
+        length = next((f" --{k.replace('_', '-')} {flags[k]}" for k in ("max_steps", "num_iterations") if k in flags),
+                      "")
+        by = f" by a run of {flags.get('exp_name', '?')}{length}"
+    except (OSError, ValueError):
+        by = ""
+    print(f"note: --output-dir {output_dir} holds a model saved {saved}{by}; this run replaces it when it ends")
+
+def cpu_threads(threads):
+    """--threads, or by default OMP_NUM_THREADS where it is set (torchrun sets 1 per rank), else one fewer than the
+    cores this process may run on, at least 1."""
+    if threads:
+        return threads
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return int(os.environ["OMP_NUM_THREADS"])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores - 1)
+
+
+
 
 # ---------------------------------------------------------------------------------------------
 # LoRA (--lora-r): low-rank adapters on frozen weights, through peft, which is imported only then
@@ -2157,6 +2220,8 @@ class Preemption:
 
 
 if __name__ == "__main__":
+    if any(arg.split("=")[0] == "--sft-model-path" for arg in sys.argv[1:]) and os.environ.get("RANK", "0") == "0":
+        print("note: --sft-model-path is now --model-name-or-path (TRL's name); the old name works in this release")
     try:
         main(tyro.cli(Args, description=__doc__))
     except SystemExit as e:  # under torchrun every rank stops on the same bad input: one line per node says so

@@ -14,7 +14,7 @@ a reward model, three models are in memory and the critic starts from the SFT mo
     python sft.py && python reward_model.py && python scale/rlhf_ppo.py    # built-in task, CPU
     python scale/rlhf_ppo.py --kl-coef 0                                   # what the KL penalty is for
     python scale/rlhf_ppo.py --reward-fn gold                              # the gold score, no reward model
-    python scale/rlhf_ppo.py --sft-model-path my-sft --reward-model-path my-rm --dataset-name prompts.jsonl --lr 1e-6 --bf16
+    python scale/rlhf_ppo.py --model-name-or-path my-sft --reward-model-path my-rm --dataset-name data.jsonl --lr 1e-6
 
 The full program. Take it instead of the top-level rlhf_ppo.py, the one-device reference, for torchrun (DDP, FSDP2),
 LoRA, gradient accumulation and checkpointing, or checkpoints that resume exactly; on one process it computes what
@@ -66,8 +66,13 @@ class Args:
     """seed of python, torch and the built-in task's prompts"""
     cuda: bool = True
     """use CUDA when it is available (the CPU otherwise)"""
-    sft_model_path: str = "models/sft"
-    """the SFT model: the actor's start and the frozen reference (made by sft.py)"""
+    threads: int | None = None
+    """torch CPU threads (default: OMP_NUM_THREADS where set, else one fewer than the cores, at least 1: a thread
+    that waits for a core stalls the others at every step, so leaving a core free keeps a run's speed on a busy
+    machine; README's quickstart has the figures)"""
+    model_name_or_path: Annotated[str, tyro.conf.arg(aliases=("--sft-model-path",))] = "models/sft"
+    """the SFT model, hub id or local directory: the actor's start and the frozen reference (made by sft.py; TRL:
+    model_name_or_path; --sft-model-path, its old name here, works in this release)"""
     reward_model_path: str | None = None
     """the frozen reward model, also the critic's start (reward_model.py's output); None: models/reward_model,
     or with --reward-fn no reward model at all (three models in memory; the critic starts from the SFT model)"""
@@ -91,7 +96,7 @@ class Args:
     output_dir: str = "models/rlhf_ppo"
     """where the trained policy is saved as a Hugging Face checkpoint (atomically)"""
     save_dtype: str | None = None
-    """dtype of the saved weights (float32, bfloat16, float16); None: that of --sft-model-path"""
+    """dtype of the saved weights (float32, bfloat16, float16); None: that of --model-name-or-path"""
 
     num_iterations: int = 80
     """rollout-then-update iterations (CleanRL: --total-timesteps / batch; TRL: total_episodes / batch_size)"""
@@ -319,6 +324,8 @@ def combine_rewards(per_function, weights):
 def check_args(args):
     """Every flag checked before any work: one line that says what to change. Under torchrun each rank checks
     the same flags and only rank 0 prints."""
+    if args.threads is not None and args.threads < 1:
+        sys.exit(f"error: --threads {args.threads}: it must be at least 1 (leave it out for the default)")
     # the least each count can be (--eval-size 0: no evaluation); below it a run would crash deep inside (a
     # modulo by zero, an empty batch) or train nothing
     for name, least in {"num_iterations": 1, "batch_size": 1, "mini_batch_size": 1, "ppo_epochs": 1,
@@ -356,6 +363,8 @@ def check_args(args):
 def main(args: Args):
     settle_defaults(args)  # --bf16 and --gradient-checkpointing, where not given
     check_args(args)
+    note_overwrite(args.output_dir)
+    torch.set_num_threads(cpu_threads(args.threads))
     # the score: the reward model's (by default), the reward functions', or their weighted sum
     reward_model_path = args.reward_model_path or (None if args.reward_fn else "models/reward_model")
     functions = load_reward_functions(args.reward_fn, BUILTIN_REWARDS, args.format_pattern)
@@ -379,20 +388,20 @@ def main(args: Args):
     # The four models of RLHF (three without a reward model). The trained ones in float32 (master weights) whatever
     # the checkpoints' dtype, the reference as the actor (so that they agree exactly before the first update), the
     # reward model in the dtype it computes in; dropout off in all (log-probs, values and scores must not be random).
-    tokenizer = load_tokenizer(args.sft_model_path, "run `python sft.py` first or pass a path")
+    tokenizer = load_tokenizer(args.model_name_or_path, "run `python sft.py` first or pass a path")
     if reward_model_path is not None:
         reward_tokenizer = load_tokenizer(reward_model_path, "run `python reward_model.py` first or pass a path")
     stop_ids = stop_token_ids(tokenizer)
-    save_dtype = save_dtype_of(args, args.sft_model_path)
-    critic_path = reward_model_path or args.sft_model_path  # the reward model, or the SFT model with a new head
+    save_dtype = save_dtype_of(args, args.model_name_or_path)
+    critic_path = reward_model_path or args.model_name_or_path  # the reward model, or the SFT model with a new head
     if reward_model_path is not None:
         check_same_vocabulary(tokenizer, reward_tokenizer, stop_ids,
                               f"the reward model {reward_model_path!r} has another tokenizer than the SFT model "
-                              f"{args.sft_model_path!r}; train it from the SFT model with reward_model.py")
+                              f"{args.model_name_or_path!r}; train it from the SFT model with reward_model.py")
     # Each model loaded, then placed (on the device, whole or sharded) before the next: rank 0 holds one whole model
     # at a time. The trained actor and critic are data-parallel; the frozen ones whole on every rank, or sharded.
-    lm_config, critic_config = load_config(args.sft_model_path, "lm"), load_config(critic_path, "score")
-    raw_actor = load_no_dropout(args.sft_model_path, "lm", base_dtype(args), lm_config)  # π_θ (raw: to sample and save)
+    lm_config, critic_config = load_config(args.model_name_or_path, "lm"), load_config(critic_path, "score")
+    raw_actor = load_no_dropout(args.model_name_or_path, "lm", base_dtype(args), lm_config)  # π_θ (raw: sample, save)
     prepare_models(tokenizer, stop_ids, [raw_actor])
     if args.gradient_checkpointing:
         raw_actor.activation_checkpointing_enable({"use_reentrant": False})
@@ -401,7 +410,7 @@ def main(args: Args):
     if args.lora_r:
         ref = AdaptersOff(raw_actor)  # with LoRA, π_ref is π_θ with its adapters off
     else:
-        ref = load_no_dropout(args.sft_model_path, "lm", torch.float32, lm_config)  # π_ref
+        ref = load_no_dropout(args.model_name_or_path, "lm", torch.float32, lm_config)  # π_ref
         prepare_models(tokenizer, stop_ids, [ref], [ref])
         if args.gradient_checkpointing:  # the policy's path, one pass (not shared_prompt_logprobs): equal at the start
             ref.activation_checkpointing_enable({"use_reentrant": False})
@@ -775,7 +784,7 @@ def tokenize_prompts(tokenizer, rows, max_prompt_length, split):
     kept = [i for i, ids in enumerate(encoded) if 0 < len(ids) <= max_prompt_length]
     if len(kept) < len(encoded):
         print(f"{split}: dropped {len(encoded) - len(kept):,} of {len(encoded):,} prompts longer than "
-              f"--max-prompt-length {max_prompt_length} (or empty)")
+              f"--max-prompt-length {max_prompt_length} (or empty; the longest: {max(map(len, encoded)):,} tokens)")
     return [rows[i] for i in kept], [encoded[i] for i in kept]
 
 
@@ -795,6 +804,8 @@ def load_rows(name, config, split, eval_size):
     import datasets
 
     datasets.disable_progress_bars()
+    if name.endswith((".json", ".jsonl")) and os.path.isfile(name):
+        check_json_file(name)
     try:
         if name.endswith((".json", ".jsonl", ".parquet")):  # a missing file: "Unable to find ..."
             data = datasets.load_dataset("parquet" if name.endswith(".parquet") else "json", data_files=name)
@@ -807,10 +818,33 @@ def load_rows(name, config, split, eval_size):
     if split not in data:
         sys.exit(f"error: dataset {name!r} has the splits {list(data)}; pass one of them as --dataset-split")
     rows = list(data[split])
+    if not rows:
+        sys.exit(f"error: split {split!r} of dataset {name!r} has no rows")
     if "test" in data and split != "test":
         return rows, list(data["test"])[:eval_size]
     n_eval = min(eval_size, len(rows) // 10)
     return rows[n_eval:], rows[:n_eval]
+
+def check_json_file(path):
+    """A .json or .jsonl file datasets would stop on with a message of its own (an empty .jsonl: StopIteration):
+    one line that names the file and the line, before any work."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    rows, number = [], 0  # number: the .jsonl line read last
+    try:
+        if path.endswith(".jsonl"):
+            for number, line in enumerate(text.splitlines(), 1):
+                if line.strip():
+                    rows.append(json.loads(line))
+                    if not isinstance(rows[-1], dict):
+                        sys.exit(f"error: {path}, line {number}: a JSON {type(rows[-1]).__name__}, not an object")
+        else:
+            rows = json.loads(text)
+    except json.JSONDecodeError as e:
+        sys.exit(f"error: {path}, line {number or e.lineno}: not JSON ({e.msg}, column {e.colno})")
+    if not rows:
+        sys.exit(f"error: {path} has no rows")
+
 
 
 def load_data(args, task_row, num_train, accepts, needs):
@@ -1778,6 +1812,35 @@ def save_model(model, tokenizer, args, output_dir, dtype):
         print(f"note: the checkpoint {output_dir!r} is on the first node only (this node does not share its "
               "filesystem): copy it from there", file=sys.stderr)
 
+def note_overwrite(output_dir):
+    """One line before any work when --output-dir already holds a model: this run replaces it when it ends, and
+    a later stage reads that directory, so the run says so rather than replace another run's model silently."""
+    if os.environ.get("RANK", "0") != "0" or not any(os.path.exists(os.path.join(output_dir, name))
+                                                      for name in ("config.json", "adapter_config.json")):
+        return
+    saved = time.strftime("%Y-%m-%d %H:%M", time.localtime(os.path.getmtime(output_dir)))
+    try:
+        with open(os.path.join(output_dir, "training_args.json")) as f:
+            flags = json.load(f)
+        length = next((f" --{k.replace('_', '-')} {flags[k]}" for k in ("max_steps", "num_iterations") if k in flags),
+                      "")
+        by = f" by a run of {flags.get('exp_name', '?')}{length}"
+    except (OSError, ValueError):
+        by = ""
+    print(f"note: --output-dir {output_dir} holds a model saved {saved}{by}; this run replaces it when it ends")
+
+def cpu_threads(threads):
+    """--threads, or by default OMP_NUM_THREADS where it is set (torchrun sets 1 per rank), else one fewer than the
+    cores this process may run on, at least 1."""
+    if threads:
+        return threads
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return int(os.environ["OMP_NUM_THREADS"])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores - 1)
+
+
+
 
 # ---------------------------------------------------------------------------------------------
 # LoRA (--lora-r): low-rank adapters on frozen weights, through peft, which is imported only then
@@ -2000,6 +2063,8 @@ class Preemption:
 
 
 if __name__ == "__main__":
+    if any(arg.split("=")[0] == "--sft-model-path" for arg in sys.argv[1:]) and os.environ.get("RANK", "0") == "0":
+        print("note: --sft-model-path is now --model-name-or-path (TRL's name); the old name works in this release")
     try:
         main(tyro.cli(Args, description=__doc__))
     except SystemExit as e:  # under torchrun every rank stops on the same bad input: one line per node says so

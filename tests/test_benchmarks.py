@@ -94,7 +94,7 @@ def test_the_rollout_timer_counts_the_loop_and_its_parts(tiny_checkpoints, tmp_p
     models = tiny_checkpoints["cwd"] / "models"
     for script, extra in (("scale/grpo.py", []), ("scale/rlhf_ppo.py", ["--reward-model-path", str(models / "reward_model")])):
         proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "rollout_timer.py"),
-                               os.path.join(root, script), "--profile", "--sft-model-path", str(models / "sft"), *extra,
+                               os.path.join(root, script), "--profile", "--model-name-or-path", str(models / "sft"), *extra,
                                "--num-iterations", "2", "--batch-size", "16", "--mini-batch-size", "8", "--eval-size", "8",
                                "--output-dir", "out"], cwd=tmp_path, capture_output=True, text=True, check=True)
         out = json.loads(proc.stdout.splitlines()[-1])

@@ -98,7 +98,7 @@ def test_rlhf_ppo_under_torchrun(tiny_checkpoints, tmp_path, fsdp):
     """2 ranks, 2 iterations: one run directory, one checkpoint that loads, the first ratio exactly 1 on every
     rank (the logged value is the largest over the ranks), finite logs, and evaluation over all the prompts."""
     models = tiny_checkpoints["cwd"] / "models"
-    torchrun("scale/rlhf_ppo.py", "--sft-model-path", str(models / "sft"), "--reward-model-path", str(models / "reward_model"),
+    torchrun("scale/rlhf_ppo.py", "--model-name-or-path", str(models / "sft"), "--reward-model-path", str(models / "reward_model"),
              "--num-iterations", "2", "--batch-size", "16", "--mini-batch-size", "8", "--gradient-accumulation-steps", "2",
              "--eval-size", "9", "--generation-batch-size", "3", *(["--fsdp"] if fsdp else []), cwd=tmp_path)
     run_dirs = glob.glob(str(tmp_path / "runs" / "*"))
@@ -120,7 +120,7 @@ def test_grpo_under_torchrun(tiny_checkpoints, tmp_path):
     makes the policy's log-probs one pass over prompt + response, and the reference must take the same pass (not
     shared_prompt_logprobs' two) to compute them bit for bit."""
     models = tiny_checkpoints["cwd"] / "models"
-    torchrun("scale/grpo.py", "--sft-model-path", str(models / "sft"), "--num-iterations", "2", "--batch-size", "16",
+    torchrun("scale/grpo.py", "--model-name-or-path", str(models / "sft"), "--num-iterations", "2", "--batch-size", "16",
              "--num-generations", "4", "--mini-batch-size", "8", "--eval-size", "9", "--eval-every", "1", "--fsdp",
              cwd=tmp_path)
     run_dirs = glob.glob(str(tmp_path / "runs" / "*"))
@@ -140,7 +140,7 @@ def test_a_reward_that_raises_on_one_rank_stops_every_rank(tiny_checkpoints, tmp
                                        "    if os.environ['RANK'] == '1':\n        raise RuntimeError('rank 1 only')\n"
                                        "    return [1.0] * len(completions)\n")
     models = tiny_checkpoints["cwd"] / "models"
-    proc = torchrun("scale/grpo.py", "--sft-model-path", str(models / "sft"), "--reward-fn", "flaky.py:flaky",
+    proc = torchrun("scale/grpo.py", "--model-name-or-path", str(models / "sft"), "--reward-fn", "flaky.py:flaky",
                     "--num-iterations", "1", "--batch-size", "8", "--num-generations", "4", "--mini-batch-size", "8",
                     "--eval-size", "4", cwd=tmp_path, check=False)
     assert proc.returncode != 0
@@ -291,7 +291,7 @@ def test_one_update_on_a_given_rollout_is_the_same_on_two_ranks(small_checkpoint
         return out
 
     monkeypatch.setattr(module, "generate_in_chunks", recording)
-    models = ["--sft-model-path", str(small_checkpoints["sft"])]
+    models = ["--model-name-or-path", str(small_checkpoints["sft"])]
     models += ["--reward-model-path", str(small_checkpoints["reward_model"])] if script == "scale/rlhf_ppo.py" else []
     common = [*CPU_FLOAT32, *models, "--num-iterations", "1", "--ppo-epochs", "1", "--lr", "1e-3", "--eval-size", "2", *flags]
     run_in_process(script, *common, "--output-dir", "one", "--exp-name", "one", cwd=tmp_path)

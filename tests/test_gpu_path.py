@@ -31,10 +31,10 @@ def test_bf16_kl_is_exactly_zero_before_the_first_update(tiny_checkpoints, tmp_p
     0.2 before any update. Now held and computed as the policy: rlhf_ppo's and grpo's KL (k1 and k3) of the first
     rollout and eval/kl before training are exactly 0, and the first ratio exactly 1."""
     models = tiny_checkpoints["cwd"] / "models"
-    run_in_process("scale/rlhf_ppo.py", "--sft-model-path", str(models / "sft"), "--reward-model-path",
+    run_in_process("scale/rlhf_ppo.py", "--model-name-or-path", str(models / "sft"), "--reward-model-path",
                    str(models / "reward_model"), "--num-iterations", "1", "--batch-size", "16", "--mini-batch-size", "8",
                    "--eval-size", "16", "--bf16", "--temperature", "0.7", "--output-dir", "ppo", cwd=tmp_path)
-    run_in_process("scale/grpo.py", "--sft-model-path", str(models / "sft"), "--num-iterations", "1", "--batch-size", "16",
+    run_in_process("scale/grpo.py", "--model-name-or-path", str(models / "sft"), "--num-iterations", "1", "--batch-size", "16",
                    "--num-generations", "4", "--mini-batch-size", "8", "--eval-size", "16", "--bf16", "--temperature",
                    "0.7", "--output-dir", "grpo", cwd=tmp_path)
     for name in ("rlhf_ppo", "grpo"):
@@ -143,7 +143,7 @@ def test_one_gradient_all_reduce_per_optimizer_step(tiny_checkpoints, tmp_path, 
     per step (it ran twice as often when every micro-batch synchronized)."""
     if script == "rlhf_ppo":
         models = tiny_checkpoints["cwd"] / "models"
-        flags = [*flags, "--sft-model-path", str(models / "sft"), "--reward-model-path", str(models / "reward_model")]
+        flags = [*flags, "--model-name-or-path", str(models / "sft"), "--reward-model-path", str(models / "reward_model")]
     (tmp_path / "counting.py").write_text(COUNTING.format(root=ROOT, script="scale." + script))
     counts = []
     for accumulation in ("1", "2"):
@@ -268,7 +268,7 @@ def test_fsdp_bf16_mixed_precision_policy_keeps_the_kl_exactly_zero(tiny_checkpo
     from test_distributed import torchrun
 
     models = tiny_checkpoints["cwd"] / "models"
-    torchrun("scale/rlhf_ppo.py", "--sft-model-path", str(models / "sft"), "--reward-model-path", str(models / "reward_model"),
+    torchrun("scale/rlhf_ppo.py", "--model-name-or-path", str(models / "sft"), "--reward-model-path", str(models / "reward_model"),
              "--num-iterations", "1", "--batch-size", "16", "--mini-batch-size", "8", "--gradient-accumulation-steps",
              "2", "--eval-size", "9", "--generation-batch-size", "3", "--fsdp", "--bf16", cwd=tmp_path)
     logs = scalars_of(tmp_path, "rlhf_ppo")
@@ -385,7 +385,7 @@ def test_the_scripts_sample_with_the_cuda_graph_on_one_gpu(tiny_checkpoints, tmp
     monkeypatch.setattr(module, "sample_tokens", None)  # the eager loop must not run
     models = tiny_checkpoints["cwd"] / "models"
     flags = [str(models / "reward_model") if f == "REWARD_MODEL" else f for f in flags]
-    run_in_process(script, "--sft-model-path", str(models / "sft"), *flags, "--num-iterations", "2", "--batch-size", "16",
+    run_in_process(script, "--model-name-or-path", str(models / "sft"), *flags, "--num-iterations", "2", "--batch-size", "16",
                    "--mini-batch-size", "8", "--eval-size", "16", "--eval-every", "2", "--output-dir", "out", cwd=tmp_path)
     logs = scalars_of(tmp_path, script[6:-3])
     assert len(calls) >= 4  # 2 rollouts, 2 evaluations

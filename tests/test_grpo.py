@@ -167,7 +167,8 @@ def test_tokenize_prompts_drops_the_empty_and_the_too_long(capsys):
     rows = [{"prompt": "sort 21:", "target": "12"}, {"prompt": "", "target": ""}, {"prompt": "sort 4321:", "target": "1234"}]
     kept, ids = grpo.tokenize_prompts(tokenizer, rows, 8, "train")
     assert kept == rows[:1] and ids == [grpo.encode_prompt(tokenizer, "sort 21:")]
-    assert "train: dropped 2 of 3 prompts longer than --max-prompt-length 8 (or empty)" in capsys.readouterr().out
+    assert "train: dropped 2 of 3 prompts longer than --max-prompt-length 8 (or empty; the longest: 10 tokens)" in \
+        capsys.readouterr().out
 
 
 def test_join_samples_by_hand():
@@ -221,7 +222,7 @@ def test_grpo_smoke_gold_reward_first_ratio_is_exactly_one(tiny_checkpoints, tmp
     """Built-in task, gold reward: runs, logs the tags, the ratio is exactly 1 on the first minibatch of each
     batch, the checkpoint loads; two models in memory."""
     models = tiny_checkpoints["cwd"] / "models"
-    proc = run_script("grpo.py", "--sft-model-path", str(models / "sft"), "--num-iterations", "2", "--batch-size", "16",
+    proc = run_script("grpo.py", "--model-name-or-path", str(models / "sft"), "--num-iterations", "2", "--batch-size", "16",
                       "--num-generations", "4", "--mini-batch-size", "8",
                       "--eval-size", "8", "--eval-every", "1", cwd=tmp_path)
     assert "2 model(s) in memory" in proc.stdout
@@ -242,7 +243,7 @@ def test_grpo_reward_model_and_rloo_without_reference(tiny_checkpoints, tmp_path
     """--reward-model-path --advantage rloo --beta 0: the reward model scores (eval/score), no reference is loaded
     (and no eval/kl is logged)."""
     models = tiny_checkpoints["cwd"] / "models"
-    proc = run_script("grpo.py", "--sft-model-path", str(models / "sft"), "--reward-model-path",
+    proc = run_script("grpo.py", "--model-name-or-path", str(models / "sft"), "--reward-model-path",
                       str(models / "reward_model"), "--advantage", "rloo", "--beta", "0", "--loss-type", "dapo",
                       "--num-iterations", "2", "--batch-size", "8", "--num-generations", "2", "--mini-batch-size", "8",
                       "--eval-size", "8", cwd=tmp_path)
@@ -270,7 +271,7 @@ def test_grpo_on_a_dataset_with_targets(tiny_checkpoints, tmp_path, monkeypatch)
     assert sorted({len(r["prompt"].encode()) for r in rows}) == [9, 12, 15]
     (tmp_path / "math.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     models = tiny_checkpoints["cwd"] / "models"
-    run_in_process("grpo.py", "--sft-model-path", str(models / "sft"), "--dataset-name", "math.jsonl", "--reward-fn",
+    run_in_process("grpo.py", "--model-name-or-path", str(models / "sft"), "--dataset-name", "math.jsonl", "--reward-fn",
                    "exact_match", "--num-iterations", "2", "--batch-size", "16", "--num-generations", "4",
                    "--mini-batch-size", "8", "--eval-size", "4", "--max-prompt-length", "10", cwd=tmp_path)
     assert len(lengths) >= 32 and max(lengths) <= 10, lengths  # two rollouts of 16 completions, and the evaluations
@@ -285,7 +286,7 @@ def test_a_completion_without_a_stop_token_gets_the_penalty_not_its_gold_score(t
     the EOS (now and then: seen on CUDA), the completion is empty and its gold score 0, so a rollout's mean
     reward is exactly penalty × (1 − stop fraction)."""
     models = tiny_checkpoints["cwd"] / "models"
-    run_in_process("grpo.py", "--sft-model-path", str(models / "sft"), "--response-length", "1", "--missing-eos-penalty",
+    run_in_process("grpo.py", "--model-name-or-path", str(models / "sft"), "--response-length", "1", "--missing-eos-penalty",
                    "-0.7", "--num-iterations", "2", "--batch-size", "8", "--num-generations", "4", "--mini-batch-size", "8",
                    "--eval-size", "4", cwd=tmp_path)
     logs = read_run(tmp_path, "grpo")
@@ -307,7 +308,7 @@ def test_a_completion_without_a_stop_token_gets_the_penalty_not_its_gold_score(t
 ])
 def test_bad_input_is_one_line(tiny_checkpoints, tmp_path, flags, words):
     models = tiny_checkpoints["cwd"] / "models"
-    message = one_line_exit("grpo.py", "--sft-model-path", str(models / "sft"), *flags, cwd=tmp_path)
+    message = one_line_exit("grpo.py", "--model-name-or-path", str(models / "sft"), *flags, cwd=tmp_path)
     assert all(word in message for word in words), message
     assert not (tmp_path / "runs").exists() and not (tmp_path / "models").exists()
 
@@ -315,7 +316,7 @@ def test_bad_input_is_one_line(tiny_checkpoints, tmp_path, flags, words):
 def test_a_dataset_needs_a_reward(tiny_checkpoints, tmp_path):
     (tmp_path / "p.jsonl").write_text("\n".join(json.dumps({"prompt": f"sort {i}{i + 1}:"}) for i in range(8)))
     models = tiny_checkpoints["cwd"] / "models"
-    proc = run_script("grpo.py", "--sft-model-path", str(models / "sft"), "--dataset-name", "p.jsonl", cwd=tmp_path,
+    proc = run_script("grpo.py", "--model-name-or-path", str(models / "sft"), "--dataset-name", "p.jsonl", cwd=tmp_path,
                       check=False)
     assert_one_line_error(proc, "a dataset needs a reward", "--reward-fn", "--reward-model-path")
 
@@ -324,7 +325,7 @@ def test_an_empty_target_is_one_line_for_the_gold_score(tiny_checkpoints, tmp_pa
     rows = [{"prompt": f"sort {i}{i + 1}:", "target": "" if i == 3 else f"{i}{i + 1}"} for i in range(8)]
     (tmp_path / "t.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     models = tiny_checkpoints["cwd"] / "models"
-    message = one_line_exit("grpo.py", "--sft-model-path", str(models / "sft"), "--dataset-name", "t.jsonl",
+    message = one_line_exit("grpo.py", "--model-name-or-path", str(models / "sft"), "--dataset-name", "t.jsonl",
                             "--reward-fn", "gold", cwd=tmp_path)
     assert "empty `target`" in message and "--reward-fn exact_match" in message
 
@@ -387,7 +388,7 @@ def test_rows_that_repeat_a_prompt_share_its_forward_pass(arch):
 
 def test_same_seed_same_logs_and_weights(tiny_checkpoints, tmp_path):
     models = tiny_checkpoints["cwd"] / "models"
-    flags = ["--sft-model-path", str(models / "sft"), "--num-iterations", "2", "--batch-size", "16", "--num-generations",
+    flags = ["--model-name-or-path", str(models / "sft"), "--num-iterations", "2", "--batch-size", "16", "--num-generations",
              "4", "--mini-batch-size", "8", "--eval-size", "8", "--eval-every", "1", "--output-dir", "models/m"]
     (logs_a, saved_a), (logs_b, saved_b) = same_seed_scalars("grpo.py", flags, tmp_path)
     assert [tag for tag in logs_a if logs_a[tag] != logs_b.get(tag)] == [] and len(logs_a) >= 5
@@ -450,7 +451,7 @@ def test_one_step_raises_the_clipped_surrogate_on_the_sampled_completions(small_
 
     rollout = recorded_rollout(grpo, monkeypatch, 16)
     sft_path = small_checkpoints["sft"]
-    run_in_process("grpo.py", *CPU_FLOAT32, "--sft-model-path", str(sft_path), "--num-iterations", "1", "--batch-size", "16",
+    run_in_process("grpo.py", *CPU_FLOAT32, "--model-name-or-path", str(sft_path), "--num-iterations", "1", "--batch-size", "16",
                    "--num-generations", "4", "--mini-batch-size", "16", "--ppo-epochs", "1", "--beta", "0", "--lr", "1e-4",
                    "--eval-size", "8", "--output-dir", "out", cwd=tmp_path)
     sequences, attention_mask, width, mask = rollout()
@@ -518,7 +519,7 @@ def test_the_variant_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypat
     for name, spy in (("importance_ratio", ratio_spy), ("clipped_surrogate", surrogate_spy), ("cispo_loss", cispo_spy),
                       ("aggregate_loss", aggregate_spy), ("generate", generate_spy)):
         monkeypatch.setattr(grpo, name, spy)
-    run_in_process("grpo.py", *CPU_FLOAT32, "--sft-model-path", str(small_checkpoints["sft"]), "--num-iterations", "1", "--batch-size", "16",
+    run_in_process("grpo.py", *CPU_FLOAT32, "--model-name-or-path", str(small_checkpoints["sft"]), "--num-iterations", "1", "--batch-size", "16",
                    "--num-generations", "4", "--mini-batch-size", "16", "--ppo-epochs", "1", "--beta", "0",
                    "--eval-size", "8", "--output-dir", "out", *flags, cwd=tmp_path)
     sequences, _, width, mask = rollout()
@@ -573,7 +574,7 @@ def test_each_epoch_trains_on_every_completion_once(small_checkpoints, tmp_path,
 
     monkeypatch.setattr(grpo, "clipped_surrogate", surrogate_spy)
     monkeypatch.setattr(grpo, "aggregate_loss", aggregate_spy)
-    run_in_process("grpo.py", "--sft-model-path", str(small_checkpoints["sft"]), "--num-iterations", "1", "--batch-size",
+    run_in_process("grpo.py", "--model-name-or-path", str(small_checkpoints["sft"]), "--num-iterations", "1", "--batch-size",
                    "16", "--num-generations", "4", "--mini-batch-size", "8", "--ppo-epochs", "3", "--eval-size", "4",
                    "--output-dir", "out", cwd=tmp_path)
     assert len(received) == 6
@@ -590,7 +591,7 @@ def test_the_reference_stays_the_starting_model(small_checkpoints, tmp_path, mon
     if lora:
         pytest.importorskip("peft")
     sft = small_checkpoints["sft"]  # its completions stop and differ in reward: GRPO has something to learn
-    flags = ["--sft-model-path", str(sft), "--num-iterations", "2", "--batch-size", "16", "--num-generations", "4",
+    flags = ["--model-name-or-path", str(sft), "--num-iterations", "2", "--batch-size", "16", "--num-generations", "4",
                   "--mini-batch-size", "8", "--eval-size", "8", "--eval-every", "2", "--output-dir", "out", *(["--lora-r", "4"] if lora else [])]
     scalars, reference = reference_after_training("scale/grpo.py" if lora else "grpo.py", flags, tmp_path, monkeypatch)
     assert_the_reference_stayed(sft, tmp_path / "out", reference, scalars)
@@ -600,7 +601,7 @@ def test_it_raises_the_reward_in_20_iterations(small_checkpoints, tmp_path):
     """From the small SFT model, 20 iterations of 16 prompts × 8 completions (lr 5e-4): the mean reward of the
     sampled completions over the last 5 iterations exceeds that of the first 5 by 0.054-0.086 (seeds 1-3), at
     least 0.02; with the policy loss's sign flipped it falls by 0.83."""
-    run_in_process("grpo.py", "--sft-model-path", str(small_checkpoints["sft"]), "--num-iterations", "20",
+    run_in_process("grpo.py", "--model-name-or-path", str(small_checkpoints["sft"]), "--num-iterations", "20",
                    "--batch-size", "128", "--num-generations", "8", "--mini-batch-size", "64", "--lr", "5e-4",
                    "--eval-every", "20", "--eval-size", "16", "--output-dir", "out", cwd=tmp_path)
     reward = [v for _, v in read_scalars(only_run_dir(tmp_path))["objective/reward"]]
@@ -649,7 +650,7 @@ def test_dynamic_sampling_trains_on_the_groups_that_differ(small_checkpoints, tm
 
     monkeypatch.setattr(grpo, "generate", recording)
     monkeypatch.setattr(grpo, "clipped_surrogate", surrogate_spy)
-    run_in_process("grpo.py", *CPU_FLOAT32, "--sft-model-path", str(small_checkpoints["sft"]), "--reward-fn",
+    run_in_process("grpo.py", *CPU_FLOAT32, "--model-name-or-path", str(small_checkpoints["sft"]), "--reward-fn",
                    str(tmp_path / "half.py") + ":half_constant", "--num-iterations", "1", "--batch-size", "16",
                    "--num-generations", "4", "--mini-batch-size", "16", "--ppo-epochs", "1", "--beta", "0",
                    "--eval-size", "8", "--dynamic-sampling", "--max-sampling-rounds", "6", "--output-dir", "out",
@@ -675,7 +676,7 @@ def test_dynamic_sampling_fills_the_batch_when_the_cap_is_reached(tiny_checkpoin
     """Every group's rewards equal: --max-sampling-rounds 2 batches of prompts per iteration, then the batch is
     filled with groups of equal rewards, and one line says so, once for the whole run."""
     (tmp_path / "same.py").write_text("def same(prompts, completions, **columns):\n    return [0.5] * len(completions)\n")
-    proc = run_script("grpo.py", "--sft-model-path", str(tiny_checkpoints["cwd"] / "models" / "sft"), "--reward-fn",
+    proc = run_script("grpo.py", "--model-name-or-path", str(tiny_checkpoints["cwd"] / "models" / "sft"), "--reward-fn",
                       "same.py:same", "--missing-eos-penalty", "0.5", "--num-iterations", "2", "--batch-size", "8",
                       "--num-generations", "4", "--mini-batch-size", "8", "--eval-size", "4", "--dynamic-sampling",
                       "--max-sampling-rounds", "2", cwd=tmp_path)
@@ -710,7 +711,7 @@ def test_the_kl_penalty_is_to_the_reference_and_never_negative(small_checkpoints
     monkeypatch.setattr(grpo, "generate", recording)
     monkeypatch.setattr(grpo, "kl_estimators", kl_spy)
     sft_path = small_checkpoints["sft"]
-    run_in_process("grpo.py", *CPU_FLOAT32, "--sft-model-path", str(sft_path), "--num-iterations", "2", "--batch-size", "16",
+    run_in_process("grpo.py", *CPU_FLOAT32, "--model-name-or-path", str(sft_path), "--num-iterations", "2", "--batch-size", "16",
                    "--num-generations", "4", "--mini-batch-size", "16", "--ppo-epochs", "1", "--beta", "0.5",
                    "--lr", "1e-3", "--no-anneal-lr", "--eval-size", "4", "--eval-every", "10", "--output-dir", "out",
                    cwd=tmp_path)

@@ -110,7 +110,7 @@ def test_rlhf_ppo_micro_batches_keep_the_first_ratio_exact_and_the_update(tiny_c
     models = tiny_checkpoints["cwd"] / "models"
     outs = []
     for accumulation in (1, 2):
-        run_in_process("scale/rlhf_ppo.py", *CPU_FLOAT32, "--sft-model-path", str(models / "sft"), "--reward-model-path",
+        run_in_process("scale/rlhf_ppo.py", *CPU_FLOAT32, "--model-name-or-path", str(models / "sft"), "--reward-model-path",
                        str(models / "reward_model"), "--num-iterations", "2", "--batch-size", "16", "--mini-batch-size", "8",
                        "--gradient-accumulation-steps", str(accumulation), "--eval-size", "8", "--generation-batch-size", "6",
                        "--output-dir", f"ppo{accumulation}", "--exp-name", f"ppo{accumulation}", cwd=tmp_path)
@@ -170,7 +170,7 @@ def test_rollout_forward_passes_use_the_update_micro_batch_size(tiny_checkpoints
     try:
         flags = (["--reward-model-path", str(models / "reward_model"), "--num-iterations", "1"] if script == "scale/rlhf_ppo.py"
                  else ["--num-iterations", "1", "--num-generations", "4"])
-        run_in_process(script, *CPU_FLOAT32, "--sft-model-path", str(models / "sft"), *flags, "--batch-size", "16", "--mini-batch-size",
+        run_in_process(script, *CPU_FLOAT32, "--model-name-or-path", str(models / "sft"), *flags, "--batch-size", "16", "--mini-batch-size",
                        "8", "--gradient-accumulation-steps", "2", "--eval-size", "6", "--generation-batch-size", "6",
                        "--response-length", "14", "--gradient-checkpointing", "--output-dir", "out", cwd=tmp_path)
     finally:

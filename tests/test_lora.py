@@ -40,7 +40,7 @@ def test_only_the_adapters_and_the_head_change(tiny_checkpoints, tmp_path, monke
                  "--eval-size", "8", "--batch-size", "8", "--eval-every", "10", "--lr", "1e-2"]
         base = AutoModelForSequenceClassification.from_pretrained(models / "sft", num_labels=1)
     else:
-        flags = ["--sft-model-path", str(models / "sft"), "--reward-model-path", str(models / "reward_model"),
+        flags = ["--model-name-or-path", str(models / "sft"), "--reward-model-path", str(models / "reward_model"),
                  "--num-iterations", "2", "--batch-size", "16", "--mini-batch-size", "8", "--eval-size", "8",
                  "--eval-every", "2", "--lr", "1e-2"]
         base = AutoModelForCausalLM.from_pretrained(models / "sft")

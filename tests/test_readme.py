@@ -71,3 +71,23 @@ def test_help_of_sft_prints_its_docstring():
                           env=dict(os.environ, COLUMNS="200"), timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Supervised fine-tuning" in proc.stdout and "python sft.py --model-name-or-path" in proc.stdout
+
+
+@pytest.mark.slow
+def test_the_own_data_example_works_as_written(tmp_path):
+    """The README's own-data example, run as written (its `python` this interpreter, sft.py this checkout's): it
+    makes add.jsonl, trains on it, logs completions of held-out prompts and saves the model."""
+    import subprocess
+    import sys
+
+    from conftest import only_run_dir, read_scalars
+
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", readme(), re.DOTALL) if "add.jsonl" in b)
+    assert len(block.strip().splitlines()) == 5, block
+    script = block.replace("python sft.py", f"{sys.executable} {os.path.join(ROOT, 'sft.py')}").replace(
+        "python -", f"{sys.executable} -")
+    proc = subprocess.run(["bash", "-c", "set -e\n" + script], cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "error" not in proc.stdout + proc.stderr and (tmp_path / "models" / "add-sft" / "config.json").exists()
+    losses = read_scalars(only_run_dir(tmp_path))["eval/loss"]
+    assert losses[-1][1] < losses[0][1] / 2, losses  # it learned

@@ -106,12 +106,12 @@ def test_pipeline_on_a_pretrained_checkpoint(tmp_path, arch, dtype, kind):
                    "--output-dir", "sft", "--save-dtype", "float32", *common, cwd=tmp_path)
     run_in_process("reward_model.py", *CPU_FLOAT32, "--model-name-or-path", "sft", "--dataset-name", pref_data, "--lr", "3e-3",
                    "--output-dir", "rm", "--save-dtype", "float32", *common, cwd=tmp_path)
-    run_in_process("rlhf_ppo.py", *CPU_FLOAT32, "--sft-model-path", "sft", "--reward-model-path", "rm", "--dataset-name", prompt_data,
+    run_in_process("rlhf_ppo.py", *CPU_FLOAT32, "--model-name-or-path", "sft", "--reward-model-path", "rm", "--dataset-name", prompt_data,
                    "--num-iterations", "2", "--batch-size", "8", "--mini-batch-size", "4", "--ppo-epochs", "2",
                    "--response-length", "8", "--eval-every", "1", "--lr", "3e-3", "--output-dir", "ppo", cwd=tmp_path)
     run_in_process("dpo.py", *CPU_FLOAT32, "--model-name-or-path", "sft", "--reward-model-path", "rm", "--dataset-name", pref_data,
                    "--response-length", "8", "--lr", "3e-3", "--output-dir", "dpo", "--save-dtype", "float32", *common, cwd=tmp_path)
-    run_in_process("grpo.py", *CPU_FLOAT32, "--sft-model-path", "sft", "--reward-model-path", "rm",
+    run_in_process("grpo.py", *CPU_FLOAT32, "--model-name-or-path", "sft", "--reward-model-path", "rm",
                    "--dataset-name", prompt_data, "--num-iterations", "2", "--batch-size", "8", "--num-generations", "4",
                    "--mini-batch-size", "4", "--response-length", "8", "--eval-every", "1", "--lr", "3e-3",
                    "--output-dir", "grpo", cwd=tmp_path)
@@ -229,7 +229,7 @@ def test_bf16_mixed_precision_trains_with_float32_master_weights(tmp_path):
                    cwd=tmp_path)
     run_in_process("reward_model.py", "--dataset-name", pref_data, "--model-name-or-path", "sft", "--output-dir", "rm",
                    *common, cwd=tmp_path)
-    run_in_process("rlhf_ppo.py", "--sft-model-path", "sft", "--reward-model-path", "rm", "--dataset-name", prompts,
+    run_in_process("rlhf_ppo.py", "--model-name-or-path", "sft", "--reward-model-path", "rm", "--dataset-name", prompts,
                    "--num-iterations", "1", "--batch-size", "8", "--mini-batch-size", "4", "--response-length", "6",
                    "--bf16", "--output-dir", "ppo", "--save-dtype", "float32", cwd=tmp_path)
     scalars = read_scalars(str(next((tmp_path / "runs").glob("rlhf_ppo__*"))))
@@ -436,7 +436,8 @@ def test_pairs_that_do_not_fit_or_become_equal_are_dropped_and_counted(tmp_path,
                        cwd=tmp_path)
         out = capsys.readouterr().out
         # 39 rows, the first 3 held out for eval; of the 36 training rows, 10 are too long and 5 have chosen == rejected
-        assert "train: dropped 10 of 36 pairs longer than --max-length 32, 5 whose chosen and rejected are the same" in out
+        assert "train: dropped 10 of 36 pairs longer than --max-length 32 (the longest: " in out
+        assert "tokens), 5 whose chosen and rejected are the same" in out
         assert "eval: dropped" not in out
 
 
@@ -472,7 +473,7 @@ def test_eval_score_is_the_same_quantity_in_rlhf_ppo_and_dpo(tiny_checkpoints, t
     update the first token is sometimes the EOS: one in 16 on CUDA, so later evaluations are not asserted.)"""
     models = tiny_checkpoints["cwd"] / "models"
     common = ["--response-length", "1", "--missing-eos-penalty", "-7", "--eval-size", "16", "--output-dir", "out"]
-    run_in_process("rlhf_ppo.py", "--sft-model-path", str(models / "sft"), "--reward-model-path",
+    run_in_process("rlhf_ppo.py", "--model-name-or-path", str(models / "sft"), "--reward-model-path",
                    str(models / "reward_model"), "--num-iterations", "1", "--batch-size", "8", "--mini-batch-size", "8",
                    *common, cwd=tmp_path)
     run_in_process("dpo.py", "--model-name-or-path", str(models / "sft"), "--reward-model-path",
@@ -512,7 +513,7 @@ def test_dropout_is_off_also_where_it_is_a_config_number(tmp_path):
     # and what main loads: the update runs in train mode, so its first ratio is exactly 1 only without dropout
     prompts = write_data(tmp_path / "prompts.jsonl", "text_prompts")
     base, rm_path = str(tmp_path / "llama"), str(tmp_path / "llama_rm")
-    common = ["--sft-model-path", base, "--reward-model-path", rm_path, "--dataset-name", prompts, "--num-iterations",
+    common = ["--model-name-or-path", base, "--reward-model-path", rm_path, "--dataset-name", prompts, "--num-iterations",
               "1", "--batch-size", "8", "--mini-batch-size", "8", "--response-length", "4", "--eval-size", "2"]
     run_in_process("rlhf_ppo.py", *common, "--output-dir", "ppo", cwd=tmp_path)
     run_in_process("grpo.py", *common, "--num-generations", "4", "--output-dir", "grpo", cwd=tmp_path)
@@ -560,9 +561,9 @@ def model_flags(script, tiny_checkpoints):
     own tiny model."""
     return {"sft": [], "reward_model": ["--model-name-or-path", str(tiny_checkpoints["sft"])],
             "dpo": ["--model-name-or-path", str(tiny_checkpoints["sft"])],
-            "rlhf_ppo": ["--sft-model-path", str(tiny_checkpoints["sft"]), "--reward-model-path",
+            "rlhf_ppo": ["--model-name-or-path", str(tiny_checkpoints["sft"]), "--reward-model-path",
                          str(tiny_checkpoints["reward_model"])],
-            "grpo": ["--sft-model-path", str(tiny_checkpoints["sft"])]}[os.path.basename(script).removesuffix(".py")]
+            "grpo": ["--model-name-or-path", str(tiny_checkpoints["sft"])]}[os.path.basename(script).removesuffix(".py")]
 
 
 # (script, flags, the learning rate of each optimizer step worked out by hand, × 2e-3); every step clips to 0.5
@@ -733,7 +734,7 @@ def test_a_count_below_its_least_is_one_line_before_any_model_is_loaded(script, 
     """Each count of each LM main, in both tiers, one below the least it can be: one line that names the flag, its
     value and the least, before anything is loaded (the model path does not exist, so a check made after loading
     would stop with another line) or written. A main that skips check_args, or a count left out of it, fails."""
-    path = ["--sft-model-path" if "rlhf_ppo" in script or "grpo" in script else "--model-name-or-path", "models/none"]
+    path = ["--model-name-or-path", "models/none"]
     # sft.py builds its model: a short run, so that a main that misses the check trains for seconds, not minutes
     short = {"max-steps": 1, "batch-size": 8, "num-train-examples": 16, "eval-size": 4, "n-layer": 1, "n-embd": 32}
     flags = path if "sft" not in script else [f for k, v in short.items() if k != flag for f in (f"--{k}", str(v))]
@@ -762,7 +763,7 @@ def test_a_number_out_of_its_range_is_one_line_before_any_model_is_loaded(script
     """Each real-valued flag of each LM main just out of its range, and NaN: one line that names the flag, its value
     and the range, before anything is loaded (the model path does not exist) or written. A main that skips the
     check, or a flag left out of it, fails."""
-    path = ["--sft-model-path" if "rlhf_ppo" in script or "grpo" in script else "--model-name-or-path", "models/none"]
+    path = ["--model-name-or-path", "models/none"]
     short = {"max-steps": 1, "batch-size": 8, "num-train-examples": 16, "eval-size": 4, "n-layer": 1, "n-embd": 32}
     flags = path if "sft" not in script else [f for k, v in short.items() for f in (f"--{k}", str(v))]
     message = one_line_exit(script, *flags, f"--{flag}", value, cwd=tmp_path)
@@ -796,7 +797,7 @@ INTERVAL_CASES = [(f"{tier}{script}.py", flags, message) for tier in ("", "scale
 def test_a_number_out_of_its_interval_is_one_line_before_any_model_is_loaded(script, flags, message, tmp_path):
     """Below the interval, above it, and NaN: one line, before anything is loaded (the model path does not exist)
     or written."""
-    path = ["--model-name-or-path" if "dpo" in script else "--sft-model-path", "models/none"]
+    path = ["--model-name-or-path", "models/none"]
     assert one_line_exit(script, *path, *flags, cwd=tmp_path) == f"error: {message}"
     assert not os.listdir(tmp_path)
 
@@ -923,7 +924,7 @@ def test_long_responses_fit_the_built_in_model_and_too_long_ones_say_so(tiny_che
     """Bug 9: the built-in GPT-2's position table was --max-length (64), so rlhf_ppo.py --response-length 60 died
     with an IndexError; it now has 256 positions, and a request beyond the model's positions is one line."""
     models = tiny_checkpoints["cwd"] / "models"
-    flags = ["--sft-model-path", str(models / "sft"), "--reward-model-path", str(models / "reward_model"),
+    flags = ["--model-name-or-path", str(models / "sft"), "--reward-model-path", str(models / "reward_model"),
              "--num-iterations", "1", "--batch-size", "8", "--mini-batch-size", "8", "--eval-size", "8"]
     run_in_process("rlhf_ppo.py", *flags, "--response-length", "60", cwd=tmp_path)
     proc = run_script("rlhf_ppo.py", *flags, "--response-length", "300", cwd=tmp_path, check=False)

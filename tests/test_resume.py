@@ -75,10 +75,10 @@ def lm_flags(script, models):
                 "--num-train-pairs", "100", "--eval-size", "8", "--eval-every", "5", "--warmup-steps", "2",
                 "--output-dir", "models/m"], 10
     if script == "scale/rlhf_ppo.py":  # the adaptive KL controller on: its coefficient is part of what is restored
-        return ["--sft-model-path", sft, "--reward-model-path", rm, "--num-iterations", "4", "--batch-size", "16",
+        return ["--model-name-or-path", sft, "--reward-model-path", rm, "--num-iterations", "4", "--batch-size", "16",
                 "--mini-batch-size", "8", "--ppo-epochs", "2", "--eval-size", "8", "--eval-every", "2",
                 "--kl-target", "0.001", "--kl-horizon", "100", "--output-dir", "models/m"], 2
-    return ["--sft-model-path", sft, "--num-iterations", "4", "--batch-size", "16", "--num-generations", "4",
+    return ["--model-name-or-path", sft, "--num-iterations", "4", "--batch-size", "16", "--num-generations", "4",
             "--mini-batch-size", "8", "--eval-size", "8", "--eval-every", "2", "--output-dir", "models/m"], 2
 
 

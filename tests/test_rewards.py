@@ -204,7 +204,7 @@ def arithmetic_sft(tmp_path_factory):
     return cwd
 
 
-RL = ["--sft-model-path", "models/sft", "--dataset-name", "rl.jsonl", "--response-length", "20",
+RL = ["--model-name-or-path", "models/sft", "--dataset-name", "rl.jsonl", "--response-length", "20",
       "--max-prompt-length", "64", "--eval-every", "2", "--eval-size", "8"]
 
 
@@ -269,7 +269,7 @@ def test_a_reward_model_with_another_tokenizer_is_one_line(script, tiny_checkpoi
     tokenizer = AutoTokenizer.from_pretrained(other)
     tokenizer.add_tokens(["<extra>"])
     tokenizer.save_pretrained(other)
-    policy = "--model-name-or-path" if script.endswith("dpo.py") else "--sft-model-path"
+    policy = "--model-name-or-path"
     message = one_line_exit(script, policy, str(models / "sft"), "--reward-model-path", str(other), cwd=tmp_path)
     assert "another tokenizer" in message and str(other) in message, message
     assert not (tmp_path / "runs").exists()
@@ -284,7 +284,7 @@ def test_weights_follow_the_order_of_the_terms_the_reward_model_last(script, sma
     order the reward would be another term; with them ignored, the sum of the three; with the pattern ignored,
     the format score another."""
     grpo_flags = ["--num-generations", "4"] if script == "grpo.py" else []
-    run_in_process(script, "--sft-model-path", str(small_checkpoints["sft"]), "--reward-model-path",
+    run_in_process(script, "--model-name-or-path", str(small_checkpoints["sft"]), "--reward-model-path",
                    str(small_checkpoints["reward_model"]), "--reward-fn", "gold", "--reward-fn", "format",
                    "--format-pattern", "[0-9]*",
                    "--reward-weights", "0", "0", "1", "--num-iterations", "1", "--batch-size", "8",
@@ -313,7 +313,7 @@ def test_conversational_prompts_reach_the_reward_as_messages(tmp_path, capsys, s
         "    assert all(len(c) == 1 and c[0]['role'] == 'assistant' for c in completions)\n"
         "    return [float(len(c[0]['content'])) for c in completions]\n")
     system = ["--system-prompt", "Be brief."] if script.startswith("scale/") else []
-    run_in_process(script, "--sft-model-path", "chat", "--dataset-name", "p.jsonl", *system,
+    run_in_process(script, "--model-name-or-path", "chat", "--dataset-name", "p.jsonl", *system,
                    "--reward-fn", "check.py:shape", "--response-length", "4", "--num-iterations", "1", "--batch-size",
                    "8", "--num-generations", "4", "--mini-batch-size", "8", "--eval-size", "4", cwd=tmp_path)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -341,7 +341,7 @@ def test_a_system_prompt_on_text_data_is_one_line():
 
 @pytest.mark.parametrize("script,model_flag", [
     ("scale/sft.py", None), ("scale/reward_model.py", "--model-name-or-path"), ("scale/dpo.py", "--model-name-or-path"),
-    ("scale/rlhf_ppo.py", "--sft-model-path"), ("scale/grpo.py", "--sft-model-path")])
+    ("scale/rlhf_ppo.py", "--model-name-or-path"), ("scale/grpo.py", "--model-name-or-path")])
 def test_every_scale_script_checks_the_system_prompt_before_loading_a_model(script, model_flag, tmp_path, monkeypatch):
     """Each scale/ main hands its rows to add_system_prompt: --system-prompt on the built-in task (text) is one line,
     before any model is loaded or placed (a main that skipped it would train with the flag silently ignored)."""
@@ -368,7 +368,7 @@ def test_every_scale_script_checks_the_system_prompt_before_loading_a_model(scri
     (["--reward-fn", "bad.py:bad"], ["'bad' cannot be called as bad(prompts, completions, target)"]),
 ])
 def test_bad_reward_flags_are_one_line_before_any_model_is_loaded(script, flags, words, tmp_path, monkeypatch):
-    """No model exists at --sft-model-path: the reward's error comes first."""
+    """No model exists at --model-name-or-path: the reward's error comes first."""
     import importlib
 
     import tyro
@@ -377,7 +377,7 @@ def test_bad_reward_flags_are_one_line_before_any_model_is_loaded(script, flags,
     (tmp_path / "bad.py").write_text("def bad(completion):\n    return [0.0]\n")
     write_jsonl(tmp_path / "t.jsonl", [{"prompt": "sort 2 1:", "target": "12"}] * 8)
     module = importlib.import_module(script[:-3])
-    args = tyro.cli(module.Args, args=["--sft-model-path", "models/none", "--dataset-name", "t.jsonl", *flags])
+    args = tyro.cli(module.Args, args=["--model-name-or-path", "models/none", "--dataset-name", "t.jsonl", *flags])
     message = one_line(module.main, args)
     for word in words:
         assert word in message, message

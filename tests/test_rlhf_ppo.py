@@ -99,7 +99,7 @@ PPO_TINY = ["--num-iterations", "2", "--batch-size", "16", "--mini-batch-size", 
 
 def test_rlhf_ppo_smoke_and_first_ratio_is_exactly_one(tiny_checkpoints, tmp_path):
     cwd = tmp_path
-    run_in_process("rlhf_ppo.py", *PPO_TINY, "--sft-model-path", str(tiny_checkpoints["sft"]), "--reward-model-path",
+    run_in_process("rlhf_ppo.py", *PPO_TINY, "--model-name-or-path", str(tiny_checkpoints["sft"]), "--reward-model-path",
                    str(tiny_checkpoints["reward_model"]), cwd=cwd)
     run_dir = sorted((cwd / "runs").glob("rlhf_ppo__*"))[-1]
     scalars = read_scalars(str(run_dir))
@@ -118,7 +118,7 @@ def test_rlhf_ppo_smoke_and_first_ratio_is_exactly_one(tiny_checkpoints, tmp_pat
 def test_rlhf_ppo_adaptive_kl_moves_the_coefficient(tiny_checkpoints, tmp_path):
     cwd = tmp_path
     run_in_process("rlhf_ppo.py", *PPO_TINY, "--kl-coef", "0.05", "--kl-target", "0.001", "--kl-horizon", "100",
-                   "--sft-model-path", str(tiny_checkpoints["sft"]), "--reward-model-path",
+                   "--model-name-or-path", str(tiny_checkpoints["sft"]), "--reward-model-path",
                    str(tiny_checkpoints["reward_model"]), "--output-dir", "models/ppo_kl", cwd=cwd)
     scalars = read_scalars(str(sorted((cwd / "runs").glob("rlhf_ppo__*"))[-1]))
     kl_coefs = [v for _, v in scalars["charts/kl_coef"]]
@@ -129,7 +129,7 @@ def test_rlhf_ppo_adaptive_kl_moves_the_coefficient(tiny_checkpoints, tmp_path):
 
 def test_bad_input_says_which_script_to_run_first(tiny_checkpoints, tmp_path):
     assert_one_line_error(run_script("rlhf_ppo.py", cwd=tmp_path, check=False), "models/sft", "python sft.py")
-    message = one_line_exit("rlhf_ppo.py", "--sft-model-path", str(tiny_checkpoints["sft"]), cwd=tmp_path)
+    message = one_line_exit("rlhf_ppo.py", "--model-name-or-path", str(tiny_checkpoints["sft"]), cwd=tmp_path)
     assert "models/reward_model" in message and "python reward_model.py" in message
     assert not os.path.exists(tmp_path / "runs") and not os.path.exists(tmp_path / "models")
 
@@ -151,7 +151,7 @@ def test_real_data_paths_with_local_files(tiny_checkpoints, tmp_path, monkeypatc
     assert sum(len(p.encode()) <= 12 for p in prompts[6:]) == 18  # the first 6 are held out; batches of 16
     (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in prompts))
     models = tiny_checkpoints["cwd"] / "models"
-    run_in_process("rlhf_ppo.py", *PPO_TINY, "--dataset-name", "prompts.jsonl", "--sft-model-path", str(models / "sft"),
+    run_in_process("rlhf_ppo.py", *PPO_TINY, "--dataset-name", "prompts.jsonl", "--model-name-or-path", str(models / "sft"),
                    "--reward-model-path", str(models / "reward_model"), "--max-prompt-length", "12",
                    "--output-dir", "ppo", cwd=tmp_path)
     assert len(lengths) > 32 and max(lengths) <= 12, lengths  # two rollouts of 16, and the evaluations
@@ -172,7 +172,7 @@ def test_response_logprobs_are_those_of_the_token_after_each_position():
 
 def test_same_seed_same_logs_and_weights(tiny_checkpoints, tmp_path):
     models = tiny_checkpoints["cwd"] / "models"
-    flags = [*PPO_TINY, "--sft-model-path", str(models / "sft"), "--reward-model-path", str(models / "reward_model"),
+    flags = [*PPO_TINY, "--model-name-or-path", str(models / "sft"), "--reward-model-path", str(models / "reward_model"),
              "--output-dir", "models/m"]
     (logs_a, saved_a), (logs_b, saved_b) = same_seed_scalars("rlhf_ppo.py", flags, tmp_path)
     assert [tag for tag in logs_a if logs_a[tag] != logs_b.get(tag)] == [] and len(logs_a) >= 5
@@ -202,7 +202,7 @@ def test_one_step_raises_the_surrogate_and_lowers_the_critic_error(tiny_checkpoi
     monkeypatch.setattr(rlhf_ppo, "generate", recording)
     monkeypatch.setattr(rlhf_ppo, "load_models", loading)
     sft_path, rm_path = tiny_checkpoints["sft"], tiny_checkpoints["reward_model"]
-    run_in_process("rlhf_ppo.py", *CPU_FLOAT32, "--sft-model-path", str(sft_path), "--reward-model-path", str(rm_path),
+    run_in_process("rlhf_ppo.py", *CPU_FLOAT32, "--model-name-or-path", str(sft_path), "--reward-model-path", str(rm_path),
                    "--num-iterations", "1", "--batch-size", "8", "--mini-batch-size", "8", "--ppo-epochs", "1",
                    "--kl-coef", "0", "--lr", "1e-4", "--eval-size", "4", "--output-dir", "out", cwd=tmp_path)
     sequences, attention_mask, width, mask = next(call for call in calls if len(call[0]) == 8)
@@ -261,7 +261,7 @@ def test_the_advantages_that_reach_the_loss_are_whitened_gae_of_the_rollout(tiny
 
     monkeypatch.setattr(rlhf_ppo, "masked_gae", gae_spy)
     monkeypatch.setattr(rlhf_ppo, "policy_loss", loss_spy)
-    run_in_process("rlhf_ppo.py", *CPU_FLOAT32, "--sft-model-path", str(tiny_checkpoints["sft"]), "--reward-model-path",
+    run_in_process("rlhf_ppo.py", *CPU_FLOAT32, "--model-name-or-path", str(tiny_checkpoints["sft"]), "--reward-model-path",
                    str(tiny_checkpoints["reward_model"]), "--num-iterations", "1", "--batch-size", "8",
                    "--mini-batch-size", "8", "--ppo-epochs", "1", "--gamma", "0.9", "--lam", "0.5", "--eval-size", "4",
                    "--output-dir", "out", cwd=tmp_path)
@@ -286,7 +286,7 @@ def test_the_reference_stays_the_starting_model(tiny_checkpoints, tmp_path, monk
     if lora:
         pytest.importorskip("peft")
     sft = tiny_checkpoints["sft"]
-    flags = ["--sft-model-path", str(sft), "--reward-model-path", str(tiny_checkpoints["reward_model"]),
+    flags = ["--model-name-or-path", str(sft), "--reward-model-path", str(tiny_checkpoints["reward_model"]),
                   "--num-iterations", "2", "--batch-size", "8", "--mini-batch-size", "8", "--eval-size", "8", "--eval-every", "2", "--output-dir", "out", *(["--lora-r", "4"] if lora else [])]
     scalars, reference = reference_after_training("scale/rlhf_ppo.py" if lora else "rlhf_ppo.py", flags, tmp_path,
                                                   monkeypatch)
@@ -298,7 +298,7 @@ def test_it_raises_the_reward_in_10_iterations(small_checkpoints, tmp_path):
     0.21 (seeds 1-3, from the small models the top-level sft.py and reward_model.py make; 0.27-0.37 from those of the
     scripts before the split, which compute the same to rounding: the 10 iterations amplify it), at least 0.05; with
     the policy loss's sign flipped it falls by 2.5."""
-    run_in_process("rlhf_ppo.py", "--sft-model-path", str(small_checkpoints["sft"]), "--reward-model-path",
+    run_in_process("rlhf_ppo.py", "--model-name-or-path", str(small_checkpoints["sft"]), "--reward-model-path",
                    str(small_checkpoints["reward_model"]), "--num-iterations", "10", "--batch-size", "32",
                    "--mini-batch-size", "16", "--eval-every", "10", "--eval-size", "64", "--output-dir", "out", cwd=tmp_path)
     reward = [v for _, v in read_scalars(only_run_dir(tmp_path))["eval/reward"]]
@@ -329,7 +329,7 @@ def test_a_response_with_no_stop_token_is_scored_the_missing_eos_penalty(small_c
     monkeypatch.setattr(rlhf_ppo, "shaped_rewards", shaped_spy)
     rm_path = small_checkpoints["reward_model"]
     score = ["--reward-model-path", str(rm_path)] if source == "reward_model" else ["--reward-fn", "gold"]
-    run_in_process("rlhf_ppo.py", *CPU_FLOAT32, "--sft-model-path", str(small_checkpoints["sft"]), *score,
+    run_in_process("rlhf_ppo.py", *CPU_FLOAT32, "--model-name-or-path", str(small_checkpoints["sft"]), *score,
                    "--num-iterations", "1", "--batch-size", "16", "--mini-batch-size", "16", "--ppo-epochs", "1",
                    "--response-length", "6", "--missing-eos-penalty", "-7.5", "--eval-size", "4", "--output-dir", "out",
                    cwd=tmp_path)
@@ -396,7 +396,7 @@ def test_the_ppo_flags_reach_the_losses_and_the_gradient(tiny_checkpoints, tmp_p
                       ("load_models", load_spy), ("generate", generate_spy)):
         monkeypatch.setattr(rlhf_ppo, name, spy)
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_spy)
-    run_in_process("rlhf_ppo.py", "--sft-model-path", str(tiny_checkpoints["sft"]), "--reward-model-path",
+    run_in_process("rlhf_ppo.py", "--model-name-or-path", str(tiny_checkpoints["sft"]), "--reward-model-path",
                    str(tiny_checkpoints["reward_model"]), "--num-iterations", "1", "--batch-size", "8",
                    "--mini-batch-size", "4", "--ppo-epochs", "2", "--kl-coef", "0.07", "--cliprange", "0.3",
                    "--cliprange-value", "0.25", "--vf-coef", str(vf_coef), "--temperature", "0.7", "--eval-size", "4", "--output-dir", "out",

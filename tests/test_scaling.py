@@ -234,7 +234,7 @@ def test_no_gradients_live_through_a_rollout(tiny_checkpoints, tmp_path, monkeyp
 
     monkeypatch.setattr(module, "generate_in_chunks", recorded)
     reward = (["--reward-model-path", str(tiny_checkpoints["reward_model"])] if script == "scale/rlhf_ppo.py" else [])
-    run_in_process(script, "--sft-model-path", str(tiny_checkpoints["sft"]), *reward, *flags, "--num-iterations", "3",
+    run_in_process(script, "--model-name-or-path", str(tiny_checkpoints["sft"]), *reward, *flags, "--num-iterations", "3",
                    "--eval-every", "100", "--eval-size", "2", "--response-length", "3", "--output-dir", "out", cwd=tmp_path)
     assert len(held) >= 4 and held == [0] * len(held), held
 

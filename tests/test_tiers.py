@@ -48,10 +48,10 @@ def flags_of(script, checkpoints):
         "dpo": ["--model-name-or-path", sft, "--reward-model-path", reward_model,
                 "--max-steps", "20", "--eval-every", "10", "--num-train-pairs", "400", "--eval-size", "16",
                 "--batch-size", "16"],
-        "rlhf_ppo": ["--sft-model-path", sft, "--reward-model-path", reward_model,
+        "rlhf_ppo": ["--model-name-or-path", sft, "--reward-model-path", reward_model,
                      "--num-iterations", "3", "--batch-size", "16", "--mini-batch-size", "8", "--ppo-epochs", "2",
                      "--eval-every", "2", "--eval-size", "16"],
-        "grpo": ["--sft-model-path", sft, "--num-iterations", "3", "--batch-size", "16",
+        "grpo": ["--model-name-or-path", sft, "--num-iterations", "3", "--batch-size", "16",
                  "--num-generations", "4", "--mini-batch-size", "8", "--ppo-epochs", "2", "--eval-every", "2",
                  "--eval-size", "16"],
     }[script]
