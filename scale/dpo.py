@@ -724,6 +724,7 @@ def load_rows(name, config, split, eval_size):
     n_eval = min(eval_size, len(rows) // 10)
     return rows[n_eval:], rows[:n_eval]
 
+
 def check_json_file(path):
     """A .json or .jsonl file datasets would stop on with a message of its own (an empty .jsonl: StopIteration):
     one line that names the file and the line, before any work."""
@@ -743,7 +744,6 @@ def check_json_file(path):
         sys.exit(f"error: {path}, line {number or e.lineno}: not JSON ({e.msg}, column {e.colno})")
     if not rows:
         sys.exit(f"error: {path} has no rows")
-
 
 
 def load_data(args, task_row, num_train, accepts, needs):
@@ -1371,13 +1371,13 @@ def get_lr(step, lr, warmup_steps, max_steps, decay):
         return lr * warmup * min(1.0, max(0.0, (max_steps - step) / max(1, max_steps - warmup_steps)))
     return lr * warmup * 0.5 * (1 + math.cos(math.pi * min(1.0, step / max_steps)))
 
+
 def check_warmup(warmup_steps, max_steps, decay):
     """One warning line when the warmup lasts the whole run: the learning rate then never reaches --lr."""
     if warmup_steps >= max_steps and os.environ.get("RANK", "0") == "0":
         peak = max(get_lr(step, 1.0, warmup_steps, max_steps, decay) for step in range(max_steps))
         print(f"warning: --warmup-steps {warmup_steps} ≥ --max-steps {max_steps}: the learning rate peaks at "
               f"{peak:.0%} of --lr; lower --warmup-steps")
-
 
 
 def check_finite(step, **values):
@@ -1437,6 +1437,7 @@ def save_model(model, tokenizer, args, output_dir, dtype):
         print(f"note: the checkpoint {output_dir!r} is on the first node only (this node does not share its "
               "filesystem): copy it from there", file=sys.stderr)
 
+
 def note_overwrite(output_dir):
     """One line before any work when --output-dir already holds a model: this run replaces it when it ends, and
     a later stage reads that directory, so the run says so rather than replace another run's model silently."""
@@ -1454,6 +1455,7 @@ def note_overwrite(output_dir):
         by = ""
     print(f"note: --output-dir {output_dir} holds a model saved {saved}{by}; this run replaces it when it ends")
 
+
 def cpu_threads(threads):
     """--threads, or by default OMP_NUM_THREADS where it is set (torchrun sets 1 per rank), else one fewer than the
     cores this process may run on, at least 1."""
@@ -1463,8 +1465,6 @@ def cpu_threads(threads):
         return int(os.environ["OMP_NUM_THREADS"])
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cores - 1)
-
-
 
 
 # ---------------------------------------------------------------------------------------------

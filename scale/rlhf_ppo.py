@@ -825,6 +825,7 @@ def load_rows(name, config, split, eval_size):
     n_eval = min(eval_size, len(rows) // 10)
     return rows[n_eval:], rows[:n_eval]
 
+
 def check_json_file(path):
     """A .json or .jsonl file datasets would stop on with a message of its own (an empty .jsonl: StopIteration):
     one line that names the file and the line, before any work."""
@@ -844,7 +845,6 @@ def check_json_file(path):
         sys.exit(f"error: {path}, line {number or e.lineno}: not JSON ({e.msg}, column {e.colno})")
     if not rows:
         sys.exit(f"error: {path} has no rows")
-
 
 
 def load_data(args, task_row, num_train, accepts, needs):
@@ -1812,6 +1812,7 @@ def save_model(model, tokenizer, args, output_dir, dtype):
         print(f"note: the checkpoint {output_dir!r} is on the first node only (this node does not share its "
               "filesystem): copy it from there", file=sys.stderr)
 
+
 def note_overwrite(output_dir):
     """One line before any work when --output-dir already holds a model: this run replaces it when it ends, and
     a later stage reads that directory, so the run says so rather than replace another run's model silently."""
@@ -1829,6 +1830,7 @@ def note_overwrite(output_dir):
         by = ""
     print(f"note: --output-dir {output_dir} holds a model saved {saved}{by}; this run replaces it when it ends")
 
+
 def cpu_threads(threads):
     """--threads, or by default OMP_NUM_THREADS where it is set (torchrun sets 1 per rank), else one fewer than the
     cores this process may run on, at least 1."""
@@ -1838,8 +1840,6 @@ def cpu_threads(threads):
         return int(os.environ["OMP_NUM_THREADS"])
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cores - 1)
-
-
 
 
 # ---------------------------------------------------------------------------------------------

@@ -165,11 +165,12 @@ def test_one_step_lowers_the_completion_nll_of_its_batch(tiny_checkpoints, tmp_p
 
 
 def test_an_exception_with_an_empty_message_still_makes_one_line(tmp_path):
-    """An error that quotes an exception quotes its first line, or its type when the message is empty: an empty
-    .jsonl file (datasets raises a bare StopIteration) used to end in an IndexError inside the error message."""
+    """An error that quotes an exception quotes its first line, or its type when the message is empty (datasets
+    raises a bare StopIteration on an empty .jsonl file, which check_json_file now names itself)."""
     assert sft.first_line(StopIteration()) == "StopIteration" and sft.first_line(ValueError("a\nb")) == "a"
     (tmp_path / "empty.jsonl").write_text("")
-    assert "StopIteration" in one_line_exit("sft.py", *TINY_LM, "--dataset-name", "empty.jsonl", cwd=tmp_path)
+    assert one_line_exit("sft.py", *TINY_LM, "--dataset-name", "empty.jsonl", cwd=tmp_path) == \
+        "error: empty.jsonl has no rows"
     # a data file that is not there: the path, in datasets' words
     message = one_line_exit("sft.py", *TINY_LM, "--dataset-name", "missing.jsonl", cwd=tmp_path)
     assert "missing.jsonl" in message and "Unable to find" in message, message
