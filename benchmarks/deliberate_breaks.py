@@ -840,8 +840,8 @@ BREAKS = {
     # scale/'s GPU path, in each copy (one text): the whole LM head recomputed anyway, its budget a quarter of the GPU
     # instead of an eighth, --compile's blocks compiled in the passes without gradients too, and the losses of a
     # step's micro-batches read as the first one's alone
-    **{f"scale_{script}_recomputes_the_whole_head": (f"scale/{script}.py", "grad = not whole and torch.is_grad_enabled()",
-        "grad = torch.is_grad_enabled()", "tests/test_scaling.py" if script == "dpo" else "tests/test_copies.py")
+    **{f"scale_{script}_recomputes_the_whole_head": (f"scale/{script}.py",
+        "grad = not whole and torch.is_grad_enabled()", "grad = torch.is_grad_enabled()", "tests/test_scaling.py" if script == "dpo" else "tests/test_copies.py")
        for script in ("sft", "dpo", "rlhf_ppo", "grpo")},
     **{f"scale_{script}_whole_head_budget": (f"scale/{script}.py", "total_memory // 8 // 4", "total_memory // 4 // 4",
                                              "tests/test_scaling.py") for script in ("sft", "dpo", "rlhf_ppo", "grpo")},
@@ -858,8 +858,8 @@ BREAKS = {
          "tyro.conf.arg(aliases=())"),
         ("sft_overwrites_silently", "sft.py", "    note_overwrite(args.output_dir)\n", ""),
         ("sft_leaves_json_to_datasets", "sft.py", "        check_json_file(name)\n", "        pass\n"),
-        ("sft_length_error_without_lengths", "sft.py", 'fits --max-length {max_length}: they have {min(lengths):,} to "',
-         'fits --max-length {max_length}: "'),
+        ("sft_length_error_without_lengths", "sft.py",
+         'fits --max-length {max_length}: they have {min(lengths):,} to "', 'fits --max-length {max_length}: "'),
         ("sft_no_warmup_warning", "sft.py", '    check_warmup(args.warmup_steps, args.max_steps, "cosine")\n', ""),
         ("sft_no_samples_on_own_data", "sft.py", "    elif evals:  # own data", "    elif False:  # own data"),
         ("dpo_default_reward_model_stops", "dpo.py",
