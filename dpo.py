@@ -271,7 +271,7 @@ def evaluate_policy(policy, ref, reward, tokenizer, stop_ids, logps_of, evals, e
     completions, kls, scores = [], [], []
     for i in range(0, len(eval_ids), args.batch_size):
         with amp():
-            sequences, attention_mask, width, response_mask = generate(
+            sequences, attention_mask, width, response_mask, _ = generate(
                 policy, eval_ids[i : i + args.batch_size], tokenizer.pad_token_id, stop_ids, args.response_length,
                 args.temperature)
             labels = sequences.masked_fill(F.pad(response_mask, (width, 0)) == 0, -100)  # the response tokens
@@ -768,7 +768,8 @@ def generate(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperat
     the checkpoint's generation_config.json (top_k, repetition_penalty, ...): the distribution sampled is the one
     whose log-probs are trained. Two savings change nothing sampled: each distinct prompt's forward pass runs
     once, its KV cache copied to the rows that repeat it (GRPO's G completions), and a row that has stopped
-    leaves the batch."""
+    leaves the batch. Also returns sampler_logprobs: each drawn token's log-probability under the distribution
+    it was drawn from (0 on padding), which the sampler holds anyway; RL compares it with the policy it trains."""
     device, width = model.device, max(len(p) for p in prompt_ids)
     input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompt_ids], device=device)
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=device)
@@ -780,12 +781,14 @@ def generate(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperat
     cache, logits = out[CACHE], out.logits[row_prompt, -1]
     cache.batch_select_indices(row_prompt)  # each row's copy of its prompt's keys and values
     responses = torch.full((len(input_ids), max_new_tokens), pad_token_id, device=device)
+    sampler_logprobs = torch.zeros(len(input_ids), max_new_tokens, device=device)
     running, mask = torch.arange(len(input_ids), device=device), attention_mask  # the rows still sampling
     positions = attention_mask.sum(1)  # of each row's next token: positions count real tokens only
     for t in range(max_new_tokens):
         z = logits.float() / temperature
         tokens = z.argmax(-1) if greedy else torch.multinomial(torch.softmax(z, -1), 1).squeeze(1)
         responses[running, t] = tokens
+        sampler_logprobs[running, t] = torch.log_softmax(z, -1).gather(1, tokens[:, None]).squeeze(1)
         going = ~torch.isin(tokens, stops)
         if not going.all():  # the rows that stopped leave the batch, and their cache with them
             keep = going.nonzero().squeeze(1)
@@ -802,7 +805,8 @@ def generate(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperat
     length = int(response_mask.sum(1).max())  # the longest response: no later column is anything but padding
     response_mask = response_mask[:, :length]
     responses = responses[:, :length].masked_fill(response_mask == 0, pad_token_id)
-    return (torch.cat([input_ids, responses], 1), torch.cat([attention_mask, response_mask], 1), width, response_mask)
+    return (torch.cat([input_ids, responses], 1), torch.cat([attention_mask, response_mask], 1), width, response_mask,
+            sampler_logprobs[:, :length] * response_mask)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,12 +17,15 @@ scaling (--no-scale-rewards, Dr. GRPO), the loss over all tokens (--loss-type da
 (--importance-sampling-level sequence, GSPO), a clipped importance weight that keeps every token's gradient
 (--loss-type cispo, CISPO), no loss on completions cut at the length limit (--mask-truncated-completions, DAPO),
 a reward penalty that grows near that limit (--soft-overlong-cache, DAPO), and groups of equal rewards replaced by
-newly sampled ones (--dynamic-sampling, DAPO).
+newly sampled ones (--dynamic-sampling, DAPO). Off-policy RL is shown in one process: --rollout-lag K samples with
+the weights of K iterations before, as an asynchronous trainer does, and the importance-sampling corrections for
+it are TRL's flags (truncated or masked, per token or per completion; DeepSeek-V3.2's off-policy sequence masking).
 
     python sft.py && python grpo.py                      # built-in task: the gold score is the reward
     python grpo.py --reward-model-path models/reward_model   # the reward model of reward_model.py instead
     python grpo.py --advantage rloo                      # RLOO
     python grpo.py --dynamic-sampling                    # the recommended start (docs/grpo.md)
+    python grpo.py --rollout-lag 8 --vllm-importance-sampling-mode token_truncate   # stale rollouts, TIS
     python grpo.py --model-name-or-path my-sft --dataset-name math.jsonl --reward-fn numeric_match --lr 1e-6
 
 This is the one-device reference. scale/grpo.py computes the same thing and adds what larger runs need:
@@ -124,7 +127,7 @@ class Args:
     scale_rewards: bool = True
     """divide GRPO's advantages by the group's std (--no-scale-rewards: Dr. GRPO, Liu et al. 2025)"""
     loss_type: str = "grpo"
-    """grpo: mean over each completion's tokens, then over completions; dapo: mean over all tokens of the batch;
+    """grpo: mean over each completion's tokens, then over completions; dapo: mean over all tokens of the rollout;
     dr_grpo: sum over tokens / (completions × --response-length); cispo: MiniMax-M1's clipped importance weight
     with every token's gradient kept, over all tokens of the batch (TRL: loss_type)"""
     importance_sampling_level: str = "token"
@@ -135,7 +138,8 @@ class Args:
     """ε of the clipped surrogate (the lower bound, 1 − ε; and the upper one unless --epsilon-high is set); CleanRL:
     clip_coef, rlhf_ppo.py: cliprange"""
     epsilon_high: float | None = None
-    """upper clip bound 1 + ε_high (DAPO's clip-higher, e.g. 0.28); None: ε"""
+    """upper clip bound 1 + ε_high (DAPO's clip-higher, e.g. 0.28); None: ε. With --loss-type cispo, the cap of
+    the weight itself (TRL's meaning; e.g. 5.0)"""
     beta: float = 0.04
     """β of the k3 KL penalty to the reference (DeepSeekMath's 0.04); 0 drops the reference model (and eval/kl)"""
     missing_eos_penalty: float = -1.0
@@ -156,6 +160,23 @@ class Args:
     max_sampling_rounds: int = 4
     """with --dynamic-sampling, the most batches of prompts sampled in one iteration (the sampling cost of 1 to
     this many batches); when reached, the batch is filled with groups of equal rewards, and a line says so once"""
+    rollout_lag: int = 0
+    """K: sample each rollout with the policy's weights of K iterations before, as an asynchronous trainer with a
+    queue of K rollouts does; the update's ratio stays π_θ/π_old, π_old the current policy's log-probs (decoupled
+    PPO), and the correction below weighs each token by π_old/π_sampler. Memory: K more copies of the policy's
+    weights. 0: on-policy"""
+    vllm_importance_sampling_correction: Annotated[bool | None, tyro.conf.DisallowNone] = None
+    """(default: on when --rollout-lag > 0, off at 0, where the sampler is the policy) weigh each token's loss by
+    the sampler's importance weight (sampler_importance_weights); TRL's name, for completions from vLLM there"""
+    vllm_importance_sampling_mode: str = "sequence_mask"
+    """token_truncate (TIS), token_mask (MIS), sequence_truncate or sequence_mask (TRL's default): see
+    sampler_importance_weights"""
+    vllm_importance_sampling_clip_max: float | None = 3.0
+    """C_max: the weight's upper bound (truncate: clipped to it; mask: above it, 0); None: none (TRL's 3.0)"""
+    vllm_importance_sampling_clip_min: float | None = None
+    """C_min: the weight's lower bound (truncate: clipped to it; mask: below it, 0); None: none (TRL's)"""
+    off_policy_mask_threshold: float | None = None
+    """δ of DeepSeek-V3.2's off-policy sequence masking (off_policy_sequence_mask), e.g. 0.5; None: off (TRL's)"""
     max_grad_norm: float = 1.0
     """clip the global gradient norm to this"""
     eval_every: int = 20
@@ -178,11 +199,15 @@ def group_advantages(rewards, num_generations, scale_rewards=True, eps=1e-4):
 
     scale_rewards=False (Dr. GRPO, Liu et al. 2025): Â_i = r_i − mean(r). Dividing by the std gives groups
     whose rewards barely differ (prompts nearly always or nearly never solved) as much weight as the rest.
-    A group of equal rewards gets Â = 0: it teaches nothing."""
+    A group of equal rewards gets Â = 0: it teaches nothing. An unscored completion (reward NaN) is left out of
+    its group's mean and std, as in TRL 1.16; its own Â is NaN until compute_advantages makes it 0."""
     groups = rewards.view(-1, num_generations)
-    advantages = groups - groups.mean(1, keepdim=True)
-    if scale_rewards:
-        advantages = advantages / (groups.std(1, keepdim=True) + eps)
+    advantages = groups - groups.nanmean(1, keepdim=True)
+    if scale_rewards:  # the std of the scored rewards (torch.std's own where every one is scored)
+        scored = (~groups.isnan()).sum(1, keepdim=True)
+        std = torch.where(scored == num_generations, groups.std(1, keepdim=True),
+                          (advantages.nan_to_num() ** 2).sum(1, keepdim=True).div(scored - 1).sqrt())
+        advantages = advantages / (std + eps)
     return advantages.flatten()
 
 
@@ -190,9 +215,11 @@ def rloo_advantages(rewards, num_generations):
     """RLOO's leave-one-out baseline (Ahmadian et al. 2024): each completion against the mean reward of the
     other G − 1 completions of its prompt, an unbiased baseline because it does not depend on o_i:
 
-        Â_i = r_i − (1/(G − 1)) Σ_{j≠i} r_j  =  G/(G − 1) · (r_i − mean(r))"""
+        Â_i = r_i − (1/(G − 1)) Σ_{j≠i} r_j  =  G/(G − 1) · (r_i − mean(r))
+
+    the sum and G − 1 over the scored others where a completion is unscored (reward NaN)."""
     groups = rewards.view(-1, num_generations)
-    baseline = (groups.sum(1, keepdim=True) - groups) / (num_generations - 1)
+    baseline = (groups.nansum(1, keepdim=True) - groups) / ((~groups.isnan()).sum(1, keepdim=True) - 1)
     return (groups - baseline).flatten()
 
 
@@ -204,31 +231,37 @@ def reinforce_pp_advantages(rewards, num_generations, group_baseline, eps=1e-8):
         reinforce_pp            Â_i = (r_i − mean_B(r)) / std_B(r)
         reinforce_pp_baseline   Â_i = (r'_i − mean_B(r')) / std_B(r'),   r'_i = r_i − mean(r of its group)
 
-    mean_B and std_B (population) over the B completions of the batch. With the group baseline a group of equal
-    rewards gets Â = 0; without it, its completions are compared with the batch."""
+    mean_B and std_B (population) over the B completions of the batch, the scored ones (reward not NaN). With the
+    group baseline a group of equal rewards gets Â = 0; without it, its completions are compared with the batch."""
     x = rewards.view(-1, num_generations)
-    x = (x - x.mean(1, keepdim=True) if group_baseline else x).flatten()
-    mean = x.sum() / len(x)
-    return (x - mean) * torch.rsqrt(((x - mean) ** 2).sum() / len(x) + eps)
+    x = (x - x.nanmean(1, keepdim=True) if group_baseline else x).flatten()
+    scored = (~x.isnan()).sum()
+    mean = x.nansum() / scored
+    return (x - mean) * torch.rsqrt(((x - mean) ** 2).nansum() / scored + eps)
 
 
 def compute_advantages(rewards, num_generations, advantage, scale_rewards):
     """Â_i of each completion by --advantage: grpo (group_advantages, with --no-scale-rewards Dr. GRPO's), rloo
-    (rloo_advantages), reinforce_pp and reinforce_pp_baseline (reinforce_pp_advantages, over the whole batch)."""
+    (rloo_advantages), reinforce_pp and reinforce_pp_baseline (reinforce_pp_advantages, over the whole batch).
+    An unscored completion (reward NaN: no reward function applies to it) gets Â = 0, as in TRL 1.16: it moves
+    nothing, and the others' baselines leave it out."""
     if advantage == "rloo":
-        return rloo_advantages(rewards, num_generations)
-    if advantage.startswith("reinforce_pp"):
-        return reinforce_pp_advantages(rewards, num_generations, advantage == "reinforce_pp_baseline")
-    return group_advantages(rewards, num_generations, scale_rewards)
+        advantages = rloo_advantages(rewards, num_generations)
+    elif advantage.startswith("reinforce_pp"):
+        advantages = reinforce_pp_advantages(rewards, num_generations, advantage == "reinforce_pp_baseline")
+    else:
+        advantages = group_advantages(rewards, num_generations, scale_rewards)
+    return advantages.nan_to_num(0.0)
 
 
 def informative_groups(rewards, num_generations):
     """DAPO's dynamic sampling filter (Yu et al. 2025, eq. 11, the constraint 0 < |{o_i | is_equivalent(a, o_i)}| < G):
     True for each group whose G rewards are not all equal. A group of equal rewards (every answer right, or every
     one wrong) has Â_i = 0 under grpo's and rloo's advantages and reinforce_pp_baseline's: it gives no gradient but
-    still counts in the batch's normalizers and KL penalty, so the batch learns from fewer prompts."""
+    still counts in the batch's normalizers and KL penalty, so the batch learns from fewer prompts. Unscored
+    completions (NaN) do not count: a group needs two scored rewards that differ."""
     groups = rewards.view(-1, num_generations)
-    return groups.amax(1) > groups.amin(1)
+    return groups.nan_to_num(-math.inf).amax(1) > groups.nan_to_num(math.inf).amin(1)
 
 
 def soft_overlong_punishment(lengths, max_length, cache):
@@ -241,6 +274,51 @@ def soft_overlong_punishment(lengths, max_length, cache):
 
     so that length is discouraged before the limit cuts a completion (which then gets --missing-eos-penalty)."""
     return ((max_length - cache - lengths) / cache).clamp(-1.0, 0.0)
+
+
+def sampler_importance_weights(old_logprobs, sampler_logprobs, mask, mode, clip_min, clip_max):
+    """The weight of each token's loss that corrects for sampling from π_sampler (weights --rollout-lag iterations
+    old, or another engine's kernels) instead of π_old, the policy the update starts from, [B, T], detached:
+
+        token_truncate     w_t = clip(ρ_t, C_min, C_max)              TIS (Yao et al. 2025)
+        token_mask         w_t = ρ_t · 1[C_min ≤ ρ_t ≤ C_max]          MIS
+        sequence_truncate  w_i = clip(ρ_i, C_min, C_max)              at every token of o_i
+        sequence_mask      w_i = ρ_i · 1[C_min ≤ ρ_i ≤ C_max]
+
+    with ρ_t = π_old(o_t | q, o_<t) / π_sampler(o_t | q, o_<t) and ρ_i = Π_t ρ_t, the whole completion's ratio (a
+    product, not GSPO's geometric mean). As TRL 1.16's vllm_importance_sampling_mode; C_min or C_max None: no bound
+    on that side."""
+    log_ratio = (old_logprobs - sampler_logprobs) * mask
+    if mode.startswith("sequence"):
+        log_ratio = log_ratio.sum(1, keepdim=True).expand_as(mask)
+    ratio = torch.exp(log_ratio)
+    low, high = -math.inf if clip_min is None else clip_min, math.inf if clip_max is None else clip_max
+    if mode.endswith("truncate"):
+        return ratio.clamp(low, high)
+    return ratio * ((ratio >= low) & (ratio <= high))
+
+
+def off_policy_sequence_mask(advantages, logprobs, sampler_logprobs, mask, delta):
+    """DeepSeek-V3.2's off-policy sequence masking (DeepSeek-AI 2025, arXiv 2512.02556, eq. 9): leave out of the loss
+    a completion with a negative advantage that the policy has moved far from, measured from the sampler's tokens,
+
+        M_i = 0  if Â_i < 0 and (1/|o_i|) Σ_t log( π_sampler(o_t | q, o_<t) / π_θ(o_t | q, o_<t) ) > δ;  else 1
+
+    A negative advantage on tokens π_θ already finds unlikely pushes them down further on noise; a positive one
+    is always kept. [B, 1]; π_θ detached. As TRL 1.16's off_policy_mask_threshold (δ)."""
+    kl = ((sampler_logprobs - logprobs.detach()) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+    return ((advantages.unsqueeze(1) >= 0) | (kl <= delta)).to(mask.dtype)
+
+
+def sampler_mismatch(old_logprobs, sampler_logprobs, mask, bound):
+    """How far the sampler is from the policy the update starts from, over the rollout's tokens, for the rollout/
+    tags: the sum and the max of |log π_sampler − log π_old|, the sum of k3, the per-token estimate of
+    KL[π_sampler ‖ π_old] on the sampler's own tokens (log r = log π_old − log π_sampler, k3 = r − 1 − log r), and
+    the number of tokens whose ratio π_old/π_sampler lies outside [1/C, C], C = `bound`. Sums, not means, so that
+    ranks add up; the tags divide by the tokens."""
+    log_r = (old_logprobs - sampler_logprobs) * mask
+    return (log_r.abs().sum(), log_r.abs().max(), ((log_r.exp() - 1 - log_r) * mask).sum(),
+            ((log_r.abs() > math.log(bound)) * mask).sum())
 
 
 def kl_estimators(logprobs, ref_logprobs, mask):
@@ -280,13 +358,14 @@ def clipped_surrogate(ratio, advantages, epsilon_low, epsilon_high):
 def cispo_loss(ratio, logprobs, advantages, epsilon_high):
     """CISPO (MiniMax-M1, 2025, eq. 4): clip the importance weight itself and stop its gradient, instead of
     cutting the gradient of the tokens whose ratio leaves the band, so that every token keeps its REINFORCE
-    gradient Â ∇log π_θ, weighted by at most 1 + ε_high:
+    gradient Â ∇log π_θ, weighted by at most the cap:
 
-        l_t = −sg( min(ρ_t, 1 + ε_high) ) Â log π_θ(o_t | q, o_<t)
+        l_t = −sg( min(ρ_t, ε_high) ) Â log π_θ(o_t | q, o_<t)
 
-    No lower bound, as in TRL's and verl's (the paper sets ε_low large). Summed over the batch's tokens and
-    divided by their number (aggregate_loss's cispo, the paper's 1/Σ|o_i|)."""
-    return -torch.clamp(ratio, max=1 + epsilon_high).detach() * advantages.unsqueeze(1) * logprobs
+    The cap is ε_high itself, as TRL 1.16's epsilon_high (it recommends 5.0); the paper writes it 1 + ε_high^IS,
+    so its ε_high^IS = 4 is this 5.0. No lower bound, as in TRL's and verl's (the paper sets ε_low large). Summed
+    over the tokens and divided by the rollout's tokens per step (aggregate_loss's cispo, the paper's 1/Σ|o_i|)."""
+    return -torch.clamp(ratio, max=epsilon_high).detach() * advantages.unsqueeze(1) * logprobs
 
 
 def token_losses(ratio, logprobs, advantages, loss_type, epsilon_low, epsilon_high):
@@ -300,9 +379,9 @@ def token_losses(ratio, logprobs, advantages, loss_type, epsilon_low, epsilon_hi
 def clipped_tokens(ratio, advantages, epsilon_low, epsilon_high, loss_type):
     """(low, high): where the clip is active on each side. The clipped surrogate cuts a token's gradient when ρ_t
     falls below 1 − ε_low with Â < 0 (low) or rises above 1 + ε_high with Â > 0 (high); out of the band on the
-    other side, min() keeps the unclipped term. As TRL counts them. CISPO caps the weight above 1 + ε_high only."""
+    other side, min() keeps the unclipped term. As TRL counts them. CISPO caps the weight above ε_high only."""
     if loss_type == "cispo":
-        return torch.zeros_like(ratio, dtype=torch.bool), ratio > 1 + epsilon_high
+        return torch.zeros_like(ratio, dtype=torch.bool), ratio > epsilon_high
     advantages = advantages.unsqueeze(1)
     return (ratio < 1 - epsilon_low) & (advantages < 0), (ratio > 1 + epsilon_high) & (advantages > 0)
 
@@ -312,11 +391,12 @@ def aggregate_loss(per_token_loss, mask, loss_type, num_sequences, num_tokens, m
     minibatch, so that the losses of its micro-batches (and ranks) add up to its loss:
 
         grpo      (1/B) Σ_i (1/|o_i|) Σ_t l_it     mean over each completion, then over completions (eq. 3)
-        dapo      Σ_i Σ_t l_it / Σ_i |o_i|         every token weighs the same (Yu et al. 2025)
+        dapo      Σ_i Σ_t l_it / N                 every token of the rollout weighs the same (Yu et al. 2025)
         dr_grpo   Σ_i Σ_t l_it / (B · L_max)       a constant normalizer: no length bias (Liu et al. 2025)
-        cispo     Σ_i Σ_t l_it / Σ_i |o_i|         as dapo, with CISPO's per-token loss (MiniMax-M1, 2025)
+        cispo     Σ_i Σ_t l_it / N                 as dapo, with CISPO's per-token loss (MiniMax-M1, 2025)
 
-    B = `num_sequences` completions and Σ_i |o_i| = `num_tokens` tokens in the minibatch; L_max =
+    B = `num_sequences` completions in the minibatch; N = `num_tokens`, the rollout's tokens ÷ its minibatches,
+    as TRL 1.16 (a minibatch's own token count would weigh a token of a short minibatch more); L_max =
     `max_completion_length`. Under grpo a long wrong answer is penalized less per token than a short one."""
     summed = (per_token_loss * mask).sum(1)
     if loss_type == "grpo":
@@ -372,9 +452,11 @@ def combine_rewards(per_function, weights):
 
         r = Σ_k w_k r_k   over the terms that apply to it
 
-    `per_function` is [B, K] with NaN where a function returned None. As TRL's GRPOTrainer does (nansum),
-    a term that does not apply adds nothing, and a completion that no term applies to gets 0."""
-    return (per_function * torch.as_tensor(weights, dtype=per_function.dtype, device=per_function.device)).nansum(1)
+    `per_function` is [B, K] with NaN where a function returned None. As TRL 1.16's GRPOTrainer does (nansum),
+    a term that does not apply adds nothing, and a completion that no term applies to is unscored: NaN, which
+    the advantages leave out of every baseline, with Â = 0 (compute_advantages)."""
+    rewards = (per_function * torch.as_tensor(weights, dtype=per_function.dtype, device=per_function.device)).nansum(1)
+    return rewards.masked_fill(per_function.isnan().all(1), math.nan)
 
 
 def check_args(args):
@@ -405,6 +487,24 @@ def check_args(args):
     if not 0 <= args.soft_overlong_cache < args.response_length:
         sys.exit(f"error: --soft-overlong-cache {args.soft_overlong_cache}: the last tokens before --response-length "
                  f"{args.response_length} where the penalty grows, from 0 (off) to {args.response_length - 1}")
+    if args.rollout_lag < 0:
+        sys.exit(f"error: --rollout-lag {args.rollout_lag}: the iterations the sampler's weights lag, 0 or more")
+    modes = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+    if args.vllm_importance_sampling_mode not in modes:
+        sys.exit(f"error: --vllm-importance-sampling-mode {args.vllm_importance_sampling_mode!r}: choose one of "
+                 f"{', '.join(modes)}")
+    low, high, delta = (args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max,
+                        args.off_policy_mask_threshold)
+    for flag, value in (("clip-min", low), ("clip-max", high), ("", delta)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            name = f"--vllm-importance-sampling-{flag}" if flag else "--off-policy-mask-threshold"
+            sys.exit(f"error: {name} {value}: it must be a finite number >= 0")
+    if low is not None and high is not None and low >= high:
+        sys.exit(f"error: --vllm-importance-sampling-clip-min {low} must be below --vllm-importance-sampling-clip-max "
+                 f"{high}")
+    if args.loss_type == "cispo" and args.epsilon_high is None:
+        sys.exit("error: --loss-type cispo caps each token's weight at --epsilon-high itself (TRL's meaning): set it, "
+                 "e.g. --epsilon-high 5.0 (TRL's recommendation, the paper's 1 + 4)")
     if args.loss_type == "cispo" and args.importance_sampling_level == "sequence":
         sys.exit("error: --loss-type cispo weighs each token by its own ratio: use --importance-sampling-level token")
     if args.batch_size % G:
@@ -426,6 +526,8 @@ def check_args(args):
 def main(args: Args):
     if args.bf16 is None:  # as in TRL's configs: bf16 where CUDA has it; on the CPU float32 is faster
         args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if args.vllm_importance_sampling_correction is None:  # TRL corrects by default; only a stale sampler needs it here
+        args.vllm_importance_sampling_correction = args.rollout_lag > 0
     check_args(args)
     note_overwrite(args.output_dir)
     torch.set_num_threads(cpu_threads(args.threads))
@@ -460,6 +562,9 @@ def main(args: Args):
         sys.exit(f"error: the longest prompt ({longest} tokens) + --response-length {args.response_length} exceeds the "
                  f"model's {positions} positions; lower --max-prompt-length or --response-length")
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr)
+    # --rollout-lag K: the policy's weights of the last K iterations, oldest first; a rollout samples with the oldest
+    trained = [p for p in policy.parameters() if p.requires_grad]
+    lagged = [[p.detach().clone() for p in trained] for _ in range(args.rollout_lag)]
     writer = SummaryWriter(f"runs/{args.exp_name}__{args.seed}__{int(time.time())}")
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
     print(f"{1 + (ref is not None) + (reward is not None)} model(s) in memory: the policy"
@@ -484,8 +589,15 @@ def main(args: Args):
         # ---- 1. sample groups: G completions of each prompt and their rewards ------------------------------
         policy.eval()
         with torch.no_grad(), amp():
+            if lagged:  # the sampler: the weights of K iterations before (in the first K iterations, the start's)
+                swap_weights(trained, lagged[0])
             batch = sample_groups(policy, train_rows, train_ids, rng, rewards_of, tokenizer.pad_token_id, stop_ids,
                                   args)
+            if lagged:  # the current weights back; they become the newest of the K, in the oldest's memory
+                swap_weights(trained, lagged[0])
+                lagged.append(lagged.pop(0))
+                for p, w in zip(trained, lagged[-1]):
+                    w.copy_(p)
             # ---- 2. advantages within each group (or over the batch), and the log-probs the update starts from -
             advantages = compute_advantages(batch.rewards, G, args.advantage, args.scale_rewards)
             sequences, attention_mask, context_length, mask = (batch.sequences, batch.attention_mask,
@@ -497,22 +609,40 @@ def main(args: Args):
             k1, k3 = kl_estimators(old_logprobs, ref_logprobs, mask)
             # the tokens the loss sees: with --mask-truncated-completions not those of a completion with no stop token
             loss_mask = mask * batch.has_stop.unsqueeze(1) if args.mask_truncated_completions else mask
+            # dapo's and cispo's normalizer: the rollout's tokens per minibatch, so each of its tokens weighs the same
+            num_tokens = max(1.0, loss_mask.sum().item()) * args.mini_batch_size / B
+            # how far the sampler is from π_old, and the weight of each token that corrects for it
+            mismatch = sampler_mismatch(old_logprobs, batch.sampler_logprobs, mask,
+                                        args.vllm_importance_sampling_clip_max or 3.0)
+            is_weights = None
+            if args.vllm_importance_sampling_correction:
+                is_weights = sampler_importance_weights(old_logprobs, batch.sampler_logprobs, mask,
+                                                        args.vllm_importance_sampling_mode,
+                                                        args.vllm_importance_sampling_clip_min,
+                                                        args.vllm_importance_sampling_clip_max)
 
         # ---- 3. update: μ passes over the rollout in shuffled minibatches ------------------------------------
         policy.train()
-        stats = {k: 0.0 for k in ("policy_loss", "kl_penalty", "clipped_low", "clipped_high")}  # summed over minibatches
+        stats = {k: 0.0 for k in ("policy_loss", "kl_penalty", "clipped_low", "clipped_high",
+                                  "off_policy_masked")}  # summed over minibatches
         for epoch in range(args.ppo_epochs):
             # the first pass takes the rollout in order, so its first minibatch is exactly the rollout's first
             # chunk; later passes reshuffle (whole groups need not stay together: advantages are computed)
             order = torch.randperm(B, device=device) if epoch > 0 else torch.arange(B, device=device)
             for start in range(0, B, args.mini_batch_size):
                 mb = order[start : start + args.mini_batch_size]
-                num_tokens = max(1.0, loss_mask[mb].sum().item())  # 1 where every completion is masked: loss 0
                 with amp():
                     logprobs, _ = policy_logprobs(policy, sequences[mb], attention_mask[mb], context_length,
                                                   args.temperature)
                 ratio = importance_ratio(logprobs, old_logprobs[mb], mask[mb], args.importance_sampling_level)
                 surrogate = token_losses(ratio, logprobs, advantages[mb], args.loss_type, args.epsilon, epsilon_high)
+                if is_weights is not None:  # the sampler was not π_old: weigh each token by π_old / π_sampler
+                    surrogate = surrogate * is_weights[mb]
+                if args.off_policy_mask_threshold is not None:  # drop negative completions the policy left behind
+                    kept = off_policy_sequence_mask(advantages[mb], logprobs, batch.sampler_logprobs[mb], mask[mb],
+                                                    args.off_policy_mask_threshold)
+                    surrogate = surrogate * kept
+                    stats["off_policy_masked"] += (1 - kept).sum().item()
                 policy_loss = aggregate_loss(surrogate, loss_mask[mb], args.loss_type, args.mini_batch_size,
                                              num_tokens, args.response_length)
                 kl_penalty = torch.zeros((), device=device)
@@ -533,7 +663,8 @@ def main(args: Args):
             print(f"dynamic sampling: after --max-sampling-rounds {args.max_sampling_rounds}, {batch.short} group(s) "
                   "short of groups that differ: the batch is filled with equal ones, now and whenever this happens")
             cap_reported = True
-        log_grpo_iteration(writer, iteration, batch, stats, k1, k3, entropy, ref, names, lr, start_time, args)
+        log_grpo_iteration(writer, iteration, batch, stats, k1, k3, entropy, ref, names, lr, start_time, args,
+                           mismatch, is_weights)
         if iteration % args.eval_every == 0 or iteration == args.num_iterations:
             evaluate(policy, ref, eval_rows, eval_ids, tokenizer, stop_ids, names, rewards_of, logprobs_of, args, amp,
                      writer, iteration)
@@ -553,6 +684,7 @@ class Groups:
     rewards: torch.Tensor  # [B]
     table: torch.Tensor  # [B, K]: each reward term, NaN where it does not apply
     has_stop: torch.Tensor  # [B]: the completion ended with a stop token
+    sampler_logprobs: torch.Tensor  # log π_sampler of each drawn token, as `generate` drew it
     informative: torch.Tensor  # one per group sampled (every round): its rewards differ
     short: int  # --dynamic-sampling: groups that differ still missing after the last round
 
@@ -580,10 +712,11 @@ def sample_groups(policy, rows, prompt_ids, rng, rewards_of, pad_token_id, stop_
     if args.dynamic_sampling:  # groups that differ first, in the order sampled; equal ones only to fill up
         groups = torch.argsort((~informative).int(), stable=True)[: B // G]
     idx = (groups[:, None] * G + torch.arange(G, device=groups.device)).flatten()  # their completions' rows
-    sequences, attention_mask, context_length, mask = join_samples([r["sampled"] for r in rounds], pad_token_id)
+    sequences, attention_mask, context_length, mask, sampler_logprobs = join_samples([r["sampled"] for r in rounds],
+                                                                                     pad_token_id)
     return Groups(sequences[idx], attention_mask[idx], context_length, mask[idx].float(),
                   *(torch.cat([r[key] for r in rounds])[idx] for key in ("rewards", "table", "has_stop")),
-                  informative, short if args.dynamic_sampling else 0)
+                  sampler_logprobs[idx], informative, short if args.dynamic_sampling else 0)
 
 
 def completion_rewards(rows, sequences, attention_mask, context_length, response_mask, tokenizer, functions, weights,
@@ -627,14 +760,15 @@ def accumulate_grpo_stats(stats, policy_loss, kl_penalty, ratio, advantages, mas
         stats["first_ratio_max_error"] = (ratio - 1).abs().max()
 
 
-def log_grpo_iteration(writer, iteration, batch, stats, k1, k3, entropy, ref, names, lr, start_time, args):
+def log_grpo_iteration(writer, iteration, batch, stats, k1, k3, entropy, ref, names, lr, start_time, args, mismatch,
+                       is_weights):
     """An iteration's statistics of the whole batch, to TensorBoard (docs/tags.md), and a line every 10 iterations."""
     B, G, mask = args.batch_size, args.num_generations, batch.mask
     groups, tokens = batch.rewards.view(-1, G), mask.sum().item()
     num_minibatches = args.ppo_epochs * B // args.mini_batch_size
-    logs = {
-        "objective/reward": batch.rewards.sum().item() / B,
-        "objective/reward_std": groups.std(1).sum().item() / (B // G),
+    logs = {  # the rewards' statistics over the scored completions (an unscored one's reward is NaN)
+        "objective/reward": batch.rewards.nansum().item() / max(1, int((~batch.rewards.isnan()).sum())),
+        "objective/reward_std": groups.std(1).nansum().item() / (B // G),
         "objective/zero_std_fraction": (groups.std(1) == 0).sum().item() / (B // G),
         "objective/completion_length": tokens / B, "objective/prompts_sampled": len(batch.informative),
         "objective/zero_std_fraction_sampled": (~batch.informative).sum().item() / len(batch.informative),
@@ -648,7 +782,15 @@ def log_grpo_iteration(writer, iteration, batch, stats, k1, k3, entropy, ref, na
         "policy/clipfrac_high": stats["clipped_high"] / (args.ppo_epochs * tokens),
         "policy/first_ratio_max_error": stats["first_ratio_max_error"],
         "charts/learning_rate": lr, "charts/episodes_per_second": iteration * B / (time.time() - start_time),
+        # the sampler against π_old (sampler_mismatch), over the rollout's tokens
+        "rollout/logprob_diff_mean": mismatch[0].item() / tokens, "rollout/logprob_diff_max": mismatch[1].item(),
+        "rollout/kl_k3": mismatch[2].item() / tokens, "rollout/ratio_outside_fraction": mismatch[3].item() / tokens,
     }
+    if is_weights is not None:  # the correction's weights: their mean, and the tokens they leave out (weight 0)
+        logs["rollout/is_weight_mean"] = (is_weights * mask).sum().item() / tokens
+        logs["rollout/is_masked_fraction"] = ((is_weights == 0) * mask).sum().item() / tokens
+    if args.off_policy_mask_threshold is not None:
+        logs["policy/off_policy_masked_fraction"] = stats["off_policy_masked"] / (args.ppo_epochs * B)
     if ref is None:  # no reference, no KL to it
         del logs["objective/kl"], logs["objective/kl_k3"], logs["losses/kl_penalty"]
     logs.update(term_means(batch.table, names, "rewards/", "objective/score"))  # each reward term's mean
@@ -668,10 +810,11 @@ def evaluate(policy, ref, eval_rows, eval_ids, tokenizer, stop_ids, names, rewar
         return
     policy.eval()
     with amp():
-        sequences, attention_mask, context_length, response_mask = generate(
+        sequences, attention_mask, context_length, response_mask, _ = generate(
             policy, eval_ids, tokenizer.pad_token_id, stop_ids, args.response_length, args.temperature)
         rewards, table, completions, _ = rewards_of(eval_rows, sequences, attention_mask, context_length, response_mask)
-        n, logs = len(eval_ids), {"eval/reward": float(rewards.sum()) / len(eval_ids)}
+        n = len(eval_ids)  # the reward's mean over the scored completions (an unscored one's reward is NaN)
+        logs = {"eval/reward": float(rewards.nansum()) / max(1, int((~rewards.isnan()).sum()))}
         if ref is not None:
             logprobs, _ = logprobs_of(policy, sequences, attention_mask, context_length)
             ref_logprobs, _ = logprobs_of(ref, sequences, attention_mask, context_length)
@@ -1189,7 +1332,8 @@ def generate(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperat
     the checkpoint's generation_config.json (top_k, repetition_penalty, ...): the distribution sampled is the one
     whose log-probs are trained. Two savings change nothing sampled: each distinct prompt's forward pass runs
     once, its KV cache copied to the rows that repeat it (GRPO's G completions), and a row that has stopped
-    leaves the batch."""
+    leaves the batch. Also returns sampler_logprobs: each drawn token's log-probability under the distribution
+    it was drawn from (0 on padding), which the sampler holds anyway; RL compares it with the policy it trains."""
     device, width = model.device, max(len(p) for p in prompt_ids)
     input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompt_ids], device=device)
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=device)
@@ -1201,12 +1345,14 @@ def generate(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperat
     cache, logits = out[CACHE], out.logits[row_prompt, -1]
     cache.batch_select_indices(row_prompt)  # each row's copy of its prompt's keys and values
     responses = torch.full((len(input_ids), max_new_tokens), pad_token_id, device=device)
+    sampler_logprobs = torch.zeros(len(input_ids), max_new_tokens, device=device)
     running, mask = torch.arange(len(input_ids), device=device), attention_mask  # the rows still sampling
     positions = attention_mask.sum(1)  # of each row's next token: positions count real tokens only
     for t in range(max_new_tokens):
         z = logits.float() / temperature
         tokens = z.argmax(-1) if greedy else torch.multinomial(torch.softmax(z, -1), 1).squeeze(1)
         responses[running, t] = tokens
+        sampler_logprobs[running, t] = torch.log_softmax(z, -1).gather(1, tokens[:, None]).squeeze(1)
         going = ~torch.isin(tokens, stops)
         if not going.all():  # the rows that stopped leave the batch, and their cache with them
             keep = going.nonzero().squeeze(1)
@@ -1223,22 +1369,32 @@ def generate(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperat
     length = int(response_mask.sum(1).max())  # the longest response: no later column is anything but padding
     response_mask = response_mask[:, :length]
     responses = responses[:, :length].masked_fill(response_mask == 0, pad_token_id)
-    return (torch.cat([input_ids, responses], 1), torch.cat([attention_mask, response_mask], 1), width, response_mask)
+    return (torch.cat([input_ids, responses], 1), torch.cat([attention_mask, response_mask], 1), width, response_mask,
+            sampler_logprobs[:, :length] * response_mask)
 
 
 def join_samples(samples, pad_token_id):
-    """Outputs of `sample`, (sequences, attention_mask, context_length, response_mask), as one: the rows of all,
-    the prompts left-padded to the longest and the responses right-padded to the longest."""
+    """Outputs of `generate`, (sequences, attention_mask, context_length, response_mask, sampler_logprobs), as one:
+    the rows of all, the prompts left-padded to the longest and the responses right-padded to the longest."""
     width, length = max(s[2] for s in samples), max(s[3].shape[1] for s in samples)
     pad = lambda t, left, value: F.pad(t, (left, width + length - left - t.shape[1]), value=value)  # noqa: E731
     return (torch.cat([pad(s[0], width - s[2], pad_token_id) for s in samples]),
             torch.cat([pad(s[1], width - s[2], 0) for s in samples]), width,
-            torch.cat([F.pad(s[3], (0, length - s[3].shape[1])) for s in samples]))
+            *(torch.cat([F.pad(s[k], (0, length - s[k].shape[1])) for s in samples]) for k in (3, 4)))
 
 
 # ---------------------------------------------------------------------------------------------
 # Training and saving
 # ---------------------------------------------------------------------------------------------
+@torch.no_grad()
+def swap_weights(parameters, weights):
+    """Exchange each of `parameters` with its tensor of `weights` in place, one temporary copy at a time: the
+    sampler of --rollout-lag is the policy holding older weights (the copy keeps each tensor where it is)."""
+    for p, w in zip(parameters, weights):
+        current = p.clone()
+        p.copy_(w)
+        w.copy_(current)
+
 def get_lr(step, lr, warmup_steps, max_steps, decay):
     """Learning rate of optimizer step `step` = 0, 1, ...: `lr` × a linear warmup min(1, (step + 1) / warmup_steps)
     × a decay to 0 at `max_steps`: "linear", min(1, (max_steps − step) / (max_steps − warmup_steps)), flat through

@@ -14,6 +14,7 @@ a reward model, three models are in memory and the critic starts from the SFT mo
     python sft.py && python reward_model.py && python rlhf_ppo.py    # built-in task, CPU
     python rlhf_ppo.py --kl-coef 0                                   # what the KL penalty is for
     python rlhf_ppo.py --reward-fn gold                              # the gold score, no reward model
+    python rlhf_ppo.py --rollout-lag 8                               # stale rollouts, corrected (docs/rlhf_ppo.md)
     python rlhf_ppo.py --model-name-or-path my-sft --reward-model-path my-rm --dataset-name prompts.jsonl --lr 1e-6
 
 This is the one-device reference. scale/rlhf_ppo.py computes the same thing and adds what larger runs need:
@@ -124,6 +125,21 @@ class Args:
     """ε of the clipped value loss (CleanRL: clip_coef, the same ε as the policy's)"""
     vf_coef: float = 0.1
     """weight of the value loss"""
+    rollout_lag: int = 0
+    """K: sample each rollout with the actor's weights of K iterations before, as an asynchronous trainer with a
+    queue of K rollouts does; the update's ratio stays π_θ/π_old, π_old the current actor's log-probs (decoupled
+    PPO), and the correction below weighs each token by π_old/π_sampler. Memory: K more copies of the actor's
+    weights. 0: on-policy"""
+    vllm_importance_sampling_correction: Annotated[bool | None, tyro.conf.DisallowNone] = None
+    """(default: on when --rollout-lag > 0, off at 0, where the sampler is the actor) weigh each token's loss by
+    the sampler's importance weight (sampler_importance_weights); TRL's name, for completions from vLLM there"""
+    vllm_importance_sampling_mode: str = "sequence_mask"
+    """token_truncate (TIS), token_mask (MIS), sequence_truncate or sequence_mask (TRL's default): see
+    sampler_importance_weights"""
+    vllm_importance_sampling_clip_max: float | None = 3.0
+    """C_max: the weight's upper bound (truncate: clipped to it; mask: above it, 0); None: none (TRL's 3.0)"""
+    vllm_importance_sampling_clip_min: float | None = None
+    """C_min: the weight's lower bound (truncate: clipped to it; mask: below it, 0); None: none (TRL's)"""
     max_grad_norm: float = 1.0
     """clip the global gradient norm (actor and critic together) to this"""
     eval_every: int = 20
@@ -193,13 +209,13 @@ def masked_gae(rewards, values, mask, gamma, lam):
     return advantages, advantages + values
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, num_tokens=None):
+def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, num_tokens=None, weights=None):
     """Clipped surrogate (PPO eq. 7), negated, averaged over valid tokens (see masked_mean for `num_tokens`):
-        L = mean_t max( −Â_t ρ_t, −Â_t clip(ρ_t, 1 − ε, 1 + ε) ),   ρ_t = π_θ(a_t|s_t) / π_old(a_t|s_t)
-    Returns (loss, ratio)."""
+        L = mean_t w_t max( −Â_t ρ_t, −Â_t clip(ρ_t, 1 − ε, 1 + ε) ),   ρ_t = π_θ(a_t|s_t) / π_old(a_t|s_t)
+    w_t = `weights` where the sampler was not π_old (sampler_importance_weights), else 1. Returns (loss, ratio)."""
     ratio = torch.exp(logprobs - old_logprobs)
     losses = torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange))
-    return masked_mean(losses, mask, num_tokens), ratio
+    return masked_mean(losses if weights is None else losses * weights, mask, num_tokens), ratio
 
 
 def masked_value_loss(values, old_values, returns, mask, cliprange_value, num_tokens=None):
@@ -207,6 +223,39 @@ def masked_value_loss(values, old_values, returns, mask, cliprange_value, num_to
         L = ½ mean_t max( (V − R)², (V_old + clip(V − V_old, −ε, ε) − R)² )"""
     clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
     return 0.5 * masked_mean(torch.max((values - returns) ** 2, (clipped - returns) ** 2), mask, num_tokens)
+
+
+def sampler_importance_weights(old_logprobs, sampler_logprobs, mask, mode, clip_min, clip_max):
+    """The weight of each token's loss that corrects for sampling from π_sampler (weights --rollout-lag iterations
+    old, or another engine's kernels) instead of π_old, the policy the update starts from, [B, T], detached:
+
+        token_truncate     w_t = clip(ρ_t, C_min, C_max)              TIS (Yao et al. 2025)
+        token_mask         w_t = ρ_t · 1[C_min ≤ ρ_t ≤ C_max]          MIS
+        sequence_truncate  w_i = clip(ρ_i, C_min, C_max)              at every token of o_i
+        sequence_mask      w_i = ρ_i · 1[C_min ≤ ρ_i ≤ C_max]
+
+    with ρ_t = π_old(o_t | q, o_<t) / π_sampler(o_t | q, o_<t) and ρ_i = Π_t ρ_t, the whole completion's ratio (a
+    product, not GSPO's geometric mean). As TRL 1.16's vllm_importance_sampling_mode; C_min or C_max None: no bound
+    on that side."""
+    log_ratio = (old_logprobs - sampler_logprobs) * mask
+    if mode.startswith("sequence"):
+        log_ratio = log_ratio.sum(1, keepdim=True).expand_as(mask)
+    ratio = torch.exp(log_ratio)
+    low, high = -math.inf if clip_min is None else clip_min, math.inf if clip_max is None else clip_max
+    if mode.endswith("truncate"):
+        return ratio.clamp(low, high)
+    return ratio * ((ratio >= low) & (ratio <= high))
+
+
+def sampler_mismatch(old_logprobs, sampler_logprobs, mask, bound):
+    """How far the sampler is from the policy the update starts from, over the rollout's tokens, for the rollout/
+    tags: the sum and the max of |log π_sampler − log π_old|, the sum of k3, the per-token estimate of
+    KL[π_sampler ‖ π_old] on the sampler's own tokens (log r = log π_old − log π_sampler, k3 = r − 1 − log r), and
+    the number of tokens whose ratio π_old/π_sampler lies outside [1/C, C], C = `bound`. Sums, not means, so that
+    ranks add up; the tags divide by the tokens."""
+    log_r = (old_logprobs - sampler_logprobs) * mask
+    return (log_r.abs().sum(), log_r.abs().max(), ((log_r.exp() - 1 - log_r) * mask).sum(),
+            ((log_r.abs() > math.log(bound)) * mask).sum())
 
 
 def adaptive_kl_coef(kl_coef, current_kl, kl_target, horizon, n_steps):
@@ -260,9 +309,11 @@ def combine_rewards(per_function, weights):
 
         r = Σ_k w_k r_k   over the terms that apply to it
 
-    `per_function` is [B, K] with NaN where a function returned None. As TRL's GRPOTrainer does (nansum),
-    a term that does not apply adds nothing, and a completion that no term applies to gets 0."""
-    return (per_function * torch.as_tensor(weights, dtype=per_function.dtype, device=per_function.device)).nansum(1)
+    `per_function` is [B, K] with NaN where a function returned None. As TRL 1.16's GRPOTrainer does (nansum),
+    a term that does not apply adds nothing, and a completion that no term applies to is unscored: NaN, which
+    the advantages leave out of every baseline, with Â = 0 (compute_advantages)."""
+    rewards = (per_function * torch.as_tensor(weights, dtype=per_function.dtype, device=per_function.device)).nansum(1)
+    return rewards.masked_fill(per_function.isnan().all(1), math.nan)
 
 
 def check_args(args):
@@ -281,6 +332,19 @@ def check_args(args):
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and (value > 0 or rule == ">= 0" and value == 0)):
             sys.exit(f"error: --{name.replace('_', '-')} {value}: it must be a finite number {rule}")
+    if args.rollout_lag < 0:
+        sys.exit(f"error: --rollout-lag {args.rollout_lag}: the iterations the sampler's weights lag, 0 or more")
+    modes = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+    if args.vllm_importance_sampling_mode not in modes:
+        sys.exit(f"error: --vllm-importance-sampling-mode {args.vllm_importance_sampling_mode!r}: choose one of "
+                 f"{', '.join(modes)}")
+    low, high = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
+    for flag, value in (("clip-min", low), ("clip-max", high)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            sys.exit(f"error: --vllm-importance-sampling-{flag} {value}: it must be a finite number >= 0")
+    if low is not None and high is not None and low >= high:
+        sys.exit(f"error: --vllm-importance-sampling-clip-min {low} must be below --vllm-importance-sampling-clip-max "
+                 f"{high}")
     if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
         sys.exit(f"error: --gamma {args.gamma} and --lam {args.lam}: each must be in [0, 1]")
     if args.batch_size % args.mini_batch_size:
@@ -297,6 +361,8 @@ def check_args(args):
 def main(args: Args):
     if args.bf16 is None:  # as in TRL's configs: bf16 where CUDA has it; on the CPU float32 is faster
         args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if args.vllm_importance_sampling_correction is None:  # TRL corrects by default; only a stale sampler needs it here
+        args.vllm_importance_sampling_correction = args.rollout_lag > 0
     check_args(args)
     note_overwrite(args.output_dir)
     torch.set_num_threads(cpu_threads(args.threads))
@@ -327,6 +393,9 @@ def main(args: Args):
         sys.exit(f"error: the longest prompt ({longest} tokens) + --response-length {args.response_length} exceeds the "
                  f"model's {positions} positions; lower --max-prompt-length or --response-length")
     optimizer = torch.optim.AdamW(list(actor.parameters()) + list(critic.parameters()), lr=args.lr)
+    # --rollout-lag K: the actor's weights of the last K iterations, oldest first; a rollout samples with the oldest
+    trained = [p for p in actor.parameters() if p.requires_grad]
+    lagged = [[p.detach().clone() for p in trained] for _ in range(args.rollout_lag)]
     print(f"{3 + (reward is not None)} model(s) in memory")
     kl_coef = args.kl_coef
     writer = SummaryWriter(f"runs/{args.exp_name}__{args.seed}__{int(time.time())}")
@@ -354,8 +423,15 @@ def main(args: Args):
         chosen = rng.sample(range(len(train_ids)), B)
         prompt_ids, rows = [train_ids[i] for i in chosen], [train_rows[i] for i in chosen]
         with torch.no_grad(), amp():
-            sequences, attention_mask, context_length, mask = generate(
+            if lagged:  # the sampler: the weights of K iterations before (in the first K iterations, the start's)
+                swap_weights(trained, lagged[0])
+            sequences, attention_mask, context_length, mask, sampler_logprobs = generate(
                 actor, prompt_ids, tokenizer.pad_token_id, stop_ids, args.response_length, args.temperature)
+            if lagged:  # the current weights back; they become the newest of the K, in the oldest's memory
+                swap_weights(trained, lagged[0])
+                lagged.append(lagged.pop(0))
+                for p, w in zip(trained, lagged[-1]):
+                    w.copy_(p)
             mask = mask.float()
             logprobs, entropy = logprobs_of(actor, sequences, attention_mask, context_length)
             ref_logprobs, _ = logprobs_of(ref, sequences, attention_mask, context_length)
@@ -363,11 +439,21 @@ def main(args: Args):
             values = forward_in_chunks(lambda s, a: scalar_head(critic, s, a)[:, context_length - 1 : -1], mini,
                                        sequences, attention_mask)
             scores, table, _, has_eos = scores_of(rows, sequences, attention_mask, context_length, mask)
+            # a response no reward function scores (NaN) has no loss: advantage 0, as TRL 1.16 gives it in GRPO
+            train_mask = mask * ~scores.isnan().unsqueeze(1)
             # ---- 2. advantages: per-token rewards with the KL penalty, GAE, whitened over the batch -----
-            rewards, non_score = shaped_rewards(logprobs, ref_logprobs, scores, mask, kl_coef)
-            advantages, returns = masked_gae(rewards, values, mask, args.gamma, args.lam)
-            advantages = masked_whiten(advantages, mask)  # over the whole batch
+            rewards, non_score = shaped_rewards(logprobs, ref_logprobs, scores.nan_to_num(0.0), mask, kl_coef)
+            advantages, returns = masked_gae(rewards, values, train_mask, args.gamma, args.lam)
+            advantages = masked_whiten(advantages, train_mask)  # over the whole batch
             k1, k3 = kl_estimators(logprobs, ref_logprobs, mask)
+            # how far the sampler is from π_old, and the weight of each token that corrects for it
+            mismatch = sampler_mismatch(logprobs, sampler_logprobs, mask, args.vllm_importance_sampling_clip_max or 3.0)
+            is_weights = None
+            if args.vllm_importance_sampling_correction:
+                is_weights = sampler_importance_weights(logprobs, sampler_logprobs, mask,
+                                                        args.vllm_importance_sampling_mode,
+                                                        args.vllm_importance_sampling_clip_min,
+                                                        args.vllm_importance_sampling_clip_max)
 
         # ---- 3. update: several epochs of shuffled minibatches -------------------------------------
         actor.train(), critic.train()
@@ -378,17 +464,18 @@ def main(args: Args):
             order = torch.randperm(B, device=device) if epoch > 0 else torch.arange(B, device=device)
             for start in range(0, B, mini):
                 mb = order[start : start + mini]
-                num_tokens = mask[mb].sum().item()  # the losses are means over these
+                num_tokens = max(1.0, train_mask[mb].sum().item())  # the losses are means over these
                 with amp():
                     new_logprobs, new_entropy = policy_logprobs(actor, sequences[mb], attention_mask[mb], context_length,
                                                                 args.temperature)
                     new_values = scalar_head(critic, sequences[mb], attention_mask[mb])[:, context_length - 1 : -1]
-                pg_loss, ratio = policy_loss(new_logprobs, logprobs[mb], advantages[mb], mask[mb], args.cliprange,
-                                             num_tokens)
-                vf_loss = masked_value_loss(new_values, values[mb], returns[mb], mask[mb], args.cliprange_value, num_tokens)
+                pg_loss, ratio = policy_loss(new_logprobs, logprobs[mb], advantages[mb], train_mask[mb], args.cliprange,
+                                             num_tokens, None if is_weights is None else is_weights[mb])
+                vf_loss = masked_value_loss(new_values, values[mb], returns[mb], train_mask[mb], args.cliprange_value,
+                                            num_tokens)
                 (pg_loss + args.vf_coef * vf_loss).backward()
-                accumulate_ppo_stats(stats, pg_loss, vf_loss, ratio, new_logprobs, logprobs[mb], new_entropy, mask[mb],
-                                     num_tokens, epoch == start == 0, args.cliprange)
+                accumulate_ppo_stats(stats, pg_loss, vf_loss, ratio, new_logprobs, logprobs[mb], new_entropy,
+                                     train_mask[mb], num_tokens, epoch == start == 0, args.cliprange)
                 grad_norm = torch.nn.utils.clip_grad_norm_(list(actor.parameters()) + list(critic.parameters()),
                                                            args.max_grad_norm)
                 check_finite(iteration, loss=pg_loss + args.vf_coef * vf_loss, grad_norm=grad_norm)
@@ -397,7 +484,7 @@ def main(args: Args):
 
         # ---- 4. log, and the KL controller: statistics of the whole batch ------------------------------
         kl = log_ppo_iteration(writer, iteration, stats, scores, non_score, k1, k3, entropy, mask, returns, values,
-                               has_eos, table, names, kl_coef, lr, start_time, args)
+                               has_eos, table, names, kl_coef, lr, start_time, args, mismatch, is_weights)
         if args.kl_target is not None:
             kl_coef = adaptive_kl_coef(kl_coef, kl, args.kl_target, args.kl_horizon, B)
         if iteration % args.eval_every == 0 or iteration == args.num_iterations:
@@ -448,18 +535,20 @@ def accumulate_ppo_stats(stats, pg_loss, vf_loss, ratio, logprobs, old_logprobs,
 
 
 def log_ppo_iteration(writer, iteration, stats, scores, non_score, k1, k3, entropy, mask, returns, values, has_eos,
-                      table, names, kl_coef, lr, start_time, args):
+                      table, names, kl_coef, lr, start_time, args, mismatch, is_weights):
     """An iteration's statistics of the whole batch, to TensorBoard (docs/tags.md), and a line every 10 iterations.
     Returns the batch's KL to the reference (k1), which the adaptive KL controller reads."""
     B, first_ratio_error = args.batch_size, stats.pop("first_ratio_max_error")
     valid, num_minibatches = mask.bool(), args.ppo_epochs * B // args.mini_batch_size
     mean = {k: sum(parts) / num_minibatches for k, parts in stats.items()}  # each: the mean over minibatches
     var_returns, var_residual = returns.double()[valid].var(), (returns - values).double()[valid].var()
+    tokens = mask.sum().item()
+    reward = scores.nansum().item() / max(1, int((~scores.isnan()).sum()))  # over the scored responses
     logs = {
-        "objective/reward": scores.sum().item() / B, "objective/kl": k1.sum().item() / B,
+        "objective/reward": reward, "objective/kl": k1.sum().item() / B,
         "objective/kl_k3": k3.sum().item() / B, "objective/entropy": (entropy * mask).sum().item() / B,
         "objective/non_score_reward": non_score.sum().item() / B,
-        "objective/rlhf_reward": scores.sum().item() / B + non_score.sum().item() / B,
+        "objective/rlhf_reward": reward + non_score.sum().item() / B,
         "policy/approx_kl": mean["approx_kl"], "policy/clipfrac": mean["clipfrac"], "policy/ratio_mean": mean["ratio"],
         "policy/entropy": mean["entropy"], "policy/first_ratio_max_error": first_ratio_error,
         "losses/policy_loss": mean["pg_loss"], "losses/value_loss": mean["vf_loss"],
@@ -468,7 +557,13 @@ def log_ppo_iteration(writer, iteration, stats, scores, non_score, k1, k3, entro
         "val/num_eos": has_eos.sum().item(),
         "charts/kl_coef": kl_coef, "charts/learning_rate": lr,
         "charts/episodes_per_second": iteration * B / (time.time() - start_time),
+        # the sampler against π_old (sampler_mismatch), over the rollout's tokens
+        "rollout/logprob_diff_mean": mismatch[0].item() / tokens, "rollout/logprob_diff_max": mismatch[1].item(),
+        "rollout/kl_k3": mismatch[2].item() / tokens, "rollout/ratio_outside_fraction": mismatch[3].item() / tokens,
     }
+    if is_weights is not None:  # the correction's weights: their mean, and the tokens they leave out (weight 0)
+        logs["rollout/is_weight_mean"] = (is_weights * mask).sum().item() / tokens
+        logs["rollout/is_masked_fraction"] = ((is_weights == 0) * mask).sum().item() / tokens
     logs.update(term_means(table, names, "rewards/", "objective/score"))  # each term of the score
     for tag, value in logs.items():
         writer.add_scalar(tag, float(value), iteration)
@@ -487,10 +582,11 @@ def evaluate(actor, ref, eval_rows, eval_ids, tokenizer, stop_ids, names, scores
         return
     actor.eval()
     with amp():
-        sequences, attention_mask, context_length, response_mask = generate(
+        sequences, attention_mask, context_length, response_mask, _ = generate(
             actor, eval_ids, tokenizer.pad_token_id, stop_ids, args.response_length, args.temperature)
         scores, table, completions, _ = scores_of(eval_rows, sequences, attention_mask, context_length, response_mask)
-        n, logs = len(eval_ids), {"eval/reward": float(scores.sum()) / len(eval_ids)}
+        n = len(eval_ids)  # the score's mean over the scored responses (an unscored one's score is NaN)
+        logs = {"eval/reward": float(scores.nansum()) / max(1, int((~scores.isnan()).sum()))}
         if ref is not None:
             logprobs, _ = logprobs_of(actor, sequences, attention_mask, context_length)
             ref_logprobs, _ = logprobs_of(ref, sequences, attention_mask, context_length)
@@ -1016,7 +1112,8 @@ def generate(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperat
     the checkpoint's generation_config.json (top_k, repetition_penalty, ...): the distribution sampled is the one
     whose log-probs are trained. Two savings change nothing sampled: each distinct prompt's forward pass runs
     once, its KV cache copied to the rows that repeat it (GRPO's G completions), and a row that has stopped
-    leaves the batch."""
+    leaves the batch. Also returns sampler_logprobs: each drawn token's log-probability under the distribution
+    it was drawn from (0 on padding), which the sampler holds anyway; RL compares it with the policy it trains."""
     device, width = model.device, max(len(p) for p in prompt_ids)
     input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompt_ids], device=device)
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=device)
@@ -1028,12 +1125,14 @@ def generate(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperat
     cache, logits = out[CACHE], out.logits[row_prompt, -1]
     cache.batch_select_indices(row_prompt)  # each row's copy of its prompt's keys and values
     responses = torch.full((len(input_ids), max_new_tokens), pad_token_id, device=device)
+    sampler_logprobs = torch.zeros(len(input_ids), max_new_tokens, device=device)
     running, mask = torch.arange(len(input_ids), device=device), attention_mask  # the rows still sampling
     positions = attention_mask.sum(1)  # of each row's next token: positions count real tokens only
     for t in range(max_new_tokens):
         z = logits.float() / temperature
         tokens = z.argmax(-1) if greedy else torch.multinomial(torch.softmax(z, -1), 1).squeeze(1)
         responses[running, t] = tokens
+        sampler_logprobs[running, t] = torch.log_softmax(z, -1).gather(1, tokens[:, None]).squeeze(1)
         going = ~torch.isin(tokens, stops)
         if not going.all():  # the rows that stopped leave the batch, and their cache with them
             keep = going.nonzero().squeeze(1)
@@ -1050,12 +1149,22 @@ def generate(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperat
     length = int(response_mask.sum(1).max())  # the longest response: no later column is anything but padding
     response_mask = response_mask[:, :length]
     responses = responses[:, :length].masked_fill(response_mask == 0, pad_token_id)
-    return (torch.cat([input_ids, responses], 1), torch.cat([attention_mask, response_mask], 1), width, response_mask)
+    return (torch.cat([input_ids, responses], 1), torch.cat([attention_mask, response_mask], 1), width, response_mask,
+            sampler_logprobs[:, :length] * response_mask)
 
 
 # ---------------------------------------------------------------------------------------------
 # Training and saving
 # ---------------------------------------------------------------------------------------------
+@torch.no_grad()
+def swap_weights(parameters, weights):
+    """Exchange each of `parameters` with its tensor of `weights` in place, one temporary copy at a time: the
+    sampler of --rollout-lag is the policy holding older weights (the copy keeps each tensor where it is)."""
+    for p, w in zip(parameters, weights):
+        current = p.clone()
+        p.copy_(w)
+        w.copy_(current)
+
 def get_lr(step, lr, warmup_steps, max_steps, decay):
     """Learning rate of optimizer step `step` = 0, 1, ...: `lr` × a linear warmup min(1, (step + 1) / warmup_steps)
     × a decay to 0 at `max_steps`: "linear", min(1, (max_steps − step) / (max_steps − warmup_steps)), flat through

@@ -52,8 +52,8 @@ def main(row_counts):
 
     with torch.no_grad():  # the two loops agree: float32, greedy
         input_ids, mask = prompts(32)
-        a = grpo.sample_tokens(model, input_ids, mask, stops, 0, 48, 1.0, True)
-        b = grpo.sample_tokens_graphed(model, input_ids, mask, stops, 0, 48, 1.0, True)
+        a, _ = grpo.sample_tokens(model, input_ids, mask, stops, 0, 48, 1.0, True)
+        b, _ = grpo.sample_tokens_graphed(model, input_ids, mask, stops, 0, 48, 1.0, True)
         print(f"greedy tokens equal in float32 (32 rows x 48): {torch.equal(a, b)} "
               f"({(a != b).any(1).sum().item()} rows differ)", flush=True)
     rounds = int(os.environ.get("ROUNDS", 3))

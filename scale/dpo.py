@@ -370,7 +370,7 @@ def main(args: Args):
             completions, kls, scores = [], [], []
             for i in range(0, len(mine), eval_batch_size):
                 with torch.no_grad(), amp():
-                    sequences, attention_mask, context_length, response_mask = generate(
+                    sequences, attention_mask, context_length, response_mask, _ = generate(
                         raw_policy, [eval_ids[j] for j in mine[i : i + eval_batch_size]], tokenizer.pad_token_id,
                         stop_ids, args.response_length, args.temperature)
                     kls.append(response_logps(policy, sequences, attention_mask, context_length, args.temperature)
@@ -1021,7 +1021,9 @@ def generate(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperat
     whose log-probs are trained. A loop of its own rather than transformers' `generate`, for two savings that
     change nothing sampled: each distinct prompt's forward pass runs once, its KV cache shared by the rows that
     repeat it (GRPO's G completions), and a row that has stopped leaves the batch, so that each step costs what
-    the rows still running need."""
+    the rows still running need. Also returns sampler_logprobs: each drawn token's log-probability under the
+    distribution it was drawn from (0 on padding), which the sampler holds anyway; RL compares it with the policy
+    it trains."""
     device = model.device
     width = max(len(p) for p in prompt_ids)
     input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompt_ids], device=device)
@@ -1035,8 +1037,8 @@ def generate(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperat
         # On one GPU the step is a CUDA graph over a preallocated cache; sharded, every rank must step together
         graphed = device.type == "cuda" and not sharded and CACHE == "cache" and model.config._attn_implementation == "sdpa"
         loop = sample_tokens_graphed if graphed else sample_tokens
-        responses = loop(model, input_ids, attention_mask, torch.tensor(stop_ids, device=device), pad_token_id,
-                         max_new_tokens, temperature, greedy)
+        responses, sampler_logprobs = loop(model, input_ids, attention_mask, torch.tensor(stop_ids, device=device),
+                                           pad_token_id, max_new_tokens, temperature, greedy)
     finally:
         for module in sharded:
             module.reshard()
@@ -1047,11 +1049,13 @@ def generate(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperat
     length = int(response_mask.sum(1).max())  # the longest response: no later column is anything but padding
     response_mask = response_mask[:, :length]
     responses = responses[:, :length].masked_fill(response_mask == 0, pad_token_id)
-    return (torch.cat([input_ids, responses], 1), torch.cat([attention_mask, response_mask], 1), width, response_mask)
+    return (torch.cat([input_ids, responses], 1), torch.cat([attention_mask, response_mask], 1), width, response_mask,
+            sampler_logprobs[:, :length] * response_mask)
 
 
 def sample_tokens(model, input_ids, attention_mask, stops, pad_token_id, max_new_tokens, temperature, greedy):
-    """The sampling loop of `generate`: [rows, max_new_tokens] tokens, pad_token_id after a row's stop token."""
+    """The sampling loop of `generate`: [rows, max_new_tokens] tokens, pad_token_id after a row's stop token, and
+    the log-probability of each under the distribution it was drawn from."""
     width = input_ids.shape[1]
     distinct, row_prompt = torch.unique(torch.cat([input_ids, attention_mask], 1), dim=0, return_inverse=True)
     prompt_mask = distinct[:, width:]
@@ -1060,6 +1064,7 @@ def sample_tokens(model, input_ids, attention_mask, stops, pad_token_id, max_new
     cache, logits = out[CACHE], out.logits[row_prompt, -1]
     cache.batch_select_indices(row_prompt)  # each row's copy of its prompt's keys and values
     responses = torch.full((len(input_ids), max_new_tokens), pad_token_id, device=input_ids.device)
+    sampler_logprobs = torch.zeros(len(input_ids), max_new_tokens, device=input_ids.device)
     running = torch.arange(len(input_ids), device=input_ids.device)  # the rows still sampling
     positions = attention_mask.sum(1)  # of each row's next token: positions count real tokens only
     for t in range(max_new_tokens):
@@ -1067,6 +1072,7 @@ def sample_tokens(model, input_ids, attention_mask, stops, pad_token_id, max_new
             z = logits.float() / temperature
             tokens = z.argmax(-1) if greedy else torch.multinomial(torch.softmax(z, -1), 1).squeeze(1)
             responses[running, t] = tokens
+            sampler_logprobs[running, t] = torch.log_softmax(z, -1).gather(1, tokens[:, None]).squeeze(1)
             going = ~torch.isin(tokens, stops)
             if not going.all():  # the rows that stopped leave the batch, and their cache with them
                 keep = going.nonzero().squeeze(1)
@@ -1083,7 +1089,7 @@ def sample_tokens(model, input_ids, attention_mask, stops, pad_token_id, max_new
         attention_mask = F.pad(attention_mask, (0, 1), value=1)
         logits = model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=(positions + t)[:, None],
                        use_cache=True, **{CACHE: cache}).logits[:, -1]
-    return responses
+    return responses, sampler_logprobs
 
 
 def sample_tokens_graphed(model, input_ids, attention_mask, stops, pad_token_id, max_new_tokens, temperature, greedy,
@@ -1112,9 +1118,11 @@ def sample_tokens_graphed(model, input_ids, attention_mask, stops, pad_token_id,
     step = lambda: model(input_ids=token, attention_mask=keys[:, None, None, :], position_ids=position,  # noqa: E731
                          use_cache=True, **{CACHE: cache}).logits[:, -1]
     responses = torch.full((rows, max_new_tokens), pad_token_id, device=device)
+    sampler_logprobs = torch.zeros(rows, max_new_tokens, device=device)
     done = torch.zeros(rows, dtype=torch.bool, device=device)
     for t in range(max_new_tokens):
-        tokens = draw_tokens(logits, temperature, greedy).masked_fill(done, pad_token_id)
+        tokens, sampler_logprobs[:, t] = draw_tokens(logits, temperature, greedy)
+        tokens = tokens.masked_fill(done, pad_token_id)
         responses[:, t] = tokens
         done |= torch.isin(tokens, stops)
         if t + 1 == max_new_tokens or (t + 1) % check_every == 0 and done.all():
@@ -1136,15 +1144,16 @@ def sample_tokens_graphed(model, input_ids, attention_mask, stops, pad_token_id,
         else:
             cuda_graph.replay()
             logits = graph_logits
-    return responses
+    return responses, sampler_logprobs
 
 
 def draw_tokens(logits, temperature, greedy):
     """One token per row from softmax(logits / T) in float32 (the argmax if greedy), with no host sync: the argmax
     of p / E with E ~ Exp(1) (the exponential race) draws index i with probability p_i, as torch.multinomial
-    does, without multinomial's checks of its input on the host."""
+    does, without multinomial's checks of its input on the host. Returns (tokens, their log-probabilities)."""
     z = logits.float() / temperature
-    return z.argmax(-1) if greedy else (torch.softmax(z, -1) / torch.empty_like(z).exponential_()).argmax(-1)
+    tokens = z.argmax(-1) if greedy else (torch.softmax(z, -1) / torch.empty_like(z).exponential_()).argmax(-1)
+    return tokens, torch.log_softmax(z, -1).gather(1, tokens[:, None]).squeeze(1)
 
 
 # ---------------------------------------------------------------------------------------------

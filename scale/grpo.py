@@ -155,7 +155,7 @@ class Args:
     scale_rewards: bool = True
     """divide GRPO's advantages by the group's std (--no-scale-rewards: Dr. GRPO, Liu et al. 2025)"""
     loss_type: str = "grpo"
-    """grpo: mean over each completion's tokens, then over completions; dapo: mean over all tokens of the batch;
+    """grpo: mean over each completion's tokens, then over completions; dapo: mean over all tokens of the rollout;
     dr_grpo: sum over tokens / (completions × --response-length); cispo: MiniMax-M1's clipped importance weight
     with every token's gradient kept, over all tokens of the batch (TRL: loss_type)"""
     importance_sampling_level: str = "token"
@@ -166,7 +166,8 @@ class Args:
     """ε of the clipped surrogate (the lower bound, 1 − ε; and the upper one unless --epsilon-high is set); CleanRL:
     clip_coef, rlhf_ppo.py: cliprange"""
     epsilon_high: float | None = None
-    """upper clip bound 1 + ε_high (DAPO's clip-higher, e.g. 0.28); None: ε"""
+    """upper clip bound 1 + ε_high (DAPO's clip-higher, e.g. 0.28); None: ε. With --loss-type cispo, the cap of
+    the weight itself (TRL's meaning; e.g. 5.0)"""
     beta: float = 0.04
     """β of the k3 KL penalty to the reference (DeepSeekMath's 0.04); 0 drops the reference model (and eval/kl)"""
     missing_eos_penalty: float = -1.0
@@ -187,6 +188,23 @@ class Args:
     max_sampling_rounds: int = 4
     """with --dynamic-sampling, the most batches of prompts sampled in one iteration (the sampling cost of 1 to
     this many batches); when reached, the batch is filled with groups of equal rewards, and a line says so once"""
+    rollout_lag: int = 0
+    """K: sample each rollout with the policy's weights of K iterations before, as an asynchronous trainer with a
+    queue of K rollouts does; the update's ratio stays π_θ/π_old, π_old the current policy's log-probs (decoupled
+    PPO), and the correction below weighs each token by π_old/π_sampler. Memory: K more copies of the policy's
+    weights. 0: on-policy"""
+    vllm_importance_sampling_correction: Annotated[bool | None, tyro.conf.DisallowNone] = None
+    """(default: on when --rollout-lag > 0, off at 0, where the sampler is the policy) weigh each token's loss by
+    the sampler's importance weight (sampler_importance_weights); TRL's name, for completions from vLLM there"""
+    vllm_importance_sampling_mode: str = "sequence_mask"
+    """token_truncate (TIS), token_mask (MIS), sequence_truncate or sequence_mask (TRL's default): see
+    sampler_importance_weights"""
+    vllm_importance_sampling_clip_max: float | None = 3.0
+    """C_max: the weight's upper bound (truncate: clipped to it; mask: above it, 0); None: none (TRL's 3.0)"""
+    vllm_importance_sampling_clip_min: float | None = None
+    """C_min: the weight's lower bound (truncate: clipped to it; mask: below it, 0); None: none (TRL's)"""
+    off_policy_mask_threshold: float | None = None
+    """δ of DeepSeek-V3.2's off-policy sequence masking (off_policy_sequence_mask), e.g. 0.5; None: off (TRL's)"""
     max_grad_norm: float = 1.0
     """clip the global gradient norm to this"""
     eval_every: int = 20
@@ -229,11 +247,15 @@ def group_advantages(rewards, num_generations, scale_rewards=True, eps=1e-4):
 
     scale_rewards=False (Dr. GRPO, Liu et al. 2025): Â_i = r_i − mean(r). Dividing by the std gives groups
     whose rewards barely differ (prompts nearly always or nearly never solved) as much weight as the rest.
-    A group of equal rewards gets Â = 0: it teaches nothing."""
+    A group of equal rewards gets Â = 0: it teaches nothing. An unscored completion (reward NaN) is left out of
+    its group's mean and std, as in TRL 1.16; its own Â is NaN until compute_advantages makes it 0."""
     groups = rewards.view(-1, num_generations)
-    advantages = groups - groups.mean(1, keepdim=True)
-    if scale_rewards:
-        advantages = advantages / (groups.std(1, keepdim=True) + eps)
+    advantages = groups - groups.nanmean(1, keepdim=True)
+    if scale_rewards:  # the std of the scored rewards (torch.std's own where every one is scored)
+        scored = (~groups.isnan()).sum(1, keepdim=True)
+        std = torch.where(scored == num_generations, groups.std(1, keepdim=True),
+                          (advantages.nan_to_num() ** 2).sum(1, keepdim=True).div(scored - 1).sqrt())
+        advantages = advantages / (std + eps)
     return advantages.flatten()
 
 
@@ -241,9 +263,11 @@ def rloo_advantages(rewards, num_generations):
     """RLOO's leave-one-out baseline (Ahmadian et al. 2024): each completion against the mean reward of the
     other G − 1 completions of its prompt, an unbiased baseline because it does not depend on o_i:
 
-        Â_i = r_i − (1/(G − 1)) Σ_{j≠i} r_j  =  G/(G − 1) · (r_i − mean(r))"""
+        Â_i = r_i − (1/(G − 1)) Σ_{j≠i} r_j  =  G/(G − 1) · (r_i − mean(r))
+
+    the sum and G − 1 over the scored others where a completion is unscored (reward NaN)."""
     groups = rewards.view(-1, num_generations)
-    baseline = (groups.sum(1, keepdim=True) - groups) / (num_generations - 1)
+    baseline = (groups.nansum(1, keepdim=True) - groups) / ((~groups.isnan()).sum(1, keepdim=True) - 1)
     return (groups - baseline).flatten()
 
 
@@ -256,15 +280,15 @@ def reinforce_pp_advantages(rewards, num_generations, group_baseline, eps=1e-8):
         reinforce_pp            Â_i = (r_i − mean_B(r)) / std_B(r)
         reinforce_pp_baseline   Â_i = (r'_i − mean_B(r')) / std_B(r'),   r'_i = r_i − mean(r of its group)
 
-    mean_B and std_B (population) over the B completions of the batch. With the group baseline a group of equal
-    rewards gets Â = 0; without it, its completions are compared with the batch."""
+    mean_B and std_B (population) over the B completions of the batch, the scored ones (reward not NaN). With the
+    group baseline a group of equal rewards gets Â = 0; without it, its completions are compared with the batch."""
     x = rewards.view(-1, num_generations)
-    x = (x - x.mean(1, keepdim=True) if group_baseline else x).flatten()
-    sums = torch.stack([x.sum(), torch.tensor(float(len(x)), device=x.device)])
+    x = (x - x.nanmean(1, keepdim=True) if group_baseline else x).flatten()
+    sums = torch.stack([x.nansum(), (~x.isnan()).sum().float()])
     if dist.is_initialized():
         dist.all_reduce(sums)
     mean = sums[0] / sums[1]
-    square_sum = ((x - mean) ** 2).sum()
+    square_sum = ((x - mean) ** 2).nansum()
     if dist.is_initialized():
         dist.all_reduce(square_sum)
     return (x - mean) * torch.rsqrt(square_sum / sums[1] + eps)
@@ -272,21 +296,26 @@ def reinforce_pp_advantages(rewards, num_generations, group_baseline, eps=1e-8):
 
 def compute_advantages(rewards, num_generations, advantage, scale_rewards):
     """Â_i of each completion by --advantage: grpo (group_advantages, with --no-scale-rewards Dr. GRPO's), rloo
-    (rloo_advantages), reinforce_pp and reinforce_pp_baseline (reinforce_pp_advantages, over the whole batch)."""
+    (rloo_advantages), reinforce_pp and reinforce_pp_baseline (reinforce_pp_advantages, over the whole batch).
+    An unscored completion (reward NaN: no reward function applies to it) gets Â = 0, as in TRL 1.16: it moves
+    nothing, and the others' baselines leave it out."""
     if advantage == "rloo":
-        return rloo_advantages(rewards, num_generations)
-    if advantage.startswith("reinforce_pp"):
-        return reinforce_pp_advantages(rewards, num_generations, advantage == "reinforce_pp_baseline")
-    return group_advantages(rewards, num_generations, scale_rewards)
+        advantages = rloo_advantages(rewards, num_generations)
+    elif advantage.startswith("reinforce_pp"):
+        advantages = reinforce_pp_advantages(rewards, num_generations, advantage == "reinforce_pp_baseline")
+    else:
+        advantages = group_advantages(rewards, num_generations, scale_rewards)
+    return advantages.nan_to_num(0.0)
 
 
 def informative_groups(rewards, num_generations):
     """DAPO's dynamic sampling filter (Yu et al. 2025, eq. 11, the constraint 0 < |{o_i | is_equivalent(a, o_i)}| < G):
     True for each group whose G rewards are not all equal. A group of equal rewards (every answer right, or every
     one wrong) has Â_i = 0 under grpo's and rloo's advantages and reinforce_pp_baseline's: it gives no gradient but
-    still counts in the batch's normalizers and KL penalty, so the batch learns from fewer prompts."""
+    still counts in the batch's normalizers and KL penalty, so the batch learns from fewer prompts. Unscored
+    completions (NaN) do not count: a group needs two scored rewards that differ."""
     groups = rewards.view(-1, num_generations)
-    return groups.amax(1) > groups.amin(1)
+    return groups.nan_to_num(-math.inf).amax(1) > groups.nan_to_num(math.inf).amin(1)
 
 
 def soft_overlong_punishment(lengths, max_length, cache):
@@ -299,6 +328,51 @@ def soft_overlong_punishment(lengths, max_length, cache):
 
     so that length is discouraged before the limit cuts a completion (which then gets --missing-eos-penalty)."""
     return ((max_length - cache - lengths) / cache).clamp(-1.0, 0.0)
+
+
+def sampler_importance_weights(old_logprobs, sampler_logprobs, mask, mode, clip_min, clip_max):
+    """The weight of each token's loss that corrects for sampling from π_sampler (weights --rollout-lag iterations
+    old, or another engine's kernels) instead of π_old, the policy the update starts from, [B, T], detached:
+
+        token_truncate     w_t = clip(ρ_t, C_min, C_max)              TIS (Yao et al. 2025)
+        token_mask         w_t = ρ_t · 1[C_min ≤ ρ_t ≤ C_max]          MIS
+        sequence_truncate  w_i = clip(ρ_i, C_min, C_max)              at every token of o_i
+        sequence_mask      w_i = ρ_i · 1[C_min ≤ ρ_i ≤ C_max]
+
+    with ρ_t = π_old(o_t | q, o_<t) / π_sampler(o_t | q, o_<t) and ρ_i = Π_t ρ_t, the whole completion's ratio (a
+    product, not GSPO's geometric mean). As TRL 1.16's vllm_importance_sampling_mode; C_min or C_max None: no bound
+    on that side."""
+    log_ratio = (old_logprobs - sampler_logprobs) * mask
+    if mode.startswith("sequence"):
+        log_ratio = log_ratio.sum(1, keepdim=True).expand_as(mask)
+    ratio = torch.exp(log_ratio)
+    low, high = -math.inf if clip_min is None else clip_min, math.inf if clip_max is None else clip_max
+    if mode.endswith("truncate"):
+        return ratio.clamp(low, high)
+    return ratio * ((ratio >= low) & (ratio <= high))
+
+
+def off_policy_sequence_mask(advantages, logprobs, sampler_logprobs, mask, delta):
+    """DeepSeek-V3.2's off-policy sequence masking (DeepSeek-AI 2025, arXiv 2512.02556, eq. 9): leave out of the loss
+    a completion with a negative advantage that the policy has moved far from, measured from the sampler's tokens,
+
+        M_i = 0  if Â_i < 0 and (1/|o_i|) Σ_t log( π_sampler(o_t | q, o_<t) / π_θ(o_t | q, o_<t) ) > δ;  else 1
+
+    A negative advantage on tokens π_θ already finds unlikely pushes them down further on noise; a positive one
+    is always kept. [B, 1]; π_θ detached. As TRL 1.16's off_policy_mask_threshold (δ)."""
+    kl = ((sampler_logprobs - logprobs.detach()) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+    return ((advantages.unsqueeze(1) >= 0) | (kl <= delta)).to(mask.dtype)
+
+
+def sampler_mismatch(old_logprobs, sampler_logprobs, mask, bound):
+    """How far the sampler is from the policy the update starts from, over the rollout's tokens, for the rollout/
+    tags: the sum and the max of |log π_sampler − log π_old|, the sum of k3, the per-token estimate of
+    KL[π_sampler ‖ π_old] on the sampler's own tokens (log r = log π_old − log π_sampler, k3 = r − 1 − log r), and
+    the number of tokens whose ratio π_old/π_sampler lies outside [1/C, C], C = `bound`. Sums, not means, so that
+    ranks add up; the tags divide by the tokens."""
+    log_r = (old_logprobs - sampler_logprobs) * mask
+    return (log_r.abs().sum(), log_r.abs().max(), ((log_r.exp() - 1 - log_r) * mask).sum(),
+            ((log_r.abs() > math.log(bound)) * mask).sum())
 
 
 def kl_estimators(logprobs, ref_logprobs, mask):
@@ -338,13 +412,14 @@ def clipped_surrogate(ratio, advantages, epsilon_low, epsilon_high):
 def cispo_loss(ratio, logprobs, advantages, epsilon_high):
     """CISPO (MiniMax-M1, 2025, eq. 4): clip the importance weight itself and stop its gradient, instead of
     cutting the gradient of the tokens whose ratio leaves the band, so that every token keeps its REINFORCE
-    gradient Â ∇log π_θ, weighted by at most 1 + ε_high:
+    gradient Â ∇log π_θ, weighted by at most the cap:
 
-        l_t = −sg( min(ρ_t, 1 + ε_high) ) Â log π_θ(o_t | q, o_<t)
+        l_t = −sg( min(ρ_t, ε_high) ) Â log π_θ(o_t | q, o_<t)
 
-    No lower bound, as in TRL's and verl's (the paper sets ε_low large). Summed over the batch's tokens and
-    divided by their number (aggregate_loss's cispo, the paper's 1/Σ|o_i|)."""
-    return -torch.clamp(ratio, max=1 + epsilon_high).detach() * advantages.unsqueeze(1) * logprobs
+    The cap is ε_high itself, as TRL 1.16's epsilon_high (it recommends 5.0); the paper writes it 1 + ε_high^IS,
+    so its ε_high^IS = 4 is this 5.0. No lower bound, as in TRL's and verl's (the paper sets ε_low large). Summed
+    over the tokens and divided by the rollout's tokens per step (aggregate_loss's cispo, the paper's 1/Σ|o_i|)."""
+    return -torch.clamp(ratio, max=epsilon_high).detach() * advantages.unsqueeze(1) * logprobs
 
 
 def token_losses(ratio, logprobs, advantages, loss_type, epsilon_low, epsilon_high):
@@ -358,9 +433,9 @@ def token_losses(ratio, logprobs, advantages, loss_type, epsilon_low, epsilon_hi
 def clipped_tokens(ratio, advantages, epsilon_low, epsilon_high, loss_type):
     """(low, high): where the clip is active on each side. The clipped surrogate cuts a token's gradient when ρ_t
     falls below 1 − ε_low with Â < 0 (low) or rises above 1 + ε_high with Â > 0 (high); out of the band on the
-    other side, min() keeps the unclipped term. As TRL counts them. CISPO caps the weight above 1 + ε_high only."""
+    other side, min() keeps the unclipped term. As TRL counts them. CISPO caps the weight above ε_high only."""
     if loss_type == "cispo":
-        return torch.zeros_like(ratio, dtype=torch.bool), ratio > 1 + epsilon_high
+        return torch.zeros_like(ratio, dtype=torch.bool), ratio > epsilon_high
     advantages = advantages.unsqueeze(1)
     return (ratio < 1 - epsilon_low) & (advantages < 0), (ratio > 1 + epsilon_high) & (advantages > 0)
 
@@ -370,11 +445,12 @@ def aggregate_loss(per_token_loss, mask, loss_type, num_sequences, num_tokens, m
     minibatch, so that the losses of its micro-batches (and ranks) add up to its loss:
 
         grpo      (1/B) Σ_i (1/|o_i|) Σ_t l_it     mean over each completion, then over completions (eq. 3)
-        dapo      Σ_i Σ_t l_it / Σ_i |o_i|         every token weighs the same (Yu et al. 2025)
+        dapo      Σ_i Σ_t l_it / N                 every token of the rollout weighs the same (Yu et al. 2025)
         dr_grpo   Σ_i Σ_t l_it / (B · L_max)       a constant normalizer: no length bias (Liu et al. 2025)
-        cispo     Σ_i Σ_t l_it / Σ_i |o_i|         as dapo, with CISPO's per-token loss (MiniMax-M1, 2025)
+        cispo     Σ_i Σ_t l_it / N                 as dapo, with CISPO's per-token loss (MiniMax-M1, 2025)
 
-    B = `num_sequences` completions and Σ_i |o_i| = `num_tokens` tokens in the minibatch; L_max =
+    B = `num_sequences` completions in the minibatch; N = `num_tokens`, the rollout's tokens ÷ its minibatches,
+    as TRL 1.16 (a minibatch's own token count would weigh a token of a short minibatch more); L_max =
     `max_completion_length`. Under grpo a long wrong answer is penalized less per token than a short one."""
     summed = (per_token_loss * mask).sum(1)
     if loss_type == "grpo":
@@ -430,9 +506,11 @@ def combine_rewards(per_function, weights):
 
         r = Σ_k w_k r_k   over the terms that apply to it
 
-    `per_function` is [B, K] with NaN where a function returned None. As TRL's GRPOTrainer does (nansum),
-    a term that does not apply adds nothing, and a completion that no term applies to gets 0."""
-    return (per_function * torch.as_tensor(weights, dtype=per_function.dtype, device=per_function.device)).nansum(1)
+    `per_function` is [B, K] with NaN where a function returned None. As TRL 1.16's GRPOTrainer does (nansum),
+    a term that does not apply adds nothing, and a completion that no term applies to is unscored: NaN, which
+    the advantages leave out of every baseline, with Â = 0 (compute_advantages)."""
+    rewards = (per_function * torch.as_tensor(weights, dtype=per_function.dtype, device=per_function.device)).nansum(1)
+    return rewards.masked_fill(per_function.isnan().all(1), math.nan)
 
 
 def check_args(args):
@@ -465,6 +543,24 @@ def check_args(args):
     if not 0 <= args.soft_overlong_cache < args.response_length:
         sys.exit(f"error: --soft-overlong-cache {args.soft_overlong_cache}: the last tokens before --response-length "
                  f"{args.response_length} where the penalty grows, from 0 (off) to {args.response_length - 1}")
+    if args.rollout_lag < 0:
+        sys.exit(f"error: --rollout-lag {args.rollout_lag}: the iterations the sampler's weights lag, 0 or more")
+    modes = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+    if args.vllm_importance_sampling_mode not in modes:
+        sys.exit(f"error: --vllm-importance-sampling-mode {args.vllm_importance_sampling_mode!r}: choose one of "
+                 f"{', '.join(modes)}")
+    low, high, delta = (args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max,
+                        args.off_policy_mask_threshold)
+    for flag, value in (("clip-min", low), ("clip-max", high), ("", delta)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            name = f"--vllm-importance-sampling-{flag}" if flag else "--off-policy-mask-threshold"
+            sys.exit(f"error: {name} {value}: it must be a finite number >= 0")
+    if low is not None and high is not None and low >= high:
+        sys.exit(f"error: --vllm-importance-sampling-clip-min {low} must be below --vllm-importance-sampling-clip-max "
+                 f"{high}")
+    if args.loss_type == "cispo" and args.epsilon_high is None:
+        sys.exit("error: --loss-type cispo caps each token's weight at --epsilon-high itself (TRL's meaning): set it, "
+                 "e.g. --epsilon-high 5.0 (TRL's recommendation, the paper's 1 + 4)")
     if args.loss_type == "cispo" and args.importance_sampling_level == "sequence":
         sys.exit("error: --loss-type cispo weighs each token by its own ratio: use --importance-sampling-level token")
     if args.batch_size % G:
@@ -495,6 +591,8 @@ def check_args(args):
 
 def main(args: Args):
     settle_defaults(args)  # --bf16 and --gradient-checkpointing, where not given
+    if args.vllm_importance_sampling_correction is None:  # TRL corrects by default; only a stale sampler needs it here
+        args.vllm_importance_sampling_correction = args.rollout_lag > 0
     check_args(args)
     note_overwrite(args.output_dir)
     torch.set_num_threads(cpu_threads(args.threads))
@@ -581,6 +679,10 @@ def main(args: Args):
                                   fused=True if device.type == "cuda" else None)
     choose_head(device, args.fsdp, micro_size, longest + args.response_length,
                 raw_policy.get_output_embeddings().weight.shape[0])
+    # --rollout-lag K: the policy's weights of the last K iterations, oldest first; a rollout samples with the oldest
+    # (with LoRA only the adapters change; under FSDP each rank keeps its shards)
+    trained = [p for p in raw_policy.parameters() if p.requires_grad]
+    lagged = [[p.detach().clone() for p in trained] for _ in range(args.rollout_lag)]
     print(f"policy: {parameter_count(raw_policy)}")
     writer = make_writer(args, rank, run_dir, checkpoint["step"] if checkpoint else 0)
     print(f"{1 + (ref is not None) + (reward is not None)} model(s) in memory: the policy"
@@ -636,7 +738,7 @@ def main(args: Args):
         w = torch.tensor(weights, device=device, dtype=torch.float)
         rows = [eval_rows[j] for j in mine]
         with torch.no_grad(), amp():
-            sequences, attention_mask, context_length, response_mask = generate_in_chunks(
+            sequences, attention_mask, context_length, response_mask, _ = generate_in_chunks(
                 raw_policy, [eval_ids[j] for j in mine], tokenizer.pad_token_id, stop_ids, args.response_length,
                 args.temperature, args.generation_batch_size)
             sums = {"n": w.sum()}
@@ -645,7 +747,8 @@ def main(args: Args):
                 ref_logprobs, _ = logprobs_of(ref, sequences, attention_mask, context_length)
                 sums["kl"] = (((logprobs - ref_logprobs) * response_mask).sum(1) * w).sum()
             rewards, table, completions, _ = rewards_of(rows, sequences, attention_mask, context_length, response_mask)
-        sums.update(reward=(rewards * w).sum(), **term_sums(table, "rewards/", w))
+        # eval/reward: over the scored completions (an unscored one's reward is NaN)
+        sums.update(reward=(rewards * w).nansum(), scored=(w * ~rewards.isnan()).sum(), **term_sums(table, "rewards/", w))
         if args.dataset_name is None:  # the built-in task: exactly the target, and the gold score
             targets = [row["target"] for row in rows]
             sums["correct"] = sum(v * (c == t) for c, t, v in zip(completions, targets, weights))
@@ -655,8 +758,9 @@ def main(args: Args):
         for tag, name in (("eval/reward", "reward"), ("eval/kl", "kl"), ("eval/gold_accuracy", "correct"),
                           ("eval/gold_score", "gold")):
             if name in sums:
-                writer.add_scalar(tag, sums[name] / sums["n"], iteration)
-                line += f" {tag} {sums[name] / sums['n']:.3f}"
+                value = sums[name] / sums["scored" if name == "reward" else "n"]
+                writer.add_scalar(tag, value, iteration)
+                line += f" {tag} {value:.3f}"
         for name in names:  # each term's mean over the completions it applies to (the reward model's: eval/score)
             if sums[f"rewards/{name}/n"] > 0:
                 tag = "eval/score" if name == "reward_model" and reward is not None else f"eval/rewards/{name}"
@@ -684,6 +788,8 @@ def main(args: Args):
         policy.eval()
         rounds = []  # (generate's output, rewards, table, completions, has_stop) of each batch of prompts sampled
         with torch.no_grad(), amp():
+            if lagged:  # the sampler: the weights of K iterations before (in the first K iterations, the start's)
+                swap_weights(trained, lagged[0])
             while True:  # one batch of prompts; with --dynamic-sampling more, until every rank's groups differ
                 chosen = rng.sample(range(len(train_ids)), args.batch_size // G)[rank * prompts_per_rank : (rank + 1) * prompts_per_rank]
                 prompt_ids = [train_ids[i] for i in chosen for _ in range(G)]  # each prompt G times, in adjacent rows
@@ -698,6 +804,11 @@ def main(args: Args):
                 short = all_reduce_sum({"short": max(0, prompts_per_rank - int(informative.sum()))}, device)["short"]
                 if short == 0 or len(rounds) == args.max_sampling_rounds:
                     break
+            if lagged:  # the current weights back; they become the newest of the K, in the oldest's memory
+                swap_weights(trained, lagged[0])
+                lagged.append(lagged.pop(0))
+                for p, w in zip(trained, lagged[-1]):
+                    w.copy_(p)
             groups = torch.arange(prompts_per_rank, device=device)
             if args.dynamic_sampling:  # groups that differ first, in the order sampled; equal ones only to fill up
                 if short and not cap_reported:
@@ -707,8 +818,10 @@ def main(args: Args):
                     cap_reported = True
                 groups = torch.argsort((~informative).int(), stable=True)[:prompts_per_rank]
             idx = (groups[:, None] * G + torch.arange(G, device=device)).flatten()  # their completions' rows
-            sequences, attention_mask, context_length, mask = join_samples([r[0] for r in rounds], tokenizer.pad_token_id)
+            sequences, attention_mask, context_length, mask, sampler_logprobs = join_samples([r[0] for r in rounds],
+                                                                                             tokenizer.pad_token_id)
             sequences, attention_mask, mask = sequences[idx], attention_mask[idx], mask[idx].float()
+            sampler_logprobs = sampler_logprobs[idx]
             rewards, table, has_stop = (torch.cat([r[k] for r in rounds])[idx] for k in (1, 2, 4))
             advantages = compute_advantages(rewards, G, args.advantage, args.scale_rewards)  # reinforce_pp: all ranks
             old_logprobs, entropy = logprobs_of(policy, sequences, attention_mask, context_length)
@@ -718,18 +831,28 @@ def main(args: Args):
             k1, k3 = kl_estimators(old_logprobs, ref_logprobs, mask)
             # the tokens the loss sees: with --mask-truncated-completions not those of a completion with no stop token
             loss_mask = mask * has_stop.unsqueeze(1) if args.mask_truncated_completions else mask
+            # dapo's and cispo's normalizer: the rollout's tokens (all ranks) per minibatch, so each weighs the same
+            num_tokens = (max(1.0, all_reduce_sum({"tokens": loss_mask.sum()}, device)["tokens"]) * args.mini_batch_size
+                          / args.batch_size)
+            # how far the sampler is from π_old, and the weight of each token that corrects for it
+            mismatch = sampler_mismatch(old_logprobs, sampler_logprobs, mask, args.vllm_importance_sampling_clip_max or 3.0)
+            is_weights = None
+            if args.vllm_importance_sampling_correction:
+                is_weights = sampler_importance_weights(old_logprobs, sampler_logprobs, mask,
+                                                        args.vllm_importance_sampling_mode,
+                                                        args.vllm_importance_sampling_clip_min,
+                                                        args.vllm_importance_sampling_clip_max)
 
         # ---- update: μ passes over the rollout in shuffled minibatches ---------------------------------
         policy.train()
-        stats = {k: [] for k in ("policy_loss", "kl_penalty", "clipped_low", "clipped_high")}  # micro-batch parts
+        stats = {k: [] for k in ("policy_loss", "kl_penalty", "clipped_low", "clipped_high",
+                                 "off_policy_masked")}  # micro-batch parts
         for epoch in range(args.ppo_epochs):
             # the first pass takes the rollout in order, so its first minibatch is exactly the rollout's first
             # chunk; later passes reshuffle (whole groups need not stay together: advantages are computed)
             order = torch.randperm(per_rank, device=device) if epoch > 0 else torch.arange(per_rank, device=device)
             for start in range(0, per_rank, mini_per_rank):
                 mb = order[start : start + mini_per_rank]
-                # of the minibatch, all ranks (1 where every completion of it is masked: its loss is then 0)
-                num_tokens = max(1.0, all_reduce_sum({"tokens": loss_mask[mb].sum()}, device)["tokens"])
                 for micro in range(0, mini_per_rank, micro_size):
                     idx = mb[micro : micro + micro_size]
                     gradient_sync(policy, micro + micro_size == mini_per_rank)  # once per step, with the last micro-batch
@@ -738,6 +861,13 @@ def main(args: Args):
                                                       args.temperature)
                     ratio = importance_ratio(logprobs, old_logprobs[idx], mask[idx], args.importance_sampling_level)
                     surrogate = token_losses(ratio, logprobs, advantages[idx], args.loss_type, args.epsilon, epsilon_high)
+                    if is_weights is not None:  # the sampler was not π_old: weigh each token by π_old / π_sampler
+                        surrogate = surrogate * is_weights[idx]
+                    if args.off_policy_mask_threshold is not None:  # drop negative completions the policy left behind
+                        kept = off_policy_sequence_mask(advantages[idx], logprobs, sampler_logprobs[idx], mask[idx],
+                                                        args.off_policy_mask_threshold)
+                        surrogate = surrogate * kept
+                        stats["off_policy_masked"].append((1 - kept).sum())
                     policy_loss = aggregate_loss(surrogate, loss_mask[idx], args.loss_type, args.mini_batch_size,
                                                  num_tokens, args.response_length)
                     kl_penalty = torch.zeros((), device=device)
@@ -761,19 +891,26 @@ def main(args: Args):
                 optimizer.zero_grad(set_to_none=True)  # no gradients held through the next rollout
 
         # ---- log: statistics of the whole batch, sums added up over the ranks --------------------------
-        stats = {name: sum(torch.stack(parts).float().tolist()) for name, parts in stats.items()}
+        stats = {name: sum(torch.stack(parts).float().tolist()) if parts else 0.0 for name, parts in stats.items()}
         groups = rewards.view(-1, G)
-        sums = all_reduce_sum({"reward": rewards.sum(), "reward_std": groups.std(1).sum(),
+        corrected = {} if is_weights is None else {"is_weight": (is_weights * mask).sum(),
+                                                   "is_masked": ((is_weights == 0) * mask).sum()}
+        sums = all_reduce_sum({"reward": rewards.nansum(), "scored": (~rewards.isnan()).sum(),
+                               "reward_std": groups.std(1).nansum(),
+                               "logprob_diff": mismatch[0], "kl_k3_sampler": mismatch[2], "outside": mismatch[3],
+                               **corrected,
                                "zero_std": (groups.std(1) == 0).sum(), "zero_std_sampled": (~informative).sum(),
                                "prompts_sampled": len(informative), "tokens": mask.sum(), "k1": k1.sum(),
                                "k3": k3.sum(), "entropy": (entropy * mask).sum(), "stops": has_stop.sum(), **stats,
                                **term_sums(table, "rewards/")}, device)
+        logprob_diff_max = mismatch[1]
         if dist.is_initialized():
             dist.all_reduce(first_ratio_error, op=dist.ReduceOp.MAX)  # the largest on any rank
+            dist.all_reduce(logprob_diff_max, op=dist.ReduceOp.MAX)
         B, num_groups = args.batch_size, args.batch_size // G
         num_minibatches = args.ppo_epochs * B // args.mini_batch_size
         logs = {
-            "objective/reward": sums["reward"] / B, "objective/reward_std": sums["reward_std"] / num_groups,
+            "objective/reward": sums["reward"] / max(1, sums["scored"]), "objective/reward_std": sums["reward_std"] / num_groups,
             "objective/zero_std_fraction": sums["zero_std"] / num_groups, "objective/completion_length": sums["tokens"] / B,
             "objective/zero_std_fraction_sampled": sums["zero_std_sampled"] / sums["prompts_sampled"],
             "objective/prompts_sampled": sums["prompts_sampled"],
@@ -786,7 +923,16 @@ def main(args: Args):
             "policy/clipfrac_high": sums["clipped_high"] / (args.ppo_epochs * sums["tokens"]),
             "policy/first_ratio_max_error": first_ratio_error,
             "charts/learning_rate": lr, "charts/episodes_per_second": iteration * B / (time.time() - start_time),
+            # the sampler against π_old (sampler_mismatch), over the rollout's tokens
+            "rollout/logprob_diff_mean": sums["logprob_diff"] / sums["tokens"], "rollout/logprob_diff_max": logprob_diff_max,
+            "rollout/kl_k3": sums["kl_k3_sampler"] / sums["tokens"],
+            "rollout/ratio_outside_fraction": sums["outside"] / sums["tokens"],
         }
+        if is_weights is not None:  # the correction's weights: their mean, and the tokens they leave out (weight 0)
+            logs["rollout/is_weight_mean"] = sums["is_weight"] / sums["tokens"]
+            logs["rollout/is_masked_fraction"] = sums["is_masked"] / sums["tokens"]
+        if args.off_policy_mask_threshold is not None:
+            logs["policy/off_policy_masked_fraction"] = sums["off_policy_masked"] / (args.ppo_epochs * B)
         if ref is None:  # no reference, no KL to it
             del logs["objective/kl"], logs["objective/kl_k3"], logs["losses/kl_penalty"]
         for name in names:  # each reward term's mean over the completions it applies to (the reward model's: score)
@@ -1520,7 +1666,9 @@ def generate(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperat
     whose log-probs are trained. A loop of its own rather than transformers' `generate`, for two savings that
     change nothing sampled: each distinct prompt's forward pass runs once, its KV cache shared by the rows that
     repeat it (GRPO's G completions), and a row that has stopped leaves the batch, so that each step costs what
-    the rows still running need."""
+    the rows still running need. Also returns sampler_logprobs: each drawn token's log-probability under the
+    distribution it was drawn from (0 on padding), which the sampler holds anyway; RL compares it with the policy
+    it trains."""
     device = model.device
     width = max(len(p) for p in prompt_ids)
     input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompt_ids], device=device)
@@ -1534,8 +1682,8 @@ def generate(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperat
         # On one GPU the step is a CUDA graph over a preallocated cache; sharded, every rank must step together
         graphed = device.type == "cuda" and not sharded and CACHE == "cache" and model.config._attn_implementation == "sdpa"
         loop = sample_tokens_graphed if graphed else sample_tokens
-        responses = loop(model, input_ids, attention_mask, torch.tensor(stop_ids, device=device), pad_token_id,
-                         max_new_tokens, temperature, greedy)
+        responses, sampler_logprobs = loop(model, input_ids, attention_mask, torch.tensor(stop_ids, device=device),
+                                           pad_token_id, max_new_tokens, temperature, greedy)
     finally:
         for module in sharded:
             module.reshard()
@@ -1546,11 +1694,13 @@ def generate(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperat
     length = int(response_mask.sum(1).max())  # the longest response: no later column is anything but padding
     response_mask = response_mask[:, :length]
     responses = responses[:, :length].masked_fill(response_mask == 0, pad_token_id)
-    return (torch.cat([input_ids, responses], 1), torch.cat([attention_mask, response_mask], 1), width, response_mask)
+    return (torch.cat([input_ids, responses], 1), torch.cat([attention_mask, response_mask], 1), width, response_mask,
+            sampler_logprobs[:, :length] * response_mask)
 
 
 def sample_tokens(model, input_ids, attention_mask, stops, pad_token_id, max_new_tokens, temperature, greedy):
-    """The sampling loop of `generate`: [rows, max_new_tokens] tokens, pad_token_id after a row's stop token."""
+    """The sampling loop of `generate`: [rows, max_new_tokens] tokens, pad_token_id after a row's stop token, and
+    the log-probability of each under the distribution it was drawn from."""
     width = input_ids.shape[1]
     distinct, row_prompt = torch.unique(torch.cat([input_ids, attention_mask], 1), dim=0, return_inverse=True)
     prompt_mask = distinct[:, width:]
@@ -1559,6 +1709,7 @@ def sample_tokens(model, input_ids, attention_mask, stops, pad_token_id, max_new
     cache, logits = out[CACHE], out.logits[row_prompt, -1]
     cache.batch_select_indices(row_prompt)  # each row's copy of its prompt's keys and values
     responses = torch.full((len(input_ids), max_new_tokens), pad_token_id, device=input_ids.device)
+    sampler_logprobs = torch.zeros(len(input_ids), max_new_tokens, device=input_ids.device)
     running = torch.arange(len(input_ids), device=input_ids.device)  # the rows still sampling
     positions = attention_mask.sum(1)  # of each row's next token: positions count real tokens only
     for t in range(max_new_tokens):
@@ -1566,6 +1717,7 @@ def sample_tokens(model, input_ids, attention_mask, stops, pad_token_id, max_new
             z = logits.float() / temperature
             tokens = z.argmax(-1) if greedy else torch.multinomial(torch.softmax(z, -1), 1).squeeze(1)
             responses[running, t] = tokens
+            sampler_logprobs[running, t] = torch.log_softmax(z, -1).gather(1, tokens[:, None]).squeeze(1)
             going = ~torch.isin(tokens, stops)
             if not going.all():  # the rows that stopped leave the batch, and their cache with them
                 keep = going.nonzero().squeeze(1)
@@ -1582,7 +1734,7 @@ def sample_tokens(model, input_ids, attention_mask, stops, pad_token_id, max_new
         attention_mask = F.pad(attention_mask, (0, 1), value=1)
         logits = model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=(positions + t)[:, None],
                        use_cache=True, **{CACHE: cache}).logits[:, -1]
-    return responses
+    return responses, sampler_logprobs
 
 
 def sample_tokens_graphed(model, input_ids, attention_mask, stops, pad_token_id, max_new_tokens, temperature, greedy,
@@ -1611,9 +1763,11 @@ def sample_tokens_graphed(model, input_ids, attention_mask, stops, pad_token_id,
     step = lambda: model(input_ids=token, attention_mask=keys[:, None, None, :], position_ids=position,  # noqa: E731
                          use_cache=True, **{CACHE: cache}).logits[:, -1]
     responses = torch.full((rows, max_new_tokens), pad_token_id, device=device)
+    sampler_logprobs = torch.zeros(rows, max_new_tokens, device=device)
     done = torch.zeros(rows, dtype=torch.bool, device=device)
     for t in range(max_new_tokens):
-        tokens = draw_tokens(logits, temperature, greedy).masked_fill(done, pad_token_id)
+        tokens, sampler_logprobs[:, t] = draw_tokens(logits, temperature, greedy)
+        tokens = tokens.masked_fill(done, pad_token_id)
         responses[:, t] = tokens
         done |= torch.isin(tokens, stops)
         if t + 1 == max_new_tokens or (t + 1) % check_every == 0 and done.all():
@@ -1635,15 +1789,16 @@ def sample_tokens_graphed(model, input_ids, attention_mask, stops, pad_token_id,
         else:
             cuda_graph.replay()
             logits = graph_logits
-    return responses
+    return responses, sampler_logprobs
 
 
 def draw_tokens(logits, temperature, greedy):
     """One token per row from softmax(logits / T) in float32 (the argmax if greedy), with no host sync: the argmax
     of p / E with E ~ Exp(1) (the exponential race) draws index i with probability p_i, as torch.multinomial
-    does, without multinomial's checks of its input on the host."""
+    does, without multinomial's checks of its input on the host. Returns (tokens, their log-probabilities)."""
     z = logits.float() / temperature
-    return z.argmax(-1) if greedy else (torch.softmax(z, -1) / torch.empty_like(z).exponential_()).argmax(-1)
+    tokens = z.argmax(-1) if greedy else (torch.softmax(z, -1) / torch.empty_like(z).exponential_()).argmax(-1)
+    return tokens, torch.log_softmax(z, -1).gather(1, tokens[:, None]).squeeze(1)
 
 
 def check_kv_cache(model, rows, length, device, bf16):
@@ -1678,13 +1833,13 @@ def generate_in_chunks(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens
 
 
 def join_samples(samples, pad_token_id):
-    """Outputs of `generate`, (sequences, attention_mask, context_length, response_mask), as one: the rows of all,
-    the prompts left-padded to the longest and the responses right-padded to the longest."""
+    """Outputs of `generate`, (sequences, attention_mask, context_length, response_mask, sampler_logprobs), as one:
+    the rows of all, the prompts left-padded to the longest and the responses right-padded to the longest."""
     width, length = max(s[2] for s in samples), max(s[3].shape[1] for s in samples)
     pad = lambda t, left, value: F.pad(t, (left, width + length - left - t.shape[1]), value=value)  # noqa: E731
     return (torch.cat([pad(s[0], width - s[2], pad_token_id) for s in samples]),
             torch.cat([pad(s[1], width - s[2], 0) for s in samples]), width,
-            torch.cat([F.pad(s[3], (0, length - s[3].shape[1])) for s in samples]))
+            *(torch.cat([F.pad(s[k], (0, length - s[k].shape[1])) for s in samples]) for k in (3, 4)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1902,6 +2057,17 @@ def run_directory(args, checkpoint, device):
 # ---------------------------------------------------------------------------------------------
 # Training and saving
 # ---------------------------------------------------------------------------------------------
+@torch.no_grad()
+def swap_weights(parameters, weights):
+    """Exchange each of `parameters` with its tensor of `weights` in place, one temporary copy at a time: the
+    sampler of --rollout-lag is the policy holding older weights (the copy keeps each tensor where it is)."""
+    for p, w in zip(parameters, weights):
+        current = p.clone()
+        p.copy_(w)
+        w.copy_(current)
+
+
+
 def get_lr(step, lr, warmup_steps, max_steps, decay):
     """Learning rate of optimizer step `step` = 0, 1, ...: `lr` × a linear warmup min(1, (step + 1) / warmup_steps)
     × a decay to 0 at `max_steps`: "linear", min(1, (max_steps − step) / (max_steps − warmup_steps)), flat through

@@ -155,6 +155,21 @@ class Args:
     """ε of the clipped value loss (CleanRL: clip_coef, the same ε as the policy's)"""
     vf_coef: float = 0.1
     """weight of the value loss"""
+    rollout_lag: int = 0
+    """K: sample each rollout with the actor's weights of K iterations before, as an asynchronous trainer with a
+    queue of K rollouts does; the update's ratio stays π_θ/π_old, π_old the current actor's log-probs (decoupled
+    PPO), and the correction below weighs each token by π_old/π_sampler. Memory: K more copies of the actor's
+    weights. 0: on-policy"""
+    vllm_importance_sampling_correction: Annotated[bool | None, tyro.conf.DisallowNone] = None
+    """(default: on when --rollout-lag > 0, off at 0, where the sampler is the actor) weigh each token's loss by
+    the sampler's importance weight (sampler_importance_weights); TRL's name, for completions from vLLM there"""
+    vllm_importance_sampling_mode: str = "sequence_mask"
+    """token_truncate (TIS), token_mask (MIS), sequence_truncate or sequence_mask (TRL's default): see
+    sampler_importance_weights"""
+    vllm_importance_sampling_clip_max: float | None = 3.0
+    """C_max: the weight's upper bound (truncate: clipped to it; mask: above it, 0); None: none (TRL's 3.0)"""
+    vllm_importance_sampling_clip_min: float | None = None
+    """C_min: the weight's lower bound (truncate: clipped to it; mask: below it, 0); None: none (TRL's)"""
     max_grad_norm: float = 1.0
     """clip the global gradient norm (actor and critic together) to this"""
     eval_every: int = 20
@@ -249,13 +264,13 @@ def masked_gae(rewards, values, mask, gamma, lam):
     return advantages, advantages + values
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, num_tokens=None):
+def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, num_tokens=None, weights=None):
     """Clipped surrogate (PPO eq. 7), negated, averaged over valid tokens (see masked_mean for `num_tokens`):
-        L = mean_t max( −Â_t ρ_t, −Â_t clip(ρ_t, 1 − ε, 1 + ε) ),   ρ_t = π_θ(a_t|s_t) / π_old(a_t|s_t)
-    Returns (loss, ratio)."""
+        L = mean_t w_t max( −Â_t ρ_t, −Â_t clip(ρ_t, 1 − ε, 1 + ε) ),   ρ_t = π_θ(a_t|s_t) / π_old(a_t|s_t)
+    w_t = `weights` where the sampler was not π_old (sampler_importance_weights), else 1. Returns (loss, ratio)."""
     ratio = torch.exp(logprobs - old_logprobs)
     losses = torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange))
-    return masked_mean(losses, mask, num_tokens), ratio
+    return masked_mean(losses if weights is None else losses * weights, mask, num_tokens), ratio
 
 
 def masked_value_loss(values, old_values, returns, mask, cliprange_value, num_tokens=None):
@@ -263,6 +278,39 @@ def masked_value_loss(values, old_values, returns, mask, cliprange_value, num_to
         L = ½ mean_t max( (V − R)², (V_old + clip(V − V_old, −ε, ε) − R)² )"""
     clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
     return 0.5 * masked_mean(torch.max((values - returns) ** 2, (clipped - returns) ** 2), mask, num_tokens)
+
+
+def sampler_importance_weights(old_logprobs, sampler_logprobs, mask, mode, clip_min, clip_max):
+    """The weight of each token's loss that corrects for sampling from π_sampler (weights --rollout-lag iterations
+    old, or another engine's kernels) instead of π_old, the policy the update starts from, [B, T], detached:
+
+        token_truncate     w_t = clip(ρ_t, C_min, C_max)              TIS (Yao et al. 2025)
+        token_mask         w_t = ρ_t · 1[C_min ≤ ρ_t ≤ C_max]          MIS
+        sequence_truncate  w_i = clip(ρ_i, C_min, C_max)              at every token of o_i
+        sequence_mask      w_i = ρ_i · 1[C_min ≤ ρ_i ≤ C_max]
+
+    with ρ_t = π_old(o_t | q, o_<t) / π_sampler(o_t | q, o_<t) and ρ_i = Π_t ρ_t, the whole completion's ratio (a
+    product, not GSPO's geometric mean). As TRL 1.16's vllm_importance_sampling_mode; C_min or C_max None: no bound
+    on that side."""
+    log_ratio = (old_logprobs - sampler_logprobs) * mask
+    if mode.startswith("sequence"):
+        log_ratio = log_ratio.sum(1, keepdim=True).expand_as(mask)
+    ratio = torch.exp(log_ratio)
+    low, high = -math.inf if clip_min is None else clip_min, math.inf if clip_max is None else clip_max
+    if mode.endswith("truncate"):
+        return ratio.clamp(low, high)
+    return ratio * ((ratio >= low) & (ratio <= high))
+
+
+def sampler_mismatch(old_logprobs, sampler_logprobs, mask, bound):
+    """How far the sampler is from the policy the update starts from, over the rollout's tokens, for the rollout/
+    tags: the sum and the max of |log π_sampler − log π_old|, the sum of k3, the per-token estimate of
+    KL[π_sampler ‖ π_old] on the sampler's own tokens (log r = log π_old − log π_sampler, k3 = r − 1 − log r), and
+    the number of tokens whose ratio π_old/π_sampler lies outside [1/C, C], C = `bound`. Sums, not means, so that
+    ranks add up; the tags divide by the tokens."""
+    log_r = (old_logprobs - sampler_logprobs) * mask
+    return (log_r.abs().sum(), log_r.abs().max(), ((log_r.exp() - 1 - log_r) * mask).sum(),
+            ((log_r.abs() > math.log(bound)) * mask).sum())
 
 
 def adaptive_kl_coef(kl_coef, current_kl, kl_target, horizon, n_steps):
@@ -316,9 +364,11 @@ def combine_rewards(per_function, weights):
 
         r = Σ_k w_k r_k   over the terms that apply to it
 
-    `per_function` is [B, K] with NaN where a function returned None. As TRL's GRPOTrainer does (nansum),
-    a term that does not apply adds nothing, and a completion that no term applies to gets 0."""
-    return (per_function * torch.as_tensor(weights, dtype=per_function.dtype, device=per_function.device)).nansum(1)
+    `per_function` is [B, K] with NaN where a function returned None. As TRL 1.16's GRPOTrainer does (nansum),
+    a term that does not apply adds nothing, and a completion that no term applies to is unscored: NaN, which
+    the advantages leave out of every baseline, with Â = 0 (compute_advantages)."""
+    rewards = (per_function * torch.as_tensor(weights, dtype=per_function.dtype, device=per_function.device)).nansum(1)
+    return rewards.masked_fill(per_function.isnan().all(1), math.nan)
 
 
 def check_args(args):
@@ -339,6 +389,19 @@ def check_args(args):
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and (value > 0 or rule == ">= 0" and value == 0)):
             sys.exit(f"error: --{name.replace('_', '-')} {value}: it must be a finite number {rule}")
+    if args.rollout_lag < 0:
+        sys.exit(f"error: --rollout-lag {args.rollout_lag}: the iterations the sampler's weights lag, 0 or more")
+    modes = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+    if args.vllm_importance_sampling_mode not in modes:
+        sys.exit(f"error: --vllm-importance-sampling-mode {args.vllm_importance_sampling_mode!r}: choose one of "
+                 f"{', '.join(modes)}")
+    low, high = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
+    for flag, value in (("clip-min", low), ("clip-max", high)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            sys.exit(f"error: --vllm-importance-sampling-{flag} {value}: it must be a finite number >= 0")
+    if low is not None and high is not None and low >= high:
+        sys.exit(f"error: --vllm-importance-sampling-clip-min {low} must be below --vllm-importance-sampling-clip-max "
+                 f"{high}")
     if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
         sys.exit(f"error: --gamma {args.gamma} and --lam {args.lam}: each must be in [0, 1]")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -362,6 +425,8 @@ def check_args(args):
 
 def main(args: Args):
     settle_defaults(args)  # --bf16 and --gradient-checkpointing, where not given
+    if args.vllm_importance_sampling_correction is None:  # TRL corrects by default; only a stale sampler needs it here
+        args.vllm_importance_sampling_correction = args.rollout_lag > 0
     check_args(args)
     note_overwrite(args.output_dir)
     torch.set_num_threads(cpu_threads(args.threads))
@@ -447,6 +512,10 @@ def main(args: Args):
                                   fused=True if device.type == "cuda" else None)
     choose_head(device, args.fsdp, micro_size, longest + args.response_length,
                 raw_actor.get_output_embeddings().weight.shape[0])
+    # --rollout-lag K: the actor's weights of the last K iterations, oldest first; a rollout samples with the oldest
+    # (with LoRA only the adapters change; under FSDP each rank keeps its shards)
+    trained_now = [p for p in raw_actor.parameters() if p.requires_grad]
+    lagged = [[p.detach().clone() for p in trained_now] for _ in range(args.rollout_lag)]
     print(f"actor and critic: {parameter_count(raw_actor, raw_critic)}; "
           f"{3 + (reward is not None) - (ref is None)} model(s) in memory")
     kl_coef = args.kl_coef
@@ -497,15 +566,15 @@ def main(args: Args):
         mine, weights = shard(list(range(len(eval_ids))), rank, world_size)
         rows = [eval_rows[j] for j in mine]
         with torch.no_grad(), amp():
-            sequences, attention_mask, context_length, response_mask = generate_in_chunks(
+            sequences, attention_mask, context_length, response_mask, _ = generate_in_chunks(
                 raw_actor, [eval_ids[j] for j in mine], tokenizer.pad_token_id, stop_ids, args.response_length,
                 args.temperature, args.generation_batch_size)
             logprobs, _ = logprobs_of(actor, sequences, attention_mask, context_length)
             ref_logprobs, _ = logprobs_of(ref, sequences, attention_mask, context_length)
             scores, table, completions, _ = scores_of(rows, sequences, attention_mask, context_length, response_mask)
         w = torch.tensor(weights, device=device, dtype=torch.float)
-        sums = {"kl": (((logprobs - ref_logprobs) * response_mask).sum(1) * w).sum(), "reward": (scores * w).sum(),
-                "n": w.sum(), **term_sums(table, "rewards/", w)}
+        sums = {"kl": (((logprobs - ref_logprobs) * response_mask).sum(1) * w).sum(), "reward": (scores * w).nansum(),
+                "n": w.sum(), "scored": (w * ~scores.isnan()).sum(), **term_sums(table, "rewards/", w)}
         if args.dataset_name is None:  # the built-in task: exactly the target, and the gold score
             targets = [row["target"] for row in rows]
             sums["correct"] = sum(v * (c == t) for c, t, v in zip(completions, targets, weights))
@@ -514,9 +583,10 @@ def main(args: Args):
         line = f"iteration {iteration}:"
         for tag, name in (("eval/reward", "reward"), ("eval/kl", "kl"), ("eval/gold_accuracy", "correct"),
                           ("eval/gold_score", "gold")):
-            if name in sums:
-                writer.add_scalar(tag, sums[name] / sums["n"], iteration)
-                line += f" {tag} {sums[name] / sums['n']:.3f}"
+            if name in sums:  # eval/reward: over the scored responses (an unscored one's score is NaN)
+                value = sums[name] / sums["scored" if name == "reward" else "n"]
+                writer.add_scalar(tag, value, iteration)
+                line += f" {tag} {value:.3f}"
         for name in names:  # each term's mean over the completions it applies to (the reward model's: eval/score)
             if sums[f"rewards/{name}/n"] > 0:
                 tag = "eval/score" if name == "reward_model" and reward is not None else f"eval/rewards/{name}"
@@ -544,9 +614,16 @@ def main(args: Args):
         chosen = rng.sample(range(len(train_ids)), args.batch_size)[rank * per_rank : (rank + 1) * per_rank]  # its share
         prompt_ids, rows = [train_ids[i] for i in chosen], [train_rows[i] for i in chosen]
         with torch.no_grad(), amp():
-            sequences, attention_mask, context_length, mask = generate_in_chunks(
+            if lagged:  # the sampler: the weights of K iterations before (in the first K iterations, the start's)
+                swap_weights(trained_now, lagged[0])
+            sequences, attention_mask, context_length, mask, sampler_logprobs = generate_in_chunks(
                 raw_actor, prompt_ids, tokenizer.pad_token_id, stop_ids, args.response_length, args.temperature,
                 args.generation_batch_size)
+            if lagged:  # the current weights back; they become the newest of the K, in the oldest's memory
+                swap_weights(trained_now, lagged[0])
+                lagged.append(lagged.pop(0))
+                for p, w in zip(trained_now, lagged[-1]):
+                    w.copy_(p)
             mask = mask.float()
             # in chunks of the update's micro-batches, so that they compute exactly what the update will
             logprobs, entropy = logprobs_of(actor, sequences, attention_mask, context_length)
@@ -556,10 +633,20 @@ def main(args: Args):
                                        sequences, attention_mask)
             scores, table, _, has_eos = scores_of(rows, sequences, attention_mask, context_length, mask)
 
-            rewards, non_score = shaped_rewards(logprobs, ref_logprobs, scores, mask, kl_coef)
-            advantages, returns = masked_gae(rewards, values, mask, args.gamma, args.lam)
-            advantages = masked_whiten(advantages, mask)  # over the whole batch, all ranks together
+            # a response no reward function scores (NaN) has no loss: advantage 0, as TRL 1.16 gives it in GRPO
+            train_mask = mask * ~scores.isnan().unsqueeze(1)
+            rewards, non_score = shaped_rewards(logprobs, ref_logprobs, scores.nan_to_num(0.0), mask, kl_coef)
+            advantages, returns = masked_gae(rewards, values, train_mask, args.gamma, args.lam)
+            advantages = masked_whiten(advantages, train_mask)  # over the whole batch, all ranks together
             k1, k3 = kl_estimators(logprobs, ref_logprobs, mask)
+            # how far the sampler is from π_old, and the weight of each token that corrects for it
+            mismatch = sampler_mismatch(logprobs, sampler_logprobs, mask, args.vllm_importance_sampling_clip_max or 3.0)
+            is_weights = None
+            if args.vllm_importance_sampling_correction:
+                is_weights = sampler_importance_weights(logprobs, sampler_logprobs, mask,
+                                                        args.vllm_importance_sampling_mode,
+                                                        args.vllm_importance_sampling_clip_min,
+                                                        args.vllm_importance_sampling_clip_max)
 
         # ---- update: several epochs of shuffled minibatches ----------------------------------------
         actor.train(), critic.train()
@@ -570,7 +657,8 @@ def main(args: Args):
             order = torch.randperm(per_rank, device=device) if epoch > 0 else torch.arange(per_rank, device=device)
             for start in range(0, per_rank, mini_per_rank):  # each rank takes its share of every minibatch
                 mb = order[start : start + mini_per_rank]
-                num_tokens = all_reduce_sum({"tokens": mask[mb].sum()}, device)["tokens"]  # losses: means over these
+                # the losses: means over these (1 where every response of the minibatch is unscored: loss 0)
+                num_tokens = max(1.0, all_reduce_sum({"tokens": train_mask[mb].sum()}, device)["tokens"])
                 for micro in range(0, mini_per_rank, micro_size):
                     idx = mb[micro : micro + micro_size]
                     for model in (actor, critic):  # once per step, with the last micro-batch
@@ -579,13 +667,14 @@ def main(args: Args):
                         new_logprobs, new_entropy = policy_logprobs(actor, sequences[idx], attention_mask[idx],
                                                                     context_length, args.temperature)
                         new_values = critic(sequences[idx], attention_mask[idx])[:, context_length - 1 : -1]
-                    pg_loss, ratio = policy_loss(new_logprobs, logprobs[idx], advantages[idx], mask[idx], args.cliprange,
-                                                 num_tokens)
-                    vf_loss = masked_value_loss(new_values, values[idx], returns[idx], mask[idx], args.cliprange_value, num_tokens)
+                    pg_loss, ratio = policy_loss(new_logprobs, logprobs[idx], advantages[idx], train_mask[idx],
+                                                 args.cliprange, num_tokens, None if is_weights is None else is_weights[idx])
+                    vf_loss = masked_value_loss(new_values, values[idx], returns[idx], train_mask[idx],
+                                                args.cliprange_value, num_tokens)
                     # DDP and FSDP average the ranks' gradients; × world_size turns that into the minibatch's sum
                     ((pg_loss + args.vf_coef * vf_loss) * world_size).backward()
                     with torch.no_grad():  # kept on the device, read once after the loop: no waiting inside a step
-                        m = mask[idx]
+                        m = train_mask[idx]
                         stats["pg_loss"].append(pg_loss.detach())
                         stats["vf_loss"].append(vf_loss.detach())
                         stats["approx_kl"].append(masked_mean(0.5 * (new_logprobs - logprobs[idx]) ** 2, m, num_tokens))
@@ -605,7 +694,11 @@ def main(args: Args):
         stats = {name: torch.stack(parts).tolist() for name, parts in stats.items()}
         valid, residual = mask.bool(), (returns - values).double()
         r = returns.double()[valid]
-        sums = all_reduce_sum({"score": scores.sum(), "k1": k1.sum(), "k3": k3.sum(), "rollout_entropy": (entropy * mask).sum(),
+        corrected = {} if is_weights is None else {"is_weight": (is_weights * mask).sum(),
+                                                   "is_masked": ((is_weights == 0) * mask).sum()}
+        sums = all_reduce_sum({"score": scores.nansum(), "scored": (~scores.isnan()).sum(),
+                               "logprob_diff": mismatch[0], "kl_k3_sampler": mismatch[2], "outside": mismatch[3],
+                               **corrected, "k1": k1.sum(), "k3": k3.sum(), "rollout_entropy": (entropy * mask).sum(),
                                "non_score": non_score.sum(), "eos": has_eos.sum(), "tokens": valid.sum(),
                                "r": r.sum(), "rr": (r * r).sum(), "e": residual[valid].sum(),
                                "ee": (residual[valid] ** 2).sum(),
@@ -614,12 +707,15 @@ def main(args: Args):
         B, num_minibatches = args.batch_size, args.ppo_epochs * args.batch_size // args.mini_batch_size
         n = sums["tokens"]  # Var(R) and Var(R − V) over the valid tokens, both × (n − 1), which cancels
         var_returns, var_residual = sums["rr"] - sums["r"] ** 2 / n, sums["ee"] - sums["e"] ** 2 / n
+        logprob_diff_max = mismatch[1]
         if dist.is_initialized():
             dist.all_reduce(first_ratio_error, op=dist.ReduceOp.MAX)  # the largest on any rank
+            dist.all_reduce(logprob_diff_max, op=dist.ReduceOp.MAX)
+        mean_score = sums["score"] / max(1, sums["scored"])  # over the scored responses
         logs = {
-            "objective/reward": sums["score"] / B, "objective/kl": sums["k1"] / B, "objective/kl_k3": sums["k3"] / B,
+            "objective/reward": mean_score, "objective/kl": sums["k1"] / B, "objective/kl_k3": sums["k3"] / B,
             "objective/entropy": sums["rollout_entropy"] / B, "objective/non_score_reward": sums["non_score"] / B,
-            "objective/rlhf_reward": sums["score"] / B + sums["non_score"] / B,
+            "objective/rlhf_reward": mean_score + sums["non_score"] / B,
             # each of these: the sum of its micro-batch parts per minibatch, the mean over minibatches
             "policy/approx_kl": sums["approx_kl"] / num_minibatches, "policy/clipfrac": sums["clipfrac"] / num_minibatches,
             "policy/ratio_mean": sums["ratio"] / num_minibatches, "policy/entropy": sums["entropy"] / num_minibatches,
@@ -630,7 +726,13 @@ def main(args: Args):
             "val/num_eos": sums["eos"],
             "charts/kl_coef": kl_coef, "charts/learning_rate": lr,
             "charts/episodes_per_second": iteration * B / (time.time() - start_time),
+            # the sampler against π_old (sampler_mismatch), over the rollout's tokens
+            "rollout/logprob_diff_mean": sums["logprob_diff"] / n, "rollout/logprob_diff_max": logprob_diff_max,
+            "rollout/kl_k3": sums["kl_k3_sampler"] / n, "rollout/ratio_outside_fraction": sums["outside"] / n,
         }
+        if is_weights is not None:  # the correction's weights: their mean, and the tokens they leave out (weight 0)
+            logs["rollout/is_weight_mean"] = sums["is_weight"] / n
+            logs["rollout/is_masked_fraction"] = sums["is_masked"] / n
         for name in names:  # each term of the score, over the responses it applies to (the reward model's: score)
             if sums[f"rewards/{name}/n"] > 0:
                 tag = "objective/score" if name == "reward_model" and reward is not None else f"rewards/{name}"
@@ -1363,7 +1465,9 @@ def generate(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperat
     whose log-probs are trained. A loop of its own rather than transformers' `generate`, for two savings that
     change nothing sampled: each distinct prompt's forward pass runs once, its KV cache shared by the rows that
     repeat it (GRPO's G completions), and a row that has stopped leaves the batch, so that each step costs what
-    the rows still running need."""
+    the rows still running need. Also returns sampler_logprobs: each drawn token's log-probability under the
+    distribution it was drawn from (0 on padding), which the sampler holds anyway; RL compares it with the policy
+    it trains."""
     device = model.device
     width = max(len(p) for p in prompt_ids)
     input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompt_ids], device=device)
@@ -1377,8 +1481,8 @@ def generate(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperat
         # On one GPU the step is a CUDA graph over a preallocated cache; sharded, every rank must step together
         graphed = device.type == "cuda" and not sharded and CACHE == "cache" and model.config._attn_implementation == "sdpa"
         loop = sample_tokens_graphed if graphed else sample_tokens
-        responses = loop(model, input_ids, attention_mask, torch.tensor(stop_ids, device=device), pad_token_id,
-                         max_new_tokens, temperature, greedy)
+        responses, sampler_logprobs = loop(model, input_ids, attention_mask, torch.tensor(stop_ids, device=device),
+                                           pad_token_id, max_new_tokens, temperature, greedy)
     finally:
         for module in sharded:
             module.reshard()
@@ -1389,11 +1493,13 @@ def generate(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperat
     length = int(response_mask.sum(1).max())  # the longest response: no later column is anything but padding
     response_mask = response_mask[:, :length]
     responses = responses[:, :length].masked_fill(response_mask == 0, pad_token_id)
-    return (torch.cat([input_ids, responses], 1), torch.cat([attention_mask, response_mask], 1), width, response_mask)
+    return (torch.cat([input_ids, responses], 1), torch.cat([attention_mask, response_mask], 1), width, response_mask,
+            sampler_logprobs[:, :length] * response_mask)
 
 
 def sample_tokens(model, input_ids, attention_mask, stops, pad_token_id, max_new_tokens, temperature, greedy):
-    """The sampling loop of `generate`: [rows, max_new_tokens] tokens, pad_token_id after a row's stop token."""
+    """The sampling loop of `generate`: [rows, max_new_tokens] tokens, pad_token_id after a row's stop token, and
+    the log-probability of each under the distribution it was drawn from."""
     width = input_ids.shape[1]
     distinct, row_prompt = torch.unique(torch.cat([input_ids, attention_mask], 1), dim=0, return_inverse=True)
     prompt_mask = distinct[:, width:]
@@ -1402,6 +1508,7 @@ def sample_tokens(model, input_ids, attention_mask, stops, pad_token_id, max_new
     cache, logits = out[CACHE], out.logits[row_prompt, -1]
     cache.batch_select_indices(row_prompt)  # each row's copy of its prompt's keys and values
     responses = torch.full((len(input_ids), max_new_tokens), pad_token_id, device=input_ids.device)
+    sampler_logprobs = torch.zeros(len(input_ids), max_new_tokens, device=input_ids.device)
     running = torch.arange(len(input_ids), device=input_ids.device)  # the rows still sampling
     positions = attention_mask.sum(1)  # of each row's next token: positions count real tokens only
     for t in range(max_new_tokens):
@@ -1409,6 +1516,7 @@ def sample_tokens(model, input_ids, attention_mask, stops, pad_token_id, max_new
             z = logits.float() / temperature
             tokens = z.argmax(-1) if greedy else torch.multinomial(torch.softmax(z, -1), 1).squeeze(1)
             responses[running, t] = tokens
+            sampler_logprobs[running, t] = torch.log_softmax(z, -1).gather(1, tokens[:, None]).squeeze(1)
             going = ~torch.isin(tokens, stops)
             if not going.all():  # the rows that stopped leave the batch, and their cache with them
                 keep = going.nonzero().squeeze(1)
@@ -1425,7 +1533,7 @@ def sample_tokens(model, input_ids, attention_mask, stops, pad_token_id, max_new
         attention_mask = F.pad(attention_mask, (0, 1), value=1)
         logits = model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=(positions + t)[:, None],
                        use_cache=True, **{CACHE: cache}).logits[:, -1]
-    return responses
+    return responses, sampler_logprobs
 
 
 def sample_tokens_graphed(model, input_ids, attention_mask, stops, pad_token_id, max_new_tokens, temperature, greedy,
@@ -1454,9 +1562,11 @@ def sample_tokens_graphed(model, input_ids, attention_mask, stops, pad_token_id,
     step = lambda: model(input_ids=token, attention_mask=keys[:, None, None, :], position_ids=position,  # noqa: E731
                          use_cache=True, **{CACHE: cache}).logits[:, -1]
     responses = torch.full((rows, max_new_tokens), pad_token_id, device=device)
+    sampler_logprobs = torch.zeros(rows, max_new_tokens, device=device)
     done = torch.zeros(rows, dtype=torch.bool, device=device)
     for t in range(max_new_tokens):
-        tokens = draw_tokens(logits, temperature, greedy).masked_fill(done, pad_token_id)
+        tokens, sampler_logprobs[:, t] = draw_tokens(logits, temperature, greedy)
+        tokens = tokens.masked_fill(done, pad_token_id)
         responses[:, t] = tokens
         done |= torch.isin(tokens, stops)
         if t + 1 == max_new_tokens or (t + 1) % check_every == 0 and done.all():
@@ -1478,15 +1588,16 @@ def sample_tokens_graphed(model, input_ids, attention_mask, stops, pad_token_id,
         else:
             cuda_graph.replay()
             logits = graph_logits
-    return responses
+    return responses, sampler_logprobs
 
 
 def draw_tokens(logits, temperature, greedy):
     """One token per row from softmax(logits / T) in float32 (the argmax if greedy), with no host sync: the argmax
     of p / E with E ~ Exp(1) (the exponential race) draws index i with probability p_i, as torch.multinomial
-    does, without multinomial's checks of its input on the host."""
+    does, without multinomial's checks of its input on the host. Returns (tokens, their log-probabilities)."""
     z = logits.float() / temperature
-    return z.argmax(-1) if greedy else (torch.softmax(z, -1) / torch.empty_like(z).exponential_()).argmax(-1)
+    tokens = z.argmax(-1) if greedy else (torch.softmax(z, -1) / torch.empty_like(z).exponential_()).argmax(-1)
+    return tokens, torch.log_softmax(z, -1).gather(1, tokens[:, None]).squeeze(1)
 
 
 def check_kv_cache(model, rows, length, device, bf16):
@@ -1521,13 +1632,13 @@ def generate_in_chunks(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens
 
 
 def join_samples(samples, pad_token_id):
-    """Outputs of `generate`, (sequences, attention_mask, context_length, response_mask), as one: the rows of all,
-    the prompts left-padded to the longest and the responses right-padded to the longest."""
+    """Outputs of `generate`, (sequences, attention_mask, context_length, response_mask, sampler_logprobs), as one:
+    the rows of all, the prompts left-padded to the longest and the responses right-padded to the longest."""
     width, length = max(s[2] for s in samples), max(s[3].shape[1] for s in samples)
     pad = lambda t, left, value: F.pad(t, (left, width + length - left - t.shape[1]), value=value)  # noqa: E731
     return (torch.cat([pad(s[0], width - s[2], pad_token_id) for s in samples]),
             torch.cat([pad(s[1], width - s[2], 0) for s in samples]), width,
-            torch.cat([F.pad(s[3], (0, length - s[3].shape[1])) for s in samples]))
+            *(torch.cat([F.pad(s[k], (0, length - s[k].shape[1])) for s in samples]) for k in (3, 4)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1745,6 +1856,17 @@ def run_directory(args, checkpoint, device):
 # ---------------------------------------------------------------------------------------------
 # Training and saving
 # ---------------------------------------------------------------------------------------------
+@torch.no_grad()
+def swap_weights(parameters, weights):
+    """Exchange each of `parameters` with its tensor of `weights` in place, one temporary copy at a time: the
+    sampler of --rollout-lag is the policy holding older weights (the copy keeps each tensor where it is)."""
+    for p, w in zip(parameters, weights):
+        current = p.clone()
+        p.copy_(w)
+        w.copy_(current)
+
+
+
 def get_lr(step, lr, warmup_steps, max_steps, decay):
     """Learning rate of optimizer step `step` = 0, 1, ...: `lr` × a linear warmup min(1, (step + 1) / warmup_steps)
     × a decay to 0 at `max_steps`: "linear", min(1, (max_steps − step) / (max_steps − warmup_steps)), flat through

@@ -255,12 +255,12 @@ real = script.generate_in_chunks
 
 def replay(model, prompt_ids, *args, **kwargs):
     # the training rollout (the evaluation samples another number of prompts): this rank's rows of rollout.pt
-    sequences, attention_mask, width, mask = torch.load("rollout.pt")
+    sequences, attention_mask, width, mask, sampler_logprobs = torch.load("rollout.pt")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if len(prompt_ids) != len(sequences) // world_size:
         return real(model, prompt_ids, *args, **kwargs)
     rows = slice(int(os.environ.get("RANK", "0")) * len(prompt_ids), (int(os.environ.get("RANK", "0")) + 1) * len(prompt_ids))
-    return sequences[rows], attention_mask[rows], width, mask[rows]
+    return sequences[rows], attention_mask[rows], width, mask[rows], sampler_logprobs[rows]
 
 
 script.generate_in_chunks = replay

@@ -212,8 +212,8 @@ def test_grpo_clipfrac_counts_only_where_the_clip_is_active():
     assert low.tolist() == [[False, False, False], [True, False, False]]  # row 1: 0.5 < 1 − 0.2, Â < 0
     assert high.tolist() == [[False, False, True], [False, False, False]]  # row 0: 1.5 > 1 + 0.28, Â > 0
     assert grpo.clipped_tokens(torch.tensor([[1.25]]), torch.tensor([1.0]), 0.2, 0.28, "grpo")[1].tolist() == [[False]]
-    # CISPO caps the weight above 1 + ε_high whatever the advantage's sign, and has no lower bound
-    low, high = grpo.clipped_tokens(ratio, advantages, 0.2, 0.28, "cispo")
+    # CISPO caps the weight above ε_high itself (TRL's) whatever the advantage's sign, and has no lower bound
+    low, high = grpo.clipped_tokens(ratio, advantages, 0.2, 1.28, "cispo")
     assert not low.any() and high.tolist() == [[False, False, True], [False, False, True]]
 
 
@@ -309,13 +309,15 @@ def test_the_graphed_loop_samples_the_greedy_tokens_of_the_eager_loop(arch, devi
     input_ids, mask = left_padded([[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [10, 11], [40, 41, 42, 43]], 0, device)
     never = torch.tensor([-1], device=device)
     with torch.no_grad():
-        free = grpo.sample_tokens(model, input_ids, mask, never, 0, 24, 1.0, True)
+        free, _ = grpo.sample_tokens(model, input_ids, mask, never, 0, 24, 1.0, True)
         stops = free[[0, 2], 3].unique()  # two rows stop early, the others may later or never
-        eager = grpo.sample_tokens(model, input_ids, mask, stops, 0, 24, 1.0, True)
-        graphed = grpo.sample_tokens_graphed(model, input_ids, mask, stops, 0, 24, 1.0, True,
-                                             graph=device == "cuda", check_every=2)
+        eager, eager_logprobs = grpo.sample_tokens(model, input_ids, mask, stops, 0, 24, 1.0, True)
+        graphed, graphed_logprobs = grpo.sample_tokens_graphed(model, input_ids, mask, stops, 0, 24, 1.0, True,
+                                                               graph=device == "cuda", check_every=2)
     assert (eager == 0).any(), "no row stopped early: the test would not see the padding"
     assert torch.equal(graphed, eager), (graphed, eager)
+    valid = (eager != 0).float()  # each drawn token's log-prob, as both loops computed it (not after a row's stop)
+    assert torch.allclose(graphed_logprobs * valid, eager_logprobs * valid, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -330,15 +332,16 @@ def test_a_model_with_sliding_window_layers_samples_with_the_eager_loop(device):
     input_ids, mask = left_padded([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16]], 0, device)
     never = torch.tensor([-1], device=device)
     with torch.no_grad():
-        eager = grpo.sample_tokens(model, input_ids, mask, never, 0, 12, 1.0, True)
-        graphed = grpo.sample_tokens_graphed(model, input_ids, mask, never, 0, 12, 1.0, True, graph=device == "cuda")
+        eager, _ = grpo.sample_tokens(model, input_ids, mask, never, 0, 12, 1.0, True)
+        graphed, _ = grpo.sample_tokens_graphed(model, input_ids, mask, never, 0, 12, 1.0, True, graph=device == "cuda")
     assert torch.equal(graphed, eager), (graphed, eager)
 
 
 def test_the_graphed_loop_samples_from_the_policy_it_trains():
-    """At temperature 0.7 the graphed loop's log-prob of each token it drew (read at each step of its forward)
-    is the log-prob the update computes for that token (policy_logprobs: one pass over prompt + response),
-    to 1e-5: the cache, mask and positions of the steps are the model's."""
+    """At temperature 0.7 the graphed loop's log-prob of each token it drew (read at each step of its forward,
+    and as it returns them: the sampler's log-probs) is the log-prob the update computes for that token
+    (policy_logprobs: one pass over prompt + response), to 1e-5: the cache, mask and positions of the steps are the
+    model's."""
     from lm_models import make_model
 
     torch.manual_seed(0)
@@ -347,24 +350,28 @@ def test_the_graphed_loop_samples_from_the_policy_it_trains():
     steps = []
     model.register_forward_hook(lambda module, args, out: steps.append(out.logits[:, -1].float()))
     with torch.no_grad():
-        responses = grpo.sample_tokens_graphed(model, input_ids, mask, torch.tensor([-1]), 0, 12, 0.7, False, graph=False)
+        responses, returned = grpo.sample_tokens_graphed(model, input_ids, mask, torch.tensor([-1]), 0, 12, 0.7, False,
+                                                         graph=False)
         assert len(steps) == 12  # the prompt's pass and 11 steps, each giving the next token's logits
         sampled = torch.stack([torch.log_softmax(z / 0.7, -1) for z in steps], 1).gather(2, responses[..., None])[..., 0]
         sequences, full_mask = torch.cat([input_ids, responses], 1), torch.cat([mask, torch.ones_like(responses)], 1)
         trained, _ = grpo.policy_logprobs(model, sequences, full_mask, input_ids.shape[1], 0.7)
     assert torch.allclose(sampled, trained, atol=1e-5, rtol=0), (sampled - trained).abs().max()
+    assert torch.equal(returned, sampled)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_draw_tokens_draws_from_the_tempered_softmax(device):
     """The exponential race: 200,000 draws from softmax(z / 0.5) land on each token with its probability (to
-    0.005: about 4 standard errors); greedy is the argmax."""
+    0.005: about 4 standard errors), each returned with its log-probability; greedy is the argmax."""
     torch.manual_seed(0)
     z = torch.tensor([1.0, 0.5, 0.0, -1.0, 0.8], device=device)
-    tokens = grpo.draw_tokens(z.expand(200_000, 5), 0.5, False)
+    tokens, logprobs = grpo.draw_tokens(z.expand(200_000, 5), 0.5, False)
     frequency = torch.bincount(tokens, minlength=5).float() / len(tokens)
     assert torch.allclose(frequency, torch.softmax(z / 0.5, -1), atol=0.005, rtol=0), frequency
-    assert grpo.draw_tokens(z[None], 0.5, True).tolist() == [0]
+    assert torch.allclose(logprobs, torch.log_softmax(z / 0.5, -1)[tokens])
+    greedy, logprob = grpo.draw_tokens(z[None], 0.5, True)
+    assert greedy.tolist() == [0] and logprob.item() == pytest.approx(torch.log_softmax(z / 0.5, -1)[0].item())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")

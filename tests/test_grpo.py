@@ -57,13 +57,14 @@ def test_compute_advantages_dispatches_each_variant(module):
 @pytest.mark.parametrize("module", [grpo, scale_grpo])
 def test_token_losses_dispatch_cispo_and_the_clipped_surrogate(module):
     """ρ = 1.5, 0.5, 1.1, Â = 2, log π = log 0.6, log 0.2, log 0.9, ε_low 0.2, ε_high 0.3. The clipped surrogate:
-    −min(3, 2.6) = −2.6, −min(1, 1.6) = −1, −min(2.2, 2.2) = −2.2 (every loss type but cispo); cispo: weights 1.3,
-    0.5, 1.1 times −Â log π: −1.3·2·(−0.510826) = 1.328148, 1.609438, −1.1·2·(−0.105361) = 0.231793."""
+    −min(3, 2.6) = −2.6, −min(1, 1.6) = −1, −min(2.2, 2.2) = −2.2 (every loss type but cispo); cispo with ε_high
+    1.3, the cap itself (TRL's): weights 1.3, 0.5, 1.1 times −Â log π: −1.3·2·(−0.510826) = 1.328148, 1.609438,
+    −1.1·2·(−0.105361) = 0.231793."""
     ratio, logprobs, advantages = torch.tensor([[1.5, 0.5, 1.1]]), torch.log(torch.tensor([[0.6, 0.2, 0.9]])), torch.tensor([2.0])
     for loss_type in ("grpo", "dapo", "dr_grpo"):
         torch.testing.assert_close(module.token_losses(ratio, logprobs, advantages, loss_type, 0.2, 0.3),
                                    torch.tensor([[-2.6, -1.0, -2.2]]))
-    torch.testing.assert_close(module.token_losses(ratio, logprobs, advantages, "cispo", 0.2, 0.3),
+    torch.testing.assert_close(module.token_losses(ratio, logprobs, advantages, "cispo", 0.2, 1.3),
                                torch.tensor([[1.328148, 1.609438, 0.231793]]))
 
 def test_clipped_surrogate_both_signs_and_clip_higher():
@@ -103,8 +104,8 @@ def test_gspo_one_ratio_and_one_clip_per_completion():
 
 
 def test_cispo_keeps_every_tokens_gradient_with_a_clipped_weight():
-    """CISPO (MiniMax-M1): l_t = −sg(min(ρ_t, 1 + ε_high)) Â log π_t. ρ = 1.5, 0.5, 1.1 with ε_high 0.2: weights
-    1.2, 0.5, 1.1; Â = 2 and log π = log 0.6, log 0.2, log 0.9: l = −1.2·2·(−0.510826) = 1.225982,
+    """CISPO (MiniMax-M1): l_t = −sg(min(ρ_t, ε_high)) Â log π_t, the cap ε_high itself as TRL's (the paper's
+    1 + ε_high^IS). ρ = 1.5, 0.5, 1.1 with ε_high 1.2: weights 1.2, 0.5, 1.1 (the old cap 1 + 1.2 would leave 1.5); Â = 2 and log π = log 0.6, log 0.2, log 0.9: l = −1.2·2·(−0.510826) = 1.225982,
     −0.5·2·(−1.609438) = 1.609438, −1.1·2·(−0.105361) = 0.231793. The gradient to log π_t is −w_t Â = −2.4, −1, −2.2:
     every token's, the clipped first one's too (the clipped surrogate gives it none), and nothing through the
     weight (not detached, it would add −w_t Â log π_t to the unclipped ones)."""
@@ -112,7 +113,7 @@ def test_cispo_keeps_every_tokens_gradient_with_a_clipped_weight():
     logprobs = torch.log(torch.tensor([[0.6, 0.2, 0.9]])).requires_grad_()
     ratio = grpo.importance_ratio(logprobs, old, torch.ones(1, 3), "token")
     torch.testing.assert_close(ratio.detach(), torch.tensor([[1.5, 0.5, 1.1]]))
-    loss = grpo.cispo_loss(ratio, logprobs, torch.tensor([2.0]), 0.2)
+    loss = grpo.cispo_loss(ratio, logprobs, torch.tensor([2.0]), 1.2)
     torch.testing.assert_close(loss.detach(), torch.tensor([[1.225982, 1.609438, 0.231793]]))
     loss.sum().backward()
     torch.testing.assert_close(logprobs.grad, torch.tensor([[-2.4, -1.0, -2.2]]))
@@ -174,12 +175,14 @@ def test_tokenize_prompts_drops_the_empty_and_the_too_long(capsys):
 def test_join_samples_by_hand():
     """Dynamic sampling's rounds as one batch: prompts of different widths left-padded to the widest (the padding
     masked out), responses right-padded to the longest (outside the response mask), the context length the widest."""
-    one = (torch.tensor([[7, 8, 9]]), torch.tensor([[1, 1, 1]]), 2, torch.tensor([[1]]))  # prompt 7 8, response 9
-    two = (torch.tensor([[0, 6, 7, 3, 4]]), torch.tensor([[0, 1, 1, 1, 1]]), 3, torch.tensor([[1, 1]]))
-    sequences, attention_mask, context_length, response_mask = grpo.join_samples([one, two], pad_token_id=0)
+    one = (torch.tensor([[7, 8, 9]]), torch.tensor([[1, 1, 1]]), 2, torch.tensor([[1]]), torch.tensor([[-0.5]]))
+    two = (torch.tensor([[0, 6, 7, 3, 4]]), torch.tensor([[0, 1, 1, 1, 1]]), 3, torch.tensor([[1, 1]]),
+           torch.tensor([[-0.25, -2.0]]))  # one: prompt 7 8, response 9 (its sampler's log-prob −0.5)
+    sequences, attention_mask, context_length, response_mask, sampler_logprobs = grpo.join_samples([one, two], 0)
     assert sequences.tolist() == [[0, 7, 8, 9, 0], [0, 6, 7, 3, 4]]
     assert attention_mask.tolist() == [[0, 1, 1, 1, 0], [0, 1, 1, 1, 1]]
     assert context_length == 3 and response_mask.tolist() == [[1, 0], [1, 1]]
+    assert sampler_logprobs.tolist() == [[-0.5, 0.0], [-0.25, -2.0]]
 
 
 def test_informative_groups_and_soft_overlong_punishment():

@@ -394,7 +394,7 @@ def test_sampling_and_scoring_stop_at_the_end_of_turn_token():
 
     for script in (rlhf_ppo, scale_dpo, grpo, dpo):
         sample = script.generate
-        sequences, attention_mask, width, mask = sample(ScriptedModel(), [[3, 4], [6]], pad, stop_ids, 4)
+        sequences, attention_mask, width, mask, _ = sample(ScriptedModel(), [[3, 4], [6]], pad, stop_ids, 4)
         assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]  # cut after the end-of-turn token
         assert sequences[:, width:].tolist() == [[5, eot, pad, pad], [5, 6, 6, 6]]
         reward = AutoModelForSequenceClassification.from_config(GPT2Config(vocab_size=10, n_embd=8, n_layer=1, n_head=2,

@@ -68,10 +68,12 @@ def test_gold_is_the_built_in_gold_score():
 
 
 def test_combine_rewards_weights_and_none_by_hand():
-    """r = Σ_k w_k r_k over the terms that apply: a None (NaN) adds nothing; no term at all gives 0 (TRL's nansum)."""
+    """r = Σ_k w_k r_k over the terms that apply: a None (NaN) adds nothing (TRL's nansum); no term at all leaves
+    the completion unscored, NaN (TRL 1.16; the old nansum gave it 0, a reward like any other)."""
     nan = float("nan")
     table = torch.tensor([[1.0, 0.5], [nan, 2.0], [nan, nan], [0.0, -1.0]])
-    assert grpo.combine_rewards(table, (2.0, -0.5)).tolist() == [1.75, -1.0, 0.0, 0.5]
+    rewards = grpo.combine_rewards(table, (2.0, -0.5))
+    assert rewards[[0, 1, 3]].tolist() == [1.75, -1.0, 0.5] and rewards[2].isnan()
 
 
 @pytest.mark.parametrize("script", [grpo, rlhf_ppo], ids=["grpo", "rlhf_ppo"])
