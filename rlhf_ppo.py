@@ -161,9 +161,9 @@ def masked_mean(x, mask, num_tokens=None):
 
 def masked_whiten(x, mask, eps=1e-8):
     """(x − mean) / std over the valid tokens only, mean = Σ x·m / Σ m and var = Σ (x − mean)²·m / Σ m;
-    padding stays 0."""
-    mean = (x * mask).sum() / mask.sum()
-    variance = ((x - mean) ** 2 * mask).sum() / mask.sum()
+    padding stays 0 (and every token, where none is valid)."""
+    mean = (x * mask).sum() / mask.sum().clamp(min=1)
+    variance = ((x - mean) ** 2 * mask).sum() / mask.sum().clamp(min=1)
     return (x - mean) * torch.rsqrt(variance + eps) * mask
 
 

@@ -215,11 +215,12 @@ def masked_whiten(x, mask, eps=1e-8):
     sums = torch.stack([(x * mask).sum(), mask.sum()])
     if dist.is_initialized():
         dist.all_reduce(sums)
-    mean = sums[0] / sums[1]
+    count = sums[1].clamp(min=1)  # no valid token (none scored): all 0
+    mean = sums[0] / count
     square_sum = ((x - mean) ** 2 * mask).sum()
     if dist.is_initialized():
         dist.all_reduce(square_sum)
-    return (x - mean) * torch.rsqrt(square_sum / sums[1] + eps) * mask
+    return (x - mean) * torch.rsqrt(square_sum / count + eps) * mask
 
 
 def kl_estimators(logprobs, ref_logprobs, mask):

@@ -457,7 +457,7 @@ def test_one_step_raises_the_clipped_surrogate_on_the_sampled_completions(small_
     run_in_process("grpo.py", *CPU_FLOAT32, "--model-name-or-path", str(sft_path), "--num-iterations", "1", "--batch-size", "16",
                    "--num-generations", "4", "--mini-batch-size", "16", "--ppo-epochs", "1", "--beta", "0", "--lr", "1e-4",
                    "--eval-size", "8", "--output-dir", "out", cwd=tmp_path)
-    sequences, attention_mask, width, mask = rollout()
+    sequences, attention_mask, width, mask, _ = rollout()
     groups = gold_rewards(AutoTokenizer.from_pretrained(sft_path), sequences, width, mask).view(4, 4)
     advantages = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).flatten()
     assert (advantages != 0).sum() >= 4  # something to learn from
@@ -525,7 +525,7 @@ def test_the_variant_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypat
     run_in_process("grpo.py", *CPU_FLOAT32, "--model-name-or-path", str(small_checkpoints["sft"]), "--num-iterations", "1", "--batch-size", "16",
                    "--num-generations", "4", "--mini-batch-size", "16", "--ppo-epochs", "1", "--beta", "0",
                    "--eval-size", "8", "--output-dir", "out", *flags, cwd=tmp_path)
-    sequences, _, width, mask = rollout()
+    sequences, _, width, mask, _ = rollout()
     r = gold_rewards(AutoTokenizer.from_pretrained(small_checkpoints["sft"]), sequences, width, mask)
     if "--soft-overlong-cache" in flags:  # DAPO's penalty by hand, L_max 10, L_cache 5: (5 − |o|) / 5 past 5 tokens
         lengths, stopped = mask.sum(1).float(), r != -1
