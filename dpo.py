@@ -72,7 +72,8 @@ class Args:
     beta: float = 0.5
     """β: the strength of the implicit KL constraint to the reference"""
     label_smoothing: float = 0.0
-    """conservative DPO: the probability that a preference label is flipped (sigmoid loss only)"""
+    """conservative DPO: the probability that a preference label is flipped (sigmoid loss only; TRL 1.16's sigmoid
+    loss ignores its label_smoothing)"""
     max_steps: int = 300
     """optimizer steps (the data is cycled, reshuffled each pass)"""
     batch_size: int = 64

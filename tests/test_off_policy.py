@@ -178,7 +178,7 @@ def test_the_correction_flags_reach_the_loss(small_checkpoints, tmp_path, monkey
 
 
 @pytest.mark.parametrize("script", ["grpo.py", "scale/grpo.py"])
-def test_the_off_policy_mask_reaches_the_loss(tiny_checkpoints, tmp_path, monkeypatch, script):
+def test_the_off_policy_mask_reaches_the_loss(small_checkpoints, tmp_path, monkeypatch, script):
     """--off-policy-mask-threshold δ reaches off_policy_sequence_mask with the update's log-probs, and the mask
     multiplies the policy loss: a mask of zeros leaves a policy loss of 0; the share it drops is logged."""
     import importlib
@@ -191,11 +191,15 @@ def test_the_off_policy_mask_reaches_the_loss(tiny_checkpoints, tmp_path, monkey
         return torch.zeros(len(mask), 1)
 
     monkeypatch.setattr(module, "off_policy_sequence_mask", drop_all)
-    run_in_process(script, *CPU_FLOAT32, *rl_flags(script, tiny_checkpoints), "--num-iterations", "1",
-                   "--off-policy-mask-threshold", "0.3", "--output-dir", "out", cwd=tmp_path)
+    flags = [*CPU_FLOAT32, *rl_flags(script, small_checkpoints), "--num-iterations", "1", "--output-dir", "out"]
+    run_in_process(script, *flags, "--off-policy-mask-threshold", "0.3", cwd=tmp_path)
     assert seen == [0.3] * 4  # 2 epochs × 2 minibatches
     logs = read_scalars(only_run_dir(tmp_path))
     assert logs["losses/policy_loss"] == [(1, 0.0)] and logs["policy/off_policy_masked_fraction"] == [(1, 1.0)]
+    monkeypatch.undo()  # without the mask the same run has a loss to drop
+    (tmp_path / "unmasked").mkdir()
+    run_in_process(script, *flags, cwd=tmp_path / "unmasked")
+    assert read_scalars(only_run_dir(tmp_path / "unmasked"))["losses/policy_loss"][0][1] != 0
 
 
 @pytest.mark.parametrize("script", ["grpo.py", "scale/grpo.py"])
@@ -227,6 +231,7 @@ def test_dapo_divides_by_the_rollouts_tokens_per_step(small_checkpoints, tmp_pat
                    "--loss-type", "dapo", "--ppo-epochs", "1", "--output-dir", "out", cwd=tmp_path)
     (tokens,) = rollout
     assert [n for _, n in seen] == [tokens / 2, tokens / 2]
+    assert "rollout/is_weight_mean" not in read_scalars(only_run_dir(tmp_path))  # at lag 0, no correction by default
     assert any(own != tokens / 2 for own, _ in seen), seen  # the minibatches' own counts differ: the test can tell
 
 

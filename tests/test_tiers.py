@@ -127,20 +127,27 @@ def variant_flags(variant, checkpoints, tmp_path):
         # most of the tiny SFT model's completions run to the limit here; in grpo-rloo-cispo every one stops. A
         # token-level loss, whose normalizer counts the tokens the filter leaves (grpo's per-completion mean does not)
         "grpo-truncated": ["--mask-truncated-completions", "--response-length", "6", "--loss-type", "dapo"],
+        # stale rollouts (a lag of 1 and 2) and every correction flag at a value where it binds
+        "grpo-off_policy": ["--rollout-lag", "1", "--vllm-importance-sampling-mode", "token_mask",
+                            "--vllm-importance-sampling-clip-min", "0.8", "--vllm-importance-sampling-clip-max", "1.2",
+                            "--off-policy-mask-threshold", "0.01", "--loss-type", "dapo"],
+        "rlhf_ppo-off_policy": ["--rollout-lag", "2", "--vllm-importance-sampling-mode", "sequence_truncate",
+                                "--vllm-importance-sampling-clip-max", "1.1"],
         "grpo-dr_grpo": ["--no-scale-rewards", "--loss-type", "dr_grpo", "--epsilon-high", "0.001", "--dynamic-sampling",
                          "--max-sampling-rounds", "2"],
     }.get(variant, [])
 
 
 CASES = list(TIERS) + ["sft-pretrained", "reward_model-margin", "dpo-ipo", "rlhf_ppo-terms", "grpo-rloo-cispo",
-                       "grpo-dr_grpo", "grpo-truncated", "rlhf_ppo-kl_coef"]
+                       "grpo-dr_grpo", "grpo-truncated", "rlhf_ppo-kl_coef", "grpo-off_policy", "rlhf_ppo-off_policy"]
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_the_reference_and_its_scale_sibling_compute_the_same(tiny_checkpoints, small_checkpoints, tmp_path, case):
     """The default flags, and variants that take every loss-shaping flag both tiers accept off its default."""
     script = case.split("-")[0]
-    checkpoints = small_checkpoints if case in ("rlhf_ppo-terms", "grpo-rloo-cispo") else tiny_checkpoints
+    checkpoints = (small_checkpoints if case in ("rlhf_ppo-terms", "grpo-rloo-cispo", "grpo-off_policy", "rlhf_ppo-off_policy")
+                   else tiny_checkpoints)
     flags = flags_of(script, checkpoints) + variant_flags(case, checkpoints, tmp_path)
     (logs, weights), (scale_logs, scale_weights) = (run(path, flags + ["--output-dir", f"models/{script}"],
                                                         tmp_path / path.replace("/", "_"))
