@@ -502,11 +502,11 @@ def check_args(args):
     if low is not None and high is not None and low >= high:
         sys.exit(f"error: --vllm-importance-sampling-clip-min {low} must be below --vllm-importance-sampling-clip-max "
                  f"{high}")
+    if args.loss_type == "cispo" and args.importance_sampling_level == "sequence":
+        sys.exit("error: --loss-type cispo weighs each token by its own ratio: use --importance-sampling-level token")
     if args.loss_type == "cispo" and args.epsilon_high is None:
         sys.exit("error: --loss-type cispo caps each token's weight at --epsilon-high itself (TRL's meaning): set it, "
                  "e.g. --epsilon-high 5.0 (TRL's recommendation, the paper's 1 + 4)")
-    if args.loss_type == "cispo" and args.importance_sampling_level == "sequence":
-        sys.exit("error: --loss-type cispo weighs each token by its own ratio: use --importance-sampling-level token")
     if args.batch_size % G:
         sys.exit(f"error: --batch-size {args.batch_size} completions do not split into groups of --num-generations {G}")
     if args.batch_size % args.mini_batch_size:

@@ -224,7 +224,7 @@ def test_sampling_keeps_the_models_generation_config(tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(path)
     before = model.generation_config.to_dict()
-    sequences, _, width, mask = rlhf_ppo.generate(model, [[1, 5, 6]], 0, [2], 4, temperature=0.7)
+    sequences, _, width, mask, _ = rlhf_ppo.generate(model, [[1, 5, 6]], 0, [2], 4, temperature=0.7)
     assert model.generation_config.to_dict() == before and before["top_p"] == 0.8
     assert sequences.shape == (1, width + mask.shape[1]) and mask.shape[1] <= 4
 

@@ -564,7 +564,8 @@ def test_the_variant_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypat
 def test_each_epoch_trains_on_every_completion_once(small_checkpoints, tmp_path, monkeypatch):
     """--ppo-epochs 3 over a batch of 16 completions in minibatches of 8: six clipped surrogates, and the two of
     each epoch receive between them every completion's advantage once. A loop that ignores --ppo-epochs fails.
-    The policy loss and the KL penalty of each are normalized by the minibatch's 8 completions, not the batch's 16."""
+    The policy loss and the KL penalty of each are normalized by the minibatch's 8 completions, not the batch's 16,
+    and their tokens by the rollout's ÷ 2 (its minibatches), the same in every step."""
     received, normalizers, real, real_aggregate = [], [], grpo.clipped_surrogate, grpo.aggregate_loss
 
     def surrogate_spy(ratio, advantages, epsilon_low, epsilon_high):
@@ -572,7 +573,7 @@ def test_each_epoch_trains_on_every_completion_once(small_checkpoints, tmp_path,
         return real(ratio, advantages, epsilon_low, epsilon_high)
 
     def aggregate_spy(per_token, mask, loss_type, num_sequences, num_tokens, max_completion_length):
-        normalizers.append((num_sequences, num_tokens == mask.sum().item()))
+        normalizers.append((num_sequences, num_tokens, mask.sum().item()))
         return real_aggregate(per_token, mask, loss_type, num_sequences, num_tokens, max_completion_length)
 
     monkeypatch.setattr(grpo, "clipped_surrogate", surrogate_spy)
@@ -584,7 +585,9 @@ def test_each_epoch_trains_on_every_completion_once(small_checkpoints, tmp_path,
     epochs = [torch.cat(received[i : i + 2]).sort().values for i in (0, 2, 4)]
     assert (epochs[0] != 0).any()
     assert torch.equal(epochs[0], epochs[1]) and torch.equal(epochs[0], epochs[2])
-    assert normalizers == [(8, True)] * 12  # six minibatches, each a policy loss and a KL penalty (β 0.04)
+    tokens = normalizers[0][2] + normalizers[2][2]  # the first epoch's two minibatches: the rollout in order
+    # six minibatches, each a policy loss and a KL penalty (β 0.04)
+    assert [(n, t) for n, t, _ in normalizers] == [(8, tokens / 2)] * 12
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
@@ -660,7 +663,7 @@ def test_dynamic_sampling_trains_on_the_groups_that_differ(small_checkpoints, tm
                    cwd=tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(small_checkpoints["sft"])
     batches = [call for call in calls if len(call[0]) == 16]  # the training batches (the evaluations sample 8)
-    groups = torch.cat([half_constant_rewards(tokenizer, s, w, m) for s, _, w, m in batches]).view(-1, 4)
+    groups = torch.cat([half_constant_rewards(tokenizer, s, w, m) for s, _, w, m, _ in batches]).view(-1, 4)
     differ = groups.amax(1) > groups.amin(1)
     # as many batches as it took to find 4 groups that differ, and one or more groups of equal rewards dropped
     assert int(differ[:-4].sum()) < 4 <= int(differ.sum()) and len(batches) <= 6
@@ -718,7 +721,7 @@ def test_the_kl_penalty_is_to_the_reference_and_never_negative(small_checkpoints
                    "--num-generations", "4", "--mini-batch-size", "16", "--ppo-epochs", "1", "--beta", "0.5",
                    "--lr", "1e-3", "--no-anneal-lr", "--eval-size", "4", "--eval-every", "10", "--output-dir", "out",
                    cwd=tmp_path)
-    sequences, attention_mask, width, mask = [call for call in calls if len(call[0]) == 16][1]  # iteration 2's
+    sequences, attention_mask, width, mask, _ = [call for call in calls if len(call[0]) == 16][1]  # iteration 2's
     reference = response_token_logprobs(AutoModelForCausalLM.from_pretrained(sft_path).eval(), sequences,
                                         attention_mask, width)
     valid = mask.bool()

@@ -279,13 +279,13 @@ def test_sampling_draws_from_the_models_own_distribution(tmp_path, script):
         model.lm_head.weight *= 20  # a peaked distribution: the right temperature, and the right position, show
     never = [len(tokenizer) - 1]  # a stop token that greedy sampling does not produce here
     sample = script.generate
-    sequences, _, width, _ = sample(model, prompts, pad, never, 8, greedy=True)
+    sequences, _, width, _, _ = sample(model, prompts, pad, never, 8, greedy=True)
     stop = [sequences[0, width + 1].item()]  # row 0 stops at its second token; the others go on longer
     steps = []  # the logits of each step after the first, of the rows still running
     model.register_forward_hook(lambda m, args, kwargs, out: steps.append(out.logits[:, -1])
                                 if kwargs.get(script.CACHE) is not None and kwargs["input_ids"].shape[1] == 1
                                 else None, with_kwargs=True)
-    sequences, attention_mask, width, response_mask = sample(model, prompts, pad, stop, 8, greedy=True)
+    sequences, attention_mask, width, response_mask, _ = sample(model, prompts, pad, stop, 8, greedy=True)
     assert response_mask[0].sum() <= 2 and response_mask.sum(1).max() == 8 and len(steps) == 7
     with torch.no_grad():
         logits = model(input_ids=sequences, attention_mask=attention_mask,
@@ -297,7 +297,7 @@ def test_sampling_draws_from_the_models_own_distribution(tmp_path, script):
 
     torch.manual_seed(0)
     n = 4000
-    sequences, _, width, _ = sample(model, [prompts[0]] * n, pad, never, 1, temperature=0.7)
+    sequences, _, width, _, _ = sample(model, [prompts[0]] * n, pad, never, 1, temperature=0.7)
     with torch.no_grad():
         p = torch.softmax(model(input_ids=torch.tensor([prompts[0]])).logits[0, -1].float() / 0.7, -1)
     assert p.max() < 0.9  # not all on one token

@@ -205,7 +205,7 @@ def test_one_step_raises_the_surrogate_and_lowers_the_critic_error(tiny_checkpoi
     run_in_process("rlhf_ppo.py", *CPU_FLOAT32, "--model-name-or-path", str(sft_path), "--reward-model-path", str(rm_path),
                    "--num-iterations", "1", "--batch-size", "8", "--mini-batch-size", "8", "--ppo-epochs", "1",
                    "--kl-coef", "0", "--lr", "1e-4", "--eval-size", "4", "--output-dir", "out", cwd=tmp_path)
-    sequences, attention_mask, width, mask = next(call for call in calls if len(call[0]) == 8)
+    sequences, attention_mask, width, mask, _ = next(call for call in calls if len(call[0]) == 8)
     mask = mask.float()
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
@@ -333,7 +333,7 @@ def test_a_response_with_no_stop_token_is_scored_the_missing_eos_penalty(small_c
                    "--num-iterations", "1", "--batch-size", "16", "--mini-batch-size", "16", "--ppo-epochs", "1",
                    "--response-length", "6", "--missing-eos-penalty", "-7.5", "--eval-size", "4", "--output-dir", "out",
                    cwd=tmp_path)
-    sequences, attention_mask, width, mask = next(call for call in calls if len(call[0]) == 16)
+    sequences, attention_mask, width, mask, _ = next(call for call in calls if len(call[0]) == 16)
     stopped = ((sequences[:, width:] == 1) & mask.bool()).any(1)  # ByT5's EOS
     assert stopped.any() and not stopped.all(), stopped  # both kinds in the rollout
     (scores,) = received
@@ -366,9 +366,9 @@ def test_the_ppo_flags_reach_the_losses_and_the_gradient(tiny_checkpoints, tmp_p
         seen["kl_coef"].append(kl_coef)
         return real["shaped_rewards"](logprobs, ref_logprobs, scores, mask, kl_coef)
 
-    def policy_spy(new_logprobs, logprobs, advantages, mask, cliprange, num_tokens):
+    def policy_spy(new_logprobs, logprobs, advantages, mask, cliprange, num_tokens, weights=None):
         seen["cliprange"].append(cliprange)
-        pg_loss, ratio = real["policy_loss"](new_logprobs, logprobs, advantages, mask, cliprange, num_tokens)
+        pg_loss, ratio = real["policy_loss"](new_logprobs, logprobs, advantages, mask, cliprange, num_tokens, weights)
         if len(seen["cliprange"]) == 1:  # before any step: the rollout's log-probs, at the same --temperature
             assert torch.equal(ratio * mask, mask)
         return 0 * pg_loss, ratio
