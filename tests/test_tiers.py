@@ -117,7 +117,7 @@ def variant_flags(variant, checkpoints, tmp_path):
                            "20", "--missing-eos-penalty", "-2", "--cliprange", "0.1", "--cliprange-value", "0.1",
                            "--vf-coef", "0.3", "--gamma", "0.95", "--lam", "0.9", "--temperature", "0.8",
                            "--response-length", "7", "--max-prompt-length", "12"],
-        "grpo-rloo-cispo": ["--advantage", "rloo", "--loss-type", "cispo", "--epsilon-high", "0.001",
+        "grpo-rloo-cispo": ["--advantage", "rloo", "--loss-type", "cispo", "--epsilon-high", "1.001",  # a cap that caps
                             "--mask-truncated-completions", "--soft-overlong-cache", "4", "--beta", "1.0",
                             "--reward-fn", "gold", "--reward-fn", "format", "--format-pattern", "[0-4]*", *partial,
                             "--reward-model-path", str(checkpoints["reward_model"]),
