@@ -61,7 +61,8 @@ def main(out_dir, figure=None):
         elif "policy/off_policy_masked_fraction" in by_seed[seeds[0]]:
             weights = f"{100 * run_mean('policy/off_policy_masked_fraction'):.1f}% of completions"
         kl = mean([by_seed[s]["eval/kl"][-1][1] for s in seeds]) if "eval/kl" in by_seed[seeds[0]] else float("nan")
-        print(f"| {lag} | {correction} | {len(seeds)} | {100 * mean(final):.1f}% ± {100 * interval(final):.1f} | "
+        spread = f" ± {100 * interval(final):.1f}" if len(final) > 1 else ""  # one seed: no interval
+        print(f"| {lag} | {correction} | {len(seeds)} | {100 * mean(final):.1f}%{spread} | "
               f"{', '.join(f'{100 * v:.1f}' for v in final)} | {run_mean('rollout/kl_k3'):.2e} | "
               f"{run_mean('rollout/logprob_diff_mean'):.2e} | {weights} | {kl:.2f} |")
     if figure:
