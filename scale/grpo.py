@@ -545,6 +545,9 @@ def check_args(args):
                  f"{args.response_length} where the penalty grows, from 0 (off) to {args.response_length - 1}")
     if args.rollout_lag < 0:
         sys.exit(f"error: --rollout-lag {args.rollout_lag}: the iterations the sampler's weights lag, 0 or more")
+    if args.rollout_lag and args.resume is not None:  # the K older weights are not in a checkpoint
+        sys.exit("error: --resume with --rollout-lag: a checkpoint holds the current weights, not the K older ones the "
+                 "sampler needs, so the run would not resume exactly; resume without --rollout-lag or start anew")
     modes = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
     if args.vllm_importance_sampling_mode not in modes:
         sys.exit(f"error: --vllm-importance-sampling-mode {args.vllm_importance_sampling_mode!r}: choose one of "

@@ -296,3 +296,11 @@ def test_cispo_without_its_cap_is_one_line(tmp_path, script):
     assert "--epsilon-high" in message and "5.0" in message, message
     message = one_line_exit(script, *CPU_FLOAT32, "--off-policy-mask-threshold", "-1", cwd=tmp_path)
     assert "--off-policy-mask-threshold -1" in message, message
+
+
+@pytest.mark.parametrize("script", ["scale/grpo.py", "scale/rlhf_ppo.py"])
+def test_a_lagged_run_does_not_resume(tmp_path, script):
+    """A checkpoint holds the current weights, not the K older ones the sampler needs: --resume with --rollout-lag
+    is one line, not a resume that is not exact."""
+    message = one_line_exit(script, *CPU_FLOAT32, "--rollout-lag", "2", "--resume", "runs/x", cwd=tmp_path)
+    assert "--resume with --rollout-lag" in message, message
