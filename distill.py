@@ -1,0 +1,777 @@
+"""On-policy distillation: the student samples its own completions, a frozen teacher scores every token of them,
+and the student is trained toward the teacher on exactly the states it visits.
+
+Agarwal et al. 2024, "On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes" (GKD,
+ICLR 2024), with the generalized Jensen-Shannon divergence between the teacher's and the student's next-token
+distributions over the whole vocabulary, at each completion token (section 3, as TRL 1.16's DistillationTrainer):
+
+    M = β π_T + (1 − β) π_S,    JSD_β(π_T ‖ π_S) = β KL(π_T ‖ M) + (1 − β) KL(π_S ‖ M)
+    β = 0: KL(π_T ‖ π_S), the forward KL (supervised distillation's);  β = 1: KL(π_S ‖ π_T), the reverse KL
+
+minimized over the tokens of completions the student sampled itself: with probability --lmbda a batch's
+completions are the student's, otherwise the dataset's (GKD's λ). --sampled-token is the form of Lu et al. 2025
+(Thinking Machines, "On-Policy Distillation"): it needs only the teacher's log-prob of each drawn token, and trains
+on k_t = log π_S(x_t) − log π_T(x_t), a one-sample estimate of the reverse KL at that state, as a negative per-token
+reward in a policy gradient. The evaluation is the other scripts': gold accuracy on the built-in task's 512
+held-out prompts, sampled and greedy.
+
+    python sft.py && python grpo.py                                        # the teacher: models/grpo
+    python sft.py --n-layer 1 --n-embd 64 --output-dir models/sft_small    # the student, 91k parameters
+    python distill.py                                                      # reverse KL, the whole vocabulary
+    python distill.py --beta 0.5                                           # GKD's JSD
+    python distill.py --sampled-token                                      # Lu et al.: the drawn token only
+    python distill.py --lmbda 0.5 --beta 0.5                               # GKD: half the batches the dataset's
+    python distill.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct \\
+        --teacher-model-name-or-path Qwen/Qwen2.5-7B-Instruct --dataset-name prompts.jsonl --lr 1e-6
+
+The student is sft.py's output rather than built here: distillation starts from a supervised model, as RL does,
+so grpo.py can train the same student from the same start (docs/distill.md compares the two).
+"""
+
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from typing import Annotated
+
+import torch
+import torch.nn.functional as F
+import transformers
+import tyro
+from torch.utils.tensorboard import SummaryWriter
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment, part of the run name runs/<exp>__<seed>__<time>"""
+    seed: int = 1
+    """seed of python, torch and the built-in task's data"""
+    cuda: bool = True
+    """use CUDA when it is available (the CPU otherwise)"""
+    threads: int | None = None
+    """torch CPU threads (default: OMP_NUM_THREADS where set, else one fewer than the cores, at least 1: a thread
+    that waits for a core stalls the others at every step, so leaving a core free keeps a run's speed on a busy
+    machine; README's quickstart has the figures)"""
+    model_name_or_path: str = "models/sft_small"
+    """hub id or local directory of the student, trained (sft.py --n-layer 1 --n-embd 64 --output-dir
+    models/sft_small by default; TRL: model)"""
+    teacher_model_name_or_path: str = "models/grpo"
+    """hub id or local directory of the frozen teacher, which must share the student's tokenizer (grpo.py's output
+    by default; TRL: teacher_model_name_or_path)"""
+    dataset_name: str | None = None
+    """hub id, local dataset directory, or .json/.jsonl/.parquet file with a `prompt` column (text or
+    conversational), and a `completion` column for --lmbda below 1; None: built-in task (its completions: the
+    targets)"""
+    dataset_config: str | None = None
+    """config name of a hub dataset that has several (gsm8k: main)"""
+    dataset_split: str = "train"
+    """split of --dataset-name to draw prompts from"""
+    output_dir: str = "models/distill"
+    """where the trained student is saved as a Hugging Face checkpoint (atomically)"""
+    save_dtype: str | None = None
+    """dtype of the saved weights (float32, bfloat16, float16); None: that of --model-name-or-path"""
+
+    num_iterations: int = 480
+    """sample-then-step rounds, one optimizer step on each batch sampled (TRL's DistillationTrainer: one generation
+    batch per optimizer step); 480 × 64 completions, as many as grpo.py's defaults sample (120 × 256)"""
+    batch_size: int = 64
+    """completions per iteration and per optimizer step (TRL: per_device_train_batch_size)"""
+    lr: float = 1e-4
+    """AdamW learning rate (a pretrained model wants ~1e-6, TRL's default; TRL: learning_rate)"""
+    anneal_lr: bool = True
+    """linearly anneal the learning rate to 0 over the iterations"""
+    response_length: int = 12
+    """new tokens sampled per completion; the dataset's completions are cut to it (TRL: max_completion_length)"""
+    max_prompt_length: int = 64
+    """prompts longer than this many tokens are dropped (and counted), never cut"""
+    bf16: Annotated[bool | None, tyro.conf.DisallowNone] = None
+    """(default: on with CUDA, off on the CPU) mixed precision: compute in bfloat16 (autocast), the student's weights
+    and AdamW state float32; the divergence in float32"""
+    temperature: float = 1.0
+    """sampling temperature; both models' logits are divided by it in the divergence too (TRL's)"""
+    beta: float = 1.0
+    """β of the generalized JSD: 0 the forward KL(π_T ‖ π_S), 0.5 the JSD, 1 the reverse KL(π_S ‖ π_T), TRL's
+    default (generalized_jsd)"""
+    lmbda: float = 1.0
+    """λ: the probability that a batch's completions are the student's own; otherwise the dataset's (GKD; TRL's
+    GKDTrainer: lmbda, 0.5 there; its DistillationTrainer is on-policy: 1)"""
+    sampled_token: bool = False
+    """Lu et al. 2025: train on the reverse KL of the drawn token only, as a per-token reward of a policy gradient
+    (sampled_token_loss), not on the divergence over the vocabulary; needs --beta 1 and --lmbda 1"""
+    max_grad_norm: float = 1.0
+    """clip the global gradient norm to this"""
+    eval_every: int = 80
+    """evaluate every this many iterations (and before the first and after the last): every 5,120 completions at
+    the defaults, as grpo.py's every 20 iterations"""
+    eval_size: int = 512
+    """eval prompts, 0 for no evaluation: the built-in task's are grpo.py's; a dataset's are its `test` split, or
+    else prompts held out from the training ones"""
+
+
+# ---------------------------------------------------------------------------------------------
+# The math: pure functions. Logits are [B, T, V] at the completion tokens, token tensors [B, T] with `mask` 1 on
+# completion tokens up to and including the first stop token. Checked by hand in tests/test_distill.py.
+# ---------------------------------------------------------------------------------------------
+def generalized_jsd(student_logits, teacher_logits, beta, temperature=1.0):
+    """The generalized Jensen-Shannon divergence of GKD (Agarwal et al. 2024, section 3) between the teacher's and
+    the student's next-token distributions, one value per token, in float32, both at temperature T:
+
+        π_S = softmax(z_S / T),  π_T = softmax(z_T / T),  M = β π_T + (1 − β) π_S
+        JSD_β = β KL(π_T ‖ M) + (1 − β) KL(π_S ‖ M)
+
+    and at the ends, as TRL 1.16's DistillationTrainer (where JSD_β itself goes to 0): β = 0 the forward
+    KL(π_T ‖ π_S) (mode-covering: the student spreads over all the teacher's answers), β = 1 the reverse
+    KL(π_S ‖ π_T) (mode-seeking: the student may drop answers but is punished for ones the teacher would not give).
+    The gradient flows into the student's logits only."""
+    log_s = torch.log_softmax(student_logits.float() / temperature, -1)
+    log_t = torch.log_softmax(teacher_logits.float() / temperature, -1).detach()
+    if beta == 0:
+        return (log_t.exp() * (log_t - log_s)).sum(-1)
+    if beta == 1:
+        return (log_s.exp() * (log_s - log_t)).sum(-1)
+    log_m = torch.logaddexp(log_t + math.log(beta), log_s + math.log(1 - beta))  # log M, computed from the logs
+    return beta * (log_t.exp() * (log_t - log_m)).sum(-1) + (1 - beta) * (log_s.exp() * (log_s - log_m)).sum(-1)
+
+
+def sampled_token_loss(logprobs, teacher_logprobs):
+    """Lu et al. 2025's on-policy distillation with the drawn token alone, per token: the reward of token x_t is
+    −k_t, the reverse KL's one-sample estimate at its state, and the loss is REINFORCE's with no discount (each
+    token is its own episode):
+
+        k_t = log π_S(x_t) − log π_T(x_t),  x_t ~ π_S      E[k_t] = KL(π_S ‖ π_T) at that state
+        L_t = stop_gradient(k_t) · log π_S(x_t)           E[∇L_t] = ∇ KL(π_S ‖ π_T)
+
+    (the gradient of KL(π_S ‖ π_T) = Σ_x π_S(x) k(x) is Σ_x π_S ∇log π_S · k + Σ_x ∇π_S, and the last sum is 0). It
+    needs the teacher's log-prob of the drawn token only, so a teacher behind a sampling server can score it."""
+    return (logprobs - teacher_logprobs).detach() * logprobs
+
+
+def masked_mean(values, mask):
+    """The mean of `values` over the tokens where mask is 1: every completion token weighs the same (TRL's loss:
+    the sum over the batch's completion tokens, divided by their number)."""
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def check_args(args):
+    """Every flag checked before any work: one line that says what to change."""
+    if args.threads is not None and args.threads < 1:
+        sys.exit(f"error: --threads {args.threads}: it must be at least 1 (leave it out for the default)")
+    for name, least in {"num_iterations": 1, "batch_size": 1, "response_length": 1, "eval_every": 1,
+                        "eval_size": 0}.items():
+        if getattr(args, name) < least:
+            sys.exit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: it must be at least {least}")
+    for name, rule in {"lr": ">= 0", "max_grad_norm": "> 0", "temperature": "> 0"}.items():
+        value = getattr(args, name)
+        if not (math.isfinite(value) and (value > 0 or rule == ">= 0" and value == 0)):
+            sys.exit(f"error: --{name.replace('_', '-')} {value}: it must be a finite number {rule}")
+    for name in ("beta", "lmbda"):  # `not 0 <= x <= 1` is also true of NaN
+        if not 0 <= getattr(args, name) <= 1:
+            sys.exit(f"error: --{name} {getattr(args, name)}: it must be between 0 and 1")
+    if args.sampled_token and (args.beta != 1 or args.lmbda != 1):
+        sys.exit(f"error: --sampled-token estimates the reverse KL from the student's own samples: it needs --beta 1 "
+                 f"and --lmbda 1 (got --beta {args.beta}, --lmbda {args.lmbda})")
+
+
+def main(args: Args):
+    if args.bf16 is None:  # as in TRL's configs: bf16 where CUDA has it; on the CPU float32 is faster
+        args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    check_args(args)
+    note_overwrite(args.output_dir)
+    torch.set_num_threads(cpu_threads(args.threads))
+    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
+    B = args.batch_size
+    rng = random.Random(args.seed)  # the prompts drawn, and whose completions each batch trains on
+    torch.manual_seed(args.seed)  # the sampling
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
+
+    # Prompts (and completions, for the batches that are the dataset's), then the student and the teacher
+    needs = [("prompt", "completion")] if args.lmbda < 1 else [("prompt",)]
+    train_rows, eval_rows = load_data(args, distillation_row, 50_000, needs, "needs a `prompt` column"
+                                      + ", and a `completion` one for --lmbda < 1" * (args.lmbda < 1))
+    tokenizer, stop_ids, student, teacher, vocab = load_models(args, device)
+    save_dtype = save_dtype_of(args, args.model_name_or_path)
+    train_rows, train_ids = tokenize_prompts(tokenizer, train_rows, args.max_prompt_length, "train")
+    if len(train_ids) < B:
+        sys.exit(f"error: {len(train_ids)} training prompts fit --max-prompt-length, fewer than the {B} of a batch; "
+                 "lower --batch-size")
+    eval_rows, eval_ids = tokenize_prompts(tokenizer, eval_rows, args.max_prompt_length, "eval")
+    positions = min(p for p in (model_positions(student), model_positions(teacher), math.inf) if p is not None)
+    if max(len(ids) for ids in train_ids + eval_ids) + args.response_length > positions:
+        sys.exit(f"error: the longest prompt + --response-length {args.response_length} exceeds the models' "
+                 f"{positions} positions; lower --max-prompt-length or --response-length")
+    # the dataset's completions (GKD's supervised batches), each ending with its stop token, cut to the length
+    dataset_ids = [tokenize_pair(tokenizer, row["prompt"], row["completion"], stop_ids)[1][: args.response_length]
+                   for row in train_rows] if args.lmbda < 1 else []
+    optimizer = torch.optim.AdamW(student.parameters(), lr=args.lr)  # the teacher is in no optimizer
+    writer = SummaryWriter(f"runs/{args.exp_name}__{args.seed}__{int(time.time())}")
+    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+    print(f"student {sum(p.numel() for p in student.parameters()):,} parameters, teacher "
+          f"{sum(p.numel() for p in teacher.parameters()):,} (frozen); {len(train_ids):,} training prompts")
+
+    # ---- the loop: an evaluation before any step, then completions, the teacher, a step, and log each iteration --
+    evaluate(student, teacher, vocab, eval_rows, eval_ids, tokenizer, stop_ids, args, amp, writer, 0)
+    start_time = time.time()
+    for iteration in range(1, args.num_iterations + 1):
+        lr = get_lr(iteration - 1, args.lr, 0, args.num_iterations, "linear") if args.anneal_lr else args.lr
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        # ---- 1. completions: the student's own, with probability λ; else the dataset's ---------------------------
+        chosen = rng.sample(range(len(train_ids)), B)
+        on_policy = rng.random() < args.lmbda
+        student.eval()
+        with torch.no_grad(), amp():
+            if on_policy:
+                sequences, attention_mask, context_length, mask, _ = generate(
+                    student, [train_ids[i] for i in chosen], tokenizer.pad_token_id, stop_ids, args.response_length,
+                    args.temperature)
+            else:
+                sequences, attention_mask, context_length, mask = pad_completions(
+                    [train_ids[i] for i in chosen], [dataset_ids[i] for i in chosen], tokenizer.pad_token_id, device)
+        mask = mask.float()
+
+        # ---- 2. the teacher's next-token distribution at every completion token (frozen: no gradient) ------------
+        with torch.no_grad(), amp():
+            teacher_logits = completion_logits(teacher, sequences, attention_mask, context_length, vocab)
+
+        # ---- 3. one step of the student toward the teacher on these tokens ---------------------------------------
+        student.train()
+        with amp():
+            logits = completion_logits(student, sequences, attention_mask, context_length, vocab)
+        if args.sampled_token:  # only the drawn token's log-probs: what a teacher behind a sampling server returns
+            tokens = sequences[:, context_length:, None]
+            logprobs = torch.log_softmax(logits.float() / args.temperature, -1).gather(-1, tokens).squeeze(-1)
+            teacher_logprobs = torch.log_softmax(teacher_logits.float() / args.temperature, -1).gather(-1, tokens)
+            per_token = sampled_token_loss(logprobs, teacher_logprobs.squeeze(-1))
+        else:
+            per_token = generalized_jsd(logits, teacher_logits, args.beta, args.temperature)
+        loss = masked_mean(per_token, mask)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), args.max_grad_norm)
+        check_finite(iteration, loss=loss, grad_norm=grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        # ---- 4. log: the batch's reverse KL over the whole vocabulary, whatever the loss -------------------------
+        with torch.no_grad():
+            reverse_kl = masked_mean(generalized_jsd(logits, teacher_logits, 1.0, args.temperature), mask).item()
+        logs = {"losses/loss": loss.item(), "objective/reverse_kl": reverse_kl,
+                "objective/completion_length": mask.sum().item() / B, "train/grad_norm": grad_norm.item(),
+                "charts/learning_rate": lr, "charts/episodes_per_second": iteration * B / (time.time() - start_time)}
+        for tag, value in logs.items():
+            writer.add_scalar(tag, value, iteration)
+        if iteration % 20 == 0:
+            print(f"iteration {iteration}: loss {loss.item():.4f}, reverse KL {reverse_kl:.4f} per token "
+                  f"({'student' if on_policy else 'dataset'} completions), {time.time() - start_time:.0f} s")
+        if iteration % args.eval_every == 0 or iteration == args.num_iterations:
+            evaluate(student, teacher, vocab, eval_rows, eval_ids, tokenizer, stop_ids, args, amp, writer, iteration)
+
+    save_model(student, tokenizer, args, args.output_dir, save_dtype)
+    print(f"saved to {args.output_dir} after {time.time() - start_time:.0f} s")
+    writer.close()
+
+
+@torch.no_grad()
+def evaluate(student, teacher, vocab, eval_rows, eval_ids, tokenizer, stop_ids, args, amp, writer, iteration):
+    """The student's completions of the eval prompts at --temperature: their reverse KL to the teacher per token
+    and, on the built-in task, their gold accuracy and score, sampled and greedy, as sft.py logs them (the
+    teacher's too, before the first step: the accuracy distillation aims at)."""
+    if not eval_ids:
+        return
+    student.eval()
+    logs, samples = {}, None
+    for model, prefix in [(student, "eval/")] + [(teacher, "eval/teacher_")] * (iteration == 0):
+        for name, greedy in (("", False), ("_greedy", True)):
+            with amp():
+                sequences, attention_mask, context_length, mask, _ = generate(
+                    model, eval_ids, tokenizer.pad_token_id, stop_ids, args.response_length, args.temperature, greedy)
+            if model is student and not greedy:
+                samples = tokenizer.batch_decode(sequences[:, context_length:], skip_special_tokens=True)
+                with amp():
+                    logits, teacher_logits = (completion_logits(m, sequences, attention_mask, context_length, vocab)
+                                              for m in (student, teacher))
+                divergence = generalized_jsd(logits, teacher_logits, 1.0, args.temperature)
+                logs["eval/reverse_kl"] = masked_mean(divergence, mask.float()).item()
+            if args.dataset_name is None:  # the built-in task: exactly the target, and the gold score
+                completions = tokenizer.batch_decode(sequences[:, context_length:], skip_special_tokens=True)
+                targets = [row["target"] for row in eval_rows]
+                logs[f"{prefix}gold_accuracy{name}"] = sum(c == t for c, t in zip(completions, targets)) / len(targets)
+                logs[f"{prefix}gold_score{name}"] = sum(map(gold_score, completions, targets)) / len(targets)
+    for tag, value in logs.items():
+        writer.add_scalar(tag, value, iteration)
+    print(f"iteration {iteration}: " + ", ".join(f"{tag} {value:.3f}" for tag, value in logs.items()))
+    writer.add_text("eval/samples", "\n".join(f"    {row['prompt']!r} {c!r}" for row, c in zip(eval_rows[:8], samples)),
+                    iteration)
+    student.train()
+
+
+def completion_logits(model, sequences, attention_mask, context_length, vocab):
+    """The logits of the next-token distribution at each completion token, [B, T, vocab], from one forward pass over
+    prompt + completion; the first `vocab` columns, those the student and the teacher share."""
+    # use_cache=False: a pass that does not sample keeps no KV cache (transformers makes one by default)
+    return model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_of(attention_mask),
+                 use_cache=False).logits[:, context_length - 1 : -1, :vocab]
+
+
+def pad_completions(prompt_ids, completion_ids, pad_token_id, device):
+    """The dataset's completions laid out as `generate` lays out samples: (sequences, attention_mask,
+    context_length, response_mask), prompts left-padded, completions right-padded."""
+    width, length = max(map(len, prompt_ids)), max(map(len, completion_ids))
+    rows = [[pad_token_id] * (width - len(p)) + p + c + [pad_token_id] * (length - len(c))
+            for p, c in zip(prompt_ids, completion_ids)]
+    masks = [[0] * (width - len(p)) + [1] * (len(p) + len(c)) + [0] * (length - len(c))
+             for p, c in zip(prompt_ids, completion_ids)]
+    attention_mask = torch.tensor(masks, device=device)
+    return torch.tensor(rows, device=device), attention_mask, width, attention_mask[:, width:]
+
+
+def distillation_row(rng):
+    """A row of the built-in task for distillation: grpo.py's prompt and target (the same random stream, so the same
+    prompts as grpo.py's), and as the dataset's completion, the target: GKD's supervised batches are ground truth."""
+    prompt, target = make_prompt(rng)
+    return {"prompt": prompt, "target": target, "completion": target}
+
+
+def load_models(args, device):
+    """(tokenizer, stop_ids, student, teacher, vocab), on the device: the student in float32 (master weights), the
+    teacher frozen, no dropout in either; vocab, the columns of logits both have. A teacher with another tokenizer
+    stops with one line, before any work: the divergence compares the two models' distributions token for token."""
+    tokenizer = load_tokenizer(args.model_name_or_path, "run `python sft.py --n-layer 1 --n-embd 64 --output-dir "
+                                                        "models/sft_small` first or pass a path")
+    stop_ids = stop_token_ids(tokenizer)
+    teacher_tokenizer = load_tokenizer(args.teacher_model_name_or_path, "run `python sft.py && python grpo.py` first "
+                                                                        "or pass a path")
+    check_same_vocabulary(tokenizer, teacher_tokenizer, stop_ids, f"the teacher {args.teacher_model_name_or_path!r} "
+                          f"has another tokenizer than the student {args.model_name_or_path!r}; distillation compares "
+                          "their distributions token for token, so they must share one")
+    student = load_no_dropout(args.model_name_or_path, "lm")
+    teacher = load_no_dropout(args.teacher_model_name_or_path, "lm")
+    prepare_models(tokenizer, stop_ids, [student, teacher], [teacher])
+    # an output layer may have rows past the tokenizer's, padding that no token maps to (Qwen2.5 0.5B: 151,936, 7B:
+    # 152,064): the divergence compares the columns both have, every token of the shared tokenizer among them
+    vocab = min(model.get_output_embeddings().weight.shape[0] for model in (student, teacher))
+    return tokenizer, stop_ids, student.to(device), teacher.to(device), vocab
+
+
+# =============================================================================================
+# Plumbing: the built-in task, tokenization, data and model loading, forward passes and sampling,
+# saving. Each definition below is pasted from the scripts that share it, one text in all of them
+# (tests/test_copies.py checks each), and this file holds only those its main reaches. A reader learning
+# the algorithm can stop here.
+# =============================================================================================
+
+
+# ---------------------------------------------------------------------------------------------
+# The built-in task: sort the digits. The gold reward is known exactly, so every stage is measured
+# against it: SFT learns from a sloppy demonstrator, the reward model from noisy preference pairs.
+# ---------------------------------------------------------------------------------------------
+def levenshtein(a, b):
+    """Edit distance: insertions, deletions and substitutions, each of cost 1."""
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i]
+        for j, cb in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
+        prev = cur
+    return prev[-1]
+
+
+def gold_score(completion, target):
+    """1 − min(1, levenshtein(completion, target) / len(target)): 1 for the exact answer."""
+    return 1.0 - min(1.0, levenshtein(completion, target) / len(target))
+
+
+def make_prompt(rng):
+    """`sort <n digits>:` with n uniform in [4, 8]; returns (prompt, target)."""
+    digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(4, 8)))
+    return f"sort {digits}:", "".join(sorted(digits))
+
+
+def task_rows(seed, split, n, task_row):
+    """n rows of the built-in task in TRL's formats, each made by `task_row` (demonstration_row, preference_row
+    or prompt_row) with its `target`. Train and eval rows come from different random streams of the same seed."""
+    rng = random.Random(f"sort-task/{seed}/{split}")
+    return [task_row(rng) for _ in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenization as the model expects it, one text for every script, so that the reward model scores
+# exactly the token sequences SFT trained on and PPO, DPO and GRPO produce. Data rows are in TRL's
+# formats: text, or conversations (lists of {"role", "content"} messages) rendered by the chat template.
+# ---------------------------------------------------------------------------------------------
+def render_chat(tokenizer, messages, add_generation_prompt=False):
+    """Token ids of a conversation rendered by the tokenizer's chat template."""
+    if tokenizer.chat_template is None:
+        sys.exit("error: the data is conversational (lists of role/content messages) but the tokenizer has no "
+                 "chat template; use a chat model's tokenizer, or text data")
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in transformers 5
+
+
+def encode_prompt(tokenizer, prompt):
+    """A prompt's token ids: a conversation through the chat template, ending with the assistant's header;
+    a text with BOS first where the tokenizer prepends one (Llama, Mistral, Gemma), and never the EOS that
+    T5-style tokenizers append as their special token."""
+    if isinstance(prompt, list):
+        return render_chat(tokenizer, prompt, add_generation_prompt=True)
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token_id
+    if bos is not None and tokenizer("")["input_ids"][:1] == [bos] and ids[:1] != [bos]:
+        ids = [bos] + ids
+    return ids
+
+
+def stop_token_ids(tokenizer):
+    """The tokens that end a completion: EOS, and the chat template's end-of-turn token when it is another
+    one (ChatML's <|im_end|>, Llama 3's <|eot_id|>). One set for the SFT labels, sampling, the response
+    mask, the reward model's scoring position and the missing-EOS penalty."""
+    if tokenizer.eos_token_id is None:
+        sys.exit("error: the tokenizer has no EOS token, so completions cannot end; set tokenizer.eos_token and save it")
+    stops = [tokenizer.eos_token_id]
+    if tokenizer.chat_template is not None:
+        turn = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
+        try:
+            full = render_chat(tokenizer, turn)
+            header = render_chat(tokenizer, turn[:1], add_generation_prompt=True)
+        except Exception:  # noqa: BLE001  a template that cannot render this probe: EOS alone
+            return stops
+        special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+        end_of_turn = next((t for t in full[len(header) :] if t in special), None)
+        if end_of_turn is not None and end_of_turn not in stops:
+            stops.append(end_of_turn)
+    return stops
+
+
+def tokenize_pair(tokenizer, prompt, completion, stop_ids):
+    """(prompt_ids, completion_ids), the completion ending with a stop token. A text completion is
+    tokenized on its own, EOS appended. A conversational one (assistant messages after a conversational
+    prompt) is what the chat template adds to the prompt's rendering, up to and including its first stop
+    token: what a template writes after it (a newline) is never sampled, so it is not trained on either."""
+    prompt_ids = encode_prompt(tokenizer, prompt)
+    if not isinstance(completion, list):
+        return prompt_ids, tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    full = render_chat(tokenizer, prompt + completion)
+    if full[: len(prompt_ids)] != prompt_ids:
+        sys.exit("error: the chat template renders a conversation's start differently once a reply follows, so "
+                 "prompt and completion tokens cannot be told apart; use text prompt/completion data")
+    completion_ids = full[len(prompt_ids) :]
+    ends = [i for i, t in enumerate(completion_ids) if t in stop_ids]
+    return prompt_ids, completion_ids[: ends[0] + 1] if ends else completion_ids + [tokenizer.eos_token_id]
+
+
+def add_pad_token(tokenizer, stop_ids, *models):
+    """Make sure the tokenizer has a pad token that is no stop token, so that masking padding never masks
+    an EOS the model must learn. Reuse an unused special token where the tokenizer has one (Llama 3's
+    <|finetune_right_pad_id|>, reserved or unused tokens), else add <|pad|>. Grow the embeddings only where
+    an id does not fit (to a multiple of 64), never shrink a vocabulary padded for speed, and give the new
+    rows the mean of the old ones: the same in every model, so that a policy and its reference stay equal
+    (transformers' default draws them at random, differently in each)."""
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id in stop_ids:
+        taken = set(stop_ids) | {tokenizer.bos_token_id, tokenizer.unk_token_id}
+        unused = [t.content for i, t in sorted(tokenizer.added_tokens_decoder.items())
+                  if t.special and i not in taken and t.content not in (tokenizer.chat_template or "")]
+        preferred = [c for c in unused if "pad" in c.lower()] + [c for c in unused if "reserved" in c or "unused" in c]
+        tokenizer.add_special_tokens({"pad_token": preferred[0] if preferred else "<|pad|>"})
+    needed = max(len(tokenizer), tokenizer.pad_token_id + 1)  # an added token's id can lie past len(tokenizer)
+    for model in models:
+        rows = model.get_input_embeddings().num_embeddings
+        if needed > rows:
+            model.resize_token_embeddings(needed, pad_to_multiple_of=64, mean_resizing=False)
+            with torch.no_grad():
+                for embedding in {model.get_input_embeddings(), model.get_output_embeddings()} - {None}:
+                    embedding.weight[rows:] = embedding.weight[:rows].mean(0)
+
+
+def tokenize_prompts(tokenizer, rows, max_prompt_length, split):
+    """(rows, token ids of their prompts) of the rows whose `prompt` fits `max_prompt_length`; the others are
+    dropped and counted."""
+    encoded = [encode_prompt(tokenizer, row["prompt"]) for row in rows]
+    kept = [i for i, ids in enumerate(encoded) if 0 < len(ids) <= max_prompt_length]
+    if len(kept) < len(encoded):
+        print(f"{split}: dropped {len(encoded) - len(kept):,} of {len(encoded):,} prompts longer than "
+              f"--max-prompt-length {max_prompt_length} (or empty; the longest: {max(map(len, encoded)):,} tokens)")
+    return [rows[i] for i in kept], [encoded[i] for i in kept]
+
+
+# ---------------------------------------------------------------------------------------------
+# Data and models
+# ---------------------------------------------------------------------------------------------
+def first_line(e):
+    """An exception's message as one line, for a one-line error: its first line, or the exception's type when
+    the message is empty."""
+    return (str(e).splitlines() or [type(e).__name__])[0]
+
+
+def load_rows(name, config, split, eval_size):
+    """(train rows, eval rows) of a dataset: a hub id (with its config name, if it has several: gsm8k "main"),
+    a `save_to_disk` directory or a .json/.jsonl/.parquet file. The eval rows are its `test` split, or else
+    the first rows of `split` (at most a tenth), held out."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    if name.endswith((".json", ".jsonl")) and os.path.isfile(name):
+        check_json_file(name)
+    try:
+        if name.endswith((".json", ".jsonl", ".parquet")):  # a missing file: "Unable to find ..."
+            data = datasets.load_dataset("parquet" if name.endswith(".parquet") else "json", data_files=name)
+        elif os.path.isdir(name) and os.path.exists(os.path.join(name, "dataset_dict.json")):
+            data = datasets.load_from_disk(name)
+        else:
+            data = datasets.load_dataset(name, config)
+    except Exception as e:  # noqa: BLE001  any loading failure becomes one line
+        sys.exit(f"error: cannot load dataset {name!r}: {first_line(e)}")
+    if split not in data:
+        sys.exit(f"error: dataset {name!r} has the splits {list(data)}; pass one of them as --dataset-split")
+    rows = list(data[split])
+    if not rows:
+        sys.exit(f"error: split {split!r} of dataset {name!r} has no rows")
+    if "test" in data and split != "test":
+        return rows, list(data["test"])[:eval_size]
+    n_eval = min(eval_size, len(rows) // 10)
+    return rows[n_eval:], rows[:n_eval]
+
+
+def check_json_file(path):
+    """A .json or .jsonl file datasets would stop on with a message of its own (an empty .jsonl: StopIteration):
+    one line that names the file and the line, before any work."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    rows, number = [], 0  # number: the .jsonl line read last
+    try:
+        if path.endswith(".jsonl"):
+            for number, line in enumerate(text.splitlines(), 1):
+                if line.strip():
+                    rows.append(json.loads(line))
+                    if not isinstance(rows[-1], dict):
+                        sys.exit(f"error: {path}, line {number}: a JSON {type(rows[-1]).__name__}, not an object")
+        else:
+            rows = json.loads(text)
+    except json.JSONDecodeError as e:
+        sys.exit(f"error: {path}, line {number or e.lineno}: not JSON ({e.msg}, column {e.colno})")
+    if not rows:
+        sys.exit(f"error: {path} has no rows")
+
+
+def load_data(args, task_row, num_train, accepts, needs):
+    """(train rows, eval rows): the built-in task's rows (`task_row` makes one) when no --dataset-name is given,
+    else the dataset's, which must have every column of one of the sets in `accepts` (`needs` says so in words)."""
+    if args.dataset_name is None:
+        return task_rows(args.seed, "train", num_train, task_row), task_rows(args.seed, "eval", args.eval_size, task_row)
+    train, evals = load_rows(args.dataset_name, args.dataset_config, args.dataset_split, args.eval_size)
+    columns = sorted(train[0]) if train else []
+    if not any(set(columns) >= set(accepted) for accepted in accepts):
+        sys.exit(f"error: dataset {args.dataset_name!r} has columns {columns}; {os.path.basename(__file__)} {needs}")
+    return train, evals
+
+
+def load_tokenizer(path, hint):
+    """The tokenizer of a hub id or local directory. A local path that does not exist, or a checkpoint that
+    cannot be read, is one line (`hint` says what to do about a missing directory)."""
+    from transformers import AutoTokenizer
+
+    if not os.path.isdir(path) and (path.startswith((".", "/", "~", "models/")) or path.count("/") > 1):
+        sys.exit(f"error: model directory {path!r} does not exist; {hint}")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: cannot load a tokenizer from {path!r}: {first_line(e)}")
+
+
+def load_no_dropout(path, head):
+    """A checkpoint with every dropout off, for models whose log-probs, values and scores must not be random
+    (Llama's and Qwen2's attention dropout is no nn.Dropout but a number each layer reads from the config): a
+    causal LM (head "lm") or one with a scalar head (head "score": a sequence classifier with one label, its head
+    new when the checkpoint has none). Its weights in float32 whatever they were saved in: AdamW needs float32
+    master weights (in fp16 its eps underflows to 0, in bf16 most small updates round away); --bf16 is the
+    mixed-precision choice on top."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    try:
+        config = AutoConfig.from_pretrained(path, **({"num_labels": 1} if head == "score" else {}))
+        for key, value in list(vars(config).items()):
+            if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+                setattr(config, key, 0.0)
+        model_class = AutoModelForCausalLM if head == "lm" else AutoModelForSequenceClassification
+        return model_class.from_pretrained(path, config=config, dtype=torch.float32)
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: cannot load a model from {path!r}: {first_line(e)}")
+
+
+def prepare_models(tokenizer, stop_ids, models, frozen=()):
+    """Give the tokenizer a pad token (growing the models' embeddings if it needs a new id) and tell every
+    model its id; the `frozen` ones among them go to eval mode without gradients. The models stay where they are
+    (the CPU): the caller puts them on the device."""
+    add_pad_token(tokenizer, stop_ids, *models)
+    for model in models:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    for model in frozen:
+        model.eval().requires_grad_(False)
+
+
+def save_dtype_of(args, path):
+    """The dtype a trained model is saved in: --save-dtype, or else that of the checkpoint at `path` (float32
+    for a model built from scratch), so that a bf16 checkpoint comes back in bf16, not twice its size."""
+    from transformers import AutoConfig
+
+    if args.save_dtype is not None:
+        if args.save_dtype not in ("float32", "bfloat16", "float16"):
+            sys.exit(f"error: --save-dtype {args.save_dtype!r}: choose float32, bfloat16 or float16")
+        return getattr(torch, args.save_dtype)
+    dtype = AutoConfig.from_pretrained(path).dtype if path is not None else None
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype or torch.float32
+
+
+def check_same_vocabulary(tokenizer, reward_tokenizer, stop_ids, message):
+    """A reward model must read the policy's tokens as the policy does: the same vocabulary, pad token
+    included (each tokenizer given its pad token as prepare_models gives it)."""
+    add_pad_token(tokenizer, stop_ids)
+    add_pad_token(reward_tokenizer, stop_ids)
+    if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
+        sys.exit(f"error: {message}")
+
+
+def model_positions(model):
+    """The longest sequence the model takes, or None when its config does not say."""
+    return getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward passes and sampling
+# ---------------------------------------------------------------------------------------------
+def position_ids_of(attention_mask):
+    """Positions count real tokens only, so left padding does not shift them."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+# The KV cache's name as a model's forward takes and returns it: transformers 5.24 renamed past_key_values to cache
+# (the old keyword still works there, with a FutureWarning on every call)
+CACHE = "cache" if tuple(int(v) for v in transformers.__version__.split(".")[:2]) >= (5, 24) else "past_key_values"
+
+
+@torch.no_grad()
+def generate(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature=1.0, greedy=False):
+    """Complete each prompt (lists of token ids, left-padded here) with tokens drawn from softmax(logits / T) in
+    float32, as transformers' generate draws them (the argmax if greedy), each response ending at its first stop token.
+    Returns (sequences, attention_mask, context_length, response_mask), the responses as long as the longest
+    one, response_mask 1 on response tokens up to and including the stop token. No sampling setting comes from
+    the checkpoint's generation_config.json (top_k, repetition_penalty, ...): the distribution sampled is the one
+    whose log-probs are trained. Two savings change nothing sampled: each distinct prompt's forward pass runs
+    once, its KV cache copied to the rows that repeat it (GRPO's G completions), and a row that has stopped
+    leaves the batch. Also returns sampler_logprobs: each drawn token's log-probability under the distribution
+    it was drawn from (0 on padding), which the sampler holds anyway; RL compares it with the policy it trains."""
+    device, width = model.device, max(len(p) for p in prompt_ids)
+    input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompt_ids], device=device)
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=device)
+    stops = torch.tensor(stop_ids, device=device)
+    distinct, row_prompt = torch.unique(torch.cat([input_ids, attention_mask], 1), dim=0, return_inverse=True)
+    prompt_mask = distinct[:, width:]
+    out = model(input_ids=distinct[:, :width], attention_mask=prompt_mask, position_ids=position_ids_of(prompt_mask),
+                use_cache=True, logits_to_keep=1)
+    cache, logits = out[CACHE], out.logits[row_prompt, -1]
+    cache.batch_select_indices(row_prompt)  # each row's copy of its prompt's keys and values
+    responses = torch.full((len(input_ids), max_new_tokens), pad_token_id, device=device)
+    sampler_logprobs = torch.zeros(len(input_ids), max_new_tokens, device=device)
+    running, mask = torch.arange(len(input_ids), device=device), attention_mask  # the rows still sampling
+    positions = attention_mask.sum(1)  # of each row's next token: positions count real tokens only
+    for t in range(max_new_tokens):
+        z = logits.float() / temperature
+        tokens = z.argmax(-1) if greedy else torch.multinomial(torch.softmax(z, -1), 1).squeeze(1)
+        responses[running, t] = tokens
+        sampler_logprobs[running, t] = torch.log_softmax(z, -1).gather(1, tokens[:, None]).squeeze(1)
+        going = ~torch.isin(tokens, stops)
+        if not going.all():  # the rows that stopped leave the batch, and their cache with them
+            keep = going.nonzero().squeeze(1)
+            running, tokens, positions, mask = running[keep], tokens[keep], positions[keep], mask[keep]
+            cache.batch_select_indices(keep)
+        if t + 1 == max_new_tokens or not len(running):
+            break
+        mask = F.pad(mask, (0, 1), value=1)
+        logits = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=(positions + t)[:, None],
+                       use_cache=True, **{CACHE: cache}).logits[:, -1]
+    is_stop = torch.isin(responses, stops)
+    # 1 up to and including the first stop token: a token is valid while no stop token came strictly before it
+    response_mask = ((is_stop.cumsum(1) - is_stop.long()) == 0).long()
+    length = int(response_mask.sum(1).max())  # the longest response: no later column is anything but padding
+    response_mask = response_mask[:, :length]
+    responses = responses[:, :length].masked_fill(response_mask == 0, pad_token_id)
+    return (torch.cat([input_ids, responses], 1), torch.cat([attention_mask, response_mask], 1), width, response_mask,
+            sampler_logprobs[:, :length] * response_mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training and saving
+# ---------------------------------------------------------------------------------------------
+def get_lr(step, lr, warmup_steps, max_steps, decay):
+    """Learning rate of optimizer step `step` = 0, 1, ...: `lr` × a linear warmup min(1, (step + 1) / warmup_steps)
+    × a decay to 0 at `max_steps`: "linear", min(1, (max_steps − step) / (max_steps − warmup_steps)), flat through
+    the warmup; or "cosine", ½(1 + cos(π · step / max_steps)), over the whole run."""
+    warmup = min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+    if decay == "linear":
+        return lr * warmup * min(1.0, max(0.0, (max_steps - step) / max(1, max_steps - warmup_steps)))
+    return lr * warmup * 0.5 * (1 + math.cos(math.pi * min(1.0, step / max_steps)))
+
+
+def check_finite(step, **values):
+    """Stop the run with one line, before anything is saved, when a loss or gradient norm is NaN or inf."""
+    for name, value in values.items():
+        value = float(torch.as_tensor(value).detach())
+        if not math.isfinite(value):
+            sys.exit(f"error: {name} is {value} at step {step}; stopped, nothing saved "
+                     "(lower --lr; with a half-precision model, train without --bf16 to check)")
+
+
+def save_model(model, tokenizer, args, output_dir, dtype):
+    """Save a Hugging Face model, its weights in `dtype` (save_dtype_of), with its tokenizer and the flags
+    (training_args.json): written to a temporary directory, then renamed, so that a crash never leaves a
+    half-written checkpoint."""
+    tmp_dir = f"{output_dir.rstrip('/')}.tmp-{os.getpid()}"
+    try:
+        model.to(dtype).save_pretrained(tmp_dir)  # config.json says the dtype; a tied weight is saved once
+        tokenizer.save_pretrained(tmp_dir)
+        with open(os.path.join(tmp_dir, "training_args.json"), "w") as f:
+            json.dump(vars(args), f, indent=2)
+        shutil.rmtree(output_dir, ignore_errors=True)
+        os.replace(tmp_dir, output_dir)
+    except OSError as e:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        sys.exit(f"error: cannot write the checkpoint to {output_dir!r}: {e}; nothing was saved")
+
+
+def note_overwrite(output_dir):
+    """One line before any work when --output-dir already holds a model: this run replaces it when it ends, and
+    a later stage reads that directory, so the run says so rather than replace another run's model silently."""
+    if os.environ.get("RANK", "0") != "0" or not any(os.path.exists(os.path.join(output_dir, name))
+                                                      for name in ("config.json", "adapter_config.json")):
+        return
+    saved = time.strftime("%Y-%m-%d %H:%M", time.localtime(os.path.getmtime(output_dir)))
+    try:
+        with open(os.path.join(output_dir, "training_args.json")) as f:
+            flags = json.load(f)
+        length = next((f" --{k.replace('_', '-')} {flags[k]}" for k in ("max_steps", "num_iterations") if k in flags),
+                      "")
+        by = f" by a run of {flags.get('exp_name', '?')}{length}"
+    except (OSError, ValueError):
+        by = ""
+    print(f"note: --output-dir {output_dir} holds a model saved {saved}{by}; this run replaces it when it ends")
+
+
+def cpu_threads(threads):
+    """--threads, or by default OMP_NUM_THREADS where it is set (torchrun sets 1 per rank), else one fewer than the
+    cores this process may run on, at least 1."""
+    if threads:
+        return threads
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return int(os.environ["OMP_NUM_THREADS"])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores - 1)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args, description=__doc__))
