@@ -151,10 +151,10 @@ def sampled_token_loss(logprobs, teacher_logprobs):
     return (logprobs - teacher_logprobs).detach() * logprobs
 
 
-def masked_mean(values, mask):
-    """The mean of `values` over the tokens where mask is 1: every completion token weighs the same (TRL's loss:
-    the sum over the batch's completion tokens, divided by their number)."""
-    return (values * mask).sum() / mask.sum().clamp(min=1)
+def masked_mean(x, mask, num_tokens=None):
+    """Σ x·mask / N, N the number of valid tokens (or `num_tokens`: those of the whole minibatch when it is
+    split into micro-batches, so that the micro-batches' losses add up to the minibatch's)."""
+    return (x * mask).sum() / (mask.sum() if num_tokens is None else num_tokens)
 
 
 def check_args(args):

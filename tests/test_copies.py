@@ -16,6 +16,7 @@ import sft
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RL_SCRIPTS = ["ppo_clip", "ppo_kl", "ppo_continuous"]
 LM_SCRIPTS = ["sft", "reward_model", "dpo", "rlhf_ppo", "grpo"]
+DISTILL = ["distill"]  # top-level only: no scale/ sibling
 SCALE_SCRIPTS = [f"scale/{script}" for script in LM_SCRIPTS]  # the full programs the top-level LM files are the reference of
 OWN = {"Args", "Agent", "act", "evaluate", "main", "check_args", "load_models"}  # each script's own
 BANNER = "# Plumbing"
@@ -91,7 +92,7 @@ def shared_names(found):
     return {name for name, n in counts.items() if n >= 2} - OWN
 
 
-TIERS = {"top-level": RL_SCRIPTS + LM_SCRIPTS, "scale": SCALE_SCRIPTS}
+TIERS = {"top-level": RL_SCRIPTS + LM_SCRIPTS + DISTILL, "scale": SCALE_SCRIPTS}
 # the names scale/ gave computations that the top-level references also do: each is now the reference's name
 SECOND_NAMES = {"sample": "generate", "response_logprobs": "policy_logprobs", "reward_table": "reward_terms",
                 "score_responses": "response_scores", "token_scores": "scalar_head", "sequence_logps": "completion_logps",
@@ -177,7 +178,7 @@ def test_one_character_changed_in_any_copy_is_caught(tier):
     assert len(shared) > (60 if tier == "scale" else 40) and in_text == set(found)
 
 
-@pytest.mark.parametrize("script", RL_SCRIPTS + LM_SCRIPTS + SCALE_SCRIPTS)
+@pytest.mark.parametrize("script", RL_SCRIPTS + LM_SCRIPTS + DISTILL + SCALE_SCRIPTS)
 def test_every_top_level_definition_is_reached(script):
     assert unreached(read(script)) == []
 
@@ -201,7 +202,7 @@ def sections(text):
 def test_one_banner_and_one_order_of_sections(family):
     """Every script has the banner; its sections are in the family's one order (a script may lack some), and a
     definition below the banner lies in the same section in every script that has it."""
-    scripts = RL_SCRIPTS if family == "rl" else LM_SCRIPTS + SCALE_SCRIPTS
+    scripts = RL_SCRIPTS if family == "rl" else LM_SCRIPTS + DISTILL + SCALE_SCRIPTS
     texts = {s: read(s) for s in scripts}
     assert all(text.count("\n" + BANNER) == 1 for text in texts.values())
     order = max((sections(text) for text in texts.values()), key=len)  # the script that has every section
@@ -230,9 +231,9 @@ def test_the_reward_functions_are_one_text_in_grpo_and_rlhf_ppo():
 
 
 def test_no_script_imports_another():
-    for script in RL_SCRIPTS + LM_SCRIPTS + SCALE_SCRIPTS:
+    for script in RL_SCRIPTS + LM_SCRIPTS + DISTILL + SCALE_SCRIPTS:
         source = read(script)
-        for other in RL_SCRIPTS + LM_SCRIPTS:
+        for other in RL_SCRIPTS + LM_SCRIPTS + DISTILL:
             assert f"import {other}\n" not in source and f"from {other} " not in source and "from scale" not in source
 
 
