@@ -58,8 +58,8 @@ class Args:
     that waits for a core stalls the others at every step, so leaving a core free keeps a run's speed on a busy
     machine; README's quickstart has the figures)"""
     model_name_or_path: str = "models/sft_small"
-    """hub id or local directory of the student, trained (sft.py --n-layer 1 --n-embd 64 --output-dir
-    models/sft_small by default; TRL: model)"""
+    """hub id or local directory of the student, the model trained (by default sft.py's output with --n-layer 1
+    --n-embd 64 --output-dir models/sft_small; TRL: model)"""
     teacher_model_name_or_path: str = "models/grpo"
     """hub id or local directory of the frozen teacher, which must share the student's tokenizer (grpo.py's output
     by default; TRL: teacher_model_name_or_path)"""
@@ -287,23 +287,28 @@ def evaluate(student, teacher, vocab, eval_rows, eval_ids, tokenizer, stop_ids, 
         return
     student.eval()
     logs, samples = {}, None
-    for model, prefix in [(student, "eval/")] + [(teacher, "eval/teacher_")] * (iteration == 0):
+    for model, prefix in [(student, "")] + [(teacher, "teacher_")] * (iteration == 0):
         for name, greedy in (("", False), ("_greedy", True)):
             with amp():
                 sequences, attention_mask, context_length, mask, _ = generate(
                     model, eval_ids, tokenizer.pad_token_id, stop_ids, args.response_length, args.temperature, greedy)
             if model is student and not greedy:
                 samples = tokenizer.batch_decode(sequences[:, context_length:], skip_special_tokens=True)
-                with amp():
-                    logits, teacher_logits = (completion_logits(m, sequences, attention_mask, context_length, vocab)
-                                              for m in (student, teacher))
-                divergence = generalized_jsd(logits, teacher_logits, 1.0, args.temperature)
-                logs["eval/reverse_kl"] = masked_mean(divergence, mask.float()).item()
+                divergence = 0.0
+                for i in range(0, len(sequences), args.batch_size):  # a batch at a time: the logits are [B, T, vocab]
+                    with amp():
+                        logits, teacher_logits = (completion_logits(m, sequences[i : i + args.batch_size],
+                                                                    attention_mask[i : i + args.batch_size],
+                                                                    context_length, vocab) for m in (student, teacher))
+                    divergence += (generalized_jsd(logits, teacher_logits, 1.0, args.temperature)
+                                   * mask[i : i + args.batch_size]).sum().item()
+                logs["eval/reverse_kl"] = divergence / mask.sum().item()
             if args.dataset_name is None:  # the built-in task: exactly the target, and the gold score
                 completions = tokenizer.batch_decode(sequences[:, context_length:], skip_special_tokens=True)
                 targets = [row["target"] for row in eval_rows]
-                logs[f"{prefix}gold_accuracy{name}"] = sum(c == t for c, t in zip(completions, targets)) / len(targets)
-                logs[f"{prefix}gold_score{name}"] = sum(map(gold_score, completions, targets)) / len(targets)
+                logs[f"eval/{prefix}gold_accuracy{name}"] = (sum(c == t for c, t in zip(completions, targets))
+                                                             / len(targets))
+                logs[f"eval/{prefix}gold_score{name}"] = sum(map(gold_score, completions, targets)) / len(targets)
     for tag, value in logs.items():
         writer.add_scalar(tag, value, iteration)
     print(f"iteration {iteration}: " + ", ".join(f"{tag} {value:.3f}" for tag, value in logs.items()))

@@ -18,7 +18,7 @@ for pair in $(seq "${PAIRS:-5}"); do
     if [ "$side" = ours ]; then
       python "$root/distill.py" $models --num-iterations "$iterations" --eval-size 0 --output-dir distill > ours.log 2>&1
     else
-      "${TRL_PYTHON:?set TRL_PYTHON to the python of TRL's virtual environment}" "$root/benchmarks/trl_distill.py" \
+      "${TRL_PYTHON:?set TRL_PYTHON to the python of the virtual environment TRL is installed in}" "$root/benchmarks/trl_distill.py" \
         $models --num-iterations "$iterations" > trl.log 2>&1
     fi
     seconds=$(echo "$(date +%s.%N) - $start" | bc)

@@ -7,7 +7,8 @@ import random
 
 import pytest
 import torch
-from conftest import CPU_FLOAT32, assert_one_line_error, one_line_exit, only_run_dir, read_scalars, run_in_process, run_script
+from conftest import (CPU_FLOAT32, assert_one_line_error, one_line_exit, only_run_dir, read_scalars, run_in_process,
+                      run_script, same_seed_scalars)
 from lm_models import save_checkpoint
 
 import distill
@@ -287,3 +288,12 @@ def test_bad_input_is_one_line_before_any_work(models, tmp_path):
     assert_one_line_error(run_script("distill.py", "--teacher-model-name-or-path", str(tmp_path / "missing"),
                                      "--model-name-or-path", models["student"], cwd=tmp_path, check=False),
                           "missing", "does not exist")
+
+
+def test_the_same_seed_gives_the_same_run(models, tmp_path):
+    """Two runs of one seed, with batches of the dataset's and of the student's: the same scalars and the same
+    weights."""
+    (first, first_saved), (second, second_saved) = same_seed_scalars(
+        "distill.py", distill_flags(models, "--num-iterations", "4", "--eval-every", "2", "--lmbda", "0.5", "--beta",
+                                    "0.5"), tmp_path)
+    assert first == second and first_saved == second_saved and len(first["losses/loss"]) == 4
