@@ -359,8 +359,8 @@ def load_models(args, device):
     student = load_no_dropout(args.model_name_or_path, "lm")
     teacher = load_no_dropout(args.teacher_model_name_or_path, "lm")
     prepare_models(tokenizer, stop_ids, [student, teacher], [teacher])
-    # an output layer may have rows past the tokenizer's, padding that no token maps to (Qwen2.5 0.5B: 151,936, 7B:
-    # 152,064): the divergence compares the columns both have, every token of the shared tokenizer among them
+    # an output layer may have rows past the tokenizer's, padding that no token maps to (checkpoints of one family pad
+    # to different sizes): the divergence compares the columns both have, every token of the shared tokenizer among them
     vocab = min(model.get_output_embeddings().weight.shape[0] for model in (student, teacher))
     return tokenizer, stop_ids, student.to(device), teacher.to(device), vocab
 

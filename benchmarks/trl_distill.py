@@ -9,7 +9,9 @@ matched to distill.py's: one generation batch of 64 completions per optimizer st
 (no top-k, no top-p), β = 1 (the reverse KL, TRL's default), the divergence at temperature 1, AdamW lr 1e-4 (weight
 decay 0.01, torch's default) annealed linearly to 0, gradient norm clipped to 1, dropout off, float32 and no gradient
 checkpointing (TRL's defaults turn on bf16 and checkpointing), no evaluation, nothing saved. Prints one JSON line:
-the completions per second of the training loop (from the first step's start to the last step's end)."""
+the completions per second of the training loop (from the first step's start to the last step's end) and the mean
+training loss. --position-ids passes the forward the positions distill.py passes (real tokens counted, padding not),
+which TRL's leaves out (docs/distill.md: its loss on a GPT-2 with left-padded prompts)."""
 import argparse
 import json
 import os
@@ -34,6 +36,7 @@ def main():
     parser.add_argument("--num-iterations", type=int, default=100, help="batches of --batch-size completions")
     parser.add_argument("--batch-size", type=int, default=64, help="completions per optimizer step")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--position-ids", action="store_true", help="positions that count real tokens only")
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.model_name_or_path)
@@ -65,13 +68,21 @@ def main():
         def on_step_end(self, cfg, state, control, **kwargs):
             self.end = time.perf_counter()
 
+    if args.position_ids:  # each backbone gets distill.py's positions where TRL's forward passes none
+        for model in (trainer.model, trainer.teacher_model):
+            def forward(*a, real=model.base_model.forward, **k):
+                if k.get("position_ids") is None:  # the loss's forward (generation passes its own)
+                    k["position_ids"] = distill.position_ids_of(k["attention_mask"])
+                return real(*a, **k)
+            model.base_model.forward = forward
     loop = LoopTime()
     trainer.add_callback(loop)
-    trainer.train()
+    result = trainer.train()
     seconds = loop.end - loop.start
     completions = args.num_iterations * args.batch_size
     print(json.dumps({"side": "trl", "threads": torch.get_num_threads(), "completions": completions,
-                      "seconds": seconds, "completions_per_s": completions / seconds}))
+                      "seconds": seconds, "completions_per_s": completions / seconds,
+                      "mean_loss": result.training_loss}))
 
 
 if __name__ == "__main__":
