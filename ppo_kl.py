@@ -185,7 +185,7 @@ def value_loss(newvalues, oldvalues, returns, clip_coef, clip=True):
 # ---------------------------------------------------------------------------------------------
 # The agent, the argument checks, the evaluation
 # ---------------------------------------------------------------------------------------------
-def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
+def layer_init(layer, std=2**0.5, bias_const=0.0):
     torch.nn.init.orthogonal_(layer.weight, std)
     torch.nn.init.constant_(layer.bias, bias_const)
     return layer
@@ -406,7 +406,7 @@ def main(args: Args):
         )
 
         clipfracs = []
-        for epoch in range(args.update_epochs):
+        for _epoch in range(args.update_epochs):
             b_inds = torch.randperm(batch_size, device=device)
             for start in range(0, batch_size, minibatch_size):
                 mb_inds = b_inds[start : start + minibatch_size]

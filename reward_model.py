@@ -641,8 +641,8 @@ def check_warmup(warmup_steps, max_steps, decay):
 
 def check_finite(step, **values):
     """Stop the run with one line, before anything is saved, when a loss or gradient norm is NaN or inf."""
-    for name, value in values.items():
-        value = float(torch.as_tensor(value).detach())
+    for name, tensor in values.items():
+        value = float(torch.as_tensor(tensor).detach())
         if not math.isfinite(value):
             sys.exit(f"error: {name} is {value} at step {step}; stopped, nothing saved "
                      "(lower --lr; with a half-precision model, train without --bf16 to check)")

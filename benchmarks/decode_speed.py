@@ -27,10 +27,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from scale import grpo  # noqa: E402
 
 
-def seconds_of(fn):
+def seconds_of(fn, *args, **kwargs):
     torch.cuda.synchronize()
     start = time.perf_counter()
-    fn()
+    fn(*args, **kwargs)
     torch.cuda.synchronize()
     return time.perf_counter() - start
 
@@ -67,7 +67,7 @@ def main(row_counts):
             for name, loop, bf16_weights in variants:
                 model.to(torch.bfloat16 if bf16_weights else torch.float32)
                 with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, enabled=not bf16_weights):
-                    seconds = seconds_of(lambda: loop(model, input_ids, mask, stops, 0, 128, 1.0, False))
+                    seconds = seconds_of(loop, model, input_ids, mask, stops, 0, 128, 1.0, False)
                 if round_:
                     speeds[name].append(rows * 128 / seconds)
                     print(f"{rows} rows, round {round_}, {name}: {rows * 128 / seconds:,.0f} tokens/s "
@@ -76,15 +76,15 @@ def main(row_counts):
             model.to(torch.bfloat16)
             speeds["generate, static cache, bf16 weights"] = []
             for round_ in range(rounds + 1):  # round 0 compiles
-                seconds = seconds_of(lambda: model.generate(
-                    input_ids, attention_mask=mask, max_new_tokens=128, min_new_tokens=128, do_sample=True,
-                    top_k=0, top_p=1.0, cache_implementation="static", pad_token_id=0))
+                seconds = seconds_of(model.generate, input_ids, attention_mask=mask, max_new_tokens=128,
+                                     min_new_tokens=128, do_sample=True, top_k=0, top_p=1.0,
+                                     cache_implementation="static", pad_token_id=0)
                 print(f"{rows} rows, round {round_}, generate static: {rows * 128 / seconds:,.0f} tokens/s "
                       f"({seconds:.2f} s)", flush=True)
                 if round_:
                     speeds["generate, static cache, bf16 weights"].append(rows * 128 / seconds)
         model.to(torch.float32)
-        ratios = [g / l for g, l in zip(speeds["graphed"], speeds["loop"])]
+        ratios = [graphed / plain for graphed, plain in zip(speeds["graphed"], speeds["loop"])]
         table.append((rows, speeds, ratios))
     print(f"\n## Sampling on {torch.cuda.get_device_name()}, torch {torch.__version__}, {rounds} rounds\n")
     print("| rows × new tokens | loop | tokens/s per round | median | range |\n|-|-|-|-|-|")

@@ -86,19 +86,19 @@ def run_all(root, out, overrides, top_level=False):
     for name, (script, flags, ranks) in RUNS.items():
         if top_level and ranks > 1:
             continue  # the top-level LM files are one process
-        flags = shlex.split(overrides.get(name, TOP_LEVEL_FLAGS.get(name, flags) if top_level else flags))
+        argv = shlex.split(overrides.get(name, TOP_LEVEL_FLAGS.get(name, flags) if top_level else flags))
         if script in ("rlhf_ppo.py", "grpo.py"):
-            flags += ["--model-name-or-path", f"{models}/models/sft",
-                                      "--reward-model-path", f"{models}/models/reward_model"]
+            argv += ["--model-name-or-path", f"{models}/models/sft",
+                     "--reward-model-path", f"{models}/models/reward_model"]
         if script == "dpo.py":
-            flags += ["--model-name-or-path", f"{models}/models/sft",
-                                      "--reward-model-path", f"{models}/models/reward_model"]
+            argv += ["--model-name-or-path", f"{models}/models/sft",
+                     "--reward-model-path", f"{models}/models/reward_model"]
         cwd = models if script in ("sft.py", "reward_model.py") else tempfile.mkdtemp(prefix=f"same_results_{name}_")
         launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", "29533"]
                     if ranks > 1 else [sys.executable])
         path = os.path.join(root, "scale", script)
         path = path if os.path.exists(path) and not top_level else os.path.join(root, script)
-        proc = subprocess.run(launcher + [path, *flags], cwd=cwd, env=env, capture_output=True, text=True)
+        proc = subprocess.run(launcher + [path, *argv], cwd=cwd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             sys.exit(f"{name} failed:\n{proc.stderr[-3000:]}")
         (run_dir,) = glob.glob(os.path.join(cwd, "runs", "*"))

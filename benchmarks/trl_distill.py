@@ -22,11 +22,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import distill  # noqa: E402  the built-in task, exactly distill.py's
-
 import datasets  # noqa: E402
 import transformers  # noqa: E402
 from trl import DistillationConfig, DistillationTrainer  # noqa: E402
+
+import distill  # noqa: E402  the built-in task, exactly distill.py's
 
 
 def main():

@@ -14,9 +14,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import distill  # noqa: E402
-
 from trl.trainer.distillation_trainer import _chunked_divergence_loss  # noqa: E402
+
+import distill  # noqa: E402
 
 
 def main():

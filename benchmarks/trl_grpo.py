@@ -30,11 +30,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import grpo  # noqa: E402  the built-in task and its gold score, exactly grpo.py's
-
 import datasets  # noqa: E402
 import transformers  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+import grpo  # noqa: E402  the built-in task and its gold score, exactly grpo.py's
 
 
 class Timers:

@@ -42,8 +42,13 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 import transformers
 import tyro
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -1021,8 +1026,8 @@ def check_warmup(warmup_steps, max_steps, decay):
 
 def check_finite(step, **values):
     """Stop the run with one line, before anything is saved, when a loss or gradient norm is NaN or inf."""
-    for name, value in values.items():
-        value = float(torch.as_tensor(value).detach())
+    for name, tensor in values.items():
+        value = float(torch.as_tensor(tensor).detach())
         if not math.isfinite(value):
             sys.exit(f"error: {name} is {value} at step {step}; stopped, nothing saved "
                      "(lower --lr; with a half-precision model, train without --bf16 to check)")

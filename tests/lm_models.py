@@ -2,7 +2,6 @@
 the LM scripts' real-model path and log-prob alignment, tested offline."""
 import torch
 
-
 # ------------------------------------------------------------------------------------------------
 # Tiny random checkpoints of real architectures, with byte-level BPE tokenizers trained here: the
 # real-model path of the LM scripts, offline. Four tokenizer kinds, each like a family of hub models.
@@ -56,8 +55,16 @@ def make_tokenizer(kind):
 
 def make_model(arch, vocab_size, **overrides):
     """A tiny random causal LM of a real architecture (2 layers, 32 wide, 128 positions)."""
-    from transformers import (GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig,
-                              LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        GPTNeoXConfig,
+        GPTNeoXForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     common = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, max_position_embeddings=128)

@@ -28,7 +28,7 @@ def read(script):
         return f.read()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def parse(text):
     """A script's syntax tree, parsed once per text: the checks below read each script many times (read-only)."""
     return ast.parse(text)
@@ -210,7 +210,7 @@ def test_one_banner_and_one_order_of_sections(family):
         found = sections(text)
         assert set(found) <= set(order) and found == sorted(found, key=order.index), script
     where = {}
-    for script, text in texts.items():
+    for text in texts.values():
         below = text.index("\n" + BANNER)
         for name, (source, _) in definitions(text).items():
             at = text.find(source)

@@ -7,8 +7,16 @@ import random
 
 import pytest
 import torch
-from conftest import (CPU_FLOAT32, assert_one_line_error, one_line_exit, only_run_dir, read_scalars, run_in_process,
-                      run_script, same_seed_scalars)
+from conftest import (
+    CPU_FLOAT32,
+    assert_one_line_error,
+    one_line_exit,
+    only_run_dir,
+    read_scalars,
+    run_in_process,
+    run_script,
+    same_seed_scalars,
+)
 from lm_models import save_checkpoint
 
 import distill

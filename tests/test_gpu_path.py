@@ -13,10 +13,7 @@ from conftest import ROOT, assert_one_line_error, read_scalars, run_in_process, 
 from lm_models import save_checkpoint
 from test_real_models import state, write_data
 
-from scale import dpo
-from scale import grpo
-from scale import rlhf_ppo
-from scale import sft
+from scale import grpo, rlhf_ppo, sft
 
 
 def scalars_of(cwd, name):

@@ -5,8 +5,18 @@ import math
 
 import pytest
 import torch
-from conftest import (CPU_FLOAT32, assert_one_line_error, assert_the_reference_stayed, one_line_exit, only_run_dir, read_scalars,
-                      reference_after_training, run_in_process, run_script, same_seed_scalars)
+from conftest import (
+    CPU_FLOAT32,
+    assert_one_line_error,
+    assert_the_reference_stayed,
+    one_line_exit,
+    only_run_dir,
+    read_scalars,
+    reference_after_training,
+    run_in_process,
+    run_script,
+    same_seed_scalars,
+)
 from lm_models import PositionLogits, by_hand
 
 import grpo

@@ -6,9 +6,7 @@ from conftest import CPU_FLOAT32, read_scalars, run_in_process
 from lm_models import make_model, save_checkpoint
 from test_real_models import state, write_data
 
-from scale import dpo
-from scale import grpo
-from scale import rlhf_ppo
+from scale import grpo, rlhf_ppo
 
 
 @pytest.mark.parametrize("script", [grpo, rlhf_ppo])

@@ -8,7 +8,17 @@ import sys
 
 import pytest
 import torch
-from conftest import CPU_FLOAT32, ROOT, TINY_LM, assert_one_line_error, module_name, only_run_dir, read_scalars, run_in_process, run_script
+from conftest import (
+    CPU_FLOAT32,
+    ROOT,
+    TINY_LM,
+    assert_one_line_error,
+    module_name,
+    only_run_dir,
+    read_scalars,
+    run_in_process,
+    run_script,
+)
 from test_distributed import torchrun
 from test_resume import check_exact_resume, lm_flags, one_line_exit
 
@@ -67,9 +77,10 @@ def test_adapters_off_is_the_base_model_and_the_merged_save_is_the_adapter_model
     """dpo.py with --lora-r: the reference (the policy with its adapters off, in AdaptersOff) gives the base
     model's logits bitwise after training, while the adapters change them; KL and the DPO margin are exactly 0
     before the first update; the adapter directory and the --merge-lora directory give the same logits."""
-    from scale import dpo
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
+
+    from scale import dpo
 
     models = tiny_checkpoints["cwd"] / "models"
     flags = ["--model-name-or-path", str(models / "sft"), "--reward-model-path", "None", "--max-steps", "10",

@@ -5,10 +5,19 @@ import os
 
 import numpy as np
 import pytest
+import rl_envs  # noqa: F401  (registers Target-v0)
 import torch
 from conftest import assert_one_line_error, one_line_exit, only_run_dir, read_scalars, run_script, same_seed_scalars
-import rl_envs  # noqa: F401  (registers Target-v0)
-from rl_envs import gradients_by_network, optimizer_steps, ClockEnv, advantages_reaching_the_loss, first_gae_inputs, recorded_writers, seeds_taken, env_ids_reset
+from rl_envs import (
+    ClockEnv,
+    advantages_reaching_the_loss,
+    env_ids_reset,
+    first_gae_inputs,
+    gradients_by_network,
+    optimizer_steps,
+    recorded_writers,
+    seeds_taken,
+)
 
 import ppo_continuous as pc
 

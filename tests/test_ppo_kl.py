@@ -7,7 +7,17 @@ import numpy as np
 import pytest
 import torch
 from conftest import assert_one_line_error, one_line_exit, only_run_dir, read_scalars, run_script, same_seed_scalars
-from rl_envs import gradients_by_network, optimizer_steps, CountingEnv, OffsetActionsEnv, advantages_reaching_the_loss, first_gae_inputs, recorded_writers, seeds_taken, env_ids_reset
+from rl_envs import (
+    CountingEnv,
+    OffsetActionsEnv,
+    advantages_reaching_the_loss,
+    env_ids_reset,
+    first_gae_inputs,
+    gradients_by_network,
+    optimizer_steps,
+    recorded_writers,
+    seeds_taken,
+)
 
 import ppo_kl
 

@@ -7,8 +7,15 @@ import os
 
 import pytest
 import torch
-from conftest import (CPU_FLOAT32, TINY_LM, assert_one_line_error, one_line_exit, read_scalars, run_in_process,
-                      run_script)
+from conftest import (
+    CPU_FLOAT32,
+    TINY_LM,
+    assert_one_line_error,
+    one_line_exit,
+    read_scalars,
+    run_in_process,
+    run_script,
+)
 from lm_models import TOKENIZER_KINDS, make_model, make_tokenizer, save_checkpoint
 
 import dpo
@@ -159,8 +166,9 @@ def eval_rows(data):
 
 @torch.no_grad()
 def sft_eval_loss(path, data):
-    from scale import sft  # the full program's chunked head: another computation than sft.py's
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from scale import sft  # the full program's chunked head: another computation than sft.py's
 
     model, tokenizer = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
     examples = [sft.tokenize(row, tokenizer, sft.stop_token_ids(tokenizer)) for row in eval_rows(data)]
@@ -171,8 +179,9 @@ def sft_eval_loss(path, data):
 
 @torch.no_grad()
 def rm_eval_loss(path, data):
-    from scale import reward_model as rm  # the full program's scorer, on every position
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from scale import reward_model as rm  # the full program's scorer, on every position
 
     model, tokenizer = AutoModelForSequenceClassification.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
     triples = [rm.tokenize_preference(tokenizer, row, rm.stop_token_ids(tokenizer)) for row in eval_rows(data)]
@@ -183,8 +192,9 @@ def rm_eval_loss(path, data):
 
 @torch.no_grad()
 def dpo_eval_loss(root, data):
-    from scale import dpo  # the full program's chunked head: another computation than dpo.py's
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from scale import dpo  # the full program's chunked head: another computation than dpo.py's
 
     tokenizer = AutoTokenizer.from_pretrained(root / "dpo")
     triples = [dpo.tokenize_preference(tokenizer, row, dpo.stop_token_ids(tokenizer)) for row in eval_rows(data)]

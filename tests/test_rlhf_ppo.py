@@ -4,8 +4,18 @@ import os
 
 import pytest
 import torch
-from conftest import (CPU_FLOAT32, assert_one_line_error, assert_the_reference_stayed, one_line_exit, only_run_dir, read_scalars,
-                      reference_after_training, run_in_process, run_script, same_seed_scalars)
+from conftest import (
+    CPU_FLOAT32,
+    assert_one_line_error,
+    assert_the_reference_stayed,
+    one_line_exit,
+    only_run_dir,
+    read_scalars,
+    reference_after_training,
+    run_in_process,
+    run_script,
+    same_seed_scalars,
+)
 from lm_models import PositionLogits, by_hand
 
 import rlhf_ppo

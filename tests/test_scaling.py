@@ -12,11 +12,7 @@ import torch
 from conftest import ROOT, TINY_LM, module_name, read_scalars, run_in_process
 from lm_models import save_checkpoint
 
-from scale import dpo
-from scale import grpo
-from scale import reward_model
-from scale import rlhf_ppo
-from scale import sft
+from scale import dpo, grpo, reward_model, rlhf_ppo, sft
 
 LM_SCRIPTS = [sft, reward_model, dpo, rlhf_ppo, grpo]
 
@@ -387,8 +383,8 @@ def test_on_cuda_the_head_is_whole_and_compile_trains_as_eager(tmp_path, capsys)
     compiled for the passes with gradients) it trains to the loss it reaches eager, to bfloat16 rounding."""
     losses = {}
     for name, extra in (("eager", []), ("compiled", ["--compile"])):
-        run_in_process("scale/sft.py", *TINY_LM, "--max-steps", "20", "--num-train-examples", "400", "--eval-size", "0",
-                       "--eval-every", "100", "--exp-name", name, "--output-dir", name, cwd=tmp_path)
+        run_in_process("scale/sft.py", *TINY_LM, *extra, "--max-steps", "20", "--num-train-examples", "400",
+                       "--eval-size", "0", "--eval-every", "100", "--exp-name", name, "--output-dir", name, cwd=tmp_path)
         out = capsys.readouterr().out
         assert out.count("LM head: whole, kept for the backward pass") == 1, out
         losses[name] = read_scalars(str(next((tmp_path / "runs").glob(f"{name}__*"))))["losses/loss"][-1][1]

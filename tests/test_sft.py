@@ -5,8 +5,17 @@ import os
 
 import pytest
 import torch
-from conftest import (CPU_FLOAT32, TINY_LM, assert_one_line_error, one_line_exit, only_run_dir, read_scalars, run_in_process, run_script,
-                      same_seed_scalars)
+from conftest import (
+    CPU_FLOAT32,
+    TINY_LM,
+    assert_one_line_error,
+    one_line_exit,
+    only_run_dir,
+    read_scalars,
+    run_in_process,
+    run_script,
+    same_seed_scalars,
+)
 
 import sft
 
