@@ -178,8 +178,7 @@ def check_args(args):
 
 
 def main(args: Args):
-    if args.bf16 is None:  # as in TRL's configs: bf16 where CUDA has it; on the CPU float32 is faster
-        args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    settle_defaults(args)  # --bf16, where not given
     check_args(args)
     note_overwrite(args.output_dir)
     torch.set_num_threads(cpu_threads(args.threads))
@@ -216,12 +215,12 @@ def main(args: Args):
           f"{sum(p.numel() for p in teacher.parameters()):,} (frozen); {len(train_ids):,} training prompts")
 
     # ---- the loop: an evaluation before any step, then completions, the teacher, a step, and log each iteration --
-    evaluate(student, teacher, vocab, eval_rows, eval_ids, tokenizer, stop_ids, args, amp, writer, 0)
+    models = (student, teacher, tokenizer, stop_ids)
+    evaluate(models, vocab, eval_rows, eval_ids, amp, writer, 0, args)
     start_time = time.time()
     for iteration in range(1, args.num_iterations + 1):
         lr = get_lr(iteration - 1, args.lr, 0, args.num_iterations, "linear") if args.anneal_lr else args.lr
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        optimizer.param_groups[0]["lr"] = lr
 
         # ---- 1. completions: the student's own, with probability λ; else the dataset's ---------------------------
         chosen = rng.sample(range(len(train_ids)), B)
@@ -246,10 +245,10 @@ def main(args: Args):
         with amp():
             logits = completion_logits(student, sequences, attention_mask, context_length, vocab)
         if args.sampled_token:  # only the drawn token's log-probs: what a teacher behind a sampling server returns
-            tokens = sequences[:, context_length:, None]
-            logprobs = torch.log_softmax(logits.float() / args.temperature, -1).gather(-1, tokens).squeeze(-1)
-            teacher_logprobs = torch.log_softmax(teacher_logits.float() / args.temperature, -1).gather(-1, tokens)
-            per_token = sampled_token_loss(logprobs, teacher_logprobs.squeeze(-1))
+            tokens = sequences[:, context_length:]
+            logprobs = gather_logprobs(logits.float() / args.temperature, tokens)
+            teacher_logprobs = gather_logprobs(teacher_logits.float() / args.temperature, tokens)
+            per_token = sampled_token_loss(logprobs, teacher_logprobs)
         else:
             per_token = generalized_jsd(logits, teacher_logits, args.beta, args.temperature)
         loss = masked_mean(per_token, mask)
@@ -271,7 +270,7 @@ def main(args: Args):
             print(f"iteration {iteration}: loss {loss.item():.4f}, reverse KL {reverse_kl:.4f} per token "
                   f"({'student' if on_policy else 'dataset'} completions), {time.time() - start_time:.0f} s")
         if iteration % args.eval_every == 0 or iteration == args.num_iterations:
-            evaluate(student, teacher, vocab, eval_rows, eval_ids, tokenizer, stop_ids, args, amp, writer, iteration)
+            evaluate(models, vocab, eval_rows, eval_ids, amp, writer, iteration, args)
 
     save_model(student, tokenizer, args, args.output_dir, save_dtype)
     print(f"saved to {args.output_dir} after {time.time() - start_time:.0f} s")
@@ -279,10 +278,11 @@ def main(args: Args):
 
 
 @torch.no_grad()
-def evaluate(student, teacher, vocab, eval_rows, eval_ids, tokenizer, stop_ids, args, amp, writer, iteration):
+def evaluate(models, vocab, eval_rows, eval_ids, amp, writer, iteration, args):
     """The student's completions of the eval prompts at --temperature: their reverse KL to the teacher per token
     and, on the built-in task, their gold accuracy and score, sampled and greedy, as sft.py logs them (the
     teacher's too, before the first step: the accuracy distillation aims at)."""
+    student, teacher, tokenizer, stop_ids = models
     if not eval_ids:
         return
     student.eval()
@@ -650,6 +650,11 @@ def model_positions(model):
 # ---------------------------------------------------------------------------------------------
 # Forward passes and sampling
 # ---------------------------------------------------------------------------------------------
+def gather_logprobs(logits, tokens):
+    """log π(tokens[:, t] | x_≤t) = log_softmax(logits)[:, t, tokens[:, t]], in float32."""
+    return torch.log_softmax(logits.float(), -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
 def position_ids_of(attention_mask):
     """Positions count real tokens only, so left padding does not shift them."""
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -713,6 +718,16 @@ def generate(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperat
 # ---------------------------------------------------------------------------------------------
 # Training and saving
 # ---------------------------------------------------------------------------------------------
+def settle_defaults(args):
+    """The defaults that depend on the run, settled before the argument checks (and logged as settled). --bf16: on
+    where CUDA has bfloat16, as in TRL's configs; on the CPU float32 is faster. --vllm-importance-sampling-correction
+    (the RL scripts): TRL corrects by default; here only a stale sampler (--rollout-lag) needs it."""
+    if args.bf16 is None:
+        args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if getattr(args, "vllm_importance_sampling_correction", False) is None:
+        args.vllm_importance_sampling_correction = args.rollout_lag > 0
+
+
 def get_lr(step, lr, warmup_steps, max_steps, decay):
     """Learning rate of optimizer step `step` = 0, 1, ...: `lr` × a linear warmup min(1, (step + 1) / warmup_steps)
     × a decay to 0 at `max_steps`: "linear", min(1, (max_steps − step) / (max_steps − warmup_steps)), flat through

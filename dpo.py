@@ -131,7 +131,7 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_r
     return losses.mean(), beta * chosen_logratios.detach(), beta * rejected_logratios.detach()
 
 
-def completion_logps(model, input_ids, attention_mask, labels, temperature=1.0):
+def completion_logprobs(model, input_ids, attention_mask, labels, temperature=1.0):
     """Σ_t log π(y_t | x, y_<t) over the labeled tokens (labels ≠ −100), one value per sequence, π the softmax of
     logits / temperature."""
     targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # position t predicts token t + 1
@@ -165,8 +165,7 @@ def check_args(args):
 
 
 def main(args: Args):
-    if args.bf16 is None:  # as in TRL's configs: bf16 where CUDA has it; on the CPU float32 is faster
-        args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    settle_defaults(args)  # --bf16, where not given
     check_args(args)
     note_overwrite(args.output_dir)
     torch.set_num_threads(cpu_threads(args.threads))
@@ -195,21 +194,20 @@ def main(args: Args):
         sys.exit(f"error: sequences of {longest} tokens (--max-length, or an eval prompt + --response-length) exceed the "
                  f"model's {model_positions(policy)} positions; lower them")
 
-    def logps_of(model, batch):
+    def logprobs_of(model, batch):
         """Summed log-probs of the chosen and the rejected completions, in one forward pass."""
         input_ids, attention_mask, labels = (t.to(device) for t in collate([c for c, _ in batch] + [r for _, r in batch],
                                                                           tokenizer.pad_token_id))
         with amp():
-            logps = completion_logps(model, input_ids, attention_mask, labels)
-        return logps[: len(batch)], logps[len(batch) :]
+            logprobs = completion_logprobs(model, input_ids, attention_mask, labels)
+        return logprobs[: len(batch)], logprobs[len(batch) :]
 
     writer = SummaryWriter(f"runs/{args.exp_name}__{args.seed}__{int(time.time())}")
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
     print(f"policy: {sum(p.numel() for p in policy.parameters()):,} parameters, {len(train):,} training pairs")
-    evaluate = lambda step: evaluate_policy(policy, ref, reward, tokenizer, stop_ids, logps_of, evals,  # noqa: E731
-                                            eval_prompts, eval_ids, eval_targets, args, amp, writer, step)
-    evaluate(0)  # the SFT model, before any update
+    models = (policy, ref, reward, tokenizer, stop_ids, logprobs_of)
+    evaluate(models, evals, eval_prompts, eval_ids, eval_targets, amp, writer, 0, args)  # the SFT model, before any update
     order, position, start_time = list(range(len(train))), len(train), time.time()
     for step in range(1, args.max_steps + 1):
         if position + args.batch_size > len(order):  # a new pass over the data, reshuffled
@@ -218,13 +216,12 @@ def main(args: Args):
         batch = [train[i] for i in order[position : position + args.batch_size]]
         position += args.batch_size
         lr = get_lr(step - 1, args.lr, args.warmup_steps, args.max_steps, "linear")
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        optimizer.param_groups[0]["lr"] = lr
 
         # ---- update: the policy's log-ratio to the reference, chosen over rejected ----------------
         with torch.no_grad():  # the reference on the very tensors the policy sees: the margin starts at 0 exactly
-            ref_chosen, ref_rejected = logps_of(ref, batch)
-        chosen, rejected = logps_of(policy, batch)
+            ref_chosen, ref_rejected = logprobs_of(ref, batch)
+        chosen, rejected = logprobs_of(policy, batch)
         loss, r_c, r_r = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, args.beta, args.loss_type,
                                   args.label_smoothing)
         loss.backward()
@@ -246,7 +243,7 @@ def main(args: Args):
             for tag, value in logs.items():
                 writer.add_scalar(tag, float(value), step)
         if step % args.eval_every == 0 or step == args.max_steps:
-            evaluate(step)
+            evaluate(models, evals, eval_prompts, eval_ids, eval_targets, amp, writer, step, args)
 
     save_model(policy, tokenizer, args, args.output_dir, save_dtype)
     print(f"saved to {args.output_dir} after {time.time() - start_time:.0f} s")
@@ -254,15 +251,15 @@ def main(args: Args):
 
 
 @torch.no_grad()
-def evaluate_policy(policy, ref, reward, tokenizer, stop_ids, logps_of, evals, eval_prompts, eval_ids, eval_targets,
-                    args, amp, writer, step):
+def evaluate(models, evals, eval_prompts, eval_ids, eval_targets, amp, writer, step, args):
     """The DPO loss and accuracy on held-out pairs; then the sampled evaluation of rlhf_ppo.py on the eval
     prompts: completions at --temperature, their KL to the reference, the reward model's score and, on the
     built-in task, their gold reward."""
+    policy, ref, reward, tokenizer, stop_ids, logprobs_of = models
     policy.eval()
     line = f"step {step}:"
     if evals:
-        parts = [(logps_of(policy, evals[i : i + args.batch_size]), logps_of(ref, evals[i : i + args.batch_size]))
+        parts = [(logprobs_of(policy, evals[i : i + args.batch_size]), logprobs_of(ref, evals[i : i + args.batch_size]))
                  for i in range(0, len(evals), args.batch_size)]
         chosen, rejected, ref_c, ref_r = (torch.cat([part[a][b] for part in parts]) for a in (0, 1) for b in (0, 1))
         loss, r_c, r_r = dpo_loss(chosen, rejected, ref_c, ref_r, args.beta, args.loss_type, args.label_smoothing)
@@ -276,8 +273,8 @@ def evaluate_policy(policy, ref, reward, tokenizer, stop_ids, logps_of, evals, e
                 policy, eval_ids[i : i + args.batch_size], tokenizer.pad_token_id, stop_ids, args.response_length,
                 args.temperature)
             labels = sequences.masked_fill(F.pad(response_mask, (width, 0)) == 0, -100)  # the response tokens
-            kls.append(completion_logps(policy, sequences, attention_mask, labels, args.temperature)
-                       - completion_logps(ref, sequences, attention_mask, labels, args.temperature))
+            kls.append(completion_logprobs(policy, sequences, attention_mask, labels, args.temperature)
+                       - completion_logprobs(ref, sequences, attention_mask, labels, args.temperature))
             if reward is not None:
                 scores.append(response_scores(reward, sequences, attention_mask, response_mask, stop_ids,
                                               args.missing_eos_penalty)[0])
@@ -813,6 +810,16 @@ def generate(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperat
 # ---------------------------------------------------------------------------------------------
 # Training and saving
 # ---------------------------------------------------------------------------------------------
+def settle_defaults(args):
+    """The defaults that depend on the run, settled before the argument checks (and logged as settled). --bf16: on
+    where CUDA has bfloat16, as in TRL's configs; on the CPU float32 is faster. --vllm-importance-sampling-correction
+    (the RL scripts): TRL corrects by default; here only a stale sampler (--rollout-lag) needs it."""
+    if args.bf16 is None:
+        args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if getattr(args, "vllm_importance_sampling_correction", False) is None:
+        args.vllm_importance_sampling_correction = args.rollout_lag > 0
+
+
 def get_lr(step, lr, warmup_steps, max_steps, decay):
     """Learning rate of optimizer step `step` = 0, 1, ...: `lr` × a linear warmup min(1, (step + 1) / warmup_steps)
     × a decay to 0 at `max_steps`: "linear", min(1, (max_steps − step) / (max_steps − warmup_steps)), flat through

@@ -524,10 +524,7 @@ def check_args(args):
 
 
 def main(args: Args):
-    if args.bf16 is None:  # as in TRL's configs: bf16 where CUDA has it; on the CPU float32 is faster
-        args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    if args.vllm_importance_sampling_correction is None:  # TRL corrects by default; only a stale sampler needs it here
-        args.vllm_importance_sampling_correction = args.rollout_lag > 0
+    settle_defaults(args)  # --bf16 and --vllm-importance-sampling-correction, where not given
     check_args(args)
     note_overwrite(args.output_dir)
     torch.set_num_threads(cpu_threads(args.threads))
@@ -562,17 +559,23 @@ def main(args: Args):
         sys.exit(f"error: the longest prompt ({longest} tokens) + --response-length {args.response_length} exceeds the "
                  f"model's {positions} positions; lower --max-prompt-length or --response-length")
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr)
-    # --rollout-lag K: the policy's weights of the last K iterations, oldest first; a rollout samples with the oldest
-    trained = [p for p in policy.parameters() if p.requires_grad]
-    lagged = [[p.detach().clone() for p in trained] for _ in range(args.rollout_lag)]
+    lag = RolloutLag(policy, args.rollout_lag)  # --rollout-lag K: the weights a rollout samples with
     writer = SummaryWriter(f"runs/{args.exp_name}__{args.seed}__{int(time.time())}")
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
     print(f"{1 + (ref is not None) + (reward is not None)} model(s) in memory: the policy"
           + (", the reference" if ref is not None else "") + (", the reward model" if reward is not None else ""))
-    names = [name for name, _ in functions] + (["reward_model"] if reward is not None else [])  # the reward terms
-    # the reward of each completion: Σ_k w_k r_k over the reward terms, then the length terms (completion_rewards)
-    rewards_of = functools.partial(completion_rewards, tokenizer=tokenizer, functions=functions, weights=weights,
-                                   reward=reward, stop_ids=stop_ids, args=args)
+    terms = RewardTerms(functions, weights, reward,
+                        [name for name, _ in functions] + (["reward_model"] if reward is not None else []))
+
+    def rewards_of(rows, sequences, attention_mask, context_length, response_mask):
+        """The reward of each completion, Σ_k w_k r_k over the reward terms (completion_rewards), and with
+        --soft-overlong-cache DAPO's penalty for a completion that stops near the length limit (up to −1)."""
+        rewards, table, completions, has_stop = completion_rewards(rows, sequences, attention_mask, context_length,
+                                                                   response_mask, terms, tokenizer, stop_ids, args)
+        if args.soft_overlong_cache:
+            penalty = soft_overlong_punishment(response_mask.sum(1), args.response_length, args.soft_overlong_cache)
+            rewards = torch.where(has_stop, rewards + penalty, rewards)
+        return rewards, table, completions, has_stop
 
     def logprobs_of(model, sequences, attention_mask, context_length):
         """(log π(a_t | s_t), entropy) of every response token, a minibatch at a time: in a rollout these are
@@ -581,45 +584,21 @@ def main(args: Args):
                                  args.mini_batch_size, sequences, attention_mask)
 
     # ---- the loop: an evaluation before any update, then sample, advantages, update and log each iteration -----
-    evaluate(policy, ref, eval_rows, eval_ids, tokenizer, stop_ids, names, rewards_of, logprobs_of, args, amp, writer, 0)
-    rng, cap_reported, start_time = random.Random(args.seed), False, time.time()  # rng: the prompts drawn
+    models = (policy, ref, tokenizer, stop_ids, logprobs_of)
+    evaluate(models, eval_rows, eval_ids, terms, rewards_of, amp, writer, 0, args)
+    rng, said, start_time = random.Random(args.seed), set(), time.time()  # rng: the prompts drawn
     for iteration in range(1, args.num_iterations + 1):
         lr = get_lr(iteration - 1, args.lr, 0, args.num_iterations, "linear") if args.anneal_lr else args.lr
         optimizer.param_groups[0]["lr"] = lr
         # ---- 1. sample groups: G completions of each prompt and their rewards ------------------------------
         policy.eval()
         with torch.no_grad(), amp():
-            if lagged:  # the sampler: the weights of K iterations before (in the first K iterations, the start's)
-                swap_weights(trained, lagged[0])
-            batch = sample_groups(policy, train_rows, train_ids, rng, rewards_of, tokenizer.pad_token_id, stop_ids,
-                                  args)
-            if lagged:  # the current weights back; they become the newest of the K, in the oldest's memory
-                swap_weights(trained, lagged[0])
-                lagged.append(lagged.pop(0))
-                for p, w in zip(trained, lagged[-1]):
-                    w.copy_(p)
-            # ---- 2. advantages within each group (or over the batch), and the log-probs the update starts from -
+            with lag:  # --rollout-lag K: sampled with the weights of K iterations before
+                batch = sample_groups(policy, train_rows, train_ids, rng, rewards_of, tokenizer.pad_token_id, stop_ids,
+                                      said, args)
+            # ---- 2. advantages within each group (or over the batch), and the policy the update starts from ---
             advantages = compute_advantages(batch.rewards, G, args.advantage, args.scale_rewards)
-            sequences, attention_mask, context_length, mask = (batch.sequences, batch.attention_mask,
-                                                               batch.context_length, batch.mask)
-            old_logprobs, entropy = logprobs_of(policy, sequences, attention_mask, context_length)
-            ref_logprobs = old_logprobs  # β = 0: no reference (the KL terms below are 0 and not logged)
-            if ref is not None:
-                ref_logprobs, _ = logprobs_of(ref, sequences, attention_mask, context_length)
-            k1, k3 = kl_estimators(old_logprobs, ref_logprobs, mask)
-            # the tokens the loss sees: with --mask-truncated-completions not those of a completion with no stop token
-            loss_mask = mask * batch.has_stop.unsqueeze(1) if args.mask_truncated_completions else mask
-            # dapo's and cispo's normalizer: the rollout's tokens per minibatch, so each of its tokens weighs the same
-            num_tokens = max(1.0, loss_mask.sum().item()) * args.mini_batch_size / B
-            # how far the sampler is from π_old, and the weight of each token that corrects for it
-            mismatch = sampler_mismatch(old_logprobs, batch.sampler_logprobs, mask,
-                                        args.vllm_importance_sampling_clip_max or 3.0)
-            is_weights = None
-            if args.vllm_importance_sampling_correction:
-                is_weights = sampler_importance_weights(old_logprobs, batch.sampler_logprobs, mask,
-                                                        args.vllm_importance_sampling_mode,
-                                                        args.vllm_importance_sampling_clip_min,
-                                                        args.vllm_importance_sampling_clip_max)
+            old = old_policy(policy, ref, batch, logprobs_of, args)
 
         # ---- 3. update: μ passes over the rollout in shuffled minibatches ------------------------------------
         policy.train()
@@ -632,42 +611,25 @@ def main(args: Args):
             for start in range(0, B, args.mini_batch_size):
                 mb = order[start : start + args.mini_batch_size]
                 with amp():
-                    logprobs, _ = policy_logprobs(policy, sequences[mb], attention_mask[mb], context_length,
-                                                  args.temperature)
-                ratio = importance_ratio(logprobs, old_logprobs[mb], mask[mb], args.importance_sampling_level)
-                surrogate = token_losses(ratio, logprobs, advantages[mb], args.loss_type, args.epsilon, epsilon_high)
-                if is_weights is not None:  # the sampler was not π_old: weigh each token by π_old / π_sampler
-                    surrogate = surrogate * is_weights[mb]
-                if args.off_policy_mask_threshold is not None:  # drop negative completions the policy left behind
-                    kept = off_policy_sequence_mask(advantages[mb], logprobs, batch.sampler_logprobs[mb], mask[mb],
-                                                    args.off_policy_mask_threshold)
-                    surrogate = surrogate * kept
-                    stats["off_policy_masked"] += (1 - kept).sum().item()
-                policy_loss = aggregate_loss(surrogate, loss_mask[mb], args.loss_type, args.mini_batch_size,
-                                             num_tokens, args.response_length)
-                kl_penalty = torch.zeros((), device=device)
-                if ref is not None:
-                    _, new_k3 = kl_estimators(logprobs, ref_logprobs[mb], loss_mask[mb])
-                    kl_penalty = args.beta * aggregate_loss(new_k3, loss_mask[mb], args.loss_type,
-                                                            args.mini_batch_size, num_tokens, args.response_length)
+                    logprobs, _ = policy_logprobs(policy, batch.sequences[mb], batch.attention_mask[mb],
+                                                  batch.context_length, args.temperature)
+                ratio = importance_ratio(logprobs, old.logprobs[mb], batch.mask[mb], args.importance_sampling_level)
+                per_token, masked = grpo_token_losses(ratio, logprobs, advantages[mb], batch, old, mb, epsilon_high, args)
+                policy_loss = aggregate_loss(per_token, batch.loss_mask[mb], args.loss_type, args.mini_batch_size,
+                                             batch.num_tokens, args.response_length)
+                kl_penalty = kl_to_reference(logprobs, old.ref_logprobs, batch.loss_mask, mb, batch.num_tokens, args)
                 (policy_loss + kl_penalty).backward()
-                accumulate_grpo_stats(stats, policy_loss, kl_penalty, ratio, advantages[mb], mask[mb],
-                                      epoch == start == 0, args.epsilon, epsilon_high, args.loss_type)
+                accumulate_grpo_stats(stats, policy_loss, kl_penalty, ratio, advantages[mb], batch.mask[mb], masked,
+                                      epoch == start == 0, epsilon_high, args)
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                 check_finite(iteration, loss=policy_loss + kl_penalty, grad_norm=grad_norm)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
 
         # ---- 4. log: statistics of the whole batch --------------------------------------------------------
-        if batch.short and not cap_reported:  # dynamic sampling ran out of rounds: said once
-            print(f"dynamic sampling: after --max-sampling-rounds {args.max_sampling_rounds}, {batch.short} group(s) "
-                  "short of groups that differ: the batch is filled with equal ones, now and whenever this happens")
-            cap_reported = True
-        log_grpo_iteration(writer, iteration, batch, stats, k1, k3, entropy, ref, names, lr, start_time, args,
-                           mismatch, is_weights)
+        log_grpo_iteration(writer, iteration, batch, old, stats, terms.names, lr, start_time, args)
         if iteration % args.eval_every == 0 or iteration == args.num_iterations:
-            evaluate(policy, ref, eval_rows, eval_ids, tokenizer, stop_ids, names, rewards_of, logprobs_of, args, amp,
-                     writer, iteration)
+            evaluate(models, eval_rows, eval_ids, terms, rewards_of, amp, writer, iteration, args)
 
     save_model(policy, tokenizer, args, args.output_dir, save_dtype)
     print(f"saved to {args.output_dir} after {time.time() - start_time:.0f} s")
@@ -686,14 +648,15 @@ class Groups:
     has_stop: torch.Tensor  # [B]: the completion ended with a stop token
     sampler_logprobs: torch.Tensor  # log π_sampler of each drawn token, as `generate` drew it
     informative: torch.Tensor  # one per group sampled (every round): its rewards differ
-    short: int  # --dynamic-sampling: groups that differ still missing after the last round
+    loss_mask: torch.Tensor  # the tokens the loss sees: with --mask-truncated-completions not an unfinished one's
+    num_tokens: float  # dapo's and cispo's normalizer: the rollout's loss tokens per minibatch
 
 
-def sample_groups(policy, rows, prompt_ids, rng, rewards_of, pad_token_id, stop_ids, args):
+def sample_groups(policy, rows, prompt_ids, rng, rewards_of, pad_token_id, stop_ids, said, args):
     """B / G prompts drawn without replacement, G completions of each sampled at --temperature, and their rewards.
     With --dynamic-sampling (DAPO) more prompts are drawn, up to --max-sampling-rounds batches, until B / G groups
     whose rewards differ are found; the batch takes them first, in the order sampled, and groups of equal rewards
-    only to fill up."""
+    only to fill up (said once: `said` holds the notes already printed)."""
     G, B, rounds = args.num_generations, args.batch_size, []
     while True:  # one batch of prompts; with --dynamic-sampling more, until enough groups differ
         chosen = rng.sample(range(len(prompt_ids)), B // G)
@@ -711,18 +674,35 @@ def sample_groups(policy, rows, prompt_ids, rng, rewards_of, pad_token_id, stop_
     groups = torch.arange(B // G, device=informative.device)
     if args.dynamic_sampling:  # groups that differ first, in the order sampled; equal ones only to fill up
         groups = torch.argsort((~informative).int(), stable=True)[: B // G]
+        if short and "short" not in said:
+            print(f"dynamic sampling: after --max-sampling-rounds {args.max_sampling_rounds}, {short} group(s) short "
+                  "of groups that differ: the batch is filled with equal ones, now and whenever this happens")
+            said.add("short")
     idx = (groups[:, None] * G + torch.arange(G, device=groups.device)).flatten()  # their completions' rows
     sequences, attention_mask, context_length, mask, sampler_logprobs = join_samples([r["sampled"] for r in rounds],
                                                                                      pad_token_id)
-    return Groups(sequences[idx], attention_mask[idx], context_length, mask[idx].float(),
-                  *(torch.cat([r[key] for r in rounds])[idx] for key in ("rewards", "table", "has_stop")),
-                  sampler_logprobs[idx], informative, short if args.dynamic_sampling else 0)
+    mask, (rewards, table, has_stop) = mask[idx].float(), (torch.cat([r[k] for r in rounds])[idx]
+                                                           for k in ("rewards", "table", "has_stop"))
+    loss_mask = mask * has_stop.unsqueeze(1) if args.mask_truncated_completions else mask
+    num_tokens = max(1.0, loss_mask.sum().item()) * args.mini_batch_size / B  # so that each token weighs the same
+    return Groups(sequences[idx], attention_mask[idx], context_length, mask, rewards, table, has_stop,
+                  sampler_logprobs[idx], informative, loss_mask, num_tokens)
 
 
-def completion_rewards(rows, sequences, attention_mask, context_length, response_mask, tokenizer, functions, weights,
-                       reward, stop_ids, args):
+@dataclass
+class RewardTerms:
+    """What a completion's reward is made of: the reward functions (name, fn) and the reward model (or None),
+    their weights, and the name of each term (the reward model's "reward_model")."""
+    functions: list
+    weights: tuple
+    reward: torch.nn.Module | None
+    names: list
+
+
+def completion_rewards(rows, sequences, attention_mask, context_length, response_mask, terms, tokenizer, stop_ids,
+                       args):
     """The reward of each completion, r = Σ_k w_k r_k over the reward functions and the reward model's score
-    (combine_rewards) plus any soft overlong punishment, or --missing-eos-penalty for a completion with no stop
+    (combine_rewards), or --missing-eos-penalty for a completion with no stop
     token: an unfinished answer is not scored. Returns (rewards, the [B, K] table of the terms, completions as
     text, has_stop)."""
     prompts = [row["prompt"] for row in rows]
@@ -730,40 +710,98 @@ def completion_rewards(rows, sequences, attention_mask, context_length, response
     completions = tokenizer.batch_decode(sequences[:, context_length:], skip_special_tokens=True)
     as_passed = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c  # as TRL passes them
                  for p, c in zip(prompts, completions)]
-    table = reward_terms(functions, prompts, as_passed, reward_columns(rows)).to(sequences.device)
-    if reward is not None:
+    table = reward_terms(terms.functions, prompts, as_passed, reward_columns(rows)).to(sequences.device)
+    if terms.reward is not None:
         scores, _ = forward_in_chunks(
-            lambda s, a, m: response_scores(reward, s, a, m, stop_ids, args.missing_eos_penalty),
+            lambda s, a, m: response_scores(terms.reward, s, a, m, stop_ids, args.missing_eos_penalty),
             args.mini_batch_size, sequences, attention_mask, response_mask)
         table = torch.cat([table, scores.float()[:, None]], 1)
     responses = sequences[:, context_length:]
     has_stop = (torch.isin(responses, torch.tensor(stop_ids, device=sequences.device)) & response_mask.bool()).any(1)
-    rewards = combine_rewards(table, weights)
-    if args.soft_overlong_cache:  # a completion that stops near the limit loses up to 1
-        rewards = rewards + soft_overlong_punishment(response_mask.sum(1), args.response_length,
-                                                     args.soft_overlong_cache)
+    rewards = combine_rewards(table, terms.weights)
     rewards = torch.where(has_stop, rewards, torch.full_like(rewards, args.missing_eos_penalty))
     return rewards, table, completions, has_stop
 
 
+@dataclass
+class OldPolicy:
+    """π_old on the rollout, the policy the update starts from; token tensors are [B, response_length]."""
+    logprobs: torch.Tensor  # log π_old of each completion token
+    entropy: torch.Tensor
+    ref_logprobs: torch.Tensor | None  # log π_ref; None when β = 0 (no reference)
+    k1: torch.Tensor | None  # the KL estimators to π_ref (kl_estimators); None when β = 0
+    k3: torch.Tensor | None
+    mismatch: tuple  # the sampler's distance from π_old (sampler_mismatch)
+    is_weights: torch.Tensor | None  # the sampler correction's weights; None without --vllm-importance-sampling-correction
+
+
+def old_policy(policy, ref, batch, logprobs_of, args):
+    """π_old's and π_ref's log-probs of the rollout's tokens, the KL between them (none when β = 0), and the
+    sampler's distance from π_old with the weights that correct for it."""
+    logprobs, entropy = logprobs_of(policy, batch.sequences, batch.attention_mask, batch.context_length)
+    ref_logprobs = k1 = k3 = None
+    if args.beta > 0:
+        ref_logprobs, _ = logprobs_of(ref, batch.sequences, batch.attention_mask, batch.context_length)
+        k1, k3 = kl_estimators(logprobs, ref_logprobs, batch.mask)
+    return OldPolicy(logprobs, entropy, ref_logprobs, k1, k3,
+                     *sampler_correction(logprobs, batch.sampler_logprobs, batch.mask, args))
+
+
+def sampler_correction(old_logprobs, sampler_logprobs, mask, args):
+    """How far the sampler is from π_old (sampler_mismatch, for the rollout/ tags) and, with
+    --vllm-importance-sampling-correction, the weight of each token that corrects for it
+    (sampler_importance_weights; None without)."""
+    mismatch = sampler_mismatch(old_logprobs, sampler_logprobs, mask, args.vllm_importance_sampling_clip_max or 3.0)
+    if not args.vllm_importance_sampling_correction:
+        return mismatch, None
+    return mismatch, sampler_importance_weights(old_logprobs, sampler_logprobs, mask,
+                                                args.vllm_importance_sampling_mode,
+                                                args.vllm_importance_sampling_clip_min,
+                                                args.vllm_importance_sampling_clip_max)
+
+
+def grpo_token_losses(ratio, logprobs, advantages, batch, old, mb, epsilon_high, args):
+    """Each token's loss of minibatch `mb` (token_losses), weighed by the sampler correction (the sampler was not
+    π_old: π_old / π_sampler) and, with --off-policy-mask-threshold, with the negative completions the policy left
+    behind dropped (off_policy_sequence_mask). Returns (the losses, how many completions were dropped)."""
+    losses = token_losses(ratio, logprobs, advantages, args.loss_type, args.epsilon, epsilon_high)
+    if old.is_weights is not None:
+        losses = losses * old.is_weights[mb]
+    masked = torch.zeros((), device=losses.device)
+    if args.off_policy_mask_threshold is not None:
+        kept = off_policy_sequence_mask(advantages, logprobs, batch.sampler_logprobs[mb], batch.mask[mb],
+                                        args.off_policy_mask_threshold)
+        losses, masked = losses * kept, (1 - kept).sum()
+    return losses, masked
+
+
+def kl_to_reference(logprobs, ref_logprobs, loss_mask, mb, num_tokens, args):
+    """The KL penalty of minibatch `mb`, β · D_KL[π_θ ‖ π_ref] with k3 per token, aggregated as the policy loss
+    (TRL's); 0 when β = 0."""
+    if args.beta == 0:
+        return torch.zeros((), device=logprobs.device)
+    _, k3 = kl_estimators(logprobs, ref_logprobs[mb], loss_mask[mb])
+    return args.beta * aggregate_loss(k3, loss_mask[mb], args.loss_type, args.mini_batch_size, num_tokens,
+                                      args.response_length)
+
+
 @torch.no_grad()
-def accumulate_grpo_stats(stats, policy_loss, kl_penalty, ratio, advantages, mask, first, epsilon_low, epsilon_high,
-                          loss_type):
-    """Adds a minibatch's losses and clipped-token counts to `stats`; at the first minibatch of an iteration, before
-    any step, the ratio's largest distance from 1 (it must be exactly 0)."""
+def accumulate_grpo_stats(stats, policy_loss, kl_penalty, ratio, advantages, mask, masked, first, epsilon_high, args):
+    """Adds a minibatch's losses, clipped-token counts and completions masked to `stats`; at the first minibatch of
+    an iteration, before any step, the ratio's largest distance from 1 (it must be exactly 0)."""
     stats["policy_loss"] += policy_loss.item()
     stats["kl_penalty"] += kl_penalty.item()
-    low, high = clipped_tokens(ratio, advantages, epsilon_low, epsilon_high, loss_type)
+    low, high = clipped_tokens(ratio, advantages, args.epsilon, epsilon_high, args.loss_type)
     stats["clipped_low"] += (low * mask).sum().item()
     stats["clipped_high"] += (high * mask).sum().item()
+    stats["off_policy_masked"] += masked.item()
     if first:
         stats["first_ratio_max_error"] = (ratio - 1).abs().max()
 
 
-def log_grpo_iteration(writer, iteration, batch, stats, k1, k3, entropy, ref, names, lr, start_time, args, mismatch,
-                       is_weights):
+def log_grpo_iteration(writer, iteration, batch, old, stats, names, lr, start_time, args):
     """An iteration's statistics of the whole batch, to TensorBoard (docs/tags.md), and a line every 10 iterations."""
-    B, G, mask = args.batch_size, args.num_generations, batch.mask
+    B, G, mask, mismatch = args.batch_size, args.num_generations, batch.mask, old.mismatch
     groups, tokens = batch.rewards.view(-1, G), mask.sum().item()
     num_minibatches = args.ppo_epochs * B // args.mini_batch_size
     logs = {  # the rewards' statistics over the scored completions (an unscored one's reward is NaN)
@@ -772,11 +810,9 @@ def log_grpo_iteration(writer, iteration, batch, stats, k1, k3, entropy, ref, na
         "objective/zero_std_fraction": (groups.std(1) == 0).sum().item() / (B // G),
         "objective/completion_length": tokens / B, "objective/prompts_sampled": len(batch.informative),
         "objective/zero_std_fraction_sampled": (~batch.informative).sum().item() / len(batch.informative),
-        "objective/kl": k1.sum().item() / B, "objective/kl_k3": k3.sum().item() / B,
-        "objective/entropy": (entropy * mask).sum().item() / B,
+        "objective/entropy": (old.entropy * mask).sum().item() / B,
         "objective/stop_fraction": batch.has_stop.sum().item() / B,
         "losses/policy_loss": stats["policy_loss"] / num_minibatches,
-        "losses/kl_penalty": stats["kl_penalty"] / num_minibatches,
         "policy/clipfrac": (stats["clipped_low"] + stats["clipped_high"]) / (args.ppo_epochs * tokens),
         "policy/clipfrac_low": stats["clipped_low"] / (args.ppo_epochs * tokens),
         "policy/clipfrac_high": stats["clipped_high"] / (args.ppo_epochs * tokens),
@@ -786,13 +822,14 @@ def log_grpo_iteration(writer, iteration, batch, stats, k1, k3, entropy, ref, na
         "rollout/logprob_diff_mean": mismatch[0].item() / tokens, "rollout/logprob_diff_max": mismatch[1].item(),
         "rollout/kl_k3": mismatch[2].item() / tokens, "rollout/ratio_outside_fraction": mismatch[3].item() / tokens,
     }
-    if is_weights is not None:  # the correction's weights: their mean, and the tokens they leave out (weight 0)
-        logs["rollout/is_weight_mean"] = (is_weights * mask).sum().item() / tokens
-        logs["rollout/is_masked_fraction"] = ((is_weights == 0) * mask).sum().item() / tokens
+    if args.beta > 0:  # the KL to the reference
+        logs.update({"objective/kl": old.k1.sum().item() / B, "objective/kl_k3": old.k3.sum().item() / B,
+                     "losses/kl_penalty": stats["kl_penalty"] / num_minibatches})
+    if old.is_weights is not None:  # the correction's weights: their mean, and the tokens they leave out (weight 0)
+        logs["rollout/is_weight_mean"] = (old.is_weights * mask).sum().item() / tokens
+        logs["rollout/is_masked_fraction"] = ((old.is_weights == 0) * mask).sum().item() / tokens
     if args.off_policy_mask_threshold is not None:
         logs["policy/off_policy_masked_fraction"] = stats["off_policy_masked"] / (args.ppo_epochs * B)
-    if ref is None:  # no reference, no KL to it
-        del logs["objective/kl"], logs["objective/kl_k3"], logs["losses/kl_penalty"]
     logs.update(term_means(batch.table, names, "rewards/", "objective/score"))  # each reward term's mean
     for tag, value in logs.items():
         writer.add_scalar(tag, float(value), iteration)
@@ -802,10 +839,10 @@ def log_grpo_iteration(writer, iteration, batch, stats, k1, k3, entropy, ref, na
 
 
 @torch.no_grad()
-def evaluate(policy, ref, eval_rows, eval_ids, tokenizer, stop_ids, names, rewards_of, logprobs_of, args, amp, writer,
-             iteration):
+def evaluate(models, eval_rows, eval_ids, terms, rewards_of, amp, writer, iteration, args):
     """Completions of the eval prompts at --temperature: their reward and each reward term, their KL to the
     reference (Σ_t log π_θ − log π_ref over a completion) and, on the built-in task, their gold reward."""
+    policy, ref, tokenizer, stop_ids, logprobs_of = models
     if not eval_ids:
         return
     policy.eval()
@@ -815,19 +852,19 @@ def evaluate(policy, ref, eval_rows, eval_ids, tokenizer, stop_ids, names, rewar
         rewards, table, completions, _ = rewards_of(eval_rows, sequences, attention_mask, context_length, response_mask)
         n = len(eval_ids)  # the reward's mean over the scored completions (an unscored one's reward is NaN)
         logs = {"eval/reward": float(rewards.nansum()) / max(1, int((~rewards.isnan()).sum()))}
-        if ref is not None:
+        if args.beta > 0:
             logprobs, _ = logprobs_of(policy, sequences, attention_mask, context_length)
             ref_logprobs, _ = logprobs_of(ref, sequences, attention_mask, context_length)
             logs["eval/kl"] = float(((logprobs - ref_logprobs) * response_mask).sum(1).sum()) / n
     if args.dataset_name is None:  # the built-in task: exactly the target, and the gold score
         logs["eval/gold_accuracy"] = sum(c == row["target"] for c, row in zip(completions, eval_rows)) / n
         logs["eval/gold_score"] = sum(gold_score(c, row["target"]) for c, row in zip(completions, eval_rows)) / n
-    logs.update(term_means(table, names, "eval/rewards/", "eval/score"))
+    logs.update(term_means(table, terms.names, "eval/rewards/", "eval/score"))
     for tag, value in logs.items():
         writer.add_scalar(tag, value, iteration)
     print(f"iteration {iteration}: " + ", ".join(f"{tag} {value:.3f}" for tag, value in logs.items()))
     writer.add_text("eval/samples", samples_markdown([row["prompt"] for row in eval_rows], completions, rewards, table,
-                                                     names), iteration)
+                                                     terms.names), iteration)
     policy.train()
 
 
@@ -1386,6 +1423,39 @@ def join_samples(samples, pad_token_id):
 # ---------------------------------------------------------------------------------------------
 # Training and saving
 # ---------------------------------------------------------------------------------------------
+def settle_defaults(args):
+    """The defaults that depend on the run, settled before the argument checks (and logged as settled). --bf16: on
+    where CUDA has bfloat16, as in TRL's configs; on the CPU float32 is faster. --vllm-importance-sampling-correction
+    (the RL scripts): TRL corrects by default; here only a stale sampler (--rollout-lag) needs it."""
+    if args.bf16 is None:
+        args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if getattr(args, "vllm_importance_sampling_correction", False) is None:
+        args.vllm_importance_sampling_correction = args.rollout_lag > 0
+
+
+class RolloutLag:
+    """--rollout-lag K: the policy's weights of the last K iterations, oldest first, as an asynchronous trainer's
+    sampler lags behind it. `with lag:` samples with the oldest (in the first K iterations, the start's), then puts
+    the current weights back and keeps them as the newest, in the oldest's memory. K = 0: nothing happens. (With
+    LoRA only the adapters change; under FSDP each rank keeps its shards.)"""
+
+    def __init__(self, model, k):
+        self.trained = [p for p in model.parameters() if p.requires_grad]
+        self.lagged = [[p.detach().clone() for p in self.trained] for _ in range(k)]
+
+    def __enter__(self):
+        if self.lagged:
+            swap_weights(self.trained, self.lagged[0])
+
+    @torch.no_grad()
+    def __exit__(self, *exception):
+        if self.lagged:
+            swap_weights(self.trained, self.lagged[0])
+            self.lagged.append(self.lagged.pop(0))
+            for p, w in zip(self.trained, self.lagged[-1]):
+                w.copy_(p)
+
+
 @torch.no_grad()
 def swap_weights(parameters, weights):
     """Exchange each of `parameters` with its tensor of `weights` in place, one temporary copy at a time: the

@@ -359,10 +359,7 @@ def check_args(args):
 
 
 def main(args: Args):
-    if args.bf16 is None:  # as in TRL's configs: bf16 where CUDA has it; on the CPU float32 is faster
-        args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    if args.vllm_importance_sampling_correction is None:  # TRL corrects by default; only a stale sampler needs it here
-        args.vllm_importance_sampling_correction = args.rollout_lag > 0
+    settle_defaults(args)  # --bf16 and --vllm-importance-sampling-correction, where not given
     check_args(args)
     note_overwrite(args.output_dir)
     torch.set_num_threads(cpu_threads(args.threads))
@@ -393,14 +390,15 @@ def main(args: Args):
         sys.exit(f"error: the longest prompt ({longest} tokens) + --response-length {args.response_length} exceeds the "
                  f"model's {positions} positions; lower --max-prompt-length or --response-length")
     optimizer = torch.optim.AdamW(list(actor.parameters()) + list(critic.parameters()), lr=args.lr)
-    # --rollout-lag K: the actor's weights of the last K iterations, oldest first; a rollout samples with the oldest
-    trained = [p for p in actor.parameters() if p.requires_grad]
-    lagged = [[p.detach().clone() for p in trained] for _ in range(args.rollout_lag)]
+    lag = RolloutLag(actor, args.rollout_lag)  # --rollout-lag K: the weights a rollout samples with
     print(f"{3 + (reward is not None)} model(s) in memory")
     kl_coef = args.kl_coef
     writer = SummaryWriter(f"runs/{args.exp_name}__{args.seed}__{int(time.time())}")
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
-    names = [name for name, _ in functions] + (["reward_model"] if reward is not None else [])  # the score's terms
+    terms = RewardTerms(functions, weights, reward,
+                        [name for name, _ in functions] + (["reward_model"] if reward is not None else []))
+    # the score of each response, Σ_k w_k r_k over the reward functions and the reward model (completion_rewards)
+    scores_of = functools.partial(completion_rewards, terms=terms, tokenizer=tokenizer, stop_ids=stop_ids, args=args)
 
     def logprobs_of(model, sequences, attention_mask, context_length):
         """(log π(a_t | s_t), entropy) of every response token, a minibatch at a time: in a rollout these are
@@ -408,12 +406,9 @@ def main(args: Args):
         return forward_in_chunks(lambda s, a: policy_logprobs(model, s, a, context_length, args.temperature),
                                  mini, sequences, attention_mask)
 
-    # the score of each response, Σ_k w_k r_k over the reward functions and the reward model (completion_scores)
-    scores_of = functools.partial(completion_scores, tokenizer=tokenizer, functions=functions, weights=weights,
-                                  reward=reward, stop_ids=stop_ids, args=args)
-
     # ---- the loop: an evaluation before any update, then rollout, advantages, update and log each iteration ----
-    evaluate(actor, ref, eval_rows, eval_ids, tokenizer, stop_ids, names, scores_of, logprobs_of, args, amp, writer, 0)
+    models = (actor, critic, ref, tokenizer, stop_ids, logprobs_of)
+    evaluate(models, eval_rows, eval_ids, terms, scores_of, amp, writer, 0, args)
     rng, start_time = random.Random(args.seed), time.time()  # rng: the prompts drawn
     for iteration in range(1, args.num_iterations + 1):
         lr = get_lr(iteration - 1, args.lr, 0, args.num_iterations, "linear") if args.anneal_lr else args.lr
@@ -421,39 +416,16 @@ def main(args: Args):
         # ---- 1. rollout: sample, then score every token with the four models -----------------------
         actor.eval(), critic.eval()
         chosen = rng.sample(range(len(train_ids)), B)
-        prompt_ids, rows = [train_ids[i] for i in chosen], [train_rows[i] for i in chosen]
         with torch.no_grad(), amp():
-            if lagged:  # the sampler: the weights of K iterations before (in the first K iterations, the start's)
-                swap_weights(trained, lagged[0])
-            sequences, attention_mask, context_length, mask, sampler_logprobs = generate(
-                actor, prompt_ids, tokenizer.pad_token_id, stop_ids, args.response_length, args.temperature)
-            if lagged:  # the current weights back; they become the newest of the K, in the oldest's memory
-                swap_weights(trained, lagged[0])
-                lagged.append(lagged.pop(0))
-                for p, w in zip(trained, lagged[-1]):
-                    w.copy_(p)
-            mask = mask.float()
-            logprobs, entropy = logprobs_of(actor, sequences, attention_mask, context_length)
-            ref_logprobs, _ = logprobs_of(ref, sequences, attention_mask, context_length)
-            # V(s_t): the critic's value at the position that predicts response token t
-            values = forward_in_chunks(lambda s, a: scalar_head(critic, s, a)[:, context_length - 1 : -1], mini,
-                                       sequences, attention_mask)
-            scores, table, _, has_eos = scores_of(rows, sequences, attention_mask, context_length, mask)
-            # a response no reward function scores (NaN) has no loss: advantage 0, as TRL 1.16 gives it in GRPO
-            train_mask = mask * ~scores.isnan().unsqueeze(1)
+            with lag:  # --rollout-lag K: sampled with the weights of K iterations before
+                sampled = generate(actor, [train_ids[i] for i in chosen], tokenizer.pad_token_id, stop_ids,
+                                   args.response_length, args.temperature)
+            batch = score_rollout(models, [train_rows[i] for i in chosen], sampled, scores_of, terms.names, args)
             # ---- 2. advantages: per-token rewards with the KL penalty, GAE, whitened over the batch -----
-            rewards, non_score = shaped_rewards(logprobs, ref_logprobs, scores.nan_to_num(0.0), mask, kl_coef)
-            advantages, returns = masked_gae(rewards, values, train_mask, args.gamma, args.lam)
-            advantages = masked_whiten(advantages, train_mask)  # over the whole batch
-            k1, k3 = kl_estimators(logprobs, ref_logprobs, mask)
-            # how far the sampler is from π_old, and the weight of each token that corrects for it
-            mismatch = sampler_mismatch(logprobs, sampler_logprobs, mask, args.vllm_importance_sampling_clip_max or 3.0)
-            is_weights = None
-            if args.vllm_importance_sampling_correction:
-                is_weights = sampler_importance_weights(logprobs, sampler_logprobs, mask,
-                                                        args.vllm_importance_sampling_mode,
-                                                        args.vllm_importance_sampling_clip_min,
-                                                        args.vllm_importance_sampling_clip_max)
+            rewards, non_score = shaped_rewards(batch.logprobs, batch.ref_logprobs, batch.scores.nan_to_num(0.0),
+                                                batch.mask, kl_coef)
+            advantages, returns = masked_gae(rewards, batch.values, batch.train_mask, args.gamma, args.lam)
+            advantages = masked_whiten(advantages, batch.train_mask)  # over the whole batch
 
         # ---- 3. update: several epochs of shuffled minibatches -------------------------------------
         actor.train(), critic.train()
@@ -464,18 +436,20 @@ def main(args: Args):
             order = torch.randperm(B, device=device) if epoch > 0 else torch.arange(B, device=device)
             for start in range(0, B, mini):
                 mb = order[start : start + mini]
-                num_tokens = max(1.0, train_mask[mb].sum().item())  # the losses are means over these
+                num_tokens = max(1.0, batch.train_mask[mb].sum().item())  # the losses are means over these
                 with amp():
-                    new_logprobs, new_entropy = policy_logprobs(actor, sequences[mb], attention_mask[mb], context_length,
-                                                                args.temperature)
-                    new_values = scalar_head(critic, sequences[mb], attention_mask[mb])[:, context_length - 1 : -1]
-                pg_loss, ratio = policy_loss(new_logprobs, logprobs[mb], advantages[mb], train_mask[mb], args.cliprange,
-                                             num_tokens, None if is_weights is None else is_weights[mb])
-                vf_loss = masked_value_loss(new_values, values[mb], returns[mb], train_mask[mb], args.cliprange_value,
-                                            num_tokens)
+                    new_logprobs, new_entropy = policy_logprobs(actor, batch.sequences[mb], batch.attention_mask[mb],
+                                                                batch.context_length, args.temperature)
+                    new_values = scalar_head(critic, batch.sequences[mb],
+                                             batch.attention_mask[mb])[:, batch.context_length - 1 : -1]
+                pg_loss, ratio = policy_loss(new_logprobs, batch.logprobs[mb], advantages[mb], batch.train_mask[mb],
+                                             args.cliprange, num_tokens,
+                                             None if batch.is_weights is None else batch.is_weights[mb])
+                vf_loss = masked_value_loss(new_values, batch.values[mb], returns[mb], batch.train_mask[mb],
+                                            args.cliprange_value, num_tokens)
                 (pg_loss + args.vf_coef * vf_loss).backward()
-                accumulate_ppo_stats(stats, pg_loss, vf_loss, ratio, new_logprobs, logprobs[mb], new_entropy,
-                                     train_mask[mb], num_tokens, epoch == start == 0, args.cliprange)
+                accumulate_ppo_stats(stats, pg_loss, vf_loss, ratio, new_logprobs - batch.logprobs[mb], new_entropy,
+                                     batch.train_mask[mb], num_tokens, epoch == start == 0, args.cliprange)
                 grad_norm = torch.nn.utils.clip_grad_norm_(list(actor.parameters()) + list(critic.parameters()),
                                                            args.max_grad_norm)
                 check_finite(iteration, loss=pg_loss + args.vf_coef * vf_loss, grad_norm=grad_norm)
@@ -483,50 +457,110 @@ def main(args: Args):
                 optimizer.zero_grad(set_to_none=True)
 
         # ---- 4. log, and the KL controller: statistics of the whole batch ------------------------------
-        kl = log_ppo_iteration(writer, iteration, stats, scores, non_score, k1, k3, entropy, mask, returns, values,
-                               has_eos, table, names, kl_coef, lr, start_time, args, mismatch, is_weights)
+        kl = log_ppo_iteration(writer, iteration, batch, stats, non_score, returns, kl_coef, lr, start_time, args)
         if args.kl_target is not None:
             kl_coef = adaptive_kl_coef(kl_coef, kl, args.kl_target, args.kl_horizon, B)
         if iteration % args.eval_every == 0 or iteration == args.num_iterations:
-            evaluate(actor, ref, eval_rows, eval_ids, tokenizer, stop_ids, names, scores_of, logprobs_of, args, amp,
-                     writer, iteration)
+            evaluate(models, eval_rows, eval_ids, terms, scores_of, amp, writer, iteration, args)
 
     save_model(actor, tokenizer, args, args.output_dir, save_dtype)
     print(f"saved to {args.output_dir} after {time.time() - start_time:.0f} s")
     writer.close()
 
 
-def completion_scores(rows, sequences, attention_mask, context_length, response_mask, tokenizer, functions, weights,
-                      reward, stop_ids, args):
-    """The score of each response, Σ_k w_k r_k over the reward functions and the reward model's score
-    (combine_rewards), or --missing-eos-penalty for a response with no stop token: an unfinished answer is
-    not scored. Returns (scores, the [B, K] table of the terms, responses as text, has_stop)."""
+@dataclass
+class Rollout:
+    """B responses and what the four models made of them; token tensors are [B, response_length]."""
+    sequences: torch.Tensor  # prompt and response token ids, [B, context_length + response_length]
+    attention_mask: torch.Tensor
+    context_length: int  # the prompts' padded width: responses start at this column
+    mask: torch.Tensor  # 1.0 on response tokens up to and including the stop token
+    train_mask: torch.Tensor  # the tokens with a loss: not those of a response no reward function scores
+    logprobs: torch.Tensor  # log π_old of each response token
+    entropy: torch.Tensor
+    ref_logprobs: torch.Tensor  # log π_ref
+    values: torch.Tensor  # V(s_t): the critic's value at the position that predicts response token t
+    scores: torch.Tensor  # [B]: the score of each response (NaN where no reward function scores it)
+    table: torch.Tensor  # [B, K]: each term of the score, NaN where it does not apply
+    names: list  # the table's columns
+    has_stop: torch.Tensor  # [B]: the response ended with a stop token
+    mismatch: tuple  # the sampler's distance from π_old (sampler_mismatch)
+    is_weights: torch.Tensor | None  # the sampler correction's weights; None without --vllm-importance-sampling-correction
+
+
+def score_rollout(models, rows, sampled, scores_of, names, args):
+    """Every token of the sampled responses scored by the four models: π_old's log-probs and entropy, π_ref's
+    log-probs, the critic's values, and the score of each response; and the sampler's distance from π_old with
+    the weights that correct for it. In chunks of the update's minibatches, so that they compute exactly what the
+    update will."""
+    actor, critic, ref, _, _, logprobs_of = models
+    sequences, attention_mask, context_length, mask, sampler_logprobs = sampled
+    mask = mask.float()
+    logprobs, entropy = logprobs_of(actor, sequences, attention_mask, context_length)
+    ref_logprobs, _ = logprobs_of(ref, sequences, attention_mask, context_length)
+    values = forward_in_chunks(lambda s, a: scalar_head(critic, s, a)[:, context_length - 1 : -1],
+                               args.mini_batch_size, sequences, attention_mask)
+    scores, table, _, has_stop = scores_of(rows, sequences, attention_mask, context_length, mask)
+    # a response no reward function scores (NaN) has no loss: advantage 0, as TRL 1.16 gives it in GRPO
+    train_mask = mask * ~scores.isnan().unsqueeze(1)
+    return Rollout(sequences, attention_mask, context_length, mask, train_mask, logprobs, entropy, ref_logprobs,
+                   values, scores, table, names, has_stop, *sampler_correction(logprobs, sampler_logprobs, mask, args))
+
+
+def sampler_correction(old_logprobs, sampler_logprobs, mask, args):
+    """How far the sampler is from π_old (sampler_mismatch, for the rollout/ tags) and, with
+    --vllm-importance-sampling-correction, the weight of each token that corrects for it
+    (sampler_importance_weights; None without)."""
+    mismatch = sampler_mismatch(old_logprobs, sampler_logprobs, mask, args.vllm_importance_sampling_clip_max or 3.0)
+    if not args.vllm_importance_sampling_correction:
+        return mismatch, None
+    return mismatch, sampler_importance_weights(old_logprobs, sampler_logprobs, mask,
+                                                args.vllm_importance_sampling_mode,
+                                                args.vllm_importance_sampling_clip_min,
+                                                args.vllm_importance_sampling_clip_max)
+
+
+@dataclass
+class RewardTerms:
+    """What a completion's reward is made of: the reward functions (name, fn) and the reward model (or None),
+    their weights, and the name of each term (the reward model's "reward_model")."""
+    functions: list
+    weights: tuple
+    reward: torch.nn.Module | None
+    names: list
+
+
+def completion_rewards(rows, sequences, attention_mask, context_length, response_mask, terms, tokenizer, stop_ids,
+                       args):
+    """The reward of each completion, r = Σ_k w_k r_k over the reward functions and the reward model's score
+    (combine_rewards), or --missing-eos-penalty for a completion with no stop
+    token: an unfinished answer is not scored. Returns (rewards, the [B, K] table of the terms, completions as
+    text, has_stop)."""
     prompts = [row["prompt"] for row in rows]
     # the text up to the stop token: the stop token and the padding after it are special tokens
     completions = tokenizer.batch_decode(sequences[:, context_length:], skip_special_tokens=True)
     as_passed = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c  # as TRL passes them
                  for p, c in zip(prompts, completions)]
-    table = reward_terms(functions, prompts, as_passed, reward_columns(rows)).to(sequences.device)
-    if reward is not None:
+    table = reward_terms(terms.functions, prompts, as_passed, reward_columns(rows)).to(sequences.device)
+    if terms.reward is not None:
         scores, _ = forward_in_chunks(
-            lambda s, a, m: response_scores(reward, s, a, m, stop_ids, args.missing_eos_penalty), args.mini_batch_size,
-            sequences, attention_mask, response_mask)
+            lambda s, a, m: response_scores(terms.reward, s, a, m, stop_ids, args.missing_eos_penalty),
+            args.mini_batch_size, sequences, attention_mask, response_mask)
         table = torch.cat([table, scores.float()[:, None]], 1)
     responses = sequences[:, context_length:]
     has_stop = (torch.isin(responses, torch.tensor(stop_ids, device=sequences.device)) & response_mask.bool()).any(1)
-    scores = combine_rewards(table, weights)
-    scores = torch.where(has_stop, scores, torch.full_like(scores, args.missing_eos_penalty))
-    return scores, table, completions, has_stop
+    rewards = combine_rewards(table, terms.weights)
+    rewards = torch.where(has_stop, rewards, torch.full_like(rewards, args.missing_eos_penalty))
+    return rewards, table, completions, has_stop
 
 
 @torch.no_grad()
-def accumulate_ppo_stats(stats, pg_loss, vf_loss, ratio, logprobs, old_logprobs, entropy, mask, num_tokens, first,
-                         cliprange):
-    """Appends a minibatch's losses and statistics to `stats`; at the first minibatch of an iteration, before any
-    step, the ratio's largest distance from 1 (it must be exactly 0)."""
+def accumulate_ppo_stats(stats, pg_loss, vf_loss, ratio, log_ratio, entropy, mask, num_tokens, first, cliprange):
+    """Appends a minibatch's losses and statistics to `stats` (log_ratio: log π_θ − log π_old); at the first
+    minibatch of an iteration, before any step, the ratio's largest distance from 1 (it must be exactly 0)."""
     stats["pg_loss"].append(pg_loss.item())
     stats["vf_loss"].append(vf_loss.item())
-    stats["approx_kl"].append(masked_mean(0.5 * (logprobs - old_logprobs) ** 2, mask, num_tokens).item())
+    stats["approx_kl"].append(masked_mean(0.5 * log_ratio ** 2, mask, num_tokens).item())
     stats["clipfrac"].append(masked_mean(((ratio - 1).abs() > cliprange).float(), mask, num_tokens).item())
     stats["ratio"].append(masked_mean(ratio, mask, num_tokens).item())
     stats["entropy"].append(masked_mean(entropy, mask, num_tokens).item())
@@ -534,19 +568,19 @@ def accumulate_ppo_stats(stats, pg_loss, vf_loss, ratio, logprobs, old_logprobs,
         stats["first_ratio_max_error"] = (ratio - 1).abs().max()
 
 
-def log_ppo_iteration(writer, iteration, stats, scores, non_score, k1, k3, entropy, mask, returns, values, has_eos,
-                      table, names, kl_coef, lr, start_time, args, mismatch, is_weights):
+def log_ppo_iteration(writer, iteration, batch, stats, non_score, returns, kl_coef, lr, start_time, args):
     """An iteration's statistics of the whole batch, to TensorBoard (docs/tags.md), and a line every 10 iterations.
     Returns the batch's KL to the reference (k1), which the adaptive KL controller reads."""
-    B, first_ratio_error = args.batch_size, stats.pop("first_ratio_max_error")
+    B, first_ratio_error, mask, mismatch = args.batch_size, stats.pop("first_ratio_max_error"), batch.mask, batch.mismatch
     valid, num_minibatches = mask.bool(), args.ppo_epochs * B // args.mini_batch_size
     mean = {k: sum(parts) / num_minibatches for k, parts in stats.items()}  # each: the mean over minibatches
-    var_returns, var_residual = returns.double()[valid].var(), (returns - values).double()[valid].var()
+    var_returns, var_residual = returns.double()[valid].var(), (returns - batch.values).double()[valid].var()
     tokens = mask.sum().item()
-    reward = scores.nansum().item() / max(1, int((~scores.isnan()).sum()))  # over the scored responses
+    k1, k3 = kl_estimators(batch.logprobs, batch.ref_logprobs, mask)
+    reward = batch.scores.nansum().item() / max(1, int((~batch.scores.isnan()).sum()))  # over the scored responses
     logs = {
         "objective/reward": reward, "objective/kl": k1.sum().item() / B,
-        "objective/kl_k3": k3.sum().item() / B, "objective/entropy": (entropy * mask).sum().item() / B,
+        "objective/kl_k3": k3.sum().item() / B, "objective/entropy": (batch.entropy * mask).sum().item() / B,
         "objective/non_score_reward": non_score.sum().item() / B,
         "objective/rlhf_reward": reward + non_score.sum().item() / B,
         "policy/approx_kl": mean["approx_kl"], "policy/clipfrac": mean["clipfrac"], "policy/ratio_mean": mean["ratio"],
@@ -554,17 +588,17 @@ def log_ppo_iteration(writer, iteration, stats, scores, non_score, k1, k3, entro
         "losses/policy_loss": mean["pg_loss"], "losses/value_loss": mean["vf_loss"],
         # 1 − Var(R − V) / Var(R) over the valid tokens (undefined when every return is the same)
         "val/explained_variance": float(1 - var_residual / var_returns) if var_returns > 0 else float("nan"),
-        "val/num_eos": has_eos.sum().item(),
+        "val/num_eos": batch.has_stop.sum().item(),
         "charts/kl_coef": kl_coef, "charts/learning_rate": lr,
         "charts/episodes_per_second": iteration * B / (time.time() - start_time),
         # the sampler against π_old (sampler_mismatch), over the rollout's tokens
         "rollout/logprob_diff_mean": mismatch[0].item() / tokens, "rollout/logprob_diff_max": mismatch[1].item(),
         "rollout/kl_k3": mismatch[2].item() / tokens, "rollout/ratio_outside_fraction": mismatch[3].item() / tokens,
     }
-    if is_weights is not None:  # the correction's weights: their mean, and the tokens they leave out (weight 0)
-        logs["rollout/is_weight_mean"] = (is_weights * mask).sum().item() / tokens
-        logs["rollout/is_masked_fraction"] = ((is_weights == 0) * mask).sum().item() / tokens
-    logs.update(term_means(table, names, "rewards/", "objective/score"))  # each term of the score
+    if batch.is_weights is not None:  # the correction's weights: their mean, and the tokens they leave out (weight 0)
+        logs["rollout/is_weight_mean"] = (batch.is_weights * mask).sum().item() / tokens
+        logs["rollout/is_masked_fraction"] = ((batch.is_weights == 0) * mask).sum().item() / tokens
+    logs.update(term_means(batch.table, batch.names, "rewards/", "objective/score"))  # each term of the score
     for tag, value in logs.items():
         writer.add_scalar(tag, float(value), iteration)
     if iteration % 10 == 0:
@@ -574,10 +608,10 @@ def log_ppo_iteration(writer, iteration, stats, scores, non_score, k1, k3, entro
 
 
 @torch.no_grad()
-def evaluate(actor, ref, eval_rows, eval_ids, tokenizer, stop_ids, names, scores_of, logprobs_of, args, amp, writer,
-             iteration):
+def evaluate(models, eval_rows, eval_ids, terms, scores_of, amp, writer, iteration, args):
     """Responses to the eval prompts at --temperature: their score and each of its terms, their KL to the
     reference (Σ_t log π_θ − log π_ref over a response) and, on the built-in task, their gold reward."""
+    actor, _, ref, tokenizer, stop_ids, logprobs_of = models
     if not eval_ids:
         return
     actor.eval()
@@ -587,19 +621,18 @@ def evaluate(actor, ref, eval_rows, eval_ids, tokenizer, stop_ids, names, scores
         scores, table, completions, _ = scores_of(eval_rows, sequences, attention_mask, context_length, response_mask)
         n = len(eval_ids)  # the score's mean over the scored responses (an unscored one's score is NaN)
         logs = {"eval/reward": float(scores.nansum()) / max(1, int((~scores.isnan()).sum()))}
-        if ref is not None:
-            logprobs, _ = logprobs_of(actor, sequences, attention_mask, context_length)
-            ref_logprobs, _ = logprobs_of(ref, sequences, attention_mask, context_length)
-            logs["eval/kl"] = float(((logprobs - ref_logprobs) * response_mask).sum(1).sum()) / n
+        logprobs, _ = logprobs_of(actor, sequences, attention_mask, context_length)
+        ref_logprobs, _ = logprobs_of(ref, sequences, attention_mask, context_length)
+        logs["eval/kl"] = float(((logprobs - ref_logprobs) * response_mask).sum(1).sum()) / n
     if args.dataset_name is None:  # the built-in task: exactly the target, and the gold score
         logs["eval/gold_accuracy"] = sum(c == row["target"] for c, row in zip(completions, eval_rows)) / n
         logs["eval/gold_score"] = sum(gold_score(c, row["target"]) for c, row in zip(completions, eval_rows)) / n
-    logs.update(term_means(table, names, "eval/rewards/", "eval/score"))
+    logs.update(term_means(table, terms.names, "eval/rewards/", "eval/score"))
     for tag, value in logs.items():
         writer.add_scalar(tag, value, iteration)
     print(f"iteration {iteration}: " + ", ".join(f"{tag} {value:.3f}" for tag, value in logs.items()))
     writer.add_text("eval/samples", samples_markdown([row["prompt"] for row in eval_rows], completions, scores, table,
-                                                     names), iteration)
+                                                     terms.names), iteration)
     actor.train()
 
 
@@ -1156,6 +1189,39 @@ def generate(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperat
 # ---------------------------------------------------------------------------------------------
 # Training and saving
 # ---------------------------------------------------------------------------------------------
+def settle_defaults(args):
+    """The defaults that depend on the run, settled before the argument checks (and logged as settled). --bf16: on
+    where CUDA has bfloat16, as in TRL's configs; on the CPU float32 is faster. --vllm-importance-sampling-correction
+    (the RL scripts): TRL corrects by default; here only a stale sampler (--rollout-lag) needs it."""
+    if args.bf16 is None:
+        args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if getattr(args, "vllm_importance_sampling_correction", False) is None:
+        args.vllm_importance_sampling_correction = args.rollout_lag > 0
+
+
+class RolloutLag:
+    """--rollout-lag K: the policy's weights of the last K iterations, oldest first, as an asynchronous trainer's
+    sampler lags behind it. `with lag:` samples with the oldest (in the first K iterations, the start's), then puts
+    the current weights back and keeps them as the newest, in the oldest's memory. K = 0: nothing happens. (With
+    LoRA only the adapters change; under FSDP each rank keeps its shards.)"""
+
+    def __init__(self, model, k):
+        self.trained = [p for p in model.parameters() if p.requires_grad]
+        self.lagged = [[p.detach().clone() for p in self.trained] for _ in range(k)]
+
+    def __enter__(self):
+        if self.lagged:
+            swap_weights(self.trained, self.lagged[0])
+
+    @torch.no_grad()
+    def __exit__(self, *exception):
+        if self.lagged:
+            swap_weights(self.trained, self.lagged[0])
+            self.lagged.append(self.lagged.pop(0))
+            for p, w in zip(self.trained, self.lagged[-1]):
+                w.copy_(p)
+
+
 @torch.no_grad()
 def swap_weights(parameters, weights):
     """Exchange each of `parameters` with its tensor of `weights` in place, one temporary copy at a time: the

@@ -191,7 +191,7 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_r
 # ---------------------------------------------------------------------------------------------
 # DPO's forward passes: log-probs summed over a completion
 # ---------------------------------------------------------------------------------------------
-def completion_logps(model, input_ids, attention_mask, labels):
+def completion_logprobs(model, input_ids, attention_mask, labels):
     """Σ_t log π(y_t | x, y_<t) over the completion tokens (labels ≠ −100), one value per sequence."""
     targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # position t predicts token t + 1
     logprobs = head_logprobs(model, targets.clamp(min=0), input_ids=input_ids, attention_mask=attention_mask,
@@ -334,19 +334,19 @@ def main(args: Args):
         sys.exit(f"error: sequences of {longest} tokens (--max-length, or an eval prompt + --response-length) exceed the "
                  f"model's {positions} positions; lower them")
 
-    def logps_of(model, batch):
+    def logprobs_of(model, batch):
         """Summed log-probs of the chosen and the rejected completions, in one forward pass."""
         input_ids, attention_mask, labels = (t.to(device, non_blocking=True)  # a copy that does not wait for the device
                                              for t in collate([c for c, _ in batch] + [r for _, r in batch],
                                                               tokenizer.pad_token_id))
         with amp():
-            logps = completion_logps(model, input_ids, attention_mask, labels)
-        return logps[: len(batch)], logps[len(batch) :]
+            logprobs = completion_logprobs(model, input_ids, attention_mask, labels)
+        return logprobs[: len(batch)], logprobs[len(batch) :]
 
     @torch.no_grad()
     def logps_in_chunks(model, pairs):
-        """logps_of over many pairs, a training micro-batch at a time (what fits with gradients fits without)."""
-        parts = [logps_of(model, pairs[i : i + micro_size]) for i in range(0, len(pairs), micro_size)]
+        """logprobs_of over many pairs, a training micro-batch at a time (what fits with gradients fits without)."""
+        parts = [logprobs_of(model, pairs[i : i + micro_size]) for i in range(0, len(pairs), micro_size)]
         return torch.cat([c for c, _ in parts]), torch.cat([r for _, r in parts])
 
     writer = make_writer(args, rank, run_dir, checkpoint["step"] if checkpoint else 0)
@@ -421,8 +421,7 @@ def main(args: Args):
         idx = order[position : position + args.batch_size]
         position += args.batch_size
         lr = get_lr(step - 1, args.lr, args.warmup_steps, args.max_steps, "linear")
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        optimizer.param_groups[0]["lr"] = lr
 
         # ---- update: this rank's share of the batch, in micro-batches -----------------------------
         parts = []  # (loss, chosen, rejected, r_c, r_r) of each micro-batch
@@ -430,8 +429,8 @@ def main(args: Args):
             micro = idx[m : m + micro_size]
             gradient_sync(policy, m + micro_size == (rank + 1) * per_rank)  # once per step, with the last micro-batch
             with torch.no_grad():  # the reference on the very tensors the policy sees: the margin starts at 0 exactly
-                ref_chosen, ref_rejected = logps_of(ref, [train[i] for i in micro])
-            chosen, rejected = logps_of(policy, [train[i] for i in micro])
+                ref_chosen, ref_rejected = logprobs_of(ref, [train[i] for i in micro])
+            chosen, rejected = logprobs_of(policy, [train[i] for i in micro])
             loss, r_c, r_r = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, args.beta, args.loss_type,
                                       args.label_smoothing)
             # the mean over micro-batches = the rank's mean; DDP and FSDP average over the ranks
@@ -1198,17 +1197,6 @@ def setup_distributed(cuda):
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def settle_defaults(args):
-    """The defaults that depend on where the run is, settled before any work (and logged and checkpointed as
-    settled). --bf16: on where CUDA computes and has bfloat16, as in TRL's configs (bf16 unless fp16); off on the
-    CPU, where bfloat16 products are slower than float32 on most processors. --gradient-checkpointing: on under
-    --fsdp, the runs of models whose every block's activations do not fit beside the weights."""
-    if args.bf16 is None:
-        args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    if args.gradient_checkpointing is None:
-        args.gradient_checkpointing = args.fsdp
-
-
 def autocast(device, args):
     """--bf16 as torch.autocast: matrix products in bfloat16 over float32 weights. Off under FSDP, whose
     MixedPrecisionPolicy (place_model) casts the weights themselves: autocast there would keep a bfloat16
@@ -1377,6 +1365,21 @@ def run_directory(args, checkpoint, device):
 # ---------------------------------------------------------------------------------------------
 # Training and saving
 # ---------------------------------------------------------------------------------------------
+def settle_defaults(args):
+    """The defaults that depend on where the run is, settled before any work (and logged and checkpointed as
+    settled). --bf16: on where CUDA computes and has bfloat16, as in TRL's configs (bf16 unless fp16); off on the
+    CPU, where bfloat16 products are slower than float32 on most processors. --gradient-checkpointing: on under
+    --fsdp, the runs of models whose every block's activations do not fit beside the weights.
+    --vllm-importance-sampling-correction (the RL scripts): TRL corrects by default; here only a stale sampler
+    (--rollout-lag) needs it."""
+    if args.bf16 is None:
+        args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if args.gradient_checkpointing is None:
+        args.gradient_checkpointing = args.fsdp
+    if getattr(args, "vllm_importance_sampling_correction", False) is None:
+        args.vllm_importance_sampling_correction = args.rollout_lag > 0
+
+
 def get_lr(step, lr, warmup_steps, max_steps, decay):
     """Learning rate of optimizer step `step` = 0, 1, ...: `lr` × a linear warmup min(1, (step + 1) / warmup_steps)
     × a decay to 0 at `max_steps`: "linear", min(1, (max_steps − step) / (max_steps − warmup_steps)), flat through

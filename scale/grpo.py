@@ -598,9 +598,7 @@ def check_args(args):
 
 
 def main(args: Args):
-    settle_defaults(args)  # --bf16 and --gradient-checkpointing, where not given
-    if args.vllm_importance_sampling_correction is None:  # TRL corrects by default; only a stale sampler needs it here
-        args.vllm_importance_sampling_correction = args.rollout_lag > 0
+    settle_defaults(args)  # --bf16, --gradient-checkpointing and --vllm-importance-sampling-correction, where not given
     check_args(args)
     note_overwrite(args.output_dir)
     torch.set_num_threads(cpu_threads(args.threads))
@@ -612,9 +610,7 @@ def main(args: Args):
     rank, world_size, device = setup_distributed(args.cuda)
     run_dir = run_directory(args, checkpoint, device)  # under torchrun: seen by every rank, or one line
     G = args.num_generations
-    prompts_per_rank = args.batch_size // G // world_size
-    per_rank, mini_per_rank = prompts_per_rank * G, args.mini_batch_size // world_size
-    micro_size = mini_per_rank // args.gradient_accumulation_steps
+    per_rank, micro_size = args.batch_size // world_size, micro_batch_size(args)
     epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     random.seed(args.seed)  # the prompts drawn: the same on every rank, which each takes its share of
     torch.manual_seed(args.seed + rank)  # sampling: a stream of its own on each rank
@@ -622,29 +618,437 @@ def main(args: Args):
     transformers.utils.logging.disable_progress_bar()
     amp = lambda: autocast(device, args)  # noqa: E731  --bf16 without FSDP
 
-    # Prompts, and the dataset's other columns, which the reward functions receive by name
+    # Prompts, and the dataset's other columns, which the reward functions receive by name; then the models
     train_rows, eval_rows = load_data(args, prompt_row, 50_000, [("prompt",)], "needs a `prompt` column")
     train_rows, eval_rows = add_system_prompt(train_rows, args), add_system_prompt(eval_rows, args)
     check_reward_signatures(functions, sorted(train_rows[0]) if train_rows else [])
     if "gold" in dict(functions) and any(str(row["target"]) == "" for row in train_rows + eval_rows):
         sys.exit(f"error: dataset {args.dataset_name!r} has an empty `target`; the gold score (an edit distance "
                  "relative to the target's length) needs one, or use --reward-fn exact_match")
-    # The policy in float32 (master weights) whatever the checkpoint's dtype, the reference as the policy, the
-    # reward model in the dtype it computes in; dropout off. The reference only when β > 0, a reward model only
-    # with --reward-model-path.
+    save_dtype = save_dtype_of(args, args.model_name_or_path)
+    tokenizer, stop_ids, raw_policy, policy, ref, reward = load_models(args, device)
+    train_rows, train_ids = tokenize_prompts(tokenizer, train_rows, args.max_prompt_length, "train")
+    if len(train_ids) < args.batch_size // G:
+        sys.exit(f"error: {len(train_ids)} training prompts fit --max-prompt-length, fewer than the "
+                 f"{args.batch_size // G} of a batch; lower --batch-size")
+    eval_rows, eval_ids = tokenize_prompts(tokenizer, eval_rows, args.max_prompt_length, "eval")
+    positions, longest = model_positions(raw_policy), max(len(ids) for ids in train_ids + eval_ids)
+    if positions is not None and longest + args.response_length > positions:
+        sys.exit(f"error: the longest prompt ({longest} tokens) + --response-length {args.response_length} exceeds the "
+                 f"model's {positions} positions; lower --max-prompt-length or --response-length")
+    check_kv_cache(raw_policy, min(args.generation_batch_size, max(per_rank, -(-len(eval_ids) // world_size))),
+                   longest + args.response_length, device, args.bf16)
+
+    # on CUDA AdamW's fused kernel (one launch for every tensor, TRL's default); on the CPU torch's default
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.lr,
+                                  fused=True if device.type == "cuda" else None)
+    choose_head(device, args.fsdp, micro_size, longest + args.response_length,
+                raw_policy.get_output_embeddings().weight.shape[0])
+    lag = RolloutLag(raw_policy, args.rollout_lag)  # --rollout-lag K: the weights a rollout samples with
+    print(f"policy: {parameter_count(raw_policy)}")
+    writer = make_writer(args, rank, run_dir, checkpoint["step"] if checkpoint else 0)
+    print(f"{1 + (ref is not None) + (reward is not None)} model(s) in memory: the policy"
+          + (", the reference" if ref is not None else "") + (", the reward model" if reward is not None else ""))
+    terms = RewardTerms(functions, weights, reward,
+                        [name for name, _ in functions] + (["reward_model"] if reward is not None else []))
+
+    def rewards_of(rows, sequences, attention_mask, context_length, response_mask):
+        """The reward of each completion, Σ_k w_k r_k over the reward terms (completion_rewards), and with
+        --soft-overlong-cache DAPO's penalty for a completion that stops near the length limit (up to −1)."""
+        rewards, table, completions, has_stop = completion_rewards(rows, sequences, attention_mask, context_length,
+                                                                   response_mask, terms, tokenizer, stop_ids, args)
+        if args.soft_overlong_cache:
+            penalty = soft_overlong_punishment(response_mask.sum(1), args.response_length, args.soft_overlong_cache)
+            rewards = torch.where(has_stop, rewards + penalty, rewards)
+        return rewards, table, completions, has_stop
+
+    def logprobs_of(model, sequences, attention_mask, context_length):
+        """(log π(a_t | s_t), entropy) of every response token, a micro-batch at a time (what fits with gradients
+        fits without): in a rollout these are exactly the update's chunks, so the first ratio is exactly 1."""
+        return forward_in_chunks(lambda s, a: policy_logprobs(model, s, a, context_length, args.temperature),
+                                 micro_size, sequences, attention_mask)
+
+    # ---- the loop: an evaluation before any update (not on a resume), then sample, advantages, update and log ----
+    models = (policy, raw_policy, ref, tokenizer, stop_ids, logprobs_of)
+    rng, said, first_iteration, elapsed = random.Random(args.seed), set(), 1, 0.0  # rng: the prompts drawn
+    if checkpoint is None:
+        evaluate(models, eval_rows, eval_ids, terms, rewards_of, amp, writer, 0, args)
+    else:  # the weights, AdamW, every random stream, and where the loop was
+        loop = load_checkpoint(checkpoint, policy, optimizer)
+        first_iteration, elapsed = loop["step"] + 1, loop["elapsed"]
+        rng.setstate(loop["rng"])
+    preemption = Preemption()
+    start_time = time.time() - elapsed  # the speeds count the time before a resume
+    for iteration in range(first_iteration, args.num_iterations + 1):
+        lr = get_lr(iteration - 1, args.lr, 0, args.num_iterations, "linear") if args.anneal_lr else args.lr
+        optimizer.param_groups[0]["lr"] = lr
+        # ---- 1. sample groups: G completions of each of this rank's prompts and their rewards ---------------
+        policy.eval()
+        with torch.no_grad(), amp():
+            with lag:  # --rollout-lag K: sampled with the weights of K iterations before
+                batch = sample_groups(raw_policy, train_rows, train_ids, rng, rewards_of, tokenizer.pad_token_id,
+                                      stop_ids, said, args)
+            # ---- 2. advantages within each group (or over the batch, all ranks), and the policy the update starts from
+            advantages = compute_advantages(batch.rewards, G, args.advantage, args.scale_rewards)
+            old = old_policy(policy, ref, batch, logprobs_of, args)
+
+        # ---- 3. update: μ passes over the rollout in shuffled minibatches, each in micro-batches -------------
+        policy.train()
+        stats = {k: [] for k in ("policy_loss", "kl_penalty", "clipped_low", "clipped_high",
+                                 "off_policy_masked")}  # micro-batch parts
+        mini_per_rank = args.mini_batch_size // world_size
+        for epoch in range(args.ppo_epochs):
+            # the first pass takes the rollout in order, so its first minibatch is exactly the rollout's first
+            # chunk; later passes reshuffle (whole groups need not stay together: advantages are computed)
+            order = torch.randperm(per_rank, device=device) if epoch > 0 else torch.arange(per_rank, device=device)
+            for start in range(0, per_rank, mini_per_rank):
+                mb = order[start : start + mini_per_rank]
+                for micro in range(0, mini_per_rank, micro_size):
+                    idx = mb[micro : micro + micro_size]
+                    gradient_sync(policy, micro + micro_size == mini_per_rank)  # once per step, with the last micro-batch
+                    with amp():
+                        logprobs, _ = policy_logprobs(policy, batch.sequences[idx], batch.attention_mask[idx],
+                                                      batch.context_length, args.temperature)
+                    ratio = importance_ratio(logprobs, old.logprobs[idx], batch.mask[idx], args.importance_sampling_level)
+                    per_token, masked = grpo_token_losses(ratio, logprobs, advantages[idx], batch, old, idx, epsilon_high,
+                                                          args)
+                    policy_loss = aggregate_loss(per_token, batch.loss_mask[idx], args.loss_type, args.mini_batch_size,
+                                                 batch.num_tokens, args.response_length)
+                    kl_penalty = kl_to_reference(logprobs, old.ref_logprobs, batch.loss_mask, idx, batch.num_tokens, args)
+                    # DDP and FSDP average the ranks' gradients; × world_size turns that into the minibatch's sum
+                    ((policy_loss + kl_penalty) * world_size).backward()
+                    accumulate_grpo_stats(stats, policy_loss, kl_penalty, ratio, advantages[idx], batch.mask[idx], masked,
+                                          epoch == start == micro == 0, epsilon_high, args)
+                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                check_finite(iteration, loss=policy_loss + kl_penalty, grad_norm=grad_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)  # no gradients held through the next rollout
+
+        # ---- 4. log: statistics of the whole batch, sums added up over the ranks; evaluate ----------------
+        log_grpo_iteration(writer, iteration, batch, old, stats, terms.names, lr, start_time, args)
+        if iteration % args.eval_every == 0 or iteration == args.num_iterations:
+            evaluate(models, eval_rows, eval_ids, terms, rewards_of, amp, writer, iteration, args)
+
+        # ---- checkpoint: every --save-every iterations, and at SIGTERM, which then ends the run (exit code 0) --
+        sigterm = bool(all_reduce_sum({"sigterm": preemption.received}, device)["sigterm"])  # on any rank
+        if sigterm or (args.save_every and iteration % args.save_every == 0):
+            save_checkpoint(run_dir, iteration, policy, optimizer, args,
+                            {"rng": rng.getstate(), "elapsed": time.time() - start_time}, sigterm)
+        if sigterm:
+            return writer.close()
+
+    save_model(raw_policy, tokenizer, args, args.output_dir, save_dtype)
+    print(f"saved to {args.output_dir} after {time.time() - start_time:.0f} s")
+    writer.close()
+
+
+@dataclass
+class Groups:
+    """A rollout of B completions, the G of each prompt in adjacent rows; token tensors are [B, response_length]."""
+    sequences: torch.Tensor  # prompt and completion token ids, [B, context_length + response_length]
+    attention_mask: torch.Tensor
+    context_length: int  # the prompts' padded width: completions start at this column
+    mask: torch.Tensor  # 1.0 on completion tokens up to and including the stop token
+    rewards: torch.Tensor  # [B]
+    table: torch.Tensor  # [B, K]: each reward term, NaN where it does not apply
+    has_stop: torch.Tensor  # [B]: the completion ended with a stop token
+    sampler_logprobs: torch.Tensor  # log π_sampler of each drawn token, as `generate` drew it
+    informative: torch.Tensor  # one per group sampled (every round): its rewards differ
+    loss_mask: torch.Tensor  # the tokens the loss sees: with --mask-truncated-completions not an unfinished one's
+    num_tokens: float  # dapo's and cispo's normalizer: the rollout's loss tokens per minibatch
+
+
+def sample_groups(policy, rows, prompt_ids, rng, rewards_of, pad_token_id, stop_ids, said, args):
+    """B / G prompts drawn without replacement (the same on every rank, which each takes its share of), G
+    completions of each sampled at --temperature, and their rewards. With --dynamic-sampling (DAPO) more prompts
+    are drawn, up to --max-sampling-rounds batches, until every rank has its share of groups whose rewards differ;
+    the batch takes them first, in the order sampled, and groups of equal rewards only to fill up (said once:
+    `said` holds the notes already printed)."""
+    rank, world_size = rank_and_world_size()
+    G, B, rounds = args.num_generations, args.batch_size, []
+    prompts_per_rank = B // G // world_size
+    while True:  # one batch of prompts; with --dynamic-sampling more, until every rank's groups differ
+        chosen = rng.sample(range(len(prompt_ids)), B // G)[rank * prompts_per_rank : (rank + 1) * prompts_per_rank]
+        ids = [prompt_ids[i] for i in chosen for _ in range(G)]  # each prompt G times, in adjacent rows
+        sampled = generate_in_chunks(policy, ids, pad_token_id, stop_ids, args.response_length, args.temperature,
+                                     args.generation_batch_size)
+        rewards, table, _, has_stop = rewards_of([rows[i] for i in chosen for _ in range(G)], *sampled[:3],
+                                                 sampled[3].float())
+        rounds.append({"sampled": sampled, "rewards": rewards, "table": table, "has_stop": has_stop})
+        informative = torch.cat([informative_groups(r["rewards"], G) for r in rounds])  # of every group sampled
+        if not args.dynamic_sampling:
+            break
+        # every rank samples as many rounds as the rank that is shortest of groups that differ
+        short = all_reduce_sum({"short": max(0, prompts_per_rank - int(informative.sum()))},
+                               informative.device)["short"]
+        if short == 0 or len(rounds) == args.max_sampling_rounds:
+            break
+    groups = torch.arange(prompts_per_rank, device=informative.device)
+    if args.dynamic_sampling:  # groups that differ first, in the order sampled; equal ones only to fill up
+        groups = torch.argsort((~informative).int(), stable=True)[:prompts_per_rank]
+        if short and "short" not in said:
+            print(f"dynamic sampling: after --max-sampling-rounds {args.max_sampling_rounds} batches of prompts "
+                  f"the ranks were {int(short)} group(s) short of groups that differ; the batch is filled with "
+                  "groups of equal rewards (objective/zero_std_fraction > 0) whenever this happens")
+            said.add("short")
+    idx = (groups[:, None] * G + torch.arange(G, device=groups.device)).flatten()  # their completions' rows
+    sequences, attention_mask, context_length, mask, sampler_logprobs = join_samples([r["sampled"] for r in rounds],
+                                                                                     pad_token_id)
+    mask, (rewards, table, has_stop) = mask[idx].float(), (torch.cat([r[k] for r in rounds])[idx]
+                                                           for k in ("rewards", "table", "has_stop"))
+    loss_mask = mask * has_stop.unsqueeze(1) if args.mask_truncated_completions else mask
+    # dapo's and cispo's normalizer: the rollout's tokens (all ranks) per minibatch, so that each weighs the same
+    num_tokens = max(1.0, all_reduce_sum({"tokens": loss_mask.sum()}, mask.device)["tokens"]) * args.mini_batch_size / B
+    return Groups(sequences[idx], attention_mask[idx], context_length, mask, rewards, table, has_stop,
+                  sampler_logprobs[idx], informative, loss_mask, num_tokens)
+
+
+@dataclass
+class RewardTerms:
+    """What a completion's reward is made of: the reward functions (name, fn) and the reward model (or None),
+    their weights, and the name of each term (the reward model's "reward_model")."""
+    functions: list
+    weights: tuple
+    reward: torch.nn.Module | None
+    names: list
+
+
+def completion_rewards(rows, sequences, attention_mask, context_length, response_mask, terms, tokenizer, stop_ids,
+                       args):
+    """The reward of each completion, r = Σ_k w_k r_k over the reward functions and the reward model's score
+    (combine_rewards), or --missing-eos-penalty for a completion with no stop
+    token: an unfinished answer is not scored. Returns (rewards, the [B, K] table of the terms, completions as
+    text, has_stop)."""
+    prompts = [row["prompt"] for row in rows]
+    # the text up to the stop token: the stop token and the padding after it are special tokens
+    completions = tokenizer.batch_decode(sequences[:, context_length:], skip_special_tokens=True)
+    as_passed = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c  # as TRL passes them
+                 for p, c in zip(prompts, completions)]
+    table = reward_terms(terms.functions, prompts, as_passed, reward_columns(rows)).to(sequences.device)
+    if terms.reward is not None:
+        scores, _ = forward_in_chunks(
+            lambda s, a, m: response_scores(terms.reward, s, a, m, stop_ids, args.missing_eos_penalty),
+            micro_batch_size(args), sequences, attention_mask, response_mask)
+        table = torch.cat([table, scores.float()[:, None]], 1)
+    responses = sequences[:, context_length:]
+    has_stop = (torch.isin(responses, torch.tensor(stop_ids, device=sequences.device)) & response_mask.bool()).any(1)
+    rewards = combine_rewards(table, terms.weights)
+    rewards = torch.where(has_stop, rewards, torch.full_like(rewards, args.missing_eos_penalty))
+    return rewards, table, completions, has_stop
+
+
+@dataclass
+class OldPolicy:
+    """π_old on the rollout, the policy the update starts from; token tensors are [B, response_length]."""
+    logprobs: torch.Tensor  # log π_old of each completion token
+    entropy: torch.Tensor
+    ref_logprobs: torch.Tensor | None  # log π_ref; None when β = 0 (no reference)
+    k1: torch.Tensor | None  # the KL estimators to π_ref (kl_estimators); None when β = 0
+    k3: torch.Tensor | None
+    mismatch: tuple  # the sampler's distance from π_old (sampler_mismatch)
+    is_weights: torch.Tensor | None  # the sampler correction's weights; None without --vllm-importance-sampling-correction
+
+
+def old_policy(policy, ref, batch, logprobs_of, args):
+    """π_old's and π_ref's log-probs of the rollout's tokens, the KL between them (none when β = 0), and the
+    sampler's distance from π_old with the weights that correct for it."""
+    logprobs, entropy = logprobs_of(policy, batch.sequences, batch.attention_mask, batch.context_length)
+    ref_logprobs = k1 = k3 = None
+    if args.beta > 0:
+        ref_logprobs, _ = logprobs_of(ref, batch.sequences, batch.attention_mask, batch.context_length)
+        k1, k3 = kl_estimators(logprobs, ref_logprobs, batch.mask)
+    return OldPolicy(logprobs, entropy, ref_logprobs, k1, k3,
+                     *sampler_correction(logprobs, batch.sampler_logprobs, batch.mask, args))
+
+
+def sampler_correction(old_logprobs, sampler_logprobs, mask, args):
+    """How far the sampler is from π_old (sampler_mismatch, for the rollout/ tags) and, with
+    --vllm-importance-sampling-correction, the weight of each token that corrects for it
+    (sampler_importance_weights; None without)."""
+    mismatch = sampler_mismatch(old_logprobs, sampler_logprobs, mask, args.vllm_importance_sampling_clip_max or 3.0)
+    if not args.vllm_importance_sampling_correction:
+        return mismatch, None
+    return mismatch, sampler_importance_weights(old_logprobs, sampler_logprobs, mask,
+                                                args.vllm_importance_sampling_mode,
+                                                args.vllm_importance_sampling_clip_min,
+                                                args.vllm_importance_sampling_clip_max)
+
+
+def grpo_token_losses(ratio, logprobs, advantages, batch, old, mb, epsilon_high, args):
+    """Each token's loss of minibatch `mb` (token_losses), weighed by the sampler correction (the sampler was not
+    π_old: π_old / π_sampler) and, with --off-policy-mask-threshold, with the negative completions the policy left
+    behind dropped (off_policy_sequence_mask). Returns (the losses, how many completions were dropped)."""
+    losses = token_losses(ratio, logprobs, advantages, args.loss_type, args.epsilon, epsilon_high)
+    if old.is_weights is not None:
+        losses = losses * old.is_weights[mb]
+    masked = torch.zeros((), device=losses.device)
+    if args.off_policy_mask_threshold is not None:
+        kept = off_policy_sequence_mask(advantages, logprobs, batch.sampler_logprobs[mb], batch.mask[mb],
+                                        args.off_policy_mask_threshold)
+        losses, masked = losses * kept, (1 - kept).sum()
+    return losses, masked
+
+
+def kl_to_reference(logprobs, ref_logprobs, loss_mask, mb, num_tokens, args):
+    """The KL penalty of minibatch `mb`, β · D_KL[π_θ ‖ π_ref] with k3 per token, aggregated as the policy loss
+    (TRL's); 0 when β = 0."""
+    if args.beta == 0:
+        return torch.zeros((), device=logprobs.device)
+    _, k3 = kl_estimators(logprobs, ref_logprobs[mb], loss_mask[mb])
+    return args.beta * aggregate_loss(k3, loss_mask[mb], args.loss_type, args.mini_batch_size, num_tokens,
+                                      args.response_length)
+
+
+@torch.no_grad()
+def accumulate_grpo_stats(stats, policy_loss, kl_penalty, ratio, advantages, mask, masked, first, epsilon_high, args):
+    """Appends a micro-batch's losses, clipped-token counts and completions masked to `stats`, kept on the device
+    and read once after the update (no waiting inside a step); at the first micro-batch of an iteration, before any
+    step, the ratio's largest distance from 1 (it must be exactly 0)."""
+    stats["policy_loss"].append(policy_loss.detach())
+    stats["kl_penalty"].append(kl_penalty.detach())
+    low, high = clipped_tokens(ratio, advantages, args.epsilon, epsilon_high, args.loss_type)
+    stats["clipped_low"].append((low * mask).sum())
+    stats["clipped_high"].append((high * mask).sum())
+    stats["off_policy_masked"].append(masked)
+    if first:
+        stats["first_ratio_max_error"] = (ratio - 1).abs().max()
+
+
+def log_grpo_iteration(writer, iteration, batch, old, stats, names, lr, start_time, args):
+    """An iteration's statistics of the whole batch, each rank's sums added up over the ranks, to TensorBoard
+    (docs/tags.md), and a line every 10 iterations."""
+    first_ratio_error, logprob_diff_max = stats.pop("first_ratio_max_error"), old.mismatch[1]
+    device, mask, mismatch = batch.mask.device, batch.mask, old.mismatch
+    stats = {name: sum(torch.stack(parts).float().tolist()) if parts else 0.0 for name, parts in stats.items()}
+    groups = batch.rewards.view(-1, args.num_generations)
+    corrected = {} if old.is_weights is None else {"is_weight": (old.is_weights * mask).sum(),
+                                                   "is_masked": ((old.is_weights == 0) * mask).sum()}
+    kl = {} if args.beta == 0 else {"k1": old.k1.sum(), "k3": old.k3.sum()}
+    sums = all_reduce_sum({"reward": batch.rewards.nansum(), "scored": (~batch.rewards.isnan()).sum(),
+                           "reward_std": groups.std(1).nansum(),
+                           "logprob_diff": mismatch[0], "kl_k3_sampler": mismatch[2], "outside": mismatch[3],
+                           **corrected, **kl,
+                           "zero_std": (groups.std(1) == 0).sum(), "zero_std_sampled": (~batch.informative).sum(),
+                           "prompts_sampled": len(batch.informative), "tokens": mask.sum(),
+                           "entropy": (old.entropy * mask).sum(), "stops": batch.has_stop.sum(), **stats,
+                           **term_sums(batch.table, names, "rewards/")}, device)
+    if dist.is_initialized():
+        dist.all_reduce(first_ratio_error, op=dist.ReduceOp.MAX)  # the largest on any rank
+        dist.all_reduce(logprob_diff_max, op=dist.ReduceOp.MAX)
+    B, num_groups = args.batch_size, args.batch_size // args.num_generations
+    num_minibatches = args.ppo_epochs * B // args.mini_batch_size
+    logs = {
+        "objective/reward": sums["reward"] / max(1, sums["scored"]), "objective/reward_std": sums["reward_std"] / num_groups,
+        "objective/zero_std_fraction": sums["zero_std"] / num_groups, "objective/completion_length": sums["tokens"] / B,
+        "objective/zero_std_fraction_sampled": sums["zero_std_sampled"] / sums["prompts_sampled"],
+        "objective/prompts_sampled": sums["prompts_sampled"],
+        "objective/entropy": sums["entropy"] / B, "objective/stop_fraction": sums["stops"] / B,
+        "losses/policy_loss": sums["policy_loss"] / num_minibatches,
+        "policy/clipfrac": (sums["clipped_low"] + sums["clipped_high"]) / (args.ppo_epochs * sums["tokens"]),
+        "policy/clipfrac_low": sums["clipped_low"] / (args.ppo_epochs * sums["tokens"]),
+        "policy/clipfrac_high": sums["clipped_high"] / (args.ppo_epochs * sums["tokens"]),
+        "policy/first_ratio_max_error": first_ratio_error,
+        "charts/learning_rate": lr, "charts/episodes_per_second": iteration * B / (time.time() - start_time),
+        # the sampler against π_old (sampler_mismatch), over the rollout's tokens
+        "rollout/logprob_diff_mean": sums["logprob_diff"] / sums["tokens"], "rollout/logprob_diff_max": logprob_diff_max,
+        "rollout/kl_k3": sums["kl_k3_sampler"] / sums["tokens"],
+        "rollout/ratio_outside_fraction": sums["outside"] / sums["tokens"],
+    }
+    if args.beta > 0:  # the KL to the reference
+        logs.update({"objective/kl": sums["k1"] / B, "objective/kl_k3": sums["k3"] / B,
+                     "losses/kl_penalty": sums["kl_penalty"] / num_minibatches})
+    if old.is_weights is not None:  # the correction's weights: their mean, and the tokens they leave out (weight 0)
+        logs["rollout/is_weight_mean"] = sums["is_weight"] / sums["tokens"]
+        logs["rollout/is_masked_fraction"] = sums["is_masked"] / sums["tokens"]
+    if args.off_policy_mask_threshold is not None:
+        logs["policy/off_policy_masked_fraction"] = sums["off_policy_masked"] / (args.ppo_epochs * B)
+    for name in names:  # each reward term's mean over the completions it applies to (the reward model's: score)
+        if sums[f"rewards/{name}/n"] > 0:
+            tag = "objective/score" if name == "reward_model" else f"rewards/{name}"
+            logs[tag] = sums[f"rewards/{name}"] / sums[f"rewards/{name}/n"]
+    for tag, value in logs.items():
+        writer.add_scalar(tag, float(value), iteration)
+    if iteration % 10 == 0:
+        print(f"iteration {iteration}: reward {logs['objective/reward']:.3f}, reward std "
+              f"{logs['objective/reward_std']:.3f}, kl {logs.get('objective/kl', 0.0):.3f}, "
+              f"{time.time() - start_time:.0f} s")
+
+
+def term_sums(table, names, prefix, w=None):
+    """{prefix + name: Σ value, prefix + name + "/n": count} of each reward term over the completions it
+    applies to (weighted by w), to be summed over the ranks; the term's mean is their ratio."""
+    w = torch.ones(len(table), device=table.device) if w is None else w
+    applies = ~table.isnan()
+    sums = {f"{prefix}{name}": (table[:, k].nan_to_num() * w).sum() for k, name in enumerate(names)}
+    return {**sums, **{f"{prefix}{name}/n": (applies[:, k] * w).sum() for k, name in enumerate(names)}}
+
+
+@torch.no_grad()
+def evaluate(models, eval_rows, eval_ids, terms, rewards_of, amp, writer, iteration, args):
+    """Completions of the eval prompts at --temperature: their reward and each reward term, their KL to the
+    reference (Σ_t log π_θ − log π_ref over a completion) and, on the built-in task, their gold reward. Each
+    rank evaluates its shard of the prompts; the sums are added up over the ranks."""
+    policy, raw_policy, ref, tokenizer, stop_ids, logprobs_of = models
+    if not eval_ids:
+        return
+    policy.eval()
+    mine, weights = shard(list(range(len(eval_ids))), *rank_and_world_size())
+    rows = [eval_rows[j] for j in mine]
+    with amp():
+        sequences, attention_mask, context_length, response_mask, _ = generate_in_chunks(
+            raw_policy, [eval_ids[j] for j in mine], tokenizer.pad_token_id, stop_ids, args.response_length,
+            args.temperature, args.generation_batch_size)
+        device = sequences.device
+        w = torch.tensor(weights, device=device, dtype=torch.float)
+        sums = {"n": w.sum()}
+        if args.beta > 0:  # eval/kl: Σ_t log π_θ − log π_ref over a completion, the mean over completions
+            logprobs, _ = logprobs_of(policy, sequences, attention_mask, context_length)
+            ref_logprobs, _ = logprobs_of(ref, sequences, attention_mask, context_length)
+            sums["kl"] = (((logprobs - ref_logprobs) * response_mask).sum(1) * w).sum()
+        rewards, table, completions, _ = rewards_of(rows, sequences, attention_mask, context_length, response_mask)
+    # eval/reward: over the scored completions (an unscored one's reward is NaN)
+    sums.update(reward=(rewards * w).nansum(), scored=(w * ~rewards.isnan()).sum(),
+                **term_sums(table, terms.names, "rewards/", w))
+    if args.dataset_name is None:  # the built-in task: exactly the target, and the gold score
+        targets = [row["target"] for row in rows]
+        sums["correct"] = sum(v * (c == t) for c, t, v in zip(completions, targets, weights))
+        sums["gold"] = sum(v * gold_score(c, t) for c, t, v in zip(completions, targets, weights))
+    sums = all_reduce_sum(sums, device)
+    line = f"iteration {iteration}:"
+    for tag, name in (("eval/reward", "reward"), ("eval/kl", "kl"), ("eval/gold_accuracy", "correct"),
+                      ("eval/gold_score", "gold")):
+        if name in sums:
+            value = sums[name] / sums["scored" if name == "reward" else "n"]
+            writer.add_scalar(tag, value, iteration)
+            line += f" {tag} {value:.3f}"
+    for name in terms.names:  # each term's mean over the completions it applies to (the reward model's: eval/score)
+        if sums[f"rewards/{name}/n"] > 0:
+            tag = "eval/score" if name == "reward_model" else f"eval/rewards/{name}"
+            writer.add_scalar(tag, sums[f"rewards/{name}"] / sums[f"rewards/{name}/n"], iteration)
+            line += f" {tag} {sums[f'rewards/{name}'] / sums[f'rewards/{name}/n']:.3f}"
+    writer.add_text("eval/samples", samples_markdown([row["prompt"] for row in rows], completions, rewards, table,
+                                                     terms.names), iteration)
+    print(line)
+    policy.train()
+
+
+def load_models(args, device):
+    """(tokenizer, stop_ids, the raw policy, the policy as trained, reference or None, reward model or None). The
+    policy in float32 (master weights) whatever the checkpoint's dtype, the reference as the policy, the reward
+    model in the dtype it computes in; dropout off. The reference only when β > 0, a reward model only with
+    --reward-model-path. Each model loaded, then placed (on the device, whole or sharded) before the next: rank 0
+    holds one whole model at a time. The trained policy is data-parallel (raw: sample, save); the frozen models are
+    whole on every rank, or sharded."""
     tokenizer = load_tokenizer(args.model_name_or_path, "run `python sft.py` first or pass a path")
     if args.reward_model_path is not None:
         reward_tokenizer = load_tokenizer(args.reward_model_path, "run `python reward_model.py` first or pass a path")
     stop_ids = stop_token_ids(tokenizer)
-    save_dtype = save_dtype_of(args, args.model_name_or_path)
     if args.reward_model_path is not None:
         check_same_vocabulary(tokenizer, reward_tokenizer, stop_ids,
                               f"the reward model {args.reward_model_path!r} has another tokenizer than the SFT model "
                               f"{args.model_name_or_path!r}; train it from the SFT model with reward_model.py")
-    # Each model loaded, then placed (on the device, whole or sharded) before the next: rank 0 holds one whole model
-    # at a time. The trained policy is data-parallel; the frozen models are whole on every rank, or sharded.
     config = load_config(args.model_name_or_path, "lm")
-    raw_policy = load_no_dropout(args.model_name_or_path, "lm", base_dtype(args), config)  # π_θ (raw: sample, save)
+    raw_policy = load_no_dropout(args.model_name_or_path, "lm", base_dtype(args), config)  # π_θ
     prepare_models(tokenizer, stop_ids, [raw_policy])
     if args.gradient_checkpointing:
         raw_policy.activation_checkpointing_enable({"use_reentrant": False})
@@ -669,305 +1073,7 @@ def main(args: Args):
                                  load_config(args.reward_model_path, "score"))
         prepare_models(tokenizer, stop_ids, [reward], [reward])
         reward = place_model(TokenScorer(reward), device, args, trained=False)  # its forward: a score per position
-
-    train_rows, train_ids = tokenize_prompts(tokenizer, train_rows, args.max_prompt_length, "train")
-    if len(train_ids) < args.batch_size // G:
-        sys.exit(f"error: {len(train_ids)} training prompts fit --max-prompt-length, fewer than the "
-                 f"{args.batch_size // G} of a batch; lower --batch-size")
-    eval_rows, eval_ids = tokenize_prompts(tokenizer, eval_rows, args.max_prompt_length, "eval")
-    positions, longest = model_positions(raw_policy), max(len(ids) for ids in train_ids + eval_ids)
-    if positions is not None and longest + args.response_length > positions:
-        sys.exit(f"error: the longest prompt ({longest} tokens) + --response-length {args.response_length} exceeds the "
-                 f"model's {positions} positions; lower --max-prompt-length or --response-length")
-    check_kv_cache(raw_policy, min(args.generation_batch_size, max(per_rank, -(-len(eval_ids) // world_size))),
-                   longest + args.response_length, device, args.bf16)
-
-    # on CUDA AdamW's fused kernel (one launch for every tensor, TRL's default); on the CPU torch's default
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.lr,
-                                  fused=True if device.type == "cuda" else None)
-    choose_head(device, args.fsdp, micro_size, longest + args.response_length,
-                raw_policy.get_output_embeddings().weight.shape[0])
-    # --rollout-lag K: the policy's weights of the last K iterations, oldest first; a rollout samples with the oldest
-    # (with LoRA only the adapters change; under FSDP each rank keeps its shards)
-    trained = [p for p in raw_policy.parameters() if p.requires_grad]
-    lagged = [[p.detach().clone() for p in trained] for _ in range(args.rollout_lag)]
-    print(f"policy: {parameter_count(raw_policy)}")
-    writer = make_writer(args, rank, run_dir, checkpoint["step"] if checkpoint else 0)
-    print(f"{1 + (ref is not None) + (reward is not None)} model(s) in memory: the policy"
-          + (", the reference" if ref is not None else "") + (", the reward model" if reward is not None else ""))
-
-    names = [name for name, _ in functions] + (["reward_model"] if reward is not None else [])  # the reward terms
-
-    def rewards_of(rows, sequences, attention_mask, context_length, response_mask):
-        """The reward of each completion, r = Σ_k w_k r_k over the reward functions and the reward model's score
-        (combine_rewards) plus any soft overlong punishment, or --missing-eos-penalty for a completion with no stop
-        token: an unfinished answer is not scored. Returns (rewards, the [B, K] table of the terms, completions as
-        text, has_stop)."""
-        prompts = [row["prompt"] for row in rows]
-        # the text up to the stop token: the stop token and the padding after it are special tokens
-        completions = tokenizer.batch_decode(sequences[:, context_length:], skip_special_tokens=True)
-        as_passed = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c  # as TRL passes them
-                     for p, c in zip(prompts, completions)]
-        table = reward_terms(functions, prompts, as_passed, reward_columns(rows)).to(device)
-        if reward is not None:
-            scores, _ = forward_in_chunks(
-                lambda s, a, m: response_scores(reward, s, a, m, stop_ids, args.missing_eos_penalty), micro_size,
-                sequences, attention_mask, response_mask)
-            table = torch.cat([table, scores.float()[:, None]], 1)
-        responses = sequences[:, context_length:]
-        has_stop = (torch.isin(responses, torch.tensor(stop_ids, device=device)) & response_mask.bool()).any(1)
-        rewards = combine_rewards(table, weights)
-        if args.soft_overlong_cache:  # a completion that stops near the limit loses up to 1
-            rewards = rewards + soft_overlong_punishment(response_mask.sum(1), args.response_length,
-                                                         args.soft_overlong_cache)
-        rewards = torch.where(has_stop, rewards, torch.full_like(rewards, args.missing_eos_penalty))
-        return rewards, table, completions, has_stop
-
-    def term_sums(table, prefix, w=None):
-        """{prefix + name: Σ value, prefix + name + "/n": count} of each reward term over the completions it
-        applies to (weighted by w), to be summed over the ranks; the term's mean is their ratio."""
-        w = torch.ones(len(table), device=table.device) if w is None else w
-        applies = ~table.isnan()
-        sums = {f"{prefix}{name}": (table[:, k].nan_to_num() * w).sum() for k, name in enumerate(names)}
-        return {**sums, **{f"{prefix}{name}/n": (applies[:, k] * w).sum() for k, name in enumerate(names)}}
-
-    def logprobs_of(model, sequences, attention_mask, context_length):
-        """(log π(a_t | s_t), entropy) of every response token, a micro-batch at a time (what fits with gradients
-        fits without): in a rollout these are exactly the update's chunks, so the first ratio is exactly 1."""
-        return forward_in_chunks(lambda s, a: policy_logprobs(model, s, a, context_length, args.temperature),
-                                 micro_size, sequences, attention_mask)
-
-    def evaluate(iteration):
-        """Each rank evaluates its shard of the eval prompts; the sums are added up over the ranks."""
-        if not eval_ids:
-            return
-        policy.eval()
-        mine, weights = shard(list(range(len(eval_ids))), rank, world_size)
-        w = torch.tensor(weights, device=device, dtype=torch.float)
-        rows = [eval_rows[j] for j in mine]
-        with torch.no_grad(), amp():
-            sequences, attention_mask, context_length, response_mask, _ = generate_in_chunks(
-                raw_policy, [eval_ids[j] for j in mine], tokenizer.pad_token_id, stop_ids, args.response_length,
-                args.temperature, args.generation_batch_size)
-            sums = {"n": w.sum()}
-            if ref is not None:  # eval/kl: Σ_t log π_θ − log π_ref over a completion, the mean over completions
-                logprobs, _ = logprobs_of(policy, sequences, attention_mask, context_length)
-                ref_logprobs, _ = logprobs_of(ref, sequences, attention_mask, context_length)
-                sums["kl"] = (((logprobs - ref_logprobs) * response_mask).sum(1) * w).sum()
-            rewards, table, completions, _ = rewards_of(rows, sequences, attention_mask, context_length, response_mask)
-        # eval/reward: over the scored completions (an unscored one's reward is NaN)
-        sums.update(reward=(rewards * w).nansum(), scored=(w * ~rewards.isnan()).sum(), **term_sums(table, "rewards/", w))
-        if args.dataset_name is None:  # the built-in task: exactly the target, and the gold score
-            targets = [row["target"] for row in rows]
-            sums["correct"] = sum(v * (c == t) for c, t, v in zip(completions, targets, weights))
-            sums["gold"] = sum(v * gold_score(c, t) for c, t, v in zip(completions, targets, weights))
-        sums = all_reduce_sum(sums, device)
-        line = f"iteration {iteration}:"
-        for tag, name in (("eval/reward", "reward"), ("eval/kl", "kl"), ("eval/gold_accuracy", "correct"),
-                          ("eval/gold_score", "gold")):
-            if name in sums:
-                value = sums[name] / sums["scored" if name == "reward" else "n"]
-                writer.add_scalar(tag, value, iteration)
-                line += f" {tag} {value:.3f}"
-        for name in names:  # each term's mean over the completions it applies to (the reward model's: eval/score)
-            if sums[f"rewards/{name}/n"] > 0:
-                tag = "eval/score" if name == "reward_model" and reward is not None else f"eval/rewards/{name}"
-                writer.add_scalar(tag, sums[f"rewards/{name}"] / sums[f"rewards/{name}/n"], iteration)
-                line += f" {tag} {sums[f'rewards/{name}'] / sums[f'rewards/{name}/n']:.3f}"
-        writer.add_text("eval/samples", samples_markdown([row["prompt"] for row in rows], completions, rewards, table,
-                                                         names), iteration)
-        print(line)
-        policy.train()
-
-    rng, first_iteration, elapsed = random.Random(args.seed), 1, 0.0  # rng: the prompts drawn
-    cap_reported = False  # --dynamic-sampling: the line when --max-sampling-rounds is reached, once
-    if checkpoint is None:
-        evaluate(0)  # the SFT model, before any update
-    else:  # the weights, AdamW, every random stream, and where the loop was
-        loop = load_checkpoint(checkpoint, policy, optimizer)
-        first_iteration, elapsed = loop["step"] + 1, loop["elapsed"]
-        rng.setstate(loop["rng"])
-    preemption = Preemption()
-    start_time = time.time() - elapsed  # the speeds count the time before a resume
-    for iteration in range(first_iteration, args.num_iterations + 1):
-        lr = get_lr(iteration - 1, args.lr, 0, args.num_iterations, "linear") if args.anneal_lr else args.lr
-        optimizer.param_groups[0]["lr"] = lr
-        # ---- rollout: G completions per prompt, their rewards, advantages within each group ----------
-        policy.eval()
-        rounds = []  # (generate's output, rewards, table, completions, has_stop) of each batch of prompts sampled
-        with torch.no_grad(), amp():
-            if lagged:  # the sampler: the weights of K iterations before (in the first K iterations, the start's)
-                swap_weights(trained, lagged[0])
-            while True:  # one batch of prompts; with --dynamic-sampling more, until every rank's groups differ
-                chosen = rng.sample(range(len(train_ids)), args.batch_size // G)[rank * prompts_per_rank : (rank + 1) * prompts_per_rank]
-                prompt_ids = [train_ids[i] for i in chosen for _ in range(G)]  # each prompt G times, in adjacent rows
-                rows = [train_rows[i] for i in chosen for _ in range(G)]
-                sampled = generate_in_chunks(raw_policy, prompt_ids, tokenizer.pad_token_id, stop_ids, args.response_length,
-                                             args.temperature, args.generation_batch_size)
-                rounds.append((sampled, *rewards_of(rows, *sampled[:3], sampled[3].float())))
-                informative = torch.cat([informative_groups(r[1], G) for r in rounds])  # of every group sampled
-                if not args.dynamic_sampling:
-                    break
-                # every rank samples as many rounds as the rank that is shortest of groups that differ
-                short = all_reduce_sum({"short": max(0, prompts_per_rank - int(informative.sum()))}, device)["short"]
-                if short == 0 or len(rounds) == args.max_sampling_rounds:
-                    break
-            if lagged:  # the current weights back; they become the newest of the K, in the oldest's memory
-                swap_weights(trained, lagged[0])
-                lagged.append(lagged.pop(0))
-                for p, w in zip(trained, lagged[-1]):
-                    w.copy_(p)
-            groups = torch.arange(prompts_per_rank, device=device)
-            if args.dynamic_sampling:  # groups that differ first, in the order sampled; equal ones only to fill up
-                if short and not cap_reported:
-                    print(f"dynamic sampling: after --max-sampling-rounds {args.max_sampling_rounds} batches of prompts "
-                          f"the ranks were {int(short)} group(s) short of groups that differ; the batch is filled with "
-                          "groups of equal rewards (objective/zero_std_fraction > 0) whenever this happens")
-                    cap_reported = True
-                groups = torch.argsort((~informative).int(), stable=True)[:prompts_per_rank]
-            idx = (groups[:, None] * G + torch.arange(G, device=device)).flatten()  # their completions' rows
-            sequences, attention_mask, context_length, mask, sampler_logprobs = join_samples([r[0] for r in rounds],
-                                                                                             tokenizer.pad_token_id)
-            sequences, attention_mask, mask = sequences[idx], attention_mask[idx], mask[idx].float()
-            sampler_logprobs = sampler_logprobs[idx]
-            rewards, table, has_stop = (torch.cat([r[k] for r in rounds])[idx] for k in (1, 2, 4))
-            advantages = compute_advantages(rewards, G, args.advantage, args.scale_rewards)  # reinforce_pp: all ranks
-            old_logprobs, entropy = logprobs_of(policy, sequences, attention_mask, context_length)
-            ref_logprobs = old_logprobs  # β = 0: no reference (the KL terms below are 0 and not logged)
-            if ref is not None:
-                ref_logprobs, _ = logprobs_of(ref, sequences, attention_mask, context_length)
-            k1, k3 = kl_estimators(old_logprobs, ref_logprobs, mask)
-            # the tokens the loss sees: with --mask-truncated-completions not those of a completion with no stop token
-            loss_mask = mask * has_stop.unsqueeze(1) if args.mask_truncated_completions else mask
-            # dapo's and cispo's normalizer: the rollout's tokens (all ranks) per minibatch, so each weighs the same
-            num_tokens = (max(1.0, all_reduce_sum({"tokens": loss_mask.sum()}, device)["tokens"]) * args.mini_batch_size
-                          / args.batch_size)
-            # how far the sampler is from π_old, and the weight of each token that corrects for it
-            mismatch = sampler_mismatch(old_logprobs, sampler_logprobs, mask, args.vllm_importance_sampling_clip_max or 3.0)
-            is_weights = None
-            if args.vllm_importance_sampling_correction:
-                is_weights = sampler_importance_weights(old_logprobs, sampler_logprobs, mask,
-                                                        args.vllm_importance_sampling_mode,
-                                                        args.vllm_importance_sampling_clip_min,
-                                                        args.vllm_importance_sampling_clip_max)
-
-        # ---- update: μ passes over the rollout in shuffled minibatches ---------------------------------
-        policy.train()
-        stats = {k: [] for k in ("policy_loss", "kl_penalty", "clipped_low", "clipped_high",
-                                 "off_policy_masked")}  # micro-batch parts
-        for epoch in range(args.ppo_epochs):
-            # the first pass takes the rollout in order, so its first minibatch is exactly the rollout's first
-            # chunk; later passes reshuffle (whole groups need not stay together: advantages are computed)
-            order = torch.randperm(per_rank, device=device) if epoch > 0 else torch.arange(per_rank, device=device)
-            for start in range(0, per_rank, mini_per_rank):
-                mb = order[start : start + mini_per_rank]
-                for micro in range(0, mini_per_rank, micro_size):
-                    idx = mb[micro : micro + micro_size]
-                    gradient_sync(policy, micro + micro_size == mini_per_rank)  # once per step, with the last micro-batch
-                    with amp():
-                        logprobs, _ = policy_logprobs(policy, sequences[idx], attention_mask[idx], context_length,
-                                                      args.temperature)
-                    ratio = importance_ratio(logprobs, old_logprobs[idx], mask[idx], args.importance_sampling_level)
-                    surrogate = token_losses(ratio, logprobs, advantages[idx], args.loss_type, args.epsilon, epsilon_high)
-                    if is_weights is not None:  # the sampler was not π_old: weigh each token by π_old / π_sampler
-                        surrogate = surrogate * is_weights[idx]
-                    if args.off_policy_mask_threshold is not None:  # drop negative completions the policy left behind
-                        kept = off_policy_sequence_mask(advantages[idx], logprobs, sampler_logprobs[idx], mask[idx],
-                                                        args.off_policy_mask_threshold)
-                        surrogate = surrogate * kept
-                        stats["off_policy_masked"].append((1 - kept).sum())
-                    policy_loss = aggregate_loss(surrogate, loss_mask[idx], args.loss_type, args.mini_batch_size,
-                                                 num_tokens, args.response_length)
-                    kl_penalty = torch.zeros((), device=device)
-                    if ref is not None:
-                        _, new_k3 = kl_estimators(logprobs, ref_logprobs[idx], loss_mask[idx])
-                        kl_penalty = args.beta * aggregate_loss(new_k3, loss_mask[idx], args.loss_type,
-                                                                args.mini_batch_size, num_tokens, args.response_length)
-                    # DDP and FSDP average the ranks' gradients; × world_size turns that into the minibatch's sum
-                    ((policy_loss + kl_penalty) * world_size).backward()
-                    with torch.no_grad():  # kept on the device, read once after the loop: no waiting inside a step
-                        stats["policy_loss"].append(policy_loss.detach())
-                        stats["kl_penalty"].append(kl_penalty.detach())
-                        low, high = clipped_tokens(ratio, advantages[idx], args.epsilon, epsilon_high, args.loss_type)
-                        stats["clipped_low"].append((low * mask[idx]).sum())
-                        stats["clipped_high"].append((high * mask[idx]).sum())
-                        if epoch == 0 and start == 0 and micro == 0:  # before any step, the ratio must be exactly 1
-                            first_ratio_error = (ratio - 1).abs().max()
-                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-                check_finite(iteration, loss=policy_loss + kl_penalty, grad_norm=grad_norm)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)  # no gradients held through the next rollout
-
-        # ---- log: statistics of the whole batch, sums added up over the ranks --------------------------
-        stats = {name: sum(torch.stack(parts).float().tolist()) if parts else 0.0 for name, parts in stats.items()}
-        groups = rewards.view(-1, G)
-        corrected = {} if is_weights is None else {"is_weight": (is_weights * mask).sum(),
-                                                   "is_masked": ((is_weights == 0) * mask).sum()}
-        sums = all_reduce_sum({"reward": rewards.nansum(), "scored": (~rewards.isnan()).sum(),
-                               "reward_std": groups.std(1).nansum(),
-                               "logprob_diff": mismatch[0], "kl_k3_sampler": mismatch[2], "outside": mismatch[3],
-                               **corrected,
-                               "zero_std": (groups.std(1) == 0).sum(), "zero_std_sampled": (~informative).sum(),
-                               "prompts_sampled": len(informative), "tokens": mask.sum(), "k1": k1.sum(),
-                               "k3": k3.sum(), "entropy": (entropy * mask).sum(), "stops": has_stop.sum(), **stats,
-                               **term_sums(table, "rewards/")}, device)
-        logprob_diff_max = mismatch[1]
-        if dist.is_initialized():
-            dist.all_reduce(first_ratio_error, op=dist.ReduceOp.MAX)  # the largest on any rank
-            dist.all_reduce(logprob_diff_max, op=dist.ReduceOp.MAX)
-        B, num_groups = args.batch_size, args.batch_size // G
-        num_minibatches = args.ppo_epochs * B // args.mini_batch_size
-        logs = {
-            "objective/reward": sums["reward"] / max(1, sums["scored"]), "objective/reward_std": sums["reward_std"] / num_groups,
-            "objective/zero_std_fraction": sums["zero_std"] / num_groups, "objective/completion_length": sums["tokens"] / B,
-            "objective/zero_std_fraction_sampled": sums["zero_std_sampled"] / sums["prompts_sampled"],
-            "objective/prompts_sampled": sums["prompts_sampled"],
-            "objective/kl": sums["k1"] / B, "objective/kl_k3": sums["k3"] / B, "objective/entropy": sums["entropy"] / B,
-            "objective/stop_fraction": sums["stops"] / B,
-            "losses/policy_loss": sums["policy_loss"] / num_minibatches,
-            "losses/kl_penalty": sums["kl_penalty"] / num_minibatches,
-            "policy/clipfrac": (sums["clipped_low"] + sums["clipped_high"]) / (args.ppo_epochs * sums["tokens"]),
-            "policy/clipfrac_low": sums["clipped_low"] / (args.ppo_epochs * sums["tokens"]),
-            "policy/clipfrac_high": sums["clipped_high"] / (args.ppo_epochs * sums["tokens"]),
-            "policy/first_ratio_max_error": first_ratio_error,
-            "charts/learning_rate": lr, "charts/episodes_per_second": iteration * B / (time.time() - start_time),
-            # the sampler against π_old (sampler_mismatch), over the rollout's tokens
-            "rollout/logprob_diff_mean": sums["logprob_diff"] / sums["tokens"], "rollout/logprob_diff_max": logprob_diff_max,
-            "rollout/kl_k3": sums["kl_k3_sampler"] / sums["tokens"],
-            "rollout/ratio_outside_fraction": sums["outside"] / sums["tokens"],
-        }
-        if is_weights is not None:  # the correction's weights: their mean, and the tokens they leave out (weight 0)
-            logs["rollout/is_weight_mean"] = sums["is_weight"] / sums["tokens"]
-            logs["rollout/is_masked_fraction"] = sums["is_masked"] / sums["tokens"]
-        if args.off_policy_mask_threshold is not None:
-            logs["policy/off_policy_masked_fraction"] = sums["off_policy_masked"] / (args.ppo_epochs * B)
-        if ref is None:  # no reference, no KL to it
-            del logs["objective/kl"], logs["objective/kl_k3"], logs["losses/kl_penalty"]
-        for name in names:  # each reward term's mean over the completions it applies to (the reward model's: score)
-            if sums[f"rewards/{name}/n"] > 0:
-                tag = "objective/score" if name == "reward_model" and reward is not None else f"rewards/{name}"
-                logs[tag] = sums[f"rewards/{name}"] / sums[f"rewards/{name}/n"]
-        for tag, value in logs.items():
-            writer.add_scalar(tag, float(value), iteration)
-        if iteration % 10 == 0:
-            print(f"iteration {iteration}: reward {logs['objective/reward']:.3f}, reward std "
-                  f"{logs['objective/reward_std']:.3f}, kl {logs.get('objective/kl', 0.0):.3f}, "
-                  f"{time.time() - start_time:.0f} s")
-        # ---- evaluate ------------------------------------------------------------------------------
-        if iteration % args.eval_every == 0 or iteration == args.num_iterations:
-            evaluate(iteration)
-
-        # ---- checkpoint: every --save-every iterations, and at SIGTERM, which then ends the run (exit code 0) --
-        sigterm = bool(all_reduce_sum({"sigterm": preemption.received}, device)["sigterm"])  # on any rank
-        if sigterm or (args.save_every and iteration % args.save_every == 0):
-            save_checkpoint(run_dir, iteration, policy, optimizer, args,
-                            {"rng": rng.getstate(), "elapsed": time.time() - start_time}, sigterm)
-        if sigterm:
-            return writer.close()
-
-    save_model(raw_policy, tokenizer, args, args.output_dir, save_dtype)
-    print(f"saved to {args.output_dir} after {time.time() - start_time:.0f} s")
-    writer.close()
+    return tokenizer, stop_ids, raw_policy, policy, ref, reward
 
 
 # =============================================================================================
@@ -1886,17 +1992,6 @@ def setup_distributed(cuda):
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def settle_defaults(args):
-    """The defaults that depend on where the run is, settled before any work (and logged and checkpointed as
-    settled). --bf16: on where CUDA computes and has bfloat16, as in TRL's configs (bf16 unless fp16); off on the
-    CPU, where bfloat16 products are slower than float32 on most processors. --gradient-checkpointing: on under
-    --fsdp, the runs of models whose every block's activations do not fit beside the weights."""
-    if args.bf16 is None:
-        args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    if args.gradient_checkpointing is None:
-        args.gradient_checkpointing = args.fsdp
-
-
 def autocast(device, args):
     """--bf16 as torch.autocast: matrix products in bfloat16 over float32 weights. Off under FSDP, whose
     MixedPrecisionPolicy (place_model) casts the weights themselves: autocast there would keep a bfloat16
@@ -1997,6 +2092,17 @@ def shard(items, rank, world_size):
     return mine + items[:1] * padding, [1] * len(mine) + [0] * padding
 
 
+def rank_and_world_size():
+    """(rank, world_size) of this process: (0, 1) outside torchrun."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def micro_batch_size(args):
+    """The rows of one forward pass with gradients: this rank's share of a minibatch over the accumulation steps
+    (and the chunk of every pass without gradients: what fits with gradients fits without)."""
+    return args.mini_batch_size // rank_and_world_size()[1] // args.gradient_accumulation_steps
+
+
 def all_reduce_sum(sums, device):
     """{name: number} with each number summed over the ranks (the numbers themselves in one process), in one
     all-reduce: per-rank sums and counts become global ones, read back by name."""
@@ -2065,6 +2171,44 @@ def run_directory(args, checkpoint, device):
 # ---------------------------------------------------------------------------------------------
 # Training and saving
 # ---------------------------------------------------------------------------------------------
+def settle_defaults(args):
+    """The defaults that depend on where the run is, settled before any work (and logged and checkpointed as
+    settled). --bf16: on where CUDA computes and has bfloat16, as in TRL's configs (bf16 unless fp16); off on the
+    CPU, where bfloat16 products are slower than float32 on most processors. --gradient-checkpointing: on under
+    --fsdp, the runs of models whose every block's activations do not fit beside the weights.
+    --vllm-importance-sampling-correction (the RL scripts): TRL corrects by default; here only a stale sampler
+    (--rollout-lag) needs it."""
+    if args.bf16 is None:
+        args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if args.gradient_checkpointing is None:
+        args.gradient_checkpointing = args.fsdp
+    if getattr(args, "vllm_importance_sampling_correction", False) is None:
+        args.vllm_importance_sampling_correction = args.rollout_lag > 0
+
+
+class RolloutLag:
+    """--rollout-lag K: the policy's weights of the last K iterations, oldest first, as an asynchronous trainer's
+    sampler lags behind it. `with lag:` samples with the oldest (in the first K iterations, the start's), then puts
+    the current weights back and keeps them as the newest, in the oldest's memory. K = 0: nothing happens. (With
+    LoRA only the adapters change; under FSDP each rank keeps its shards.)"""
+
+    def __init__(self, model, k):
+        self.trained = [p for p in model.parameters() if p.requires_grad]
+        self.lagged = [[p.detach().clone() for p in self.trained] for _ in range(k)]
+
+    def __enter__(self):
+        if self.lagged:
+            swap_weights(self.trained, self.lagged[0])
+
+    @torch.no_grad()
+    def __exit__(self, *exception):
+        if self.lagged:
+            swap_weights(self.trained, self.lagged[0])
+            self.lagged.append(self.lagged.pop(0))
+            for p, w in zip(self.trained, self.lagged[-1]):
+                w.copy_(p)
+
+
 @torch.no_grad()
 def swap_weights(parameters, weights):
     """Exchange each of `parameters` with its tensor of `weights` in place, one temporary copy at a time: the

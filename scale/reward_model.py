@@ -314,8 +314,7 @@ def main(args: Args):
         batch = [train[i] for i in order[position : position + args.batch_size]]
         position += args.batch_size
         lr = get_lr(step - 1, args.lr, args.warmup_steps, args.max_steps, "linear")
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        optimizer.param_groups[0]["lr"] = lr
 
         # ---- update: this rank's share of the batch, in micro-batches -----------------------------
         tick, parts = time.time(), []
@@ -827,17 +826,6 @@ def setup_distributed(cuda):
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def settle_defaults(args):
-    """The defaults that depend on where the run is, settled before any work (and logged and checkpointed as
-    settled). --bf16: on where CUDA computes and has bfloat16, as in TRL's configs (bf16 unless fp16); off on the
-    CPU, where bfloat16 products are slower than float32 on most processors. --gradient-checkpointing: on under
-    --fsdp, the runs of models whose every block's activations do not fit beside the weights."""
-    if args.bf16 is None:
-        args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    if args.gradient_checkpointing is None:
-        args.gradient_checkpointing = args.fsdp
-
-
 def autocast(device, args):
     """--bf16 as torch.autocast: matrix products in bfloat16 over float32 weights. Off under FSDP, whose
     MixedPrecisionPolicy (place_model) casts the weights themselves: autocast there would keep a bfloat16
@@ -1006,6 +994,21 @@ def run_directory(args, checkpoint, device):
 # ---------------------------------------------------------------------------------------------
 # Training and saving
 # ---------------------------------------------------------------------------------------------
+def settle_defaults(args):
+    """The defaults that depend on where the run is, settled before any work (and logged and checkpointed as
+    settled). --bf16: on where CUDA computes and has bfloat16, as in TRL's configs (bf16 unless fp16); off on the
+    CPU, where bfloat16 products are slower than float32 on most processors. --gradient-checkpointing: on under
+    --fsdp, the runs of models whose every block's activations do not fit beside the weights.
+    --vllm-importance-sampling-correction (the RL scripts): TRL corrects by default; here only a stale sampler
+    (--rollout-lag) needs it."""
+    if args.bf16 is None:
+        args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if args.gradient_checkpointing is None:
+        args.gradient_checkpointing = args.fsdp
+    if getattr(args, "vllm_importance_sampling_correction", False) is None:
+        args.vllm_importance_sampling_correction = args.rollout_lag > 0
+
+
 def get_lr(step, lr, warmup_steps, max_steps, decay):
     """Learning rate of optimizer step `step` = 0, 1, ...: `lr` × a linear warmup min(1, (step + 1) / warmup_steps)
     × a decay to 0 at `max_steps`: "linear", min(1, (max_steps − step) / (max_steps − warmup_steps)), flat through

@@ -433,9 +433,7 @@ def check_args(args):
 
 
 def main(args: Args):
-    settle_defaults(args)  # --bf16 and --gradient-checkpointing, where not given
-    if args.vllm_importance_sampling_correction is None:  # TRL corrects by default; only a stale sampler needs it here
-        args.vllm_importance_sampling_correction = args.rollout_lag > 0
+    settle_defaults(args)  # --bf16, --gradient-checkpointing and --vllm-importance-sampling-correction, where not given
     check_args(args)
     note_overwrite(args.output_dir)
     torch.set_num_threads(cpu_threads(args.threads))
@@ -447,7 +445,7 @@ def main(args: Args):
     rank, world_size, device = setup_distributed(args.cuda)
     run_dir = run_directory(args, checkpoint, device)  # under torchrun: seen by every rank, or one line
     per_rank, mini_per_rank = args.batch_size // world_size, args.mini_batch_size // world_size
-    micro_size = mini_per_rank // args.gradient_accumulation_steps
+    micro_size = micro_batch_size(args)
     random.seed(args.seed)  # the prompts drawn: the same on every rank, which each takes its share of
     torch.manual_seed(args.seed + rank)  # sampling: a stream of its own on each rank
     transformers.logging.set_verbosity_error()
@@ -459,21 +457,356 @@ def main(args: Args):
     check_reward_signatures(functions, sorted(train_rows[0]) if train_rows else [])  # the columns they receive
     if len(train_rows) < args.batch_size:
         sys.exit(f"error: {len(train_rows)} training prompts, fewer than --batch-size {args.batch_size}; lower it")
-    # The four models of RLHF (three without a reward model). The trained ones in float32 (master weights) whatever
-    # the checkpoints' dtype, the reference as the actor (so that they agree exactly before the first update), the
-    # reward model in the dtype it computes in; dropout off in all (log-probs, values and scores must not be random).
+    save_dtype = save_dtype_of(args, args.model_name_or_path)
+    tokenizer, stop_ids, raw_actor, actor, ref, reward, raw_critic, critic = load_models(args, reward_model_path, device)
+    train_rows, train_ids = tokenize_prompts(tokenizer, train_rows, args.max_prompt_length, "train")
+    if len(train_ids) < args.batch_size:
+        sys.exit(f"error: {len(train_ids)} training prompts fit --max-prompt-length, fewer than --batch-size {args.batch_size}")
+    eval_rows, eval_ids = tokenize_prompts(tokenizer, eval_rows, args.max_prompt_length, "eval")
+    positions, longest = model_positions(raw_actor), max(len(ids) for ids in train_ids + eval_ids)
+    if positions is not None and longest + args.response_length > positions:
+        sys.exit(f"error: the longest prompt ({longest} tokens) + --response-length {args.response_length} exceeds the "
+                 f"model's {positions} positions; lower --max-prompt-length or --response-length")
+    check_kv_cache(raw_actor, min(args.generation_batch_size, max(per_rank, -(-len(eval_ids) // world_size))),
+                   longest + args.response_length, device, args.bf16)
+
+    trained = torch.nn.ModuleList([actor, critic])  # what a checkpoint saves
+    # on CUDA AdamW's fused kernel (one launch for every tensor, TRL's default); on the CPU torch's default
+    optimizer = torch.optim.AdamW([p for p in trained.parameters() if p.requires_grad], lr=args.lr,
+                                  fused=True if device.type == "cuda" else None)
+    choose_head(device, args.fsdp, micro_size, longest + args.response_length,
+                raw_actor.get_output_embeddings().weight.shape[0])
+    lag = RolloutLag(raw_actor, args.rollout_lag)  # --rollout-lag K: the weights a rollout samples with
+    print(f"actor and critic: {parameter_count(raw_actor, raw_critic)}; "
+          f"{3 + (reward is not None) - (ref is None)} model(s) in memory")
+    kl_coef = args.kl_coef
+    writer = make_writer(args, rank, run_dir, checkpoint["step"] if checkpoint else 0)
+    terms = RewardTerms(functions, weights, reward,
+                        [name for name, _ in functions] + (["reward_model"] if reward is not None else []))
+    # the score of each response, Σ_k w_k r_k over the reward functions and the reward model (completion_rewards)
+    scores_of = functools.partial(completion_rewards, terms=terms, tokenizer=tokenizer, stop_ids=stop_ids, args=args)
+
+    def logprobs_of(model, sequences, attention_mask, context_length):
+        """(log π(a_t | s_t), entropy) of every response token, a micro-batch at a time (what fits with gradients
+        fits without): in a rollout these are exactly the update's chunks, so the first ratio is exactly 1."""
+        return forward_in_chunks(lambda s, a: policy_logprobs(model, s, a, context_length, args.temperature),
+                                 micro_size, sequences, attention_mask)
+
+    # ---- the loop: an evaluation before any update (not on a resume), then rollout, advantages, update and log ----
+    models = (actor, raw_actor, critic, ref, tokenizer, stop_ids, logprobs_of)
+    rng, first_iteration, elapsed = random.Random(args.seed), 1, 0.0  # rng: the prompts drawn
+    if checkpoint is None:
+        evaluate(models, eval_rows, eval_ids, terms, scores_of, amp, writer, 0, args)
+    else:  # actor and critic, AdamW, every random stream, the KL coefficient, and where the loop was
+        loop = load_checkpoint(checkpoint, trained, optimizer)
+        first_iteration, elapsed, kl_coef = loop["step"] + 1, loop["elapsed"], loop["kl_coef"]
+        rng.setstate(loop["rng"])
+    preemption = Preemption()
+    start_time = time.time() - elapsed  # the speeds count the time before a resume
+    for iteration in range(first_iteration, args.num_iterations + 1):
+        lr = get_lr(iteration - 1, args.lr, 0, args.num_iterations, "linear") if args.anneal_lr else args.lr
+        optimizer.param_groups[0]["lr"] = lr
+        # ---- 1. rollout: sample this rank's share of the prompts, then score every token with the four models --
+        actor.eval(), critic.eval()
+        chosen = rng.sample(range(len(train_ids)), args.batch_size)[rank * per_rank : (rank + 1) * per_rank]
+        with torch.no_grad(), amp():
+            with lag:  # --rollout-lag K: sampled with the weights of K iterations before
+                sampled = generate_in_chunks(raw_actor, [train_ids[i] for i in chosen], tokenizer.pad_token_id,
+                                             stop_ids, args.response_length, args.temperature,
+                                             args.generation_batch_size)
+            batch = score_rollout(models, [train_rows[i] for i in chosen], sampled, scores_of, terms.names, args)
+            # ---- 2. advantages: per-token rewards with the KL penalty, GAE, whitened over the batch (all ranks) --
+            rewards, non_score = shaped_rewards(batch.logprobs, batch.ref_logprobs, batch.scores.nan_to_num(0.0),
+                                                batch.mask, kl_coef)
+            advantages, returns = masked_gae(rewards, batch.values, batch.train_mask, args.gamma, args.lam)
+            advantages = masked_whiten(advantages, batch.train_mask)  # over the whole batch, all ranks together
+
+        # ---- 3. update: several epochs of shuffled minibatches, each in micro-batches ---------------------
+        actor.train(), critic.train()
+        stats = {k: [] for k in ("pg_loss", "vf_loss", "approx_kl", "clipfrac", "ratio", "entropy")}  # micro-batch parts
+        for epoch in range(args.ppo_epochs):
+            # the rollout's prompts are already in random order: epoch 0 takes them as they come, so its
+            # first minibatch is exactly the rollout's first chunk; later epochs reshuffle
+            order = torch.randperm(per_rank, device=device) if epoch > 0 else torch.arange(per_rank, device=device)
+            for start in range(0, per_rank, mini_per_rank):  # each rank takes its share of every minibatch
+                mb = order[start : start + mini_per_rank]
+                # the losses: means over these (1 where every response of the minibatch is unscored: loss 0)
+                num_tokens = max(1.0, all_reduce_sum({"tokens": batch.train_mask[mb].sum()}, device)["tokens"])
+                for micro in range(0, mini_per_rank, micro_size):
+                    idx = mb[micro : micro + micro_size]
+                    for model in (actor, critic):  # once per step, with the last micro-batch
+                        gradient_sync(model, micro + micro_size == mini_per_rank)
+                    with amp():
+                        new_logprobs, new_entropy = policy_logprobs(actor, batch.sequences[idx], batch.attention_mask[idx],
+                                                                    batch.context_length, args.temperature)
+                        new_values = critic(batch.sequences[idx], batch.attention_mask[idx])[:, batch.context_length - 1 : -1]
+                    pg_loss, ratio = policy_loss(new_logprobs, batch.logprobs[idx], advantages[idx], batch.train_mask[idx],
+                                                 args.cliprange, num_tokens,
+                                                 None if batch.is_weights is None else batch.is_weights[idx])
+                    vf_loss = masked_value_loss(new_values, batch.values[idx], returns[idx], batch.train_mask[idx],
+                                                args.cliprange_value, num_tokens)
+                    # DDP and FSDP average the ranks' gradients; × world_size turns that into the minibatch's sum
+                    ((pg_loss + args.vf_coef * vf_loss) * world_size).backward()
+                    accumulate_ppo_stats(stats, pg_loss, vf_loss, ratio, new_logprobs - batch.logprobs[idx], new_entropy,
+                                         batch.train_mask[idx], num_tokens, epoch == start == micro == 0, args.cliprange)
+                grad_norm = torch.nn.utils.clip_grad_norm_(list(actor.parameters()) + list(critic.parameters()),
+                                                           args.max_grad_norm)
+                check_finite(iteration, loss=pg_loss + args.vf_coef * vf_loss, grad_norm=grad_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)  # no gradients held through the next rollout
+
+        # ---- 4. log, and the KL controller: statistics of the whole batch, sums added up over the ranks -----
+        kl = log_ppo_iteration(writer, iteration, batch, stats, non_score, returns, kl_coef, lr, start_time, args)
+        if args.kl_target is not None:
+            kl_coef = adaptive_kl_coef(kl_coef, kl, args.kl_target, args.kl_horizon, args.batch_size)
+        if iteration % args.eval_every == 0 or iteration == args.num_iterations:
+            evaluate(models, eval_rows, eval_ids, terms, scores_of, amp, writer, iteration, args)
+
+        # ---- checkpoint: every --save-every iterations, and at SIGTERM, which then ends the run (exit code 0) --
+        sigterm = bool(all_reduce_sum({"sigterm": preemption.received}, device)["sigterm"])  # on any rank
+        if sigterm or (args.save_every and iteration % args.save_every == 0):
+            save_checkpoint(run_dir, iteration, trained, optimizer, args,
+                            {"rng": rng.getstate(), "kl_coef": kl_coef, "elapsed": time.time() - start_time}, sigterm)
+        if sigterm:
+            return writer.close()
+
+    save_model(raw_actor, tokenizer, args, args.output_dir, save_dtype)
+    print(f"saved to {args.output_dir} after {time.time() - start_time:.0f} s")
+    writer.close()
+
+
+@dataclass
+class Rollout:
+    """B responses and what the four models made of them; token tensors are [B, response_length]."""
+    sequences: torch.Tensor  # prompt and response token ids, [B, context_length + response_length]
+    attention_mask: torch.Tensor
+    context_length: int  # the prompts' padded width: responses start at this column
+    mask: torch.Tensor  # 1.0 on response tokens up to and including the stop token
+    train_mask: torch.Tensor  # the tokens with a loss: not those of a response no reward function scores
+    logprobs: torch.Tensor  # log π_old of each response token
+    entropy: torch.Tensor
+    ref_logprobs: torch.Tensor  # log π_ref
+    values: torch.Tensor  # V(s_t): the critic's value at the position that predicts response token t
+    scores: torch.Tensor  # [B]: the score of each response (NaN where no reward function scores it)
+    table: torch.Tensor  # [B, K]: each term of the score, NaN where it does not apply
+    names: list  # the table's columns
+    has_stop: torch.Tensor  # [B]: the response ended with a stop token
+    mismatch: tuple  # the sampler's distance from π_old (sampler_mismatch)
+    is_weights: torch.Tensor | None  # the sampler correction's weights; None without --vllm-importance-sampling-correction
+
+
+def score_rollout(models, rows, sampled, scores_of, names, args):
+    """Every token of the sampled responses scored by the four models: π_old's log-probs and entropy, π_ref's
+    log-probs, the critic's values, and the score of each response; and the sampler's distance from π_old with
+    the weights that correct for it. In chunks of the update's micro-batches, so that they compute exactly what
+    the update will."""
+    actor, _, critic, ref, _, _, logprobs_of = models
+    sequences, attention_mask, context_length, mask, sampler_logprobs = sampled
+    mask = mask.float()
+    logprobs, entropy = logprobs_of(actor, sequences, attention_mask, context_length)
+    ref_logprobs, _ = logprobs_of(ref, sequences, attention_mask, context_length)
+    values = forward_in_chunks(lambda s, a: critic(s, a)[:, context_length - 1 : -1], micro_batch_size(args),
+                               sequences, attention_mask)
+    scores, table, _, has_stop = scores_of(rows, sequences, attention_mask, context_length, mask)
+    # a response no reward function scores (NaN) has no loss: advantage 0, as TRL 1.16 gives it in GRPO
+    train_mask = mask * ~scores.isnan().unsqueeze(1)
+    return Rollout(sequences, attention_mask, context_length, mask, train_mask, logprobs, entropy, ref_logprobs,
+                   values, scores, table, names, has_stop, *sampler_correction(logprobs, sampler_logprobs, mask, args))
+
+
+def sampler_correction(old_logprobs, sampler_logprobs, mask, args):
+    """How far the sampler is from π_old (sampler_mismatch, for the rollout/ tags) and, with
+    --vllm-importance-sampling-correction, the weight of each token that corrects for it
+    (sampler_importance_weights; None without)."""
+    mismatch = sampler_mismatch(old_logprobs, sampler_logprobs, mask, args.vllm_importance_sampling_clip_max or 3.0)
+    if not args.vllm_importance_sampling_correction:
+        return mismatch, None
+    return mismatch, sampler_importance_weights(old_logprobs, sampler_logprobs, mask,
+                                                args.vllm_importance_sampling_mode,
+                                                args.vllm_importance_sampling_clip_min,
+                                                args.vllm_importance_sampling_clip_max)
+
+
+@dataclass
+class RewardTerms:
+    """What a completion's reward is made of: the reward functions (name, fn) and the reward model (or None),
+    their weights, and the name of each term (the reward model's "reward_model")."""
+    functions: list
+    weights: tuple
+    reward: torch.nn.Module | None
+    names: list
+
+
+def completion_rewards(rows, sequences, attention_mask, context_length, response_mask, terms, tokenizer, stop_ids,
+                       args):
+    """The reward of each completion, r = Σ_k w_k r_k over the reward functions and the reward model's score
+    (combine_rewards), or --missing-eos-penalty for a completion with no stop
+    token: an unfinished answer is not scored. Returns (rewards, the [B, K] table of the terms, completions as
+    text, has_stop)."""
+    prompts = [row["prompt"] for row in rows]
+    # the text up to the stop token: the stop token and the padding after it are special tokens
+    completions = tokenizer.batch_decode(sequences[:, context_length:], skip_special_tokens=True)
+    as_passed = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c  # as TRL passes them
+                 for p, c in zip(prompts, completions)]
+    table = reward_terms(terms.functions, prompts, as_passed, reward_columns(rows)).to(sequences.device)
+    if terms.reward is not None:
+        scores, _ = forward_in_chunks(
+            lambda s, a, m: response_scores(terms.reward, s, a, m, stop_ids, args.missing_eos_penalty),
+            micro_batch_size(args), sequences, attention_mask, response_mask)
+        table = torch.cat([table, scores.float()[:, None]], 1)
+    responses = sequences[:, context_length:]
+    has_stop = (torch.isin(responses, torch.tensor(stop_ids, device=sequences.device)) & response_mask.bool()).any(1)
+    rewards = combine_rewards(table, terms.weights)
+    rewards = torch.where(has_stop, rewards, torch.full_like(rewards, args.missing_eos_penalty))
+    return rewards, table, completions, has_stop
+
+
+@torch.no_grad()
+def accumulate_ppo_stats(stats, pg_loss, vf_loss, ratio, log_ratio, entropy, mask, num_tokens, first, cliprange):
+    """Appends a micro-batch's losses and statistics to `stats` (log_ratio: log π_θ − log π_old), kept on the device
+    and read once after the update (no waiting inside a step); at the first micro-batch of an iteration, before any
+    step, the ratio's largest distance from 1 (it must be exactly 0)."""
+    stats["pg_loss"].append(pg_loss.detach())
+    stats["vf_loss"].append(vf_loss.detach())
+    stats["approx_kl"].append(masked_mean(0.5 * log_ratio ** 2, mask, num_tokens))
+    stats["clipfrac"].append(masked_mean(((ratio - 1).abs() > cliprange).float(), mask, num_tokens))
+    stats["ratio"].append(masked_mean(ratio, mask, num_tokens))
+    stats["entropy"].append(masked_mean(entropy, mask, num_tokens))
+    if first:
+        stats["first_ratio_max_error"] = (ratio - 1).abs().max()
+
+
+def log_ppo_iteration(writer, iteration, batch, stats, non_score, returns, kl_coef, lr, start_time, args):
+    """An iteration's statistics of the whole batch, each rank's sums added up over the ranks, to TensorBoard
+    (docs/tags.md), and a line every 10 iterations. Returns the batch's KL to the reference (k1), which the
+    adaptive KL controller reads."""
+    first_ratio_error, logprob_diff_max = stats.pop("first_ratio_max_error"), batch.mismatch[1]
+    mask, mismatch, device = batch.mask, batch.mismatch, batch.mask.device
+    stats = {name: torch.stack(parts).tolist() for name, parts in stats.items()}
+    valid, residual = mask.bool(), (returns - batch.values).double()
+    r = returns.double()[valid]
+    k1, k3 = kl_estimators(batch.logprobs, batch.ref_logprobs, mask)
+    corrected = {} if batch.is_weights is None else {"is_weight": (batch.is_weights * mask).sum(),
+                                                     "is_masked": ((batch.is_weights == 0) * mask).sum()}
+    sums = all_reduce_sum({"score": batch.scores.nansum(), "scored": (~batch.scores.isnan()).sum(),
+                           "logprob_diff": mismatch[0], "kl_k3_sampler": mismatch[2], "outside": mismatch[3],
+                           **corrected, "k1": k1.sum(), "k3": k3.sum(), "rollout_entropy": (batch.entropy * mask).sum(),
+                           "non_score": non_score.sum(), "eos": batch.has_stop.sum(), "tokens": valid.sum(),
+                           "r": r.sum(), "rr": (r * r).sum(), "e": residual[valid].sum(),
+                           "ee": (residual[valid] ** 2).sum(),
+                           **{name: sum(parts) for name, parts in stats.items()},
+                           **term_sums(batch.table, batch.names, "rewards/")}, device)
+    B, num_minibatches = args.batch_size, args.ppo_epochs * args.batch_size // args.mini_batch_size
+    n = sums["tokens"]  # Var(R) and Var(R − V) over the valid tokens, both × (n − 1), which cancels
+    var_returns, var_residual = sums["rr"] - sums["r"] ** 2 / n, sums["ee"] - sums["e"] ** 2 / n
+    if dist.is_initialized():
+        dist.all_reduce(first_ratio_error, op=dist.ReduceOp.MAX)  # the largest on any rank
+        dist.all_reduce(logprob_diff_max, op=dist.ReduceOp.MAX)
+    mean_score = sums["score"] / max(1, sums["scored"])  # over the scored responses
+    logs = {
+        "objective/reward": mean_score, "objective/kl": sums["k1"] / B, "objective/kl_k3": sums["k3"] / B,
+        "objective/entropy": sums["rollout_entropy"] / B, "objective/non_score_reward": sums["non_score"] / B,
+        "objective/rlhf_reward": mean_score + sums["non_score"] / B,
+        # each of these: the sum of its micro-batch parts per minibatch, the mean over minibatches
+        "policy/approx_kl": sums["approx_kl"] / num_minibatches, "policy/clipfrac": sums["clipfrac"] / num_minibatches,
+        "policy/ratio_mean": sums["ratio"] / num_minibatches, "policy/entropy": sums["entropy"] / num_minibatches,
+        "policy/first_ratio_max_error": first_ratio_error,
+        "losses/policy_loss": sums["pg_loss"] / num_minibatches, "losses/value_loss": sums["vf_loss"] / num_minibatches,
+        # 1 − Var(R − V) / Var(R) over the valid tokens (undefined when every return is the same)
+        "val/explained_variance": 1 - var_residual / var_returns if var_returns > 0 else float("nan"),
+        "val/num_eos": sums["eos"],
+        "charts/kl_coef": kl_coef, "charts/learning_rate": lr,
+        "charts/episodes_per_second": iteration * B / (time.time() - start_time),
+        # the sampler against π_old (sampler_mismatch), over the rollout's tokens
+        "rollout/logprob_diff_mean": sums["logprob_diff"] / n, "rollout/logprob_diff_max": logprob_diff_max,
+        "rollout/kl_k3": sums["kl_k3_sampler"] / n, "rollout/ratio_outside_fraction": sums["outside"] / n,
+    }
+    if batch.is_weights is not None:  # the correction's weights: their mean, and the tokens they leave out (weight 0)
+        logs["rollout/is_weight_mean"] = sums["is_weight"] / n
+        logs["rollout/is_masked_fraction"] = sums["is_masked"] / n
+    for name in batch.names:  # each term of the score, over the responses it applies to (the reward model's: score)
+        if sums[f"rewards/{name}/n"] > 0:
+            tag = "objective/score" if name == "reward_model" else f"rewards/{name}"
+            logs[tag] = sums[f"rewards/{name}"] / sums[f"rewards/{name}/n"]
+    for tag, value in logs.items():
+        writer.add_scalar(tag, float(value), iteration)
+    if iteration % 10 == 0:
+        print(f"iteration {iteration}: reward {logs['objective/reward']:.3f}, kl {logs['objective/kl']:.3f}, "
+              f"eos {sums['eos'] / B:.2f}, {time.time() - start_time:.0f} s")
+    return logs["objective/kl"]
+
+
+def term_sums(table, names, prefix, w=None):
+    """{prefix + name: Σ value, prefix + name + "/n": count} of each reward term over the completions it
+    applies to (weighted by w), to be summed over the ranks; the term's mean is their ratio."""
+    w = torch.ones(len(table), device=table.device) if w is None else w
+    applies = ~table.isnan()
+    sums = {f"{prefix}{name}": (table[:, k].nan_to_num() * w).sum() for k, name in enumerate(names)}
+    return {**sums, **{f"{prefix}{name}/n": (applies[:, k] * w).sum() for k, name in enumerate(names)}}
+
+
+@torch.no_grad()
+def evaluate(models, eval_rows, eval_ids, terms, scores_of, amp, writer, iteration, args):
+    """Responses to the eval prompts at --temperature: their score and each of its terms, their KL to the
+    reference (Σ_t log π_θ − log π_ref over a response) and, on the built-in task, their gold reward. Each rank
+    evaluates its shard of the prompts; the sums are added up over the ranks."""
+    actor, raw_actor, _, ref, tokenizer, stop_ids, logprobs_of = models
+    if not eval_ids:
+        return
+    actor.eval()
+    mine, weights = shard(list(range(len(eval_ids))), *rank_and_world_size())
+    rows = [eval_rows[j] for j in mine]
+    with amp():
+        sequences, attention_mask, context_length, response_mask, _ = generate_in_chunks(
+            raw_actor, [eval_ids[j] for j in mine], tokenizer.pad_token_id, stop_ids, args.response_length,
+            args.temperature, args.generation_batch_size)
+        logprobs, _ = logprobs_of(actor, sequences, attention_mask, context_length)
+        ref_logprobs, _ = logprobs_of(ref, sequences, attention_mask, context_length)
+        scores, table, completions, _ = scores_of(rows, sequences, attention_mask, context_length, response_mask)
+    device = sequences.device
+    w = torch.tensor(weights, device=device, dtype=torch.float)
+    sums = {"kl": (((logprobs - ref_logprobs) * response_mask).sum(1) * w).sum(), "reward": (scores * w).nansum(),
+            "n": w.sum(), "scored": (w * ~scores.isnan()).sum(), **term_sums(table, terms.names, "rewards/", w)}
+    if args.dataset_name is None:  # the built-in task: exactly the target, and the gold score
+        targets = [row["target"] for row in rows]
+        sums["correct"] = sum(v * (c == t) for c, t, v in zip(completions, targets, weights))
+        sums["gold"] = sum(v * gold_score(c, t) for c, t, v in zip(completions, targets, weights))
+    sums = all_reduce_sum(sums, device)
+    line = f"iteration {iteration}:"
+    for tag, name in (("eval/reward", "reward"), ("eval/kl", "kl"), ("eval/gold_accuracy", "correct"),
+                      ("eval/gold_score", "gold")):
+        if name in sums:  # eval/reward: over the scored responses (an unscored one's score is NaN)
+            value = sums[name] / sums["scored" if name == "reward" else "n"]
+            writer.add_scalar(tag, value, iteration)
+            line += f" {tag} {value:.3f}"
+    for name in terms.names:  # each term's mean over the completions it applies to (the reward model's: eval/score)
+        if sums[f"rewards/{name}/n"] > 0:
+            tag = "eval/score" if name == "reward_model" else f"eval/rewards/{name}"
+            writer.add_scalar(tag, sums[f"rewards/{name}"] / sums[f"rewards/{name}/n"], iteration)
+            line += f" {tag} {sums[f'rewards/{name}'] / sums[f'rewards/{name}/n']:.3f}"
+    writer.add_text("eval/samples", samples_markdown([row["prompt"] for row in rows], completions, scores, table,
+                                                     terms.names), iteration)
+    print(line)
+    actor.train()
+
+
+def load_models(args, reward_model_path, device):
+    """(tokenizer, stop_ids, raw actor, actor as trained, reference, reward model or None, raw critic, critic as
+    trained): the four models of RLHF (three without a reward model). The trained ones in float32 (master weights)
+    whatever the checkpoints' dtype, the reference as the actor (so that they agree exactly before the first
+    update), the reward model in the dtype it computes in; dropout off in all (log-probs, values and scores must
+    not be random). Each model loaded, then placed (on the device, whole or sharded) before the next: rank 0 holds
+    one whole model at a time. The trained actor and critic are data-parallel; the frozen ones whole on every rank,
+    or sharded."""
     tokenizer = load_tokenizer(args.model_name_or_path, "run `python sft.py` first or pass a path")
     if reward_model_path is not None:
         reward_tokenizer = load_tokenizer(reward_model_path, "run `python reward_model.py` first or pass a path")
     stop_ids = stop_token_ids(tokenizer)
-    save_dtype = save_dtype_of(args, args.model_name_or_path)
     critic_path = reward_model_path or args.model_name_or_path  # the reward model, or the SFT model with a new head
     if reward_model_path is not None:
         check_same_vocabulary(tokenizer, reward_tokenizer, stop_ids,
                               f"the reward model {reward_model_path!r} has another tokenizer than the SFT model "
                               f"{args.model_name_or_path!r}; train it from the SFT model with reward_model.py")
-    # Each model loaded, then placed (on the device, whole or sharded) before the next: rank 0 holds one whole model
-    # at a time. The trained actor and critic are data-parallel; the frozen ones whole on every rank, or sharded.
     lm_config, critic_config = load_config(args.model_name_or_path, "lm"), load_config(critic_path, "score")
     raw_actor = load_no_dropout(args.model_name_or_path, "lm", base_dtype(args), lm_config)  # π_θ (raw: sample, save)
     prepare_models(tokenizer, stop_ids, [raw_actor])
@@ -503,271 +836,7 @@ def main(args: Args):
     if args.compile:
         compile_blocks(raw_actor)
         compile_blocks(raw_critic)
-
-    train_rows, train_ids = tokenize_prompts(tokenizer, train_rows, args.max_prompt_length, "train")
-    if len(train_ids) < args.batch_size:
-        sys.exit(f"error: {len(train_ids)} training prompts fit --max-prompt-length, fewer than --batch-size {args.batch_size}")
-    eval_rows, eval_ids = tokenize_prompts(tokenizer, eval_rows, args.max_prompt_length, "eval")
-    positions, longest = model_positions(raw_actor), max(len(ids) for ids in train_ids + eval_ids)
-    if positions is not None and longest + args.response_length > positions:
-        sys.exit(f"error: the longest prompt ({longest} tokens) + --response-length {args.response_length} exceeds the "
-                 f"model's {positions} positions; lower --max-prompt-length or --response-length")
-    check_kv_cache(raw_actor, min(args.generation_batch_size, max(per_rank, -(-len(eval_ids) // world_size))),
-                   longest + args.response_length, device, args.bf16)
-
-    trained = torch.nn.ModuleList([actor, critic])  # what a checkpoint saves
-    # on CUDA AdamW's fused kernel (one launch for every tensor, TRL's default); on the CPU torch's default
-    optimizer = torch.optim.AdamW([p for p in trained.parameters() if p.requires_grad], lr=args.lr,
-                                  fused=True if device.type == "cuda" else None)
-    choose_head(device, args.fsdp, micro_size, longest + args.response_length,
-                raw_actor.get_output_embeddings().weight.shape[0])
-    # --rollout-lag K: the actor's weights of the last K iterations, oldest first; a rollout samples with the oldest
-    # (with LoRA only the adapters change; under FSDP each rank keeps its shards)
-    trained_now = [p for p in raw_actor.parameters() if p.requires_grad]
-    lagged = [[p.detach().clone() for p in trained_now] for _ in range(args.rollout_lag)]
-    print(f"actor and critic: {parameter_count(raw_actor, raw_critic)}; "
-          f"{3 + (reward is not None) - (ref is None)} model(s) in memory")
-    kl_coef = args.kl_coef
-    writer = make_writer(args, rank, run_dir, checkpoint["step"] if checkpoint else 0)
-
-    names = [name for name, _ in functions] + (["reward_model"] if reward is not None else [])  # the score's terms
-
-    def scores_of(rows, sequences, attention_mask, context_length, response_mask):
-        """The score of each response, Σ_k w_k r_k over the reward functions and the reward model's score
-        (combine_rewards), or --missing-eos-penalty for a response with no stop token: an unfinished answer is
-        not scored. Returns (scores, the [B, K] table of the terms, responses as text, has_stop)."""
-        prompts = [row["prompt"] for row in rows]
-        # the text up to the stop token: the stop token and the padding after it are special tokens
-        completions = tokenizer.batch_decode(sequences[:, context_length:], skip_special_tokens=True)
-        as_passed = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c  # as TRL passes them
-                     for p, c in zip(prompts, completions)]
-        table = reward_terms(functions, prompts, as_passed, reward_columns(rows)).to(device)
-        if reward is not None:
-            scores, _ = forward_in_chunks(
-                lambda s, a, m: response_scores(reward, s, a, m, stop_ids, args.missing_eos_penalty), micro_size,
-                sequences, attention_mask, response_mask)
-            table = torch.cat([table, scores.float()[:, None]], 1)
-        responses = sequences[:, context_length:]
-        has_stop = (torch.isin(responses, torch.tensor(stop_ids, device=device)) & response_mask.bool()).any(1)
-        scores = combine_rewards(table, weights)
-        scores = torch.where(has_stop, scores, torch.full_like(scores, args.missing_eos_penalty))
-        return scores, table, completions, has_stop
-
-    def term_sums(table, prefix, w=None):
-        """{prefix + name: Σ value, prefix + name + "/n": count} of each reward term over the completions it
-        applies to (weighted by w), to be summed over the ranks; the term's mean is their ratio."""
-        w = torch.ones(len(table), device=table.device) if w is None else w
-        applies = ~table.isnan()
-        sums = {f"{prefix}{name}": (table[:, k].nan_to_num() * w).sum() for k, name in enumerate(names)}
-        return {**sums, **{f"{prefix}{name}/n": (applies[:, k] * w).sum() for k, name in enumerate(names)}}
-
-    def logprobs_of(model, sequences, attention_mask, context_length):
-        """(log π(a_t | s_t), entropy) of every response token, a micro-batch at a time (what fits with gradients
-        fits without): in a rollout these are exactly the update's chunks, so the first ratio is exactly 1."""
-        return forward_in_chunks(lambda s, a: policy_logprobs(model, s, a, context_length, args.temperature),
-                                 micro_size, sequences, attention_mask)
-
-    def evaluate(iteration):
-        """Each rank evaluates its shard of the eval prompts; the sums are added up over the ranks."""
-        if not eval_ids:
-            return
-        actor.eval()
-        mine, weights = shard(list(range(len(eval_ids))), rank, world_size)
-        rows = [eval_rows[j] for j in mine]
-        with torch.no_grad(), amp():
-            sequences, attention_mask, context_length, response_mask, _ = generate_in_chunks(
-                raw_actor, [eval_ids[j] for j in mine], tokenizer.pad_token_id, stop_ids, args.response_length,
-                args.temperature, args.generation_batch_size)
-            logprobs, _ = logprobs_of(actor, sequences, attention_mask, context_length)
-            ref_logprobs, _ = logprobs_of(ref, sequences, attention_mask, context_length)
-            scores, table, completions, _ = scores_of(rows, sequences, attention_mask, context_length, response_mask)
-        w = torch.tensor(weights, device=device, dtype=torch.float)
-        sums = {"kl": (((logprobs - ref_logprobs) * response_mask).sum(1) * w).sum(), "reward": (scores * w).nansum(),
-                "n": w.sum(), "scored": (w * ~scores.isnan()).sum(), **term_sums(table, "rewards/", w)}
-        if args.dataset_name is None:  # the built-in task: exactly the target, and the gold score
-            targets = [row["target"] for row in rows]
-            sums["correct"] = sum(v * (c == t) for c, t, v in zip(completions, targets, weights))
-            sums["gold"] = sum(v * gold_score(c, t) for c, t, v in zip(completions, targets, weights))
-        sums = all_reduce_sum(sums, device)
-        line = f"iteration {iteration}:"
-        for tag, name in (("eval/reward", "reward"), ("eval/kl", "kl"), ("eval/gold_accuracy", "correct"),
-                          ("eval/gold_score", "gold")):
-            if name in sums:  # eval/reward: over the scored responses (an unscored one's score is NaN)
-                value = sums[name] / sums["scored" if name == "reward" else "n"]
-                writer.add_scalar(tag, value, iteration)
-                line += f" {tag} {value:.3f}"
-        for name in names:  # each term's mean over the completions it applies to (the reward model's: eval/score)
-            if sums[f"rewards/{name}/n"] > 0:
-                tag = "eval/score" if name == "reward_model" and reward is not None else f"eval/rewards/{name}"
-                writer.add_scalar(tag, sums[f"rewards/{name}"] / sums[f"rewards/{name}/n"], iteration)
-                line += f" {tag} {sums[f'rewards/{name}'] / sums[f'rewards/{name}/n']:.3f}"
-        writer.add_text("eval/samples", samples_markdown([row["prompt"] for row in rows], completions, scores, table,
-                                                         names), iteration)
-        print(line)
-        actor.train()
-
-    rng, first_iteration, elapsed = random.Random(args.seed), 1, 0.0  # rng: the prompts drawn
-    if checkpoint is None:
-        evaluate(0)  # the SFT model, before any update
-    else:  # actor and critic, AdamW, every random stream, the KL coefficient, and where the loop was
-        loop = load_checkpoint(checkpoint, trained, optimizer)
-        first_iteration, elapsed, kl_coef = loop["step"] + 1, loop["elapsed"], loop["kl_coef"]
-        rng.setstate(loop["rng"])
-    preemption = Preemption()
-    start_time = time.time() - elapsed  # the speeds count the time before a resume
-    for iteration in range(first_iteration, args.num_iterations + 1):
-        lr = get_lr(iteration - 1, args.lr, 0, args.num_iterations, "linear") if args.anneal_lr else args.lr
-        optimizer.param_groups[0]["lr"] = lr
-        # ---- rollout: sample, then score every token with the four models --------------------------
-        actor.eval(), critic.eval()
-        chosen = rng.sample(range(len(train_ids)), args.batch_size)[rank * per_rank : (rank + 1) * per_rank]  # its share
-        prompt_ids, rows = [train_ids[i] for i in chosen], [train_rows[i] for i in chosen]
-        with torch.no_grad(), amp():
-            if lagged:  # the sampler: the weights of K iterations before (in the first K iterations, the start's)
-                swap_weights(trained_now, lagged[0])
-            sequences, attention_mask, context_length, mask, sampler_logprobs = generate_in_chunks(
-                raw_actor, prompt_ids, tokenizer.pad_token_id, stop_ids, args.response_length, args.temperature,
-                args.generation_batch_size)
-            if lagged:  # the current weights back; they become the newest of the K, in the oldest's memory
-                swap_weights(trained_now, lagged[0])
-                lagged.append(lagged.pop(0))
-                for p, w in zip(trained_now, lagged[-1]):
-                    w.copy_(p)
-            mask = mask.float()
-            # in chunks of the update's micro-batches, so that they compute exactly what the update will
-            logprobs, entropy = logprobs_of(actor, sequences, attention_mask, context_length)
-            ref_logprobs, _ = logprobs_of(ref, sequences, attention_mask, context_length)
-            # V(s_t): the critic's value at the position that predicts response token t
-            values = forward_in_chunks(lambda s, a: critic(s, a)[:, context_length - 1 : -1], micro_size,
-                                       sequences, attention_mask)
-            scores, table, _, has_eos = scores_of(rows, sequences, attention_mask, context_length, mask)
-
-            # a response no reward function scores (NaN) has no loss: advantage 0, as TRL 1.16 gives it in GRPO
-            train_mask = mask * ~scores.isnan().unsqueeze(1)
-            rewards, non_score = shaped_rewards(logprobs, ref_logprobs, scores.nan_to_num(0.0), mask, kl_coef)
-            advantages, returns = masked_gae(rewards, values, train_mask, args.gamma, args.lam)
-            advantages = masked_whiten(advantages, train_mask)  # over the whole batch, all ranks together
-            k1, k3 = kl_estimators(logprobs, ref_logprobs, mask)
-            # how far the sampler is from π_old, and the weight of each token that corrects for it
-            mismatch = sampler_mismatch(logprobs, sampler_logprobs, mask, args.vllm_importance_sampling_clip_max or 3.0)
-            is_weights = None
-            if args.vllm_importance_sampling_correction:
-                is_weights = sampler_importance_weights(logprobs, sampler_logprobs, mask,
-                                                        args.vllm_importance_sampling_mode,
-                                                        args.vllm_importance_sampling_clip_min,
-                                                        args.vllm_importance_sampling_clip_max)
-
-        # ---- update: several epochs of shuffled minibatches ----------------------------------------
-        actor.train(), critic.train()
-        stats = {k: [] for k in ("pg_loss", "vf_loss", "approx_kl", "clipfrac", "ratio", "entropy")}  # micro-batch parts
-        for epoch in range(args.ppo_epochs):
-            # the rollout's prompts are already in random order: epoch 0 takes them as they come, so its
-            # first minibatch is exactly the rollout's first chunk; later epochs reshuffle
-            order = torch.randperm(per_rank, device=device) if epoch > 0 else torch.arange(per_rank, device=device)
-            for start in range(0, per_rank, mini_per_rank):  # each rank takes its share of every minibatch
-                mb = order[start : start + mini_per_rank]
-                # the losses: means over these (1 where every response of the minibatch is unscored: loss 0)
-                num_tokens = max(1.0, all_reduce_sum({"tokens": train_mask[mb].sum()}, device)["tokens"])
-                for micro in range(0, mini_per_rank, micro_size):
-                    idx = mb[micro : micro + micro_size]
-                    for model in (actor, critic):  # once per step, with the last micro-batch
-                        gradient_sync(model, micro + micro_size == mini_per_rank)
-                    with amp():
-                        new_logprobs, new_entropy = policy_logprobs(actor, sequences[idx], attention_mask[idx],
-                                                                    context_length, args.temperature)
-                        new_values = critic(sequences[idx], attention_mask[idx])[:, context_length - 1 : -1]
-                    pg_loss, ratio = policy_loss(new_logprobs, logprobs[idx], advantages[idx], train_mask[idx],
-                                                 args.cliprange, num_tokens, None if is_weights is None else is_weights[idx])
-                    vf_loss = masked_value_loss(new_values, values[idx], returns[idx], train_mask[idx],
-                                                args.cliprange_value, num_tokens)
-                    # DDP and FSDP average the ranks' gradients; × world_size turns that into the minibatch's sum
-                    ((pg_loss + args.vf_coef * vf_loss) * world_size).backward()
-                    with torch.no_grad():  # kept on the device, read once after the loop: no waiting inside a step
-                        m = train_mask[idx]
-                        stats["pg_loss"].append(pg_loss.detach())
-                        stats["vf_loss"].append(vf_loss.detach())
-                        stats["approx_kl"].append(masked_mean(0.5 * (new_logprobs - logprobs[idx]) ** 2, m, num_tokens))
-                        clipped = ((ratio - 1).abs() > args.cliprange).float()
-                        stats["clipfrac"].append(masked_mean(clipped, m, num_tokens))
-                        stats["ratio"].append(masked_mean(ratio, m, num_tokens))
-                        stats["entropy"].append(masked_mean(new_entropy, m, num_tokens))
-                        if epoch == 0 and start == 0 and micro == 0:  # before any step, the ratio must be exactly 1
-                            first_ratio_error = (ratio - 1).abs().max()
-                grad_norm = torch.nn.utils.clip_grad_norm_(list(actor.parameters()) + list(critic.parameters()),
-                                                           args.max_grad_norm)
-                check_finite(iteration, loss=pg_loss + args.vf_coef * vf_loss, grad_norm=grad_norm)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)  # no gradients held through the next rollout
-
-        # ---- log, and the KL controller: statistics of the whole batch, sums added up over the ranks -----
-        stats = {name: torch.stack(parts).tolist() for name, parts in stats.items()}
-        valid, residual = mask.bool(), (returns - values).double()
-        r = returns.double()[valid]
-        corrected = {} if is_weights is None else {"is_weight": (is_weights * mask).sum(),
-                                                   "is_masked": ((is_weights == 0) * mask).sum()}
-        sums = all_reduce_sum({"score": scores.nansum(), "scored": (~scores.isnan()).sum(),
-                               "logprob_diff": mismatch[0], "kl_k3_sampler": mismatch[2], "outside": mismatch[3],
-                               **corrected, "k1": k1.sum(), "k3": k3.sum(), "rollout_entropy": (entropy * mask).sum(),
-                               "non_score": non_score.sum(), "eos": has_eos.sum(), "tokens": valid.sum(),
-                               "r": r.sum(), "rr": (r * r).sum(), "e": residual[valid].sum(),
-                               "ee": (residual[valid] ** 2).sum(),
-                               **{name: sum(parts) for name, parts in stats.items()}, **term_sums(table, "rewards/")},
-                              device)
-        B, num_minibatches = args.batch_size, args.ppo_epochs * args.batch_size // args.mini_batch_size
-        n = sums["tokens"]  # Var(R) and Var(R − V) over the valid tokens, both × (n − 1), which cancels
-        var_returns, var_residual = sums["rr"] - sums["r"] ** 2 / n, sums["ee"] - sums["e"] ** 2 / n
-        logprob_diff_max = mismatch[1]
-        if dist.is_initialized():
-            dist.all_reduce(first_ratio_error, op=dist.ReduceOp.MAX)  # the largest on any rank
-            dist.all_reduce(logprob_diff_max, op=dist.ReduceOp.MAX)
-        mean_score = sums["score"] / max(1, sums["scored"])  # over the scored responses
-        logs = {
-            "objective/reward": mean_score, "objective/kl": sums["k1"] / B, "objective/kl_k3": sums["k3"] / B,
-            "objective/entropy": sums["rollout_entropy"] / B, "objective/non_score_reward": sums["non_score"] / B,
-            "objective/rlhf_reward": mean_score + sums["non_score"] / B,
-            # each of these: the sum of its micro-batch parts per minibatch, the mean over minibatches
-            "policy/approx_kl": sums["approx_kl"] / num_minibatches, "policy/clipfrac": sums["clipfrac"] / num_minibatches,
-            "policy/ratio_mean": sums["ratio"] / num_minibatches, "policy/entropy": sums["entropy"] / num_minibatches,
-            "policy/first_ratio_max_error": first_ratio_error,
-            "losses/policy_loss": sums["pg_loss"] / num_minibatches, "losses/value_loss": sums["vf_loss"] / num_minibatches,
-            # 1 − Var(R − V) / Var(R) over the valid tokens (undefined when every return is the same)
-            "val/explained_variance": 1 - var_residual / var_returns if var_returns > 0 else float("nan"),
-            "val/num_eos": sums["eos"],
-            "charts/kl_coef": kl_coef, "charts/learning_rate": lr,
-            "charts/episodes_per_second": iteration * B / (time.time() - start_time),
-            # the sampler against π_old (sampler_mismatch), over the rollout's tokens
-            "rollout/logprob_diff_mean": sums["logprob_diff"] / n, "rollout/logprob_diff_max": logprob_diff_max,
-            "rollout/kl_k3": sums["kl_k3_sampler"] / n, "rollout/ratio_outside_fraction": sums["outside"] / n,
-        }
-        if is_weights is not None:  # the correction's weights: their mean, and the tokens they leave out (weight 0)
-            logs["rollout/is_weight_mean"] = sums["is_weight"] / n
-            logs["rollout/is_masked_fraction"] = sums["is_masked"] / n
-        for name in names:  # each term of the score, over the responses it applies to (the reward model's: score)
-            if sums[f"rewards/{name}/n"] > 0:
-                tag = "objective/score" if name == "reward_model" and reward is not None else f"rewards/{name}"
-                logs[tag] = sums[f"rewards/{name}"] / sums[f"rewards/{name}/n"]
-        for tag, value in logs.items():
-            writer.add_scalar(tag, float(value), iteration)
-        if args.kl_target is not None:
-            kl_coef = adaptive_kl_coef(kl_coef, logs["objective/kl"], args.kl_target, args.kl_horizon, B)
-        if iteration % 10 == 0:
-            print(f"iteration {iteration}: reward {logs['objective/reward']:.3f}, kl {logs['objective/kl']:.3f}, "
-                  f"eos {sums['eos'] / B:.2f}, {time.time() - start_time:.0f} s")
-        # ---- evaluate ------------------------------------------------------------------------------
-        if iteration % args.eval_every == 0 or iteration == args.num_iterations:
-            evaluate(iteration)
-
-        # ---- checkpoint: every --save-every iterations, and at SIGTERM, which then ends the run (exit code 0) --
-        sigterm = bool(all_reduce_sum({"sigterm": preemption.received}, device)["sigterm"])  # on any rank
-        if sigterm or (args.save_every and iteration % args.save_every == 0):
-            save_checkpoint(run_dir, iteration, trained, optimizer, args,
-                            {"rng": rng.getstate(), "kl_coef": kl_coef, "elapsed": time.time() - start_time}, sigterm)
-        if sigterm:
-            return writer.close()
-
-    save_model(raw_actor, tokenizer, args, args.output_dir, save_dtype)
-    print(f"saved to {args.output_dir} after {time.time() - start_time:.0f} s")
-    writer.close()
+    return tokenizer, stop_ids, raw_actor, actor, ref, reward, raw_critic, critic
 
 
 # =============================================================================================
@@ -1686,17 +1755,6 @@ def setup_distributed(cuda):
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def settle_defaults(args):
-    """The defaults that depend on where the run is, settled before any work (and logged and checkpointed as
-    settled). --bf16: on where CUDA computes and has bfloat16, as in TRL's configs (bf16 unless fp16); off on the
-    CPU, where bfloat16 products are slower than float32 on most processors. --gradient-checkpointing: on under
-    --fsdp, the runs of models whose every block's activations do not fit beside the weights."""
-    if args.bf16 is None:
-        args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    if args.gradient_checkpointing is None:
-        args.gradient_checkpointing = args.fsdp
-
-
 def autocast(device, args):
     """--bf16 as torch.autocast: matrix products in bfloat16 over float32 weights. Off under FSDP, whose
     MixedPrecisionPolicy (place_model) casts the weights themselves: autocast there would keep a bfloat16
@@ -1797,6 +1855,17 @@ def shard(items, rank, world_size):
     return mine + items[:1] * padding, [1] * len(mine) + [0] * padding
 
 
+def rank_and_world_size():
+    """(rank, world_size) of this process: (0, 1) outside torchrun."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def micro_batch_size(args):
+    """The rows of one forward pass with gradients: this rank's share of a minibatch over the accumulation steps
+    (and the chunk of every pass without gradients: what fits with gradients fits without)."""
+    return args.mini_batch_size // rank_and_world_size()[1] // args.gradient_accumulation_steps
+
+
 def all_reduce_sum(sums, device):
     """{name: number} with each number summed over the ranks (the numbers themselves in one process), in one
     all-reduce: per-rank sums and counts become global ones, read back by name."""
@@ -1865,6 +1934,44 @@ def run_directory(args, checkpoint, device):
 # ---------------------------------------------------------------------------------------------
 # Training and saving
 # ---------------------------------------------------------------------------------------------
+def settle_defaults(args):
+    """The defaults that depend on where the run is, settled before any work (and logged and checkpointed as
+    settled). --bf16: on where CUDA computes and has bfloat16, as in TRL's configs (bf16 unless fp16); off on the
+    CPU, where bfloat16 products are slower than float32 on most processors. --gradient-checkpointing: on under
+    --fsdp, the runs of models whose every block's activations do not fit beside the weights.
+    --vllm-importance-sampling-correction (the RL scripts): TRL corrects by default; here only a stale sampler
+    (--rollout-lag) needs it."""
+    if args.bf16 is None:
+        args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if args.gradient_checkpointing is None:
+        args.gradient_checkpointing = args.fsdp
+    if getattr(args, "vllm_importance_sampling_correction", False) is None:
+        args.vllm_importance_sampling_correction = args.rollout_lag > 0
+
+
+class RolloutLag:
+    """--rollout-lag K: the policy's weights of the last K iterations, oldest first, as an asynchronous trainer's
+    sampler lags behind it. `with lag:` samples with the oldest (in the first K iterations, the start's), then puts
+    the current weights back and keeps them as the newest, in the oldest's memory. K = 0: nothing happens. (With
+    LoRA only the adapters change; under FSDP each rank keeps its shards.)"""
+
+    def __init__(self, model, k):
+        self.trained = [p for p in model.parameters() if p.requires_grad]
+        self.lagged = [[p.detach().clone() for p in self.trained] for _ in range(k)]
+
+    def __enter__(self):
+        if self.lagged:
+            swap_weights(self.trained, self.lagged[0])
+
+    @torch.no_grad()
+    def __exit__(self, *exception):
+        if self.lagged:
+            swap_weights(self.trained, self.lagged[0])
+            self.lagged.append(self.lagged.pop(0))
+            for p, w in zip(self.trained, self.lagged[-1]):
+                w.copy_(p)
+
+
 @torch.no_grad()
 def swap_weights(parameters, weights):
     """Exchange each of `parameters` with its tensor of `weights` in place, one temporary copy at a time: the

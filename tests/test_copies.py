@@ -95,7 +95,8 @@ def shared_names(found):
 TIERS = {"top-level": RL_SCRIPTS + LM_SCRIPTS + DISTILL, "scale": SCALE_SCRIPTS}
 # the names scale/ gave computations that the top-level references also do: each is now the reference's name
 SECOND_NAMES = {"sample": "generate", "response_logprobs": "policy_logprobs", "reward_table": "reward_terms",
-                "score_responses": "response_scores", "token_scores": "scalar_head", "sequence_logps": "completion_logps",
+                "score_responses": "response_scores", "token_scores": "scalar_head",
+                "sequence_logps": "completion_logprobs", "completion_logps": "completion_logprobs",
                 "save_atomically": "save_model", "load_model": "load_no_dropout", "get_rewards": "sequence_rewards",
                 "masked_whiten_over_ranks": "masked_whiten",
                 "reinforce_pp_advantages_over_ranks": "reinforce_pp_advantages"}
@@ -127,18 +128,17 @@ def test_a_drifted_copy_within_a_tier_is_caught_and_a_difference_across_tiers_is
 
 
 def test_one_computation_has_one_name_across_the_tiers():
-    """Each top-level LM reference and its scale/ program name the computations they share alike: a function the
-    reference defines is defined under the same name in scale/, but for the reference's own evaluation and loading
+    """Each top-level LM reference and its scale/ program name the computations they share alike: a function or
+    class the reference defines is defined under the same name in scale/ (the loop's named steps too: sample_groups
+    and Groups, completion_rewards, log_grpo_iteration, ...), but for the reference's own evaluation and loading
     and the plain forward passes that scale/ does in chunks (gather_logprobs: scale/'s head_logprobs). None of
     scale/'s former second names is back."""
-    own = {"evaluate", "evaluate_policy", "eval_prompts_of", "load_models", "term_means", "gather_logprobs",
-           "make_model", "make_tokenizer", "load_pretrained",
-           "sequence_rewards",  # scale/dpo, rlhf_ppo and grpo score in response_scores, as a TokenScorer
-           # the steps the reference's loop calls by name; scale/'s main runs them inline, over ranks
-           "sample_groups", "completion_rewards", "completion_scores", "accumulate_grpo_stats", "log_grpo_iteration",
-           "accumulate_ppo_stats", "log_ppo_iteration"}
+    own = {"evaluate", "eval_prompts_of", "load_models", "gather_logprobs", "make_model", "make_tokenizer",
+           "load_pretrained",
+           "term_means",  # scale/ adds up each term's sums over the ranks (term_sums)
+           "sequence_rewards"}  # scale/dpo, rlhf_ppo and grpo score in response_scores, as a TokenScorer
     for script in LM_SCRIPTS:
-        top = {n for n, (_, node) in definitions(read(script)).items() if isinstance(node, ast.FunctionDef)}
+        top = {n for n, (_, node) in definitions(read(script)).items() if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
         assert top - set(definitions(read(f"scale/{script}"))) - own == set(), script
     for second, name in SECOND_NAMES.items():
         assert any(name in definitions(read(s)) for s in SCALE_SCRIPTS), name
@@ -150,7 +150,7 @@ def changed_by_one_letter(source):
     for at in (j for j in range(len(source) // 2, len(source)) if source[j].isalpha()):
         changed = source[:at] + ("x" if source[at] != "x" else "y") + source[at + 1 :]
         try:
-            ast.parse(changed if not source.startswith((" ", "@")) else "if 1:\n" + changed)
+            ast.parse(changed if not source.startswith(" ") else "if 1:\n" + changed)
             return changed
         except SyntaxError:
             continue

@@ -40,7 +40,7 @@ def test_dpo_loss_variants():
     assert dpo.dpo_loss(*args, beta=0.5, loss_type="hinge")[0].item() == pytest.approx(0.0)
 
 
-def test_dpo_completion_logps_sum_the_completion_only():
+def test_dpo_completion_logprobs_sum_the_completion_only():
     # A model whose logits are uniform over 4 tokens: every token costs log 4, so a completion of
     # 3 labeled tokens (prompt of 2 masked, 1 padding) sums to −3 log 4 = −4.158883
     class Uniform(torch.nn.Module):  # an LM head of zeros over 4 tokens
@@ -56,7 +56,7 @@ def test_dpo_completion_logps_sum_the_completion_only():
             return type("Out", (), {"logits": self.lm_head(torch.ones(*input_ids.shape, 2))})()
 
     labels = T([[-100, -100, 1, 2, 3, -100]]).long()
-    logps = dpo.completion_logps(Uniform(), torch.zeros(1, 6).long(), torch.ones(1, 6).long(), labels)
+    logps = dpo.completion_logprobs(Uniform(), torch.zeros(1, 6).long(), torch.ones(1, 6).long(), labels)
     assert logps.item() == pytest.approx(-3 * math.log(4))
 
 
@@ -86,14 +86,14 @@ def test_dpo_log_probs_are_those_of_the_token_after_each_position():
     logits = model(input_ids).logits
     expected = torch.stack([by_hand(logits, input_ids, [(0, 2), (0, 3), (0, 4)]).sum(),
                             by_hand(logits, input_ids, [(1, 1), (1, 2)]).sum()])
-    torch.testing.assert_close(dpo.completion_logps(model, input_ids, attention_mask, labels), expected)
+    torch.testing.assert_close(dpo.completion_logprobs(model, input_ids, attention_mask, labels), expected)
     # sampled responses, as the evaluation labels them: a context of 2 then 3 response tokens (the second row stops
     # after 1), at a temperature of 2: the log-softmax of logits / 2
     sequences, mask = torch.tensor([[5, 3, 4, 6, 2], [5, 1, 9, 0, 0]]), torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
     labels = sequences.masked_fill(torch.nn.functional.pad(torch.tensor([[1, 1, 1], [1, 0, 0]]), (2, 0)) == 0, -100)
     expected = torch.stack([by_hand(logits / 2, sequences, [(0, 2), (0, 3), (0, 4)]).sum(),
                             by_hand(logits / 2, sequences, [(1, 2)]).sum()])
-    torch.testing.assert_close(dpo.completion_logps(model, sequences, mask, labels, temperature=2.0), expected)
+    torch.testing.assert_close(dpo.completion_logprobs(model, sequences, mask, labels, temperature=2.0), expected)
 
 
 def test_same_seed_same_logs_and_weights(tiny_checkpoints, tmp_path):
@@ -119,7 +119,7 @@ def preference_rows(n, seed):
     return rows
 
 
-def completion_logps(path, rows, side):
+def completion_logprobs(path, rows, side):
     """log π(completion and its EOS | prompt) of each row's `side` (chosen or rejected), by the saved model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -144,8 +144,8 @@ def test_one_step_raises_the_implicit_reward_margin_on_its_batch(tiny_checkpoint
                    "--reward-model-path", "None", "--max-steps", "1", "--batch-size", "8", "--lr", "1e-4",
                    "--warmup-steps", "0", "--output-dir", "out", cwd=tmp_path)
     ref, new = tiny_checkpoints["sft"], tmp_path / "out"
-    margin = ((completion_logps(new, rows, "chosen") - completion_logps(ref, rows, "chosen"))
-              - (completion_logps(new, rows, "rejected") - completion_logps(ref, rows, "rejected")))
+    margin = ((completion_logprobs(new, rows, "chosen") - completion_logprobs(ref, rows, "chosen"))
+              - (completion_logprobs(new, rows, "rejected") - completion_logprobs(ref, rows, "rejected")))
     assert margin.mean() > 1e-3, margin
 
 
@@ -272,7 +272,7 @@ def test_the_batch_size_and_max_length_reach_every_update(tiny_checkpoints, tmp_
     assert max(max(batch) for batch in seen) <= 16, seen
 
 
-@pytest.mark.parametrize("script,logps,scores", [("dpo.py", "completion_logps", "response_scores"),
+@pytest.mark.parametrize("script,logps,scores", [("dpo.py", "completion_logprobs", "response_scores"),
                                                  ("scale/dpo.py", "response_logps", "response_scores")])
 def test_the_evaluation_takes_its_temperature_and_missing_eos_penalty(script, logps, scores, tiny_checkpoints, tmp_path,
                                                                       monkeypatch):

@@ -343,7 +343,7 @@ def test_an_empty_target_is_one_line_for_the_gold_score(tiny_checkpoints, tmp_pa
     assert "empty `target`" in message and "--reward-fn exact_match" in message
 
 
-def test_response_logprobs_are_those_of_the_token_after_each_position():
+def test_policy_logprobs_are_those_of_the_token_after_each_position():
     """policy_logprobs (grpo.py) and scale/'s policy_logprobs: the log-prob at each response token is that of the
     position before it, at the temperature given (2: the log-softmax of logits / 2)."""
     model = PositionLogits()

@@ -202,7 +202,7 @@ def dpo_eval_loss(root, data):
     logps = {}
     for name in ("dpo", "sft"):
         model = AutoModelForCausalLM.from_pretrained(root / name).eval()
-        logps[name] = dpo.completion_logps(model, *dpo.collate(batch, tokenizer.pad_token_id))
+        logps[name] = dpo.completion_logprobs(model, *dpo.collate(batch, tokenizer.pad_token_id))
     n = len(triples)
     return dpo.dpo_loss(logps["dpo"][:n], logps["dpo"][n:], logps["sft"][:n], logps["sft"][n:], beta=0.5)[0].item()
 

@@ -170,7 +170,7 @@ def test_real_data_paths_with_local_files(tiny_checkpoints, tmp_path, monkeypatc
     assert (tmp_path / "ppo" / "config.json").exists()
 
 
-def test_response_logprobs_are_those_of_the_token_after_each_position():
+def test_policy_logprobs_are_those_of_the_token_after_each_position():
     model = PositionLogits()
     sequences = torch.tensor([[0, 3, 4, 5, 6, 2], [0, 0, 7, 1, 9, 8]])  # context 3 (row 1 left-padded), response 3
     attention_mask = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1]])
