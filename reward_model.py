@@ -158,8 +158,9 @@ def main(args: Args):
 
     def pair_rewards(batch):
         """Chosen and rejected sequences in one forward pass: (r_chosen, r_rejected, margin or None)."""
-        input_ids, attention_mask = batch_tensors([c for c, _, _, _ in batch] + [r for _, r, _, _ in batch],
-                                                  tokenizer.pad_token_id, device)
+        sequences = [c for c, _, _, _ in batch] + [r for _, r, _, _ in batch]
+        # collate's labels go unused: a reward model scores the last token (a sequence is its own labels here)
+        input_ids, attention_mask, _ = (t.to(device) for t in collate([(s, s) for s in sequences], tokenizer.pad_token_id))
         with amp():
             rewards = sequence_rewards(model, input_ids, attention_mask)
         margin = torch.tensor([m for _, _, m, _ in batch], device=device) if has_margin else None
@@ -579,12 +580,13 @@ def save_dtype_of(args, path):
 # ---------------------------------------------------------------------------------------------
 # Forward passes and sampling
 # ---------------------------------------------------------------------------------------------
-def batch_tensors(sequences, pad_token_id, device):
-    """Right-pad token lists: (input_ids, attention_mask)."""
-    width = max(len(s) for s in sequences)
-    input_ids = torch.tensor([s + [pad_token_id] * (width - len(s)) for s in sequences], device=device)
-    attention_mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences], device=device)
-    return input_ids, attention_mask
+def collate(batch, pad_token_id):
+    """Right-pad a list of (input_ids, labels): (input_ids, attention_mask, labels) tensors, labels −100 on padding."""
+    width = max(len(ids) for ids, _ in batch)
+    input_ids = torch.tensor([ids + [pad_token_id] * (width - len(ids)) for ids, _ in batch])
+    attention_mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in batch])
+    labels = torch.tensor([labels + [-100] * (width - len(labels)) for _, labels in batch])
+    return input_ids, attention_mask, labels
 
 
 def position_ids_of(attention_mask):

@@ -5,7 +5,7 @@
 # (480 batches of 64: as many completions sampled), every other flag at its default, one thread each, JOBS (2) at
 # once. SEEDS ("1 2 3") picks the seeds. Models, logs and TensorBoard runs go to $OUT (default benchmarks/distill),
 # each run's wall time to its times.txt; then
-#   python benchmarks/summarize_distill.py benchmarks/distill
+#   python benchmarks/summarize.py distill benchmarks/distill
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=$(mkdir -p "${OUT:-$root/benchmarks/distill}" && cd "${OUT:-$root/benchmarks/distill}" && pwd)

@@ -7,7 +7,7 @@
 # TASKS, VARIANTS and SEEDS pick the runs (all variants, seed 1 by default), JOBS how many run at once (1), each on
 # one thread; EXTRA is added to every command (e.g. --no-cuda). Each run's log and TensorBoard run go to
 # $OUT/<task> (default benchmarks/variants), its wall time to $OUT/<task>/times.txt; then
-#   python benchmarks/summarize_variants.py benchmarks/variants/arithmetic
+#   python benchmarks/summarize.py variants benchmarks/variants/arithmetic
 # e.g. TASKS="builtin" SEEDS="1 2 3" JOBS=2 bash benchmarks/grpo_variants.sh
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)

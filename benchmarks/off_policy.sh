@@ -5,7 +5,7 @@
 # its default, one thread each. SCRIPT (grpo), LAGS ("0 2 8"), CORRECTIONS ("none token_truncate sequence_mask"),
 # SEEDS ("1 2 3") and JOBS (2 at once) pick the runs; EXTRA is added to every command. Logs and TensorBoard runs go
 # to $OUT/<script> (default benchmarks/off_policy), wall times to its times.txt; then
-#   python benchmarks/summarize_off_policy.py benchmarks/off_policy/grpo
+#   python benchmarks/summarize.py off_policy benchmarks/off_policy/grpo
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 script=${SCRIPT:-grpo}

@@ -24,5 +24,5 @@ for seed in 1 2 3; do
   done
 done
 wait
-python summarize_ppo.py runs
+python summarize.py ppo runs
 if [ -z "$ENVS" ]; then (cd .. && python benchmarks/plot_curves.py); fi  # a figure with every panel, or none

@@ -15,5 +15,5 @@ wait
 # ppo_kl.py at ppo_clip.py's learning rate, schedule and epochs, where the penalty switches itself off (one seed)
 python ../ppo_kl.py --env-id CartPole-v1 --learning-rate 2.5e-4 --anneal-lr --update-epochs 4 \
   --exp-name ppo_kl_clip_defaults --seed 1 > /dev/null
-python summarize_ppo.py runs --beta-figure ../docs/ppo_kl_beta.svg
+python summarize.py ppo runs --beta-figure ../docs/ppo_kl_beta.svg
 (cd .. && python benchmarks/plot_curves.py)

@@ -23,4 +23,4 @@ for seed in ${SEEDS:-1 2 3 4 5}; do
   done
 done
 wait
-cd ../.. && python benchmarks/ppo_trust_region.py benchmarks/trust_region/runs docs/curves/trust_region.svg
+cd ../.. && python benchmarks/summarize.py trust_region benchmarks/trust_region/runs docs/curves/trust_region.svg

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The figures of docs/sft.md, reward_model.md, rlhf_ppo.md, dpo.md and grpo.md (the built-in task, every default):
-# the pipeline in order, each run timed, then the one table of all of them (benchmarks/summarize_rlhf.py).
+# the pipeline in order, each run timed, then the one table of all of them (benchmarks/summarize.py rlhf).
 # Run it on an otherwise idle machine (the times are part of what it measures); about 15 minutes on 2 CPU cores.
 #   bash benchmarks/rlhf_pipeline.sh
 set -euo pipefail
@@ -13,4 +13,4 @@ for cmd in "sft.py" "reward_model.py" "rlhf_ppo.py" "dpo.py" "grpo.py" \
   python $cmd > "runs/pipeline_logs/$(echo "$cmd" | tr ' /' '__').log"  # runs/: beside the TensorBoard runs
   echo "python $cmd: $(( $(date +%s) - start )) s"
 done
-python benchmarks/summarize_rlhf.py runs
+python benchmarks/summarize.py rlhf runs

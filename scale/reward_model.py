@@ -172,12 +172,13 @@ def sequence_rewards(scorer, input_ids, attention_mask):
     return scores[torch.arange(len(scores), device=scores.device), last_token_index(attention_mask)]
 
 
-def batch_tensors(sequences, pad_token_id, device):
-    """Right-pad token lists: (input_ids, attention_mask), copied to the device without waiting for it."""
-    width = max(len(s) for s in sequences)
-    input_ids = torch.tensor([s + [pad_token_id] * (width - len(s)) for s in sequences])
-    attention_mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences])
-    return input_ids.to(device, non_blocking=True), attention_mask.to(device, non_blocking=True)
+def collate(batch, pad_token_id):
+    """Right-pad a list of (input_ids, labels): (input_ids, attention_mask, labels) tensors, labels −100 on padding."""
+    width = max(len(ids) for ids, _ in batch)
+    input_ids = torch.tensor([ids + [pad_token_id] * (width - len(ids)) for ids, _ in batch])
+    attention_mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in batch])
+    labels = torch.tensor([labels + [-100] * (width - len(labels)) for _, labels in batch])
+    return input_ids, attention_mask, labels
 
 
 def check_args(args):
@@ -248,8 +249,10 @@ def main(args: Args):
 
     def pair_rewards(batch):
         """Chosen and rejected sequences in one forward pass: (r_chosen, r_rejected, margin or None)."""
-        input_ids, attention_mask = batch_tensors([c for c, _, _ in batch] + [r for _, r, _ in batch],
-                                                  tokenizer.pad_token_id, device)
+        sequences = [c for c, _, _ in batch] + [r for _, r, _ in batch]
+        # collate's labels go unused: a reward model scores the last token; copied without waiting for the device
+        input_ids, attention_mask, _ = (t.to(device, non_blocking=True)
+                                        for t in collate([(s, s) for s in sequences], tokenizer.pad_token_id))
         with amp():
             rewards = sequence_rewards(model, input_ids, attention_mask)
         margin = torch.tensor([m for _, _, m in batch], device=device) if has_margin else None

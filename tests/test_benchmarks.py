@@ -1,4 +1,4 @@
-"""The benchmark tools: plot_curves.py and summarize_ppo.py must refuse to mix runs; the rollout timers must time what they
+"""The benchmark tools: plot_curves.py and summarize.py must refuse to mix runs; the rollout timers must time what they
 say; the generated tasks are what docs/grpo.md says."""
 import glob
 import os
@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import make_arithmetic  # noqa: E402
 import rollout_speed  # noqa: E402
-import summarize_variants  # noqa: E402
+import summarize  # noqa: E402  (plot_curves, whose pyplot is slow, only when a table needs it)
 
 
 @pytest.fixture
@@ -59,14 +59,12 @@ def test_duplicates_runs_killed_early_and_runs_without_their_eval_are_refused(tm
 
 
 def test_the_summary_refuses_runs_killed_early_too(tmp_path, capsys):
-    import summarize_ppo  # here, not at the top: it imports plot_curves, whose pyplot costs every worker's collection
-
     fake_rl_run(tmp_path, "CartPole-v1__ppo_clip__1__100", 1024)
-    summarize_ppo.main(str(tmp_path))
+    summarize.ppo(str(tmp_path))
     assert "| ppo_clip.py | CartPole-v1 | 1 |" in capsys.readouterr().out
     fake_rl_run(tmp_path, "CartPole-v1__ppo_clip__2__200", 512)
     with pytest.raises(SystemExit) as stop:
-        summarize_ppo.main(str(tmp_path))
+        summarize.ppo(str(tmp_path))
     assert "stopped before step 1,024" in str(stop.value)
 
 
@@ -78,9 +76,7 @@ def test_the_beta_plot_reads_runs_where_the_penalty_binds_and_where_it_vanishes(
         writer.add_scalar("charts/kl_coef", beta, 512 * (i + 1))
         writer.add_scalar("losses/kl", 0.01, 512 * (i + 1))
     writer.close()
-    import summarize_ppo  # here, not at the top: it imports plot_curves, whose pyplot costs every worker's collection
-
-    summarize_ppo.beta_figure(str(tmp_path), str(tmp_path / "beta.svg"))
+    summarize.beta_figure(str(tmp_path), str(tmp_path / "beta.svg"))
     assert words in capsys.readouterr().out and (tmp_path / "beta.svg").read_text().startswith("<svg")
 
 
@@ -213,8 +209,8 @@ def test_the_held_out_task_is_another_task_whose_answers_are_right():
 def test_the_variants_table_intervals():
     """One seed: the 95% binomial interval of one evaluation of 512 prompts, 1.96 √(p(1 − p)/512); three: the 95%
     t-interval of the mean over seeds, t(2) = 4.303 × sd / √3 (sd with n − 1)."""
-    assert summarize_variants.interval([0.5], 512) == pytest.approx((0.5, 1.96 * (0.25 / 512) ** 0.5))
-    assert summarize_variants.interval([0.80, 0.82, 0.84], 512) == pytest.approx((0.82, 4.303 * 0.02 / 3 ** 0.5))
+    assert summarize.interval([0.5], 512) == pytest.approx((0.5, 1.96 * (0.25 / 512) ** 0.5))
+    assert summarize.interval([0.80, 0.82, 0.84], 512) == pytest.approx((0.82, 4.303 * 0.02 / 3 ** 0.5))
 
 
 def test_the_step_clock_profiles_the_steps_after_the_warmup():

@@ -99,7 +99,7 @@ SECOND_NAMES = {"sample": "generate", "response_logprobs": "policy_logprobs", "r
                 "sequence_logps": "completion_logprobs", "completion_logps": "completion_logprobs",
                 "save_atomically": "save_model", "load_model": "load_no_dropout", "get_rewards": "sequence_rewards",
                 "masked_whiten_over_ranks": "masked_whiten",
-                "reinforce_pp_advantages_over_ranks": "reinforce_pp_advantages"}
+                "reinforce_pp_advantages_over_ranks": "reinforce_pp_advantages", "batch_tensors": "collate"}
 
 
 def all_definitions(tier):

@@ -83,7 +83,7 @@ def test_the_own_data_example_works_as_written(tmp_path):
     from conftest import only_run_dir, read_scalars
 
     block = next(b for b in re.findall(r"```bash\n(.*?)```", readme(), re.DOTALL) if "add.jsonl" in b)
-    assert len(block.strip().splitlines()) == 5, block
+    assert len(block.strip().splitlines()) == 6, block
     script = block.replace("python sft.py", f"{sys.executable} {os.path.join(ROOT, 'sft.py')}").replace(
         "python -", f"{sys.executable} -")
     proc = subprocess.run(["bash", "-c", "set -e\n" + script], cwd=tmp_path, capture_output=True, text=True, timeout=900)

@@ -186,7 +186,7 @@ def rm_eval_loss(path, data):
     model, tokenizer = AutoModelForSequenceClassification.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
     triples = [rm.tokenize_preference(tokenizer, row, rm.stop_token_ids(tokenizer)) for row in eval_rows(data)]
     sequences = [p + c for p, c, _ in triples] + [p + r for p, _, r in triples]
-    rewards = rm.sequence_rewards(rm.TokenScorer(model), *rm.batch_tensors(sequences, tokenizer.pad_token_id, "cpu"))
+    rewards = rm.sequence_rewards(rm.TokenScorer(model), *rm.collate([(s, s) for s in sequences], tokenizer.pad_token_id)[:2])
     return rm.bradley_terry_loss(rewards[: len(triples)], rewards[len(triples) :]).item()
 
 

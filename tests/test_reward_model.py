@@ -140,14 +140,14 @@ def test_the_margin_and_the_centering_reach_every_update(tiny_checkpoints, tmp_p
 def test_the_batch_size_and_max_length_reach_every_update(tiny_checkpoints, tmp_path, monkeypatch):
     """--batch-size and --max-length shape each update: 3 pairs a step (6 sequences), no side longer than 16 tokens,
     on data where most pairs are longer (and dropped). A loop that reads either flag at its default (64) fails."""
-    seen, real = [], reward_model.batch_tensors
+    seen, real = [], reward_model.collate
 
-    def spy(sequences, pad_token_id, device):
+    def spy(batch, pad_token_id):
         if torch.is_grad_enabled():  # the updates' batches: evaluate runs under no_grad
-            seen.append([len(ids) for ids in sequences])
-        return real(sequences, pad_token_id, device)
+            seen.append([len(ids) for ids, _ in batch])
+        return real(batch, pad_token_id)
 
-    monkeypatch.setattr(reward_model, "batch_tensors", spy)
+    monkeypatch.setattr(reward_model, "collate", spy)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoints["sft"])

@@ -200,8 +200,8 @@ def test_evaluation_runs_at_the_micro_batch_size(tiny_checkpoints, tmp_path, mon
               "--output-dir", "out"]
     sizes = []
     if script == "scale/reward_model.py":
-        original = module.batch_tensors
-        monkeypatch.setattr(module, "batch_tensors", lambda seqs, *a: sizes.append(len(seqs) // 2) or original(seqs, *a))
+        original = module.collate
+        monkeypatch.setattr(module, "collate", lambda batch, *a: sizes.append(len(batch) // 2) or original(batch, *a))
     else:
         original = module.generate
         monkeypatch.setattr(module, "generate", lambda m, ids, *a, **k: sizes.append(len(ids)) or original(m, ids, *a, **k))

@@ -8,9 +8,9 @@ grpo run again under torchrun on 2 gloo ranks (DDP, then FSDP2). The fingerprint
 scalar except the wall-clock ones (speeds, time fractions) and the SHA-256 of every saved weight file
 (of a .pt, of its members: the zip holds write times).
 
-    python benchmarks/same_results.py . /tmp/after.json
-    git worktree add /tmp/before <commit> && python benchmarks/same_results.py /tmp/before /tmp/before.json
-    python benchmarks/same_results.py --compare /tmp/before.json /tmp/after.json
+    python tools/same_results.py . /tmp/after.json
+    git worktree add /tmp/before <commit> && python tools/same_results.py /tmp/before /tmp/before.json
+    python tools/same_results.py --compare /tmp/before.json /tmp/after.json
 
 --flags SCRIPT='...' replaces one run's flags (a flag renamed between the two commits). The LM scripts run from
 ROOT/scale/ where a checkout has it (the full programs; before the split, aee7bdc and earlier, they were the
@@ -18,7 +18,7 @@ top-level files), so that a checkout with scale/ is compared with one without pr
 --top-level runs the top-level LM files instead (the one-device references: one process, no gradient
 accumulation), to check that a change to them computes what the commit before did:
 
-    python benchmarks/same_results.py --top-level . /tmp/after_top.json
+    python tools/same_results.py --top-level . /tmp/after_top.json
 """
 import argparse
 import glob

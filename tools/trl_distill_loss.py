@@ -1,7 +1,7 @@
 """distill.py's loss against TRL 1.16's DistillationTrainer loss on identical logits (docs/distill.md). It runs in
 TRL's own virtual environment (docs/scaling.md says how to make it), never in this repo's:
 
-    TRL_PYTHON benchmarks/trl_distill_loss.py
+    TRL_PYTHON tools/trl_distill_loss.py
 
 TRL's loss (`_chunked_divergence_loss`, what DistillationTrainer._compute_loss returns) takes each model's hidden
 states and LM head; given the logits as hidden states and the identity as the head, it computes on exactly these
