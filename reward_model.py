@@ -159,8 +159,9 @@ def main(args: Args):
     def pair_rewards(batch):
         """Chosen and rejected sequences in one forward pass: (r_chosen, r_rejected, margin or None)."""
         sequences = [c for c, _, _, _ in batch] + [r for _, r, _, _ in batch]
-        # collate's labels go unused: a reward model scores the last token (a sequence is its own labels here)
-        input_ids, attention_mask, _ = (t.to(device) for t in collate([(s, s) for s in sequences], tokenizer.pad_token_id))
+        # collate's labels go unused: a reward model scores each sequence's last token
+        input_ids, attention_mask, _ = (t.to(device)
+                                        for t in collate([(s, s) for s in sequences], tokenizer.pad_token_id))
         with amp():
             rewards = sequence_rewards(model, input_ids, attention_mask)
         margin = torch.tensor([m for _, _, m, _ in batch], device=device) if has_margin else None
