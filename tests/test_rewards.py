@@ -148,8 +148,10 @@ def test_bad_reward_functions_are_one_line(tmp_path, monkeypatch):
     functions = load("my_rewards.py:no_keywords")
     assert "no_keywords(prompts, completions, target)" in one_line(grpo.check_reward_signatures, functions,
                                                                    ["prompt", "target"])
-    # the built-ins need a `target` column; a dataset without one is told so
-    assert "'target'" in one_line(grpo.check_reward_signatures, load("numeric_match"), ["prompt", "question"])
+    # the built-ins need a `target` column; a dataset without one is told so, not how to write a function
+    for builtin in ("numeric_match", "exact_match", "gold"):
+        line = one_line(grpo.check_reward_signatures, load(builtin), ["prompt", "question"])
+        assert f"the built-in reward '{builtin}'" in line and "`target` column" in line and "def " not in line, line
 
 
 @pytest.mark.parametrize("body,words", [
