@@ -207,7 +207,8 @@ def main(args: Args):
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
     print(f"policy: {sum(p.numel() for p in policy.parameters()):,} parameters, {len(train):,} training pairs")
     models = (policy, ref, reward, tokenizer, stop_ids, logprobs_of)
-    evaluate(models, evals, eval_prompts, eval_ids, eval_targets, amp, writer, 0, args)  # the SFT model, before any update
+    # the SFT model, before any update
+    evaluate(models, evals, eval_prompts, eval_ids, eval_targets, amp, writer, 0, args)
     order, position, start_time = list(range(len(train))), len(train), time.time()
     for step in range(1, args.max_steps + 1):
         if position + args.batch_size > len(order):  # a new pass over the data, reshuffled

@@ -614,7 +614,8 @@ def main(args: Args):
                     logprobs, _ = policy_logprobs(policy, batch.sequences[mb], batch.attention_mask[mb],
                                                   batch.context_length, args.temperature)
                 ratio = importance_ratio(logprobs, old.logprobs[mb], batch.mask[mb], args.importance_sampling_level)
-                per_token, masked = grpo_token_losses(ratio, logprobs, advantages[mb], batch, old, mb, epsilon_high, args)
+                per_token, masked = grpo_token_losses(ratio, logprobs, advantages[mb], batch, old, mb, epsilon_high,
+                                                      args)
                 policy_loss = aggregate_loss(per_token, batch.loss_mask[mb], args.loss_type, args.mini_batch_size,
                                              batch.num_tokens, args.response_length)
                 kl_penalty = kl_to_reference(logprobs, old.ref_logprobs, batch.loss_mask, mb, batch.num_tokens, args)
@@ -702,9 +703,8 @@ class RewardTerms:
 def completion_rewards(rows, sequences, attention_mask, context_length, response_mask, terms, tokenizer, stop_ids,
                        args):
     """The reward of each completion, r = Σ_k w_k r_k over the reward functions and the reward model's score
-    (combine_rewards), or --missing-eos-penalty for a completion with no stop
-    token: an unfinished answer is not scored. Returns (rewards, the [B, K] table of the terms, completions as
-    text, has_stop)."""
+    (combine_rewards), or --missing-eos-penalty for a completion with no stop token: an unfinished answer is not
+    scored. Returns (rewards, the [B, K] table of the terms, completions as text, has_stop)."""
     prompts = [row["prompt"] for row in rows]
     # the text up to the stop token: the stop token and the padding after it are special tokens
     completions = tokenizer.batch_decode(sequences[:, context_length:], skip_special_tokens=True)
@@ -732,7 +732,7 @@ class OldPolicy:
     k1: torch.Tensor | None  # the KL estimators to π_ref (kl_estimators); None when β = 0
     k3: torch.Tensor | None
     mismatch: tuple  # the sampler's distance from π_old (sampler_mismatch)
-    is_weights: torch.Tensor | None  # the sampler correction's weights; None without --vllm-importance-sampling-correction
+    is_weights: torch.Tensor | None  # the sampler correction's weights (sampler_correction); None without it
 
 
 def old_policy(policy, ref, batch, logprobs_of, args):

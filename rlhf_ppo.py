@@ -485,7 +485,7 @@ class Rollout:
     names: list  # the table's columns
     has_stop: torch.Tensor  # [B]: the response ended with a stop token
     mismatch: tuple  # the sampler's distance from π_old (sampler_mismatch)
-    is_weights: torch.Tensor | None  # the sampler correction's weights; None without --vllm-importance-sampling-correction
+    is_weights: torch.Tensor | None  # the sampler correction's weights (sampler_correction); None without it
 
 
 def score_rollout(models, rows, sampled, scores_of, names, args):
@@ -533,9 +533,8 @@ class RewardTerms:
 def completion_rewards(rows, sequences, attention_mask, context_length, response_mask, terms, tokenizer, stop_ids,
                        args):
     """The reward of each completion, r = Σ_k w_k r_k over the reward functions and the reward model's score
-    (combine_rewards), or --missing-eos-penalty for a completion with no stop
-    token: an unfinished answer is not scored. Returns (rewards, the [B, K] table of the terms, completions as
-    text, has_stop)."""
+    (combine_rewards), or --missing-eos-penalty for a completion with no stop token: an unfinished answer is not
+    scored. Returns (rewards, the [B, K] table of the terms, completions as text, has_stop)."""
     prompts = [row["prompt"] for row in rows]
     # the text up to the stop token: the stop token and the padding after it are special tokens
     completions = tokenizer.batch_decode(sequences[:, context_length:], skip_special_tokens=True)
@@ -571,7 +570,8 @@ def accumulate_ppo_stats(stats, pg_loss, vf_loss, ratio, log_ratio, entropy, mas
 def log_ppo_iteration(writer, iteration, batch, stats, non_score, returns, kl_coef, lr, start_time, args):
     """An iteration's statistics of the whole batch, to TensorBoard (docs/tags.md), and a line every 10 iterations.
     Returns the batch's KL to the reference (k1), which the adaptive KL controller reads."""
-    B, first_ratio_error, mask, mismatch = args.batch_size, stats.pop("first_ratio_max_error"), batch.mask, batch.mismatch
+    B, first_ratio_error = args.batch_size, stats.pop("first_ratio_max_error")
+    mask, mismatch = batch.mask, batch.mismatch
     valid, num_minibatches = mask.bool(), args.ppo_epochs * B // args.mini_batch_size
     mean = {k: sum(parts) / num_minibatches for k, parts in stats.items()}  # each: the mean over minibatches
     var_returns, var_residual = returns.double()[valid].var(), (returns - batch.values).double()[valid].var()

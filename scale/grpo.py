@@ -816,9 +816,8 @@ class RewardTerms:
 def completion_rewards(rows, sequences, attention_mask, context_length, response_mask, terms, tokenizer, stop_ids,
                        args):
     """The reward of each completion, r = Σ_k w_k r_k over the reward functions and the reward model's score
-    (combine_rewards), or --missing-eos-penalty for a completion with no stop
-    token: an unfinished answer is not scored. Returns (rewards, the [B, K] table of the terms, completions as
-    text, has_stop)."""
+    (combine_rewards), or --missing-eos-penalty for a completion with no stop token: an unfinished answer is not
+    scored. Returns (rewards, the [B, K] table of the terms, completions as text, has_stop)."""
     prompts = [row["prompt"] for row in rows]
     # the text up to the stop token: the stop token and the padding after it are special tokens
     completions = tokenizer.batch_decode(sequences[:, context_length:], skip_special_tokens=True)
@@ -846,7 +845,7 @@ class OldPolicy:
     k1: torch.Tensor | None  # the KL estimators to π_ref (kl_estimators); None when β = 0
     k3: torch.Tensor | None
     mismatch: tuple  # the sampler's distance from π_old (sampler_mismatch)
-    is_weights: torch.Tensor | None  # the sampler correction's weights; None without --vllm-importance-sampling-correction
+    is_weights: torch.Tensor | None  # the sampler correction's weights (sampler_correction); None without it
 
 
 def old_policy(policy, ref, batch, logprobs_of, args):

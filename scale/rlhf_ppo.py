@@ -592,7 +592,7 @@ class Rollout:
     names: list  # the table's columns
     has_stop: torch.Tensor  # [B]: the response ended with a stop token
     mismatch: tuple  # the sampler's distance from π_old (sampler_mismatch)
-    is_weights: torch.Tensor | None  # the sampler correction's weights; None without --vllm-importance-sampling-correction
+    is_weights: torch.Tensor | None  # the sampler correction's weights (sampler_correction); None without it
 
 
 def score_rollout(models, rows, sampled, scores_of, names, args):
@@ -640,9 +640,8 @@ class RewardTerms:
 def completion_rewards(rows, sequences, attention_mask, context_length, response_mask, terms, tokenizer, stop_ids,
                        args):
     """The reward of each completion, r = Σ_k w_k r_k over the reward functions and the reward model's score
-    (combine_rewards), or --missing-eos-penalty for a completion with no stop
-    token: an unfinished answer is not scored. Returns (rewards, the [B, K] table of the terms, completions as
-    text, has_stop)."""
+    (combine_rewards), or --missing-eos-penalty for a completion with no stop token: an unfinished answer is not
+    scored. Returns (rewards, the [B, K] table of the terms, completions as text, has_stop)."""
     prompts = [row["prompt"] for row in rows]
     # the text up to the stop token: the stop token and the padding after it are special tokens
     completions = tokenizer.batch_decode(sequences[:, context_length:], skip_special_tokens=True)
