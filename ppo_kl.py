@@ -16,6 +16,7 @@ not annealed, and 10 epochs per update, so that an update moves the policy far e
     python ppo_kl.py                                # CartPole-v1, 500k steps, adaptive β
     python ppo_kl.py --no-adaptive-kl --kl-beta 3   # fixed β
 """
+import datetime
 import os
 import random
 import re
@@ -43,6 +44,9 @@ class Args:
     """use CUDA when it is available (the CPU otherwise)"""
     threads: int = 1
     """torch CPU threads; one is fastest for networks this small (more threads cost more in overhead than they save)"""
+    progress: bool = True
+    """on a terminal, a line every ~10 s: the steps done, their rate, the time left and the mean return of the
+    last 100 episodes (--no-progress: none)"""
     save_model: bool = False
     """save the agent and the flags to runs/<run name>/<exp name>.pt (`torch.load(path)` reads it)"""
     eval_episodes: int = 10
@@ -371,6 +375,7 @@ def main(args: Args):
     start_time, start_step = time.time(), global_step
     next_obs, _ = envs.reset(seed=args.seed + first_iteration - 1)  # resumed: other episodes than at the start
 
+    progress = Progress(args.total_timesteps, "env steps", args.progress, done=global_step)
     for iteration in range(first_iteration, num_iterations + 1):
         if args.anneal_lr:
             optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
@@ -463,6 +468,7 @@ def main(args: Args):
         writer.add_scalar("charts/SPS", sps, global_step)
         if iteration % 20 == 0 or iteration == num_iterations:
             print(f"global_step={global_step} SPS={sps}")
+        progress(global_step, f"return {np.mean(envs.return_queue):.1f}" if envs.return_queue else "")
 
         # ---- checkpoint: every --save-every iterations, and at SIGTERM, which then ends the run (exit code 0) ---
         sigterm = preemption.received
@@ -573,12 +579,33 @@ def set_statistics(rms, saved):
     rms.mean, rms.var, rms.count = saved["mean"].numpy(), saved["var"].numpy(), saved["count"]
 
 
+class Progress:
+    """A line every ~10 s on a terminal: the steps done of `total`, their rate, the time left at that rate, and a
+    note (the RL scripts: their recent return). Silent where stdout is not a terminal (a log file, CI) or with
+    --no-progress, so that a log holds the run's own lines only. `done`: the steps a resumed run starts from."""
+
+    def __init__(self, total, unit, on, done=0, every=10.0):
+        self.total, self.unit, self.first, self.every = total, unit, done, every
+        self.on, self.start = on and sys.stdout.isatty(), time.time()
+        self.last = self.start
+
+    def __call__(self, done, note=""):
+        now = time.time()
+        if self.on and now - self.last >= self.every and done > self.first:
+            rate = (done - self.first) / (now - self.start)
+            left = datetime.timedelta(seconds=round((self.total - done) / rate))
+            print(f"{done:,}/{self.total:,} {self.unit} ({done / self.total:.0%}), {rate:,.3g} {self.unit}/s, {left} left"
+                  + f", {note}" * bool(note))
+            self.last = now
+
+
+
 # ---------------------------------------------------------------------------------------------
 # Long runs: checkpoints to resume from (runs/<run>/checkpoint-<iteration>.pt), and SIGTERM
 # ---------------------------------------------------------------------------------------------
 # The flags a resumed run may change: where things go and what is evaluated at the end, not what is trained
 RESUME_MAY_CHANGE = ("exp_name", "resume", "save_every", "keep_checkpoints", "save_model", "eval_episodes",
-                        "capture_video", "cuda", "threads")
+                        "capture_video", "cuda", "threads", "progress")
 
 
 def find_resume_point(args):

@@ -16,13 +16,16 @@ Datasets in TRL's preference formats, text or conversational: `prompt`/`chosen`/
 This is the one-device reference. scale/reward_model.py computes the same thing and adds what larger runs
 need: torchrun (DDP, FSDP2), LoRA, gradient accumulation and checkpointing, checkpoints that resume exactly.
 """
+import datetime
 import json
 import math
 import os
 import random
 import shutil
+import socket
 import sys
 import time
+import urllib.parse
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -45,6 +48,8 @@ class Args:
     """torch CPU threads (default: OMP_NUM_THREADS where set, else one fewer than the cores, at least 1: a thread
     that waits for a core stalls the others at every step, so leaving a core free keeps a run's speed on a busy
     machine; README's quickstart has the figures)"""
+    progress: bool = True
+    """on a terminal, a line every ~10 s: the steps done, their rate, the time left (--no-progress: none)"""
     model_name_or_path: str = "models/sft"
     """hub id or local directory of the model to start from (sft.py's output by default)"""
     dataset_name: str | None = None
@@ -141,7 +146,8 @@ def main(args: Args):
     tokenizer = load_tokenizer(args.model_name_or_path, hint)
     stop_ids = stop_token_ids(tokenizer)
     save_dtype = save_dtype_of(args, args.model_name_or_path)
-    train_rows, eval_rows = load_data(args, preference_row, args.num_train_pairs, [("chosen", "rejected")],
+    train_rows, eval_rows = load_data(args, preference_row, args.num_train_pairs,
+                                      [("prompt", "chosen", "rejected"), ("chosen", "rejected")],
                                       "needs chosen and rejected (and optionally prompt and margin)")
     has_margin = any(row.get("margin") is not None for row in train_rows + eval_rows)
     # (chosen sequence, rejected sequence, margin, row): prompt + completion each, and 0 where a row has no margin
@@ -170,6 +176,7 @@ def main(args: Args):
     model.train()
     order, position = list(range(len(train))), len(train)
     start_time, model_time, tokens_seen = time.time(), 0.0, 0
+    progress = Progress(args.max_steps, "steps", args.progress)
     for step in range(1, args.max_steps + 1):
         if position + args.batch_size > len(order):  # a new pass over the data, reshuffled
             random.shuffle(order)
@@ -205,6 +212,7 @@ def main(args: Args):
             writer.add_scalar("charts/samples_per_second", step * args.batch_size / elapsed, step)
             writer.add_scalar("charts/tokens_per_second", tokens_seen / elapsed, step)
             writer.add_scalar("charts/model_time_fraction", model_time / elapsed, step)
+        progress(step)
         if (step % args.eval_every == 0 or step == args.max_steps) and evals:
             evaluate(model, pair_rewards, evals, args, writer, step)
 
@@ -459,66 +467,136 @@ def first_line(e):
     return (str(e).splitlines() or [type(e).__name__])[0]
 
 
-def load_rows(name, config, split, eval_size):
-    """(train rows, eval rows) of a dataset: a hub id (with its config name, if it has several: gsm8k "main"),
-    a `save_to_disk` directory or a .json/.jsonl/.parquet file. The eval rows are its `test` split, or else
-    the first rows of `split` (at most a tenth), held out."""
+def offline_unless_the_hub_answers(name):
+    """Before hub id `name` is fetched: when the hub does not answer within 3 s, this process works offline, as
+    HF_HUB_OFFLINE=1 makes it (what the local cache holds loads; what it lacks fails at once, not after half a
+    minute of retries). Returns what the error line of a failed load adds: the way out, when offline."""
+    import huggingface_hub.constants as hub
+
+    proxy = any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"))
+    if not hub.HF_HUB_OFFLINE and not proxy:  # behind a proxy the hub is not reached directly
+        url = urllib.parse.urlparse(hub.ENDPOINT)
+        try:
+            socket.create_connection((url.hostname, url.port or 443), timeout=3).close()
+        except OSError:
+            import datasets.config
+
+            hub.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+    return (f"; offline (the hub does not answer, or HF_HUB_OFFLINE=1) only the local cache is read, and it lacks "
+            f"{name!r}: pass a local directory, or download it where there is a network" if hub.HF_HUB_OFFLINE else "")
+
+
+def load_rows(name, config, split):
+    """(the rows of `split`, the rows of a `test` split or None, place) of a dataset: a .jsonl or .json file
+    (read here, so that an error names its line), a .parquet file, a `save_to_disk` directory or a hub id
+    (with its config name, if it has several: gsm8k "main"). `place(i, split)` names row i in an error line."""
     import datasets
 
     datasets.disable_progress_bars()
     if name.endswith((".json", ".jsonl")) and os.path.isfile(name):
-        check_json_file(name)
-    try:
-        if name.endswith((".json", ".jsonl", ".parquet")):  # a missing file: "Unable to find ..."
-            data = datasets.load_dataset("parquet" if name.endswith(".parquet") else "json", data_files=name)
-        elif os.path.isdir(name) and os.path.exists(os.path.join(name, "dataset_dict.json")):
-            data = datasets.load_from_disk(name)
-        else:
-            data = datasets.load_dataset(name, config)
-    except Exception as e:  # noqa: BLE001  any loading failure becomes one line
-        sys.exit(f"error: cannot load dataset {name!r}: {first_line(e)}")
+        data, lines = read_json_rows(name)
+        place = lambda i, split: f"{name}, line {lines[i]}" if lines else f"{name}, row {i + 1}"  # noqa: E731
+    else:
+        offline = ""
+        try:
+            if name.endswith((".json", ".jsonl", ".parquet")):  # a missing file: "Unable to find ..."
+                data = datasets.load_dataset("parquet" if name.endswith(".parquet") else "json", data_files=name)
+            elif os.path.isdir(name) and os.path.exists(os.path.join(name, "dataset_dict.json")):
+                data = datasets.load_from_disk(name)
+            else:
+                offline = offline_unless_the_hub_answers(name)
+                data = datasets.load_dataset(name, config)
+        except Exception as e:  # noqa: BLE001  any loading failure becomes one line
+            sys.exit(f"error: cannot load dataset {name!r}: {first_line(e).rstrip('.')}{offline}")
+        place = lambda i, split: f"dataset {name!r}, split {split!r}, row {i + 1}"  # noqa: E731
     if split not in data:
         sys.exit(f"error: dataset {name!r} has the splits {list(data)}; pass one of them as --dataset-split")
     rows = list(data[split])
     if not rows:
         sys.exit(f"error: split {split!r} of dataset {name!r} has no rows")
-    if "test" in data and split != "test":
-        return rows, list(data["test"])[:eval_size]
-    n_eval = min(eval_size, len(rows) // 10)
-    return rows[n_eval:], rows[:n_eval]
+    return rows, list(data["test"]) if "test" in data and split != "test" else None, place
 
 
-def check_json_file(path):
-    """A .json or .jsonl file datasets would stop on with a message of its own (an empty .jsonl: StopIteration):
-    one line that names the file and the line, before any work."""
+def read_json_rows(path):
+    """({"train": rows}, the .jsonl line of each row or None) of a .jsonl file, or of a .json file holding a list
+    of rows or an object of columns; every row has every column, None where it has none (as datasets reads
+    them). An empty file, or a line that is not JSON or not an object, is one line naming the file and line."""
     with open(path, encoding="utf-8") as f:
         text = f.read()
-    rows, number = [], 0  # number: the .jsonl line read last
+    rows, lines, number = [], [], 0  # number: the .jsonl line read last
     try:
         if path.endswith(".jsonl"):
             for number, line in enumerate(text.splitlines(), 1):
                 if line.strip():
                     rows.append(json.loads(line))
+                    lines.append(number)
                     if not isinstance(rows[-1], dict):
                         sys.exit(f"error: {path}, line {number}: a JSON {type(rows[-1]).__name__}, not an object")
         else:
-            rows = json.loads(text)
+            rows, lines = json.loads(text), None
+            if isinstance(rows, dict) and all(isinstance(column, list) for column in rows.values()):
+                rows = [dict(zip(rows, values)) for values in zip(*rows.values())]  # an object of columns
+            if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
+                sys.exit(f"error: {path} holds neither a list of rows (JSON objects) nor an object of columns")
     except json.JSONDecodeError as e:
         sys.exit(f"error: {path}, line {number or e.lineno}: not JSON ({e.msg}, column {e.colno})")
     if not rows:
         sys.exit(f"error: {path} has no rows")
+    columns = dict.fromkeys(column for row in rows for column in row)
+    return {"train": [{column: row.get(column) for column in columns} for row in rows]}, lines
+
+
+def row_problem(row, columns):
+    """What is wrong with a row's `columns`, in words, or None: a field missing or null, empty, or neither text
+    nor a conversation (a list of {"role", "content"} messages with a known role), or text in one field and a
+    conversation in another. `text` must be text and `messages` a conversation."""
+    kinds, roles = {}, ("system", "developer", "user", "assistant", "tool")
+    for column in columns:
+        value = row.get(column)
+        if value is None:
+            return f"no `{column}` (missing or null)"
+        if isinstance(value, str) and column != "messages":
+            kinds[column] = "text"
+        elif isinstance(value, list) and column != "text":
+            for j, message in enumerate(value, 1):
+                if not isinstance(message, dict) or message.get("role") not in roles:
+                    role = message.get("role") if isinstance(message, dict) else f"a {type(message).__name__}"
+                    return f"`{column}`, message {j}: {role!r} is not a role ({', '.join(roles)})"
+                if not isinstance(message.get("content"), str) and "tool_calls" not in message:
+                    return f"`{column}`, message {j}: its `content` is not text"
+            kinds[column] = "a conversation"
+        else:
+            kind = {"text": "text", "messages": "a list of messages"}.get(column, "text or a list of messages")
+            name = {"int": "a number", "float": "a number", "dict": "an object", "str": "text"}.get(type(value).__name__)
+            return f"`{column}` is {name or 'a ' + type(value).__name__}" + f" ({value})" * (name == "a number") + \
+                f", not {kind}"
+        if not value:
+            return f"`{column}` is empty"
+    if len(set(kinds.values())) > 1:
+        return " but ".join(f"`{column}` is {kind}" for column, kind in kinds.items()) + "; a row is all one kind"
+    return None
 
 
 def load_data(args, task_row, num_train, accepts, needs):
     """(train rows, eval rows): the built-in task's rows (`task_row` makes one) when no --dataset-name is given,
-    else the dataset's, which must have every column of one of the sets in `accepts` (`needs` says so in words)."""
+    else the dataset's, each checked (row_problem) in the first set of columns in `accepts` the dataset has all
+    of (`needs` says so in words). The eval rows are its `test` split, or else --eval-size rows of the split (a
+    tenth at most) drawn at random with --seed and held out: a sorted file's first rows are not like the rest."""
     if args.dataset_name is None:
         return task_rows(args.seed, "train", num_train, task_row), task_rows(args.seed, "eval", args.eval_size, task_row)
-    train, evals = load_rows(args.dataset_name, args.dataset_config, args.dataset_split, args.eval_size)
-    columns = sorted(train[0]) if train else []
-    if not any(set(columns) >= set(accepted) for accepted in accepts):
-        sys.exit(f"error: dataset {args.dataset_name!r} has columns {columns}; {os.path.basename(__file__)} {needs}")
-    return train, evals
+    rows, test, place = load_rows(args.dataset_name, args.dataset_config, args.dataset_split)
+    columns = next((accepted for accepted in accepts if set(rows[0]) >= set(accepted)), None)
+    if columns is None:
+        sys.exit(f"error: dataset {args.dataset_name!r} has columns {sorted(rows[0])}; {os.path.basename(__file__)} "
+                 f"{needs}")
+    for split, part in ((args.dataset_split, rows), ("test", (test or [])[: args.eval_size])):
+        for i, row in enumerate(part):
+            if problem := row_problem(row, columns):
+                sys.exit(f"error: {place(i, split)}: {problem} ({os.path.basename(__file__)} {needs})")
+    if test is not None:
+        return rows, test[: args.eval_size]
+    held_out = random.Random(args.seed).sample(range(len(rows)), min(args.eval_size, len(rows) // 10))
+    return [rows[i] for i in sorted(set(range(len(rows))) - set(held_out))], [rows[i] for i in held_out]
 
 
 def load_tokenizer(path, hint):
@@ -528,10 +606,11 @@ def load_tokenizer(path, hint):
 
     if not os.path.isdir(path) and (path.startswith((".", "/", "~", "models/")) or path.count("/") > 1):
         sys.exit(f"error: model directory {path!r} does not exist; {hint}")
+    offline = "" if os.path.isdir(path) else offline_unless_the_hub_answers(path)
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
-        sys.exit(f"error: cannot load a tokenizer from {path!r}: {first_line(e)}")
+        sys.exit(f"error: cannot load a tokenizer from {path!r}: {first_line(e).rstrip('.')}{offline}")
 
 
 def load_no_dropout(path, head):
@@ -648,6 +727,26 @@ def check_warmup(warmup_steps, max_steps, decay):
         peak = max(get_lr(step, 1.0, warmup_steps, max_steps, decay) for step in range(max_steps))
         print(f"warning: --warmup-steps {warmup_steps} ≥ --max-steps {max_steps}: the learning rate peaks at "
               f"{peak:.0%} of --lr; lower --warmup-steps")
+
+
+class Progress:
+    """A line every ~10 s on a terminal: the steps done of `total`, their rate, the time left at that rate, and a
+    note (the RL scripts: their recent return). Silent where stdout is not a terminal (a log file, CI) or with
+    --no-progress, so that a log holds the run's own lines only. `done`: the steps a resumed run starts from."""
+
+    def __init__(self, total, unit, on, done=0, every=10.0):
+        self.total, self.unit, self.first, self.every = total, unit, done, every
+        self.on, self.start = on and sys.stdout.isatty(), time.time()
+        self.last = self.start
+
+    def __call__(self, done, note=""):
+        now = time.time()
+        if self.on and now - self.last >= self.every and done > self.first:
+            rate = (done - self.first) / (now - self.start)
+            left = datetime.timedelta(seconds=round((self.total - done) / rate))
+            print(f"{done:,}/{self.total:,} {self.unit} ({done / self.total:.0%}), {rate:,.3g} {self.unit}/s, {left} left"
+                  + f", {note}" * bool(note))
+            self.last = now
 
 
 def check_finite(step, **values):

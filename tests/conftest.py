@@ -93,6 +93,18 @@ def small_checkpoints(tmp_path_factory):
     return {"sft": cwd / "models" / "sft", "reward_model": cwd / "models" / "reward_model"}
 
 
+def split_rows(data, eval_size=512, seed=1, accepts=(("prompt",), ("text",), ("messages",), ("chosen",))):
+    """(train rows, eval rows) a script makes of a .jsonl file with its --eval-size and --seed: load_data, one text
+    in every LM script (its random hold-out is tested on its own in test_first_hour.py)."""
+    from types import SimpleNamespace
+
+    import sft
+
+    args = SimpleNamespace(dataset_name=str(data), dataset_config=None, dataset_split="train", eval_size=eval_size,
+                           seed=seed)
+    return sft.load_data(args, None, 0, list(accepts), "")
+
+
 def module_name(script):
     """The module a script path imports as: "sft.py" -> "sft", "scale/sft.py" -> "scale.sft"."""
     return script[: -len(".py")].replace("/", ".")

@@ -14,6 +14,7 @@ from conftest import (
     run_in_process,
     run_script,
     same_seed_scalars,
+    split_rows,
 )
 from lm_models import PositionLogits, by_hand
 
@@ -212,19 +213,20 @@ def test_the_sampled_evaluation_completes_each_distinct_prompt_once():
 
 @pytest.mark.parametrize("script", ["dpo.py", "scale/dpo.py"])
 def test_a_run_samples_each_distinct_eval_prompt_once(tiny_checkpoints, tmp_path, script):
-    """The same in a run of either tier (scale/dpo.py finds the distinct prompts in its own main): 40 pairs, two
-    to a prompt, hold out their first tenth, 4 pairs of 2 prompts, and the evaluation's samples are one for each."""
+    """The same in a run of either tier (scale/dpo.py finds the distinct prompts in its own main): 40 pairs of three
+    prompts, 4 held out (a tenth: two share a prompt), and the evaluation's samples are one for each prompt."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     (tmp_path / "prefs.jsonl").write_text("\n".join(
-        json.dumps({"prompt": f"sort {i // 2}8:", "chosen": f"{i // 2}8", "rejected": f"8{i // 2}"}) for i in range(40)))
+        json.dumps({"prompt": f"sort {i % 3}8:", "chosen": f"{i % 3}8", "rejected": f"8{i % 3}"}) for i in range(40)))
     run_in_process(script, "--dataset-name", "prefs.jsonl", "--model-name-or-path", str(tiny_checkpoints["sft"]),
                    "--reward-model-path", "None", "--max-steps", "1", "--batch-size", "4", "--warmup-steps", "0",
                    "--output-dir", "dpo", cwd=tmp_path)
     events = EventAccumulator(only_run_dir(tmp_path), size_guidance={"tensors": 0})
     events.Reload()
     samples = events.Tensors("eval/samples/text_summary")[-1].tensor_proto.string_val[0].decode().split("\n")
-    assert [line.split()[:2] for line in samples] == [["sort", "08:"], ["sort", "18:"]], samples
+    prompts = list(dict.fromkeys(row["prompt"] for row in split_rows(tmp_path / "prefs.jsonl")[1]))
+    assert len(prompts) == 3 and [" ".join(line.split()[:2]) for line in samples] == prompts, samples
 
 
 @pytest.mark.parametrize("loss_type,beta,label_smoothing", [("ipo", 0.3, 0.0), ("sigmoid", 0.2, 0.1)])

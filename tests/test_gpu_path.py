@@ -253,9 +253,9 @@ def test_a_hub_dataset_config_name_reaches_the_loader(tmp_path):
             "".join(json.dumps({"prompt": f"2+2 #{i}", "completion": completion}) + "\n" for i in range(20)))
     (repo / "README.md").write_text("---\nconfigs:\n- config_name: main\n  data_files: main/train.jsonl\n"
                                     "- config_name: socratic\n  data_files: socratic/train.jsonl\n---\n")
-    train, _ = sft.load_rows(str(repo), "socratic", "train", 2)
+    train, _, _ = sft.load_rows(str(repo), "socratic", "train")
     assert {row["completion"] for row in train} == {"two plus two is 4"}
-    train, _ = sft.load_rows(str(repo), "main", "train", 2)
+    train, _, _ = sft.load_rows(str(repo), "main", "train")
     assert {row["completion"] for row in train} == {"4"}
 
 

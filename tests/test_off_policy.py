@@ -149,10 +149,11 @@ def test_the_rollout_lag_samples_with_the_weights_of_k_iterations_before(tiny_ch
 
 @pytest.mark.parametrize("script,mode", [("grpo.py", "token_truncate"), ("scale/grpo.py", "token_mask"),
                                          ("rlhf_ppo.py", "sequence_truncate"), ("scale/rlhf_ppo.py", "sequence_mask")])
-def test_the_correction_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypatch, script, mode):
+def test_the_correction_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypatch, capsys, script, mode):
     """Each mode and both bounds reach sampler_importance_weights with the rollout's log-probs, and what it returns
     multiplies every token's policy loss: replaced by zeros, the policy loss is 0 at every step (the value loss of
-    rlhf_ppo is not weighted). Without --vllm-importance-sampling-correction it is never called."""
+    rlhf_ppo is not weighted). Without --vllm-importance-sampling-correction it is never called. Each run says at
+    its start the lag and the correction, or that there is none."""
     import importlib
 
     module = importlib.import_module(script[:-3].replace("/", "."))
@@ -169,12 +170,17 @@ def test_the_correction_flags_reach_the_loss(small_checkpoints, tmp_path, monkey
                    "--vllm-importance-sampling-clip-min", "0.25", "--vllm-importance-sampling-clip-max", "2.5",
                    "--output-dir", "out", cwd=tmp_path / "zeros")
     assert seen == [(mode, 0.25, 2.5, True)] * 2
+    note = f"note: --rollout-lag 0, corrected by --vllm-importance-sampling-mode {mode} (bounds (0.25, 2.5))\n"
+    assert note in capsys.readouterr().out
     logs = read_scalars(only_run_dir(tmp_path / "zeros"))
     assert [v for _, v in logs["losses/policy_loss"]] == [0.0, 0.0]
     seen.clear()
     run_in_process(script, *flags, "--rollout-lag", "1", "--no-vllm-importance-sampling-correction",
                    "--output-dir", "out", cwd=tmp_path / "off")
     assert seen == [] and all(v != 0 for _, v in read_scalars(only_run_dir(tmp_path / "off"))["losses/policy_loss"])
+    assert "note: --rollout-lag 1, no correction (--vllm-importance-sampling-correction)\n" in capsys.readouterr().out
+    run_in_process(script, *flags, "--output-dir", "out", cwd=tmp_path / "off")  # no lag, no correction: no note
+    assert "note: --rollout-lag" not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("script", ["grpo.py", "scale/grpo.py"])

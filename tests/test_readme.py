@@ -75,21 +75,30 @@ def test_help_of_sft_prints_its_docstring():
 
 @pytest.mark.slow
 def test_the_own_data_example_works_as_written(tmp_path):
-    """The README's own-data example, run as written (its `python` this interpreter, sft.py this checkout's): it
-    makes add.jsonl, trains on it, logs completions of held-out prompts and saves the model."""
+    """The README's own-data example, run as written (its `python` this interpreter, sft.py and grpo.py this
+    checkout's): it makes words.jsonl, trains on it, ends by printing 8 held-out prompts with the completion
+    sampled from each and the data's, mostly right (the last 7 lines of sft.py's output before it saves), and
+    grpo.py then trains from the saved model on the `target` column."""
     import subprocess
     import sys
 
-    from conftest import only_run_dir, read_scalars
+    from conftest import read_scalars
 
-    block = next(b for b in re.findall(r"```bash\n(.*?)```", readme(), re.DOTALL) if "add.jsonl" in b)
-    assert len(block.strip().splitlines()) == 6, block
-    script = block.replace("python sft.py", f"{sys.executable} {os.path.join(ROOT, 'sft.py')}").replace(
-        "python -", f"{sys.executable} -")
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", readme(), re.DOTALL) if "words.jsonl" in b)
+    assert len(block.strip().splitlines()) == 7, block
+    script = re.sub(r"python (sft|grpo)\.py", lambda m: f"{sys.executable} {os.path.join(ROOT, m.group(1))}.py",
+                    block).replace("python -", f"{sys.executable} -")
     proc = subprocess.run(["bash", "-c", "set -e\n" + script], cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "error" not in proc.stdout + proc.stderr and (tmp_path / "models" / "add-sft" / "config.json").exists()
-    logs = read_scalars(only_run_dir(tmp_path))
+    assert "error" not in proc.stdout + proc.stderr and (tmp_path / "models" / "reverse-grpo" / "config.json").exists()
+    lines = proc.stdout.splitlines()
+    last = lines.index("held-out prompts, the completion sampled from each and the data's:")
+    samples = [re.fullmatch(r"    '(\w+):' '(\w*)' \(data: '(\w+)'\)", line) for line in lines[last + 1 : last + 9]]
+    assert all(samples) and lines[last + 9] == "saved to models/reverse-sft", lines[last:]
+    assert all(data == prompt[::-1] for prompt, _, data in (m.groups() for m in samples))  # the data's answer
+    assert sum(answer == data for _, answer, data in (m.groups() for m in samples)) >= 6, lines[last:]  # mostly right
+    runs = {run.name.split("__")[0]: str(run) for run in (tmp_path / "runs").iterdir()}  # runs/<exp>__<seed>__<time>
+    logs = read_scalars(runs["sft"])
     first, last = logs["losses/loss"][0][1], logs["losses/loss"][-1][1]
     assert 0 < last < first / 2, logs["losses/loss"]  # it learned: a cross-entropy, positive, and halved
-    assert 0 < logs["eval/loss"][-1][1] < first / 2, logs["eval/loss"]
+    assert len(read_scalars(runs["grpo"])["rewards/exact_match"]) == 10  # grpo.py read the target column, 10 times

@@ -15,6 +15,7 @@ from conftest import (
     read_scalars,
     run_in_process,
     run_script,
+    split_rows,
 )
 from lm_models import TOKENIZER_KINDS, make_model, make_tokenizer, save_checkpoint
 
@@ -159,9 +160,8 @@ def test_pipeline_on_a_pretrained_checkpoint(tmp_path, arch, dtype, kind):
 
 
 def eval_rows(data):
-    """The rows a script holds out for evaluation from a file with no test split: the first tenth."""
-    rows = [json.loads(line) for line in open(data)]
-    return rows[: len(rows) // 10]
+    """The rows a script holds out for evaluation from a file with no test split, at the default --eval-size and --seed."""
+    return split_rows(data)[1]
 
 
 @torch.no_grad()
@@ -445,10 +445,12 @@ def test_pairs_that_do_not_fit_or_become_equal_are_dropped_and_counted(tmp_path,
                        "--max-steps", "2", "--batch-size", "4", "--warmup-steps", "1", "--output-dir", script, *extra,
                        cwd=tmp_path)
         out = capsys.readouterr().out
-        # 39 rows, the first 3 held out for eval; of the 36 training rows, 10 are too long and 5 have chosen == rejected
-        assert "train: dropped 10 of 36 pairs longer than --max-length 32 (the longest: " in out
-        assert "tokens), 5 whose chosen and rejected are the same" in out
-        assert "eval: dropped" not in out
+        # 39 rows, 3 held out for eval; of the others, 10 − k are too long and 5 − j have chosen == rejected
+        train, held_out = split_rows(tmp_path / "p.jsonl")
+        long, same = (sum(r["prompt"] == long_prompt for r in train), sum(r["chosen"] == r["rejected"] for r in train))
+        assert f"train: dropped {long} of 36 pairs longer than --max-length 32 (the longest: " in out
+        assert f"tokens), {same} whose chosen and rejected are the same" in out and long > 5 and same > 2
+        assert ("eval: dropped" in out) == (long + same < 15), out
 
 
 def test_sft_reports_dropped_examples_and_stops_when_none_fits(tmp_path):
@@ -812,21 +814,27 @@ def test_a_number_out_of_its_interval_is_one_line_before_any_model_is_loaded(scr
     assert not os.listdir(tmp_path)
 
 
-def test_with_no_test_split_the_first_tenth_at_most_is_held_out(tmp_path):
-    """load_rows, one text in the ten LM mains: a dataset with no `test` split holds out its first rows for
-    evaluation, --eval-size of them but never more than a tenth, so that a small dataset still trains on most of
-    its rows; the rest, in order, is the training set. A `test` split is evaluated on up to --eval-size rows."""
-    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps({"prompt": f"p{i}"}) for i in range(40)))
-    for eval_size, held_out in ((512, 4), (2, 2), (0, 0)):
-        train, evals = sft.load_rows(str(tmp_path / "rows.jsonl"), None, "train", eval_size)
-        assert [row["prompt"] for row in evals + train] == [f"p{i}" for i in range(40)] and len(evals) == held_out
+def test_with_no_test_split_a_tenth_at_most_is_held_out_at_random(tmp_path):
+    """load_data, one text in the eleven LM mains: a dataset with no `test` split holds out --eval-size rows drawn
+    at random with --seed, never more than a tenth, so that a small dataset still trains on most of its rows and a
+    sorted file's first rows (the README's example: every `0+b` prompt first) are not all the evaluation sees;
+    the rest, in file order, is the training set. A `test` split is evaluated on up to --eval-size rows."""
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps({"prompt": f"p{i}"}) for i in range(400)))
+    rows = [f"p{i}" for i in range(400)]
+    for eval_size, seed, held_out in ((512, 1, 40), (20, 1, 20), (20, 2, 20), (0, 1, 0)):
+        train, evals = (list(r["prompt"] for r in part) for part in split_rows(tmp_path / "rows.jsonl", eval_size, seed))
+        assert len(evals) == held_out and sorted(evals + train, key=rows.index) == rows and train == sorted(train, key=rows.index)
+        assert evals == split_rows(tmp_path / "rows.jsonl", eval_size, seed)[1] or not evals  # the same with one seed
+        if evals:  # drawn from the whole file, not its start
+            assert max(rows.index(p) for p in evals) > 200 and evals != rows[:held_out]
+    assert split_rows(tmp_path / "rows.jsonl", 20, 1)[1] != split_rows(tmp_path / "rows.jsonl", 20, 2)[1]
     # with a `test` split, that split is the eval set, its first --eval-size rows, and `train` is trained on whole
     import datasets
 
     datasets.DatasetDict({"train": datasets.Dataset.from_list([{"prompt": f"p{i}"} for i in range(40)]),
                           "test": datasets.Dataset.from_list([{"prompt": f"t{i}"} for i in range(30)])}
                          ).save_to_disk(str(tmp_path / "splits"))
-    train, evals = sft.load_rows(str(tmp_path / "splits"), None, "train", 20)
+    train, evals = split_rows(tmp_path / "splits", 20)
     assert len(train) == 40 and [row["prompt"] for row in evals] == [f"t{i}" for i in range(20)]
 
 
@@ -854,7 +862,7 @@ def test_load_data_reads_the_config_and_split_asked(script, tmp_path):
     module = importlib.import_module(script)
     args = SimpleNamespace(dataset_name=str(repo), dataset_config="socratic", dataset_split="extra", eval_size=2, seed=1)
     train, evals = module.load_data(args, None, 10, [("prompt",)], "needs a prompt")
-    assert len(train) == 18 and len(evals) == 2  # no `test` split: the first rows, a tenth at most, held out
+    assert len(train) == 18 and len(evals) == 2  # no `test` split: a tenth at most held out
     assert {row["completion"] for row in train + evals} == {"socratic/extra"}
 
 

@@ -15,6 +15,7 @@ from conftest import (
     run_in_process,
     run_script,
     same_seed_scalars,
+    split_rows,
 )
 
 import sft
@@ -175,7 +176,7 @@ def test_one_step_lowers_the_completion_nll_of_its_batch(tiny_checkpoints, tmp_p
 
 def test_an_exception_with_an_empty_message_still_makes_one_line(tmp_path):
     """An error that quotes an exception quotes its first line, or its type when the message is empty (datasets
-    raises a bare StopIteration on an empty .jsonl file, which check_json_file now names itself)."""
+    raises a bare StopIteration on an empty .jsonl file, which read_json_rows reads and names itself)."""
     assert sft.first_line(StopIteration()) == "StopIteration" and sft.first_line(ValueError("a\nb")) == "a"
     (tmp_path / "empty.jsonl").write_text("")
     assert one_line_exit("sft.py", *TINY_LM, "--dataset-name", "empty.jsonl", cwd=tmp_path) == \
@@ -226,10 +227,10 @@ def test_the_batch_size_and_max_length_reach_every_update(tiny_checkpoints, tmp_
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoints["sft"])
-    rows = sort_rows(60, seed=7)  # the first 6 held out for evaluation
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in sort_rows(60, seed=7)))
+    train = split_rows(tmp_path / "rows.jsonl")[0]  # 6 held out for evaluation
     length = lambda r: sum(len(tokenizer(r[k], add_special_tokens=False)["input_ids"]) for k in r) + 1  # noqa: E731
-    assert sum(length(r) > 16 for r in rows[6:]) > 30 and sum(length(r) <= 16 for r in rows[6:]) >= 6
-    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    assert sum(length(r) > 16 for r in train) > 30 and sum(length(r) <= 16 for r in train) >= 6
     run_in_process("sft.py", "--model-name-or-path", str(tiny_checkpoints["sft"]), "--dataset-name", "rows.jsonl",
                    "--max-steps", "4", "--batch-size", "3", "--max-length", "16", "--eval-every", "100",
                    "--output-dir", "out", cwd=tmp_path)
