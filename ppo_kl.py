@@ -594,7 +594,8 @@ class Progress:
         if self.on and now - self.last >= self.every and done > self.first:
             rate = (done - self.first) / (now - self.start)
             left = datetime.timedelta(seconds=round((self.total - done) / rate))
-            print(f"{done:,}/{self.total:,} {self.unit} ({done / self.total:.0%}), {rate:,.3g} {self.unit}/s, {left} left"
+            speed = f"{rate:,.0f}" if rate >= 100 else f"{rate:.3g}"
+            print(f"{done:,}/{self.total:,} {self.unit} ({done / self.total:.0%}), {speed} {self.unit}/s, {left} left"
                   + f", {note}" * bool(note))
             self.last = now
 

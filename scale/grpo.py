@@ -87,7 +87,8 @@ class Args:
     that waits for a core stalls the others at every step, so leaving a core free keeps a run's speed on a busy
     machine; README's quickstart has the figures)"""
     progress: bool = True
-    """on a terminal, a line every ~10 s: the steps done, their rate, the time left and the batch's mean reward (--no-progress: none)"""
+    """on a terminal, a line every ~10 s: the steps done, their rate, the time left and the batch's mean reward
+    (--no-progress: none)"""
     model_name_or_path: Annotated[str, tyro.conf.arg(aliases=("--sft-model-path",))] = "models/sft"
     """hub id or local directory of the policy's start and the frozen reference (sft.py's output by default; TRL:
     model_name_or_path; --sft-model-path works too in this release, grpo.py's and rlhf_ppo.py's old name)"""
@@ -1311,9 +1312,10 @@ def row_problem(row, columns):
             kinds[column] = "text"
         elif isinstance(value, list) and column != "text":
             for j, message in enumerate(value, 1):
-                if not isinstance(message, dict) or message.get("role") not in roles:
-                    role = message.get("role") if isinstance(message, dict) else f"a {type(message).__name__}"
-                    return f"`{column}`, message {j}: {role!r} is not a role ({', '.join(roles)})"
+                if not isinstance(message, dict):
+                    return f"`{column}`, message {j} is a {type(message).__name__}, not a {{role, content}} object"
+                if message.get("role") not in roles:
+                    return f"`{column}`, message {j}: {message.get('role')!r} is not a role ({', '.join(roles)})"
                 if not isinstance(message.get("content"), str) and "tool_calls" not in message:
                     return f"`{column}`, message {j}: its `content` is not text"
             kinds[column] = "a conversation"
@@ -2333,7 +2335,8 @@ class Progress:
         if self.on and now - self.last >= self.every and done > self.first:
             rate = (done - self.first) / (now - self.start)
             left = datetime.timedelta(seconds=round((self.total - done) / rate))
-            print(f"{done:,}/{self.total:,} {self.unit} ({done / self.total:.0%}), {rate:,.3g} {self.unit}/s, {left} left"
+            speed = f"{rate:,.0f}" if rate >= 100 else f"{rate:.3g}"
+            print(f"{done:,}/{self.total:,} {self.unit} ({done / self.total:.0%}), {speed} {self.unit}/s, {left} left"
                   + f", {note}" * bool(note))
             self.last = now
 

@@ -153,7 +153,7 @@ BAD_ROWS = [
     ("explicit", {"prompt": None, "chosen": " 1 3", "rejected": " 3 1"}, "no `prompt` (missing or null)"),
     ("implicit", {"chosen": "sort 3 1: 1 3", "rejected": 3.1}, "`rejected` is a number (3.1), not text or a list"),
     ("conversational_explicit", {"prompt": USER, "chosen": ["1 3"], "rejected": [{"role": "assistant", "content": "3 1"}]},
-     "`chosen`, message 1: 'a str' is not a role"),
+     "`chosen`, message 1 is a str, not a {role, content} object"),
     ("conversational_implicit", {"chosen": [*USER, {"role": "assistant", "content": "1 3"}], "rejected": USER[0]},
      "`rejected` is an object, not text or a list of messages"),
     ("text_prompts", {"prompt": ""}, "`prompt` is empty"),
@@ -350,6 +350,8 @@ def test_progress_is_a_line_every_ten_seconds_on_a_terminal_only(script, monkeyp
         "20/500 steps (4%), 2 steps/s, 0:04:00 left\n42/500 steps (8%), 2 steps/s, 0:03:49 left, reward 0.500\n")
     assert run(script.Progress(5000, "steps", True, done=4000), (10, 4020, "")) == (
         "4,020/5,000 steps (80%), 2 steps/s, 0:08:10 left\n")
+    assert run(script.Progress(500_000, "env steps", True), (10, 51_230, "")) == (  # a fast rate: no exponent
+        "51,230/500,000 env steps (10%), 5,123 env steps/s, 0:01:28 left\n")
     assert run(script.Progress(500, "steps", False), (10, 20, "")) == ""
     monkeypatch.setattr(sys.stdout, "isatty", lambda: False)
     assert run(script.Progress(500, "steps", True), (10, 20, "")) == ""

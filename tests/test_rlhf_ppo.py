@@ -161,7 +161,7 @@ def test_real_data_paths_with_local_files(tiny_checkpoints, tmp_path, monkeypatc
     prompts = [f"sort {i}{i + 3}1{'9' * (4 * (i % 3))}:" for i in range(60)]
     (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in prompts))
     train = [row["prompt"] for row in split_rows(tmp_path / "prompts.jsonl")[0]]  # 6 held out
-    assert sum(len(p.encode()) <= 12 for p in train) == 18  # batches of 16
+    assert sum(len(p.encode()) <= 12 for p in train) >= 16  # batches of 16
     models = tiny_checkpoints["cwd"] / "models"
     run_in_process("rlhf_ppo.py", *PPO_TINY, "--dataset-name", "prompts.jsonl", "--model-name-or-path", str(models / "sft"),
                    "--reward-model-path", str(models / "reward_model"), "--max-prompt-length", "12",
