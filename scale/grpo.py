@@ -1134,12 +1134,13 @@ def task_rows(seed, split, n, task_row):
 # exactly the token sequences SFT trained on and PPO, DPO and GRPO produce. Data rows are in TRL's
 # formats: text, or conversations (lists of {"role", "content"} messages) rendered by the chat template.
 # ---------------------------------------------------------------------------------------------
-def render_chat(tokenizer, messages, add_generation_prompt=False):
-    """Token ids of a conversation rendered by the tokenizer's chat template."""
+def render_chat(tokenizer, messages, add_generation_prompt=False, tools=None):
+    """Token ids of a conversation rendered by the tokenizer's chat template, with the JSON schemas of `tools`
+    (a row's `tools` column, TRL's) where there are any."""
     if tokenizer.chat_template is None:
         sys.exit("error: the data is conversational (lists of role/content messages) but the tokenizer has no "
                  "chat template; use a chat model's tokenizer, or text data")
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
+    ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=add_generation_prompt)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in transformers 5
 
 

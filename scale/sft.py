@@ -463,12 +463,13 @@ def task_rows(seed, split, n, task_row):
 # exactly the token sequences SFT trained on and PPO, DPO and GRPO produce. Data rows are in TRL's
 # formats: text, or conversations (lists of {"role", "content"} messages) rendered by the chat template.
 # ---------------------------------------------------------------------------------------------
-def render_chat(tokenizer, messages, add_generation_prompt=False):
-    """Token ids of a conversation rendered by the tokenizer's chat template."""
+def render_chat(tokenizer, messages, add_generation_prompt=False, tools=None):
+    """Token ids of a conversation rendered by the tokenizer's chat template, with the JSON schemas of `tools`
+    (a row's `tools` column, TRL's) where there are any."""
     if tokenizer.chat_template is None:
         sys.exit("error: the data is conversational (lists of role/content messages) but the tokenizer has no "
                  "chat template; use a chat model's tokenizer, or text data")
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
+    ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=add_generation_prompt)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in transformers 5
 
 
@@ -549,13 +550,15 @@ def add_pad_token(tokenizer, stop_ids, *models):
 def tokenize(example, tokenizer, stop_ids):
     """(input_ids, labels) of one example, labels −100 where no loss is taken:
     prompt/completion (text or conversational): the loss on the completion and its stop token;
-    text: on every token, EOS appended; messages: on each assistant turn up to its stop token."""
+    text: on every token, EOS appended; messages: on each assistant turn up to its stop token (tool calls and
+    `tool` turns as TRL's, the tools' schemas from a `tools` column: the loss on the assistant's turns only)."""
     if example.get("messages") is not None:
         messages, ids, labels, stopped = example["messages"], [], [], True
+        tools = json.loads(example["tools"]) if isinstance(example.get("tools"), str) else example.get("tools")
         for i, message in enumerate(messages):
-            renders = [render_chat(tokenizer, messages[: i + 1])]
+            renders = [render_chat(tokenizer, messages[: i + 1], tools=tools)]
             if message["role"] == "assistant":  # the assistant header is prompt, not completion
-                renders.insert(0, render_chat(tokenizer, messages[:i], add_generation_prompt=True))
+                renders.insert(0, render_chat(tokenizer, messages[:i], add_generation_prompt=True, tools=tools))
             for full in renders:
                 # Each render must extend the previous one. Templates that re-render earlier turns once later
                 # ones exist (e.g. dropping past reasoning) break this, and the labels would be misplaced.

@@ -13,12 +13,25 @@ LLAMA2_CHAT = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' 
 LLAMA3_CHAT = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
                "{{ m['content'] }}<|eot_id|>{% endfor %}"
                "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+# Qwen2.5's tool format, written here: the tools' JSON schemas in a system turn, a call as <tool_call>{json}</tool_call>
+# in the assistant's turn, a result as a user turn's <tool_response>
+CHATML_TOOLS = (
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools>\n"
+    "Call a function as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n"
+    "</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] or '' }}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>\n{\"name\": \"{{ c['function']['name'] }}\", "
+    "\"arguments\": {{ c['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 TOKENIZER_KINDS = {
     # GPT-2: EOS, no pad, no BOS prepended, no chat template
     "eos_no_pad": dict(special=["<|endoftext|>"], bos="<|endoftext|>", eos="<|endoftext|>"),
     # Qwen2 base: pad == EOS, a ChatML template whose end of turn <|im_end|> is not EOS
     "pad_is_eos": dict(special=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], eos="<|endoftext|>",
                        pad="<|endoftext|>", chat_template=CHATML),
+    # Qwen2.5 instruct: as pad_is_eos, with a template that renders tools, tool calls and tool results
+    "tools": dict(special=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], eos="<|endoftext|>",
+                  pad="<|endoftext|>", chat_template=CHATML_TOOLS),
     # Llama 2 / Mistral: BOS prepended, no pad, a template that ends turns with EOS
     "bos": dict(special=["<s>", "</s>", "<unk>"], bos="<s>", eos="</s>", unk="<unk>", prepend_bos=True,
                 chat_template=LLAMA2_CHAT),
@@ -68,6 +81,7 @@ def make_model(arch, vocab_size, **overrides):
 
     common = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, max_position_embeddings=128)
+    common |= {k: overrides.pop(k) for k in list(overrides) if k in common}
     if arch == "llama":
         return LlamaForCausalLM(LlamaConfig(**common, num_key_value_heads=2, **overrides))
     if arch == "qwen2":

@@ -851,7 +851,8 @@ BREAKS = {
     "scale_rlhf_ppo_lag_said_always": ("scale/rlhf_ppo.py",
                                        "if args.rollout_lag or args.vllm_importance_sampling_correction:  # said",
                                        "if True:  # said", "tests/test_off_policy.py"),
-    **{name: (script, old, new, "tests/test_first_hour.py") for name, script, old, new in [
+    **{name: (script, old, new, "tests/test_first_hour.py" if "tools" not in name else "tests/test_sft.py")
+       for name, script, old, new in [
         ("sft_threads_take_every_core", "sft.py", "return max(1, cores - 1)", "return cores"),
         ("sft_ignores_threads", "sft.py", "torch.set_num_threads(cpu_threads(args.threads))",
          "torch.set_num_threads(cpu_threads(None))"),
@@ -880,6 +881,14 @@ BREAKS = {
          "            if False:  # the run's"),
         ("sft_samples_data_is_the_whole_text", "sft.py", "[t for t in label[len(p) :] if t != -100]",
          "[t for t in label if t != -100]"),
+        ("sft_tools_not_rendered", "sft.py",
+         'tools = json.loads(example["tools"]) if isinstance(example.get("tools"), str) else example.get("tools")',
+         "tools = None"),
+        ("scale_sft_tools_text_not_parsed", "scale/sft.py",
+         'tools = json.loads(example["tools"]) if isinstance(example.get("tools"), str) else example.get("tools")',
+         'tools = example.get("tools")'),
+        ("sft_render_chat_drops_tools", "sft.py", "apply_chat_template(messages, tools=tools, tokenize=True,",
+         "apply_chat_template(messages, tokenize=True,"),
         ("sft_never_offline", "sft.py", "hub.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True", "pass"),
         ("scale_dpo_tokenizer_asks_the_hub_anyway", "scale/dpo.py",
          'offline = "" if os.path.isdir(path) else offline_unless_the_hub_answers(path)', 'offline = ""'),
