@@ -77,8 +77,8 @@ def test_help_of_sft_prints_its_docstring():
 def test_the_own_data_example_works_as_written(tmp_path):
     """The README's own-data example, run as written (its `python` this interpreter, sft.py and grpo.py this
     checkout's): it makes words.jsonl, trains on it, ends by printing 8 held-out prompts with the completion
-    sampled from each and the data's, mostly right (the last 7 lines of sft.py's output before it saves), and
-    grpo.py then trains from the saved model on the `target` column."""
+    sampled from each and the data's, mostly right (sft.py's last lines before it saves), and grpo.py then trains
+    from the saved model on the `target` column."""
     import subprocess
     import sys
 
@@ -92,11 +92,11 @@ def test_the_own_data_example_works_as_written(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "error" not in proc.stdout + proc.stderr and (tmp_path / "models" / "reverse-grpo" / "config.json").exists()
     lines = proc.stdout.splitlines()
-    last = lines.index("held-out prompts, the completion sampled from each and the data's:")
-    samples = [re.fullmatch(r"    '(\w+):' '(\w*)' \(data: '(\w+)'\)", line) for line in lines[last + 1 : last + 9]]
-    assert all(samples) and lines[last + 9] == "saved to models/reverse-sft", lines[last:]
+    header = lines.index("held-out prompts, the completion sampled from each and the data's:")
+    samples = [re.fullmatch(r"    '(\w+):' '(\w*)' \(data: '(\w+)'\)", line) for line in lines[header + 1 : header + 9]]
+    assert all(samples) and lines[header + 9] == "saved to models/reverse-sft", lines[header:]
     assert all(data == prompt[::-1] for prompt, _, data in (m.groups() for m in samples))  # the data's answer
-    assert sum(answer == data for _, answer, data in (m.groups() for m in samples)) >= 6, lines[last:]  # mostly right
+    assert sum(answer == data for _, answer, data in (m.groups() for m in samples)) >= 6, lines[header:]  # mostly right
     runs = {run.name.split("__")[0]: str(run) for run in (tmp_path / "runs").iterdir()}  # runs/<exp>__<seed>__<time>
     logs = read_scalars(runs["sft"])
     first, last = logs["losses/loss"][0][1], logs["losses/loss"][-1][1]
