@@ -51,8 +51,8 @@ def heldout_problem(rng):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="data/arithmetic/gsm8k_format.jsonl")
-    parser.add_argument("--num-rows", type=int, default=6000, help="the scripts hold out the first tenth (at most "
-                        "--eval-size rows) as their eval set")
+    parser.add_argument("--num-rows", type=int, default=6000, help="the scripts hold out a tenth at most (--eval-size "
+                        "rows), drawn at random with --seed, as their eval set")
     parser.add_argument("--max-term", type=int, default=50, help="each term is uniform in [1, max-term]")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--task", choices=("arithmetic", "heldout"), default="arithmetic")
