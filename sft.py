@@ -274,13 +274,28 @@ def prompt_length(labels):
     return start if start > 0 else max(1, len(labels) // 2)
 
 
+# The built-in tiny model's chat template, over ByT5's bytes: `role: content</s>` a turn (EOS ends it), the tools'
+# names on a first line, a tool call in Qwen2.5's format with compact JSON, <tool_call> and </tool_call> one token
+# each (make_tokenizer adds them); agent_grpo.py's built-in task uses it
+BYTE_CHAT_TEMPLATE = (
+    "{% if tools %}tools: {{ tools | map(attribute='function') | map(attribute='name') | join(', ') }}\n{% endif %}"
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] or '' }}{% for c in m.get('tool_calls') or [] %}"
+    "<tool_call>{\"name\":\"{{ c['function']['name'] }}\",\"arguments\":"
+    "{{ c['function']['arguments'] | tojson(separators=(',', ':')) }}}</tool_call>{% endfor %}</s>{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
 def make_tokenizer(path):
     """The tokenizer of the model at `path`; with no path, a byte-level one that needs no files (ByT5's: pad 0
-    differs from EOS 1), for the tiny model of the built-in task."""
+    differs from EOS 1), for the tiny model of the built-in task, with a chat template of its own that renders tools
+    (BYTE_CHAT_TEMPLATE)."""
     if path is None:
         from transformers import ByT5Tokenizer
 
-        return ByT5Tokenizer()
+        tokenizer = ByT5Tokenizer()
+        tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
+        tokenizer.chat_template = BYTE_CHAT_TEMPLATE
+        return tokenizer
     return load_tokenizer(path, "pass an existing directory or a hub id")
 
 

@@ -720,7 +720,8 @@ def main(args: Args):
                                                           args)
                     policy_loss = aggregate_loss(per_token, batch.loss_mask[idx], args.loss_type, args.mini_batch_size,
                                                  batch.num_tokens, args.response_length)
-                    kl_penalty = kl_to_reference(logprobs, old.ref_logprobs, batch.loss_mask, idx, batch.num_tokens, args)
+                    kl_penalty = kl_to_reference(logprobs, old.ref_logprobs, batch.loss_mask, idx, batch.num_tokens,
+                                                 args.response_length, args)
                     # DDP and FSDP average the ranks' gradients; × world_size turns that into the minibatch's sum
                     ((policy_loss + kl_penalty) * world_size).backward()
                     accumulate_grpo_stats(stats, policy_loss, kl_penalty, ratio, advantages[idx], batch.mask[idx], masked,
@@ -895,14 +896,14 @@ def grpo_token_losses(ratio, logprobs, advantages, batch, old, mb, epsilon_high,
     return losses, masked
 
 
-def kl_to_reference(logprobs, ref_logprobs, loss_mask, mb, num_tokens, args):
+def kl_to_reference(logprobs, ref_logprobs, loss_mask, mb, num_tokens, max_completion_length, args):
     """The KL penalty of minibatch `mb`, β · D_KL[π_θ ‖ π_ref] with k3 per token, aggregated as the policy loss
-    (TRL's); 0 when β = 0."""
+    (TRL's, with the same normalizers: N = `num_tokens`, L_max = `max_completion_length`); 0 when β = 0."""
     if args.beta == 0:
         return torch.zeros((), device=logprobs.device)
     _, k3 = kl_estimators(logprobs, ref_logprobs[mb], loss_mask[mb])
     return args.beta * aggregate_loss(k3, loss_mask[mb], args.loss_type, args.mini_batch_size, num_tokens,
-                                      args.response_length)
+                                      max_completion_length)
 
 
 @torch.no_grad()

@@ -16,7 +16,7 @@ import sft
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RL_SCRIPTS = ["ppo_clip", "ppo_kl", "ppo_continuous"]
 LM_SCRIPTS = ["sft", "reward_model", "dpo", "rlhf_ppo", "grpo"]
-DISTILL = ["distill"]  # top-level only: no scale/ sibling
+DISTILL = ["distill", "agent_grpo"]  # top-level only: no scale/ sibling
 SCALE_SCRIPTS = [f"scale/{script}" for script in LM_SCRIPTS]  # the full programs the top-level LM files are the reference of
 OWN = {"Args", "Agent", "act", "evaluate", "main", "check_args", "load_models"}  # each script's own
 BANNER = "# Plumbing"
@@ -225,8 +225,9 @@ def rewards_section(text):
     return text[text.rindex("\n# ----", 0, text.index(REWARDS)) + 1 : text.index("\ndef check_args(")]
 
 
-def test_the_reward_functions_are_one_text_in_grpo_and_rlhf_ppo():
-    first, *others = (rewards_section(read(script)) for script in ("grpo", "rlhf_ppo", "scale/grpo", "scale/rlhf_ppo"))
+def test_the_reward_functions_are_one_text_in_grpo_rlhf_ppo_and_agent_grpo():
+    first, *others = (rewards_section(read(script)) for script in ("grpo", "rlhf_ppo", "agent_grpo", "scale/grpo",
+                                                                   "scale/rlhf_ppo"))
     assert all(other == first for other in others) and "BUILTIN_REWARDS = {" in first and first.count("\ndef ") == 6
 
 

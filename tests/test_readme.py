@@ -7,7 +7,7 @@ import re
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = ["ppo_clip", "ppo_kl", "ppo_continuous", "sft", "reward_model", "dpo", "rlhf_ppo", "grpo", "distill"]
+SCRIPTS = ["ppo_clip", "ppo_kl", "ppo_continuous", "sft", "reward_model", "dpo", "rlhf_ppo", "grpo", "distill", "agent_grpo"]
 
 
 def readme():
@@ -47,7 +47,7 @@ def test_every_tag_the_script_names_is_in_docs_tags(script):
         documented = set(re.findall(r"`([a-z]+/[a-z_0-9/<>]+)`", f.read()))
     with open(os.path.join(ROOT, f"{script}.py"), encoding="utf-8") as f:
         source = f.read()
-    prefixes = "charts|losses|objective|policy|val|eval|train|rewards|rollout"
+    prefixes = "charts|losses|objective|policy|val|eval|train|rewards|rollout|tools"
     tags = set(re.findall(rf'"((?:{prefixes})/[a-z_0-9/]*[a-z_0-9])"', source))  # not a prefix such as "rewards/"
     assert len(tags) >= 5, tags  # the pattern still finds the script's tags
     assert tags <= documented, sorted(tags - documented)
