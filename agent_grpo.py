@@ -18,7 +18,8 @@ offline: products of two or three numbers, which the tiny model cannot multiply 
 of three takes two calls, the second on the first's result.
 
     python agent_grpo.py --write-sft-data data/tools.jsonl    # demonstrations of the built-in task, for sft.py
-    python sft.py --dataset-name data/tools.jsonl --max-length 256 --max-steps 600 --output-dir models/sft_tools
+    python sft.py --dataset-name data/tools.jsonl --max-length 336 --max-steps 400 --batch-size 32 --warmup-steps 40 \\
+        --output-dir models/sft_tools
     python agent_grpo.py                                       # GRPO with the tool, from models/sft_tools
     python agent_grpo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --dataset-name my.jsonl \\
         --tools my_tools.py:search,lookup --reward-fn my_rewards.py:correct --lr 1e-6
@@ -102,7 +103,7 @@ class Args:
     save_dtype: str | None = None
     """dtype of the saved weights (float32, bfloat16, float16); None: that of --model-name-or-path"""
 
-    num_iterations: int = 60
+    num_iterations: int = 120
     """rollout-then-update rounds"""
     num_generations: int = 8
     """G: episodes sampled per prompt; the group's rewards are each episode's baseline"""
@@ -186,7 +187,7 @@ def episode_tokens(turns):
     by m: the policy is trained on its own tokens only, conditioned on all."""
     ids = [t for turn, _, _ in turns for t in turn]
     mask = [float(sampled) for turn, sampled, _ in turns for _ in turn]
-    logprobs = [lp if sampled else 0.0 for turn, sampled, lps in turns for lp in (lps if sampled else [0.0] * len(turn))]
+    logprobs = [lp for turn, sampled, lps in turns for lp in (lps if sampled else [0.0] * len(turn))]
     return ids, mask, logprobs
 
 
@@ -209,6 +210,7 @@ def group_advantages(rewards, num_generations, scale_rewards=True, eps=1e-4):
         advantages = advantages / (std + eps)
     return advantages.flatten()
 
+
 def rloo_advantages(rewards, num_generations):
     """RLOO's leave-one-out baseline (Ahmadian et al. 2024): each completion against the mean reward of the
     other G − 1 completions of its prompt, an unbiased baseline because it does not depend on o_i:
@@ -219,6 +221,7 @@ def rloo_advantages(rewards, num_generations):
     groups = rewards.view(-1, num_generations)
     baseline = (groups.nansum(1, keepdim=True) - groups) / ((~groups.isnan()).sum(1, keepdim=True) - 1)
     return (groups - baseline).flatten()
+
 
 def reinforce_pp_advantages(rewards, num_generations, group_baseline, eps=1e-8):
     """REINFORCE++ (Hu 2025): no group statistics in the scale; the rewards are normalized over the whole batch,
@@ -236,6 +239,7 @@ def reinforce_pp_advantages(rewards, num_generations, group_baseline, eps=1e-8):
     mean = x.nansum() / scored
     return (x - mean) * torch.rsqrt(((x - mean) ** 2).nansum() / scored + eps)
 
+
 def compute_advantages(rewards, num_generations, advantage, scale_rewards):
     """Â_i of each completion by --advantage: grpo (group_advantages, with --no-scale-rewards Dr. GRPO's), rloo
     (rloo_advantages), reinforce_pp and reinforce_pp_baseline (reinforce_pp_advantages, over the whole batch).
@@ -248,6 +252,7 @@ def compute_advantages(rewards, num_generations, advantage, scale_rewards):
     else:
         advantages = group_advantages(rewards, num_generations, scale_rewards)
     return advantages.nan_to_num(0.0)
+
 
 def sampler_importance_weights(old_logprobs, sampler_logprobs, mask, mode, clip_min, clip_max):
     """The weight of each token's loss that corrects for sampling from π_sampler (weights --rollout-lag iterations
@@ -270,6 +275,7 @@ def sampler_importance_weights(old_logprobs, sampler_logprobs, mask, mode, clip_
         return ratio.clamp(low, high)
     return ratio * ((ratio >= low) & (ratio <= high))
 
+
 def off_policy_sequence_mask(advantages, logprobs, sampler_logprobs, mask, delta):
     """DeepSeek-V3.2's off-policy sequence masking (DeepSeek-AI 2025, arXiv 2512.02556, eq. 9): leave out of the loss
     a completion with a negative advantage that the policy has moved far from, measured from the sampler's tokens,
@@ -281,6 +287,7 @@ def off_policy_sequence_mask(advantages, logprobs, sampler_logprobs, mask, delta
     kl = ((sampler_logprobs - logprobs.detach()) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
     return ((advantages.unsqueeze(1) >= 0) | (kl <= delta)).to(mask.dtype)
 
+
 def sampler_mismatch(old_logprobs, sampler_logprobs, mask, bound):
     """How far the sampler is from the policy the update starts from, over the rollout's tokens, for the rollout/
     tags: the sum and the max of |log π_sampler − log π_old|, the sum of k3, the per-token estimate of
@@ -291,6 +298,7 @@ def sampler_mismatch(old_logprobs, sampler_logprobs, mask, bound):
     return (log_r.abs().sum(), log_r.abs().max(), ((log_r.exp() - 1 - log_r) * mask).sum(),
             ((log_r.abs() > math.log(bound)) * mask).sum())
 
+
 def kl_estimators(logprobs, ref_logprobs, mask):
     """Per-token estimators of KL[π_θ ‖ π_ref] on tokens sampled from π_θ (Schulman 2020, "Approximating
     KL divergence"), with log r = log π_ref − log π_θ:
@@ -299,6 +307,7 @@ def kl_estimators(logprobs, ref_logprobs, mask):
     Returns (k1, k3), zero on padding."""
     log_r = ref_logprobs - logprobs
     return -log_r * mask, (log_r.exp() - 1 - log_r) * mask
+
 
 def importance_ratio(logprobs, old_logprobs, mask, level):
     """The importance ratio of each token, [B, T]: level "token", ρ_t = π_θ(o_t | q, o_<t) / π_old(o_t | q, o_<t);
@@ -312,6 +321,7 @@ def importance_ratio(logprobs, old_logprobs, mask, level):
         log_ratio = ((log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(log_ratio)
     return torch.exp(log_ratio)
 
+
 def clipped_surrogate(ratio, advantages, epsilon_low, epsilon_high):
     """PPO's clipped surrogate per token, negated to be minimized, with DAPO's separate upper bound
     (clip-higher, Yu et al. 2025; epsilon_high = epsilon_low is PPO's):
@@ -321,6 +331,7 @@ def clipped_surrogate(ratio, advantages, epsilon_low, epsilon_high):
     `advantages` has one value per completion, broadcast over its tokens."""
     advantages = advantages.unsqueeze(1)
     return -torch.min(ratio * advantages, torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * advantages)
+
 
 def cispo_loss(ratio, logprobs, advantages, epsilon_high):
     """CISPO (MiniMax-M1, 2025, eq. 4): clip the importance weight itself and stop its gradient, instead of
@@ -334,12 +345,14 @@ def cispo_loss(ratio, logprobs, advantages, epsilon_high):
     over the tokens and divided by the rollout's tokens per step (aggregate_loss's cispo, the paper's 1/Σ|o_i|)."""
     return -torch.clamp(ratio, max=epsilon_high).detach() * advantages.unsqueeze(1) * logprobs
 
+
 def token_losses(ratio, logprobs, advantages, loss_type, epsilon_low, epsilon_high):
     """The per-token loss l_t by --loss-type: CISPO's (cispo_loss) for cispo, else the clipped surrogate
     (clipped_surrogate); aggregate_loss then makes them one number."""
     if loss_type == "cispo":
         return cispo_loss(ratio, logprobs, advantages, epsilon_high)
     return clipped_surrogate(ratio, advantages, epsilon_low, epsilon_high)
+
 
 def clipped_tokens(ratio, advantages, epsilon_low, epsilon_high, loss_type):
     """(low, high): where the clip is active on each side. The clipped surrogate cuts a token's gradient when ρ_t
@@ -349,6 +362,7 @@ def clipped_tokens(ratio, advantages, epsilon_low, epsilon_high, loss_type):
         return torch.zeros_like(ratio, dtype=torch.bool), ratio > epsilon_high
     advantages = advantages.unsqueeze(1)
     return (ratio < 1 - epsilon_low) & (advantages < 0), (ratio > 1 + epsilon_high) & (advantages > 0)
+
 
 def aggregate_loss(per_token_loss, mask, loss_type, num_sequences, num_tokens, max_completion_length):
     """The per-token losses l_it of a (micro-)batch as one number. The normalizers are those of the whole
@@ -1001,6 +1015,7 @@ class RewardTerms:
     reward: torch.nn.Module | None
     names: list
 
+
 @dataclass
 class OldPolicy:
     """π_old on the rollout, the policy the update starts from; token tensors are [B, response_length]."""
@@ -1011,6 +1026,7 @@ class OldPolicy:
     k3: torch.Tensor | None
     mismatch: tuple  # the sampler's distance from π_old (sampler_mismatch)
     is_weights: torch.Tensor | None  # the sampler correction's weights (sampler_correction); None without it
+
 
 def old_policy(policy, ref, batch, logprobs_of, args):
     """π_old's and π_ref's log-probs of the rollout's tokens, the KL between them (none when β = 0), and the
@@ -1023,6 +1039,7 @@ def old_policy(policy, ref, batch, logprobs_of, args):
     return OldPolicy(logprobs, entropy, ref_logprobs, k1, k3,
                      *sampler_correction(logprobs, batch.sampler_logprobs, batch.mask, args))
 
+
 def sampler_correction(old_logprobs, sampler_logprobs, mask, args):
     """How far the sampler is from π_old (sampler_mismatch, for the rollout/ tags) and, with
     --vllm-importance-sampling-correction, the weight of each token that corrects for it
@@ -1034,6 +1051,7 @@ def sampler_correction(old_logprobs, sampler_logprobs, mask, args):
                                                 args.vllm_importance_sampling_mode,
                                                 args.vllm_importance_sampling_clip_min,
                                                 args.vllm_importance_sampling_clip_max)
+
 
 def grpo_token_losses(ratio, logprobs, advantages, batch, old, mb, epsilon_high, args):
     """Each token's loss of minibatch `mb` (token_losses), weighed by the sampler correction (the sampler was not
@@ -1049,6 +1067,7 @@ def grpo_token_losses(ratio, logprobs, advantages, batch, old, mb, epsilon_high,
         losses, masked = losses * kept, (1 - kept).sum()
     return losses, masked
 
+
 def kl_to_reference(logprobs, ref_logprobs, loss_mask, mb, num_tokens, max_completion_length, args):
     """The KL penalty of minibatch `mb`, β · D_KL[π_θ ‖ π_ref] with k3 per token, aggregated as the policy loss
     (TRL's, with the same normalizers: N = `num_tokens`, L_max = `max_completion_length`); 0 when β = 0."""
@@ -1057,6 +1076,7 @@ def kl_to_reference(logprobs, ref_logprobs, loss_mask, mb, num_tokens, max_compl
     _, k3 = kl_estimators(logprobs, ref_logprobs[mb], loss_mask[mb])
     return args.beta * aggregate_loss(k3, loss_mask[mb], args.loss_type, args.mini_batch_size, num_tokens,
                                       max_completion_length)
+
 
 @torch.no_grad()
 def accumulate_grpo_stats(stats, policy_loss, kl_penalty, ratio, advantages, mask, masked, first, epsilon_high, args):
@@ -1070,6 +1090,7 @@ def accumulate_grpo_stats(stats, policy_loss, kl_penalty, ratio, advantages, mas
     stats["off_policy_masked"] += masked.item()
     if first:
         stats["first_ratio_max_error"] = (ratio - 1).abs().max()
+
 
 def term_means(table, names, prefix, score_tag):
     """{tag: mean} of each reward term over the completions it applies to (where its value is not NaN), tagged
@@ -1101,9 +1122,11 @@ def levenshtein(a, b):
         prev = cur
     return prev[-1]
 
+
 def gold_score(completion, target):
     """1 − min(1, levenshtein(completion, target) / len(target)): 1 for the exact answer."""
     return 1.0 - min(1.0, levenshtein(completion, target) / len(target))
+
 
 def task_rows(seed, split, n, task_row):
     """n rows of the built-in task in TRL's formats, each made by `task_row` (demonstration_row, preference_row
@@ -1126,6 +1149,7 @@ def render_chat(tokenizer, messages, add_generation_prompt=False, tools=None):
     ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=add_generation_prompt)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in transformers 5
 
+
 def stop_token_ids(tokenizer):
     """The tokens that end a completion: EOS, and the chat template's end-of-turn token when it is another
     one (ChatML's <|im_end|>, Llama 3's <|eot_id|>). One set for the SFT labels, sampling, the response
@@ -1145,6 +1169,7 @@ def stop_token_ids(tokenizer):
         if end_of_turn is not None and end_of_turn not in stops:
             stops.append(end_of_turn)
     return stops
+
 
 def add_pad_token(tokenizer, stop_ids, *models):
     """Make sure the tokenizer has a pad token that is no stop token, so that masking padding never masks
@@ -1177,6 +1202,7 @@ def first_line(e):
     the message is empty."""
     return (str(e).splitlines() or [type(e).__name__])[0]
 
+
 def offline_unless_the_hub_answers(name):
     """Before hub id `name` is fetched: when the hub does not answer within 3 s, this process works offline, as
     HF_HUB_OFFLINE=1 makes it (what the local cache holds loads; what it lacks fails at once, not after half a
@@ -1194,6 +1220,7 @@ def offline_unless_the_hub_answers(name):
             hub.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
     return (f"; offline (the hub does not answer, or HF_HUB_OFFLINE=1) only the local cache is read, and it lacks "
             f"{name!r}: pass a local directory, or download it where there is a network" if hub.HF_HUB_OFFLINE else "")
+
 
 def load_rows(name, config, split):
     """(the rows of `split`, the rows of a `test` split or None, place) of a dataset: a .jsonl or .json file
@@ -1225,6 +1252,7 @@ def load_rows(name, config, split):
         sys.exit(f"error: split {split!r} of dataset {name!r} has no rows")
     return rows, list(data["test"]) if "test" in data and split != "test" else None, place
 
+
 def read_json_rows(path):
     """({"train": rows}, the .jsonl line of each row or None) of a .jsonl file, or of a .json file holding a list
     of rows or an object of columns; every row has every column, None where it has none (as datasets reads
@@ -1252,6 +1280,7 @@ def read_json_rows(path):
         sys.exit(f"error: {path} has no rows")
     columns = dict.fromkeys(column for row in rows for column in row)
     return {"train": [{column: row.get(column) for column in columns} for row in rows]}, lines
+
 
 def row_problem(row, columns):
     """What is wrong with a row's `columns`, in words, or None: a field missing or null, empty, or neither text
@@ -1284,6 +1313,7 @@ def row_problem(row, columns):
         return " but ".join(f"`{column}` is {kind}" for column, kind in kinds.items()) + "; a row is all one kind"
     return None
 
+
 def load_data(args, task_row, num_train, accepts, needs):
     """(train rows, eval rows): the built-in task's rows (`task_row` makes one) when no --dataset-name is given,
     else the dataset's, each checked (row_problem) in the first set of columns in `accepts` the dataset has all
@@ -1305,6 +1335,7 @@ def load_data(args, task_row, num_train, accepts, needs):
     held_out = random.Random(args.seed).sample(range(len(rows)), min(args.eval_size, len(rows) // 10))
     return [rows[i] for i in sorted(set(range(len(rows))) - set(held_out))], [rows[i] for i in held_out]
 
+
 def load_tokenizer(path, hint):
     """The tokenizer of a hub id or local directory. A local path that does not exist, or a checkpoint that
     cannot be read, is one line (`hint` says what to do about a missing directory)."""
@@ -1317,6 +1348,7 @@ def load_tokenizer(path, hint):
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         sys.exit(f"error: cannot load a tokenizer from {path!r}: {first_line(e).rstrip('.')}{offline}")
+
 
 def load_no_dropout(path, head):
     """A checkpoint with every dropout off, for models whose log-probs, values and scores must not be random
@@ -1337,6 +1369,7 @@ def load_no_dropout(path, head):
     except (OSError, ValueError) as e:
         sys.exit(f"error: cannot load a model from {path!r}: {first_line(e)}")
 
+
 def prepare_models(tokenizer, stop_ids, models, frozen=()):
     """Give the tokenizer a pad token (growing the models' embeddings if it needs a new id) and tell every
     model its id; the `frozen` ones among them go to eval mode without gradients. The models stay where they are
@@ -1346,6 +1379,7 @@ def prepare_models(tokenizer, stop_ids, models, frozen=()):
         model.config.pad_token_id = tokenizer.pad_token_id
     for model in frozen:
         model.eval().requires_grad_(False)
+
 
 def save_dtype_of(args, path):
     """The dtype a trained model is saved in: --save-dtype, or else that of the checkpoint at `path` (float32
@@ -1359,6 +1393,7 @@ def save_dtype_of(args, path):
     dtype = AutoConfig.from_pretrained(path).dtype if path is not None else None
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype or torch.float32
 
+
 def model_positions(model):
     """The longest sequence the model takes, or None when its config does not say."""
     return getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
@@ -1369,6 +1404,7 @@ def model_positions(model):
 # (GSM8K's `#### 72`, \boxed{}). The functions themselves, and how their values add up, are above the banner.
 # ---------------------------------------------------------------------------------------------
 NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")  # 1,234.5 with thousands separators, or 1234.5
+
 
 def last_boxed(text):
     """What the last \\boxed{...} of `text` contains, braces inside it matched (\\boxed{\\frac{1}{2}}), or None."""
@@ -1382,6 +1418,7 @@ def last_boxed(text):
             return text[begin:i]
     return None  # never closed
 
+
 def answer_number(text):
     """The number a text gives as its answer, or None: the first number after the last `####` (GSM8K's
     answers), else the number in the last \\boxed{} (None unless it holds exactly one), else the last number
@@ -1394,6 +1431,7 @@ def answer_number(text):
     else:
         numbers = NUMBER.findall(text)[-1:]
     return decimal.Decimal(numbers[-1].replace(",", "")) if numbers else None
+
 
 def load_reward_functions(specs, builtins, format_pattern):
     """[(name, fn)] for --reward-fn: a built-in's name (a key of `builtins`), or MODULE_OR_FILE:NAME, a function
@@ -1434,6 +1472,7 @@ def load_reward_functions(specs, builtins, format_pattern):
         functions.append((name, fn))
     return functions
 
+
 def check_reward_signatures(functions, columns):
     """Each reward function is called as fn(prompts=..., completions=..., <column>=... for each of the dataset's
     `columns` but the prompt), as TRL calls it: one that cannot take those keywords is one line, before any model
@@ -1452,9 +1491,11 @@ def check_reward_signatures(functions, columns):
             sys.exit(f"error: reward function {name!r} cannot be called as {name}({', '.join(keywords)}): {e}; write "
                      f"it as def {name}(prompts, completions, **columns) (the dataset's columns: {sorted(columns)})")
 
+
 def reward_columns(rows):
     """What reward functions receive of these rows as **columns: every column of the data but `prompt`, by name."""
     return {name: [row[name] for row in rows] for name in rows[0] if name != "prompt"} if rows else {}
+
 
 def reward_terms(functions, prompts, completions, columns):
     """[B, K] float32: reward function k on completion i, NaN where it returned None ("does not apply"). A
@@ -1483,6 +1524,7 @@ def position_ids_of(attention_mask):
     """Positions count real tokens only, so left padding does not shift them."""
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
+
 def policy_logprobs(model, sequences, attention_mask, context_length, temperature):
     """(log π(a_t | s_t) of each response token, the entropy of π(·|s_t)), from one forward pass over prompt +
     response: z = logits / temperature in float32, as `generate` draws tokens, log π = log_softmax(z)."""
@@ -1493,6 +1535,7 @@ def policy_logprobs(model, sequences, attention_mask, context_length, temperatur
     with torch.no_grad():
         entropy = -(logprobs.exp() * logprobs).sum(-1)
     return logprobs.gather(-1, sequences[:, context_length:].unsqueeze(-1)).squeeze(-1), entropy
+
 
 def forward_in_chunks(fn, size, *tensors):
     """fn over the rows of `tensors`, `size` rows at a time, the outputs concatenated. In a rollout the chunks
@@ -1569,6 +1612,7 @@ def settle_defaults(args):
     if getattr(args, "vllm_importance_sampling_correction", False) is None:
         args.vllm_importance_sampling_correction = args.rollout_lag > 0
 
+
 class RolloutLag:
     """--rollout-lag K: the policy's weights of the last K iterations, oldest first, as an asynchronous trainer's
     sampler lags behind it. `with lag:` samples with the oldest (in the first K iterations, the start's), then puts
@@ -1597,6 +1641,7 @@ class RolloutLag:
             for p, w in zip(self.trained, self.lagged[-1]):
                 w.copy_(p)
 
+
 @torch.no_grad()
 def swap_weights(parameters, weights):
     """Exchange each of `parameters` with its tensor of `weights` in place, one temporary copy at a time: the
@@ -1606,6 +1651,7 @@ def swap_weights(parameters, weights):
         p.copy_(w)
         w.copy_(current)
 
+
 def get_lr(step, lr, warmup_steps, max_steps, decay):
     """Learning rate of optimizer step `step` = 0, 1, ...: `lr` × a linear warmup min(1, (step + 1) / warmup_steps)
     × a decay to 0 at `max_steps`: "linear", min(1, (max_steps − step) / (max_steps − warmup_steps)), flat through
@@ -1614,6 +1660,7 @@ def get_lr(step, lr, warmup_steps, max_steps, decay):
     if decay == "linear":
         return lr * warmup * min(1.0, max(0.0, (max_steps - step) / max(1, max_steps - warmup_steps)))
     return lr * warmup * 0.5 * (1 + math.cos(math.pi * min(1.0, step / max_steps)))
+
 
 class Progress:
     """A line every ~10 s on a terminal: the steps done of `total`, their rate, the time left at that rate, and a
@@ -1635,6 +1682,7 @@ class Progress:
                   + f", {note}" * bool(note))
             self.last = now
 
+
 def check_finite(step, **values):
     """Stop the run with one line, before anything is saved, when a loss or gradient norm is NaN or inf."""
     for name, tensor in values.items():
@@ -1642,6 +1690,7 @@ def check_finite(step, **values):
         if not math.isfinite(value):
             sys.exit(f"error: {name} is {value} at step {step}; stopped, nothing saved "
                      "(lower --lr; with a half-precision model, train without --bf16 to check)")
+
 
 def save_model(model, tokenizer, args, output_dir, dtype):
     """Save a Hugging Face model, its weights in `dtype` (save_dtype_of), with its tokenizer and the flags
@@ -1659,6 +1708,7 @@ def save_model(model, tokenizer, args, output_dir, dtype):
         shutil.rmtree(tmp_dir, ignore_errors=True)
         sys.exit(f"error: cannot write the checkpoint to {output_dir!r}: {e}; nothing was saved")
 
+
 def note_overwrite(output_dir):
     """One line before any work when --output-dir already holds a model: this run replaces it when it ends, and
     a later stage reads that directory, so the run says so rather than replace another run's model silently."""
@@ -1675,6 +1725,7 @@ def note_overwrite(output_dir):
     except (OSError, ValueError):
         by = ""
     print(f"note: --output-dir {output_dir} holds a model saved {saved}{by}; this run replaces it when it ends")
+
 
 def cpu_threads(threads):
     """--threads, or by default OMP_NUM_THREADS where it is set (torchrun sets 1 per rank), else one fewer than the

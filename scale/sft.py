@@ -213,6 +213,7 @@ BYTE_CHAT_TEMPLATE = (
     "{{ c['function']['arguments'] | tojson(separators=(',', ':')) }}}</tool_call>{% endfor %}</s>{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}")
 
+
 def main(args: Args):
     settle_defaults(args)  # --bf16 and --gradient-checkpointing, where not given
     check_args(args)

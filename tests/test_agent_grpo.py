@@ -43,6 +43,19 @@ def test_parse_calls_in_qwens_format_and_the_malformed():
     assert ag.parse_calls("no call here, 42") == ("no call here, 42", [])
 
 
+def test_parse_turn_takes_the_tokenizers_response_parser_where_it_has_one():
+    """transformers 5's parse_response reads the calls where the tokenizer has a response template (any format);
+    without one, parse_calls reads Qwen's; a parser that fails leaves the turn's text, with no calls."""
+    calls = [{"type": "function", "function": {"name": "multiply", "arguments": {"a": 2, "b": 3}}}]
+    parser = SimpleNamespace(decode=lambda ids, skip_special_tokens: "[[multiply 2 3]]", response_template={},
+                             parse_response=lambda text, prefix: {"content": "", "tool_calls": calls})
+    assert ag.parse_turn(parser, [1, 2]) == {"role": "assistant", "content": "", "tool_calls": calls}
+    failing = SimpleNamespace(**{**vars(parser), "parse_response": lambda text, prefix: 1 / 0})
+    assert ag.parse_turn(failing, [1, 2]) == {"role": "assistant", "content": "[[multiply 2 3]]", "tool_calls": []}
+    plain = SimpleNamespace(decode=lambda ids, skip_special_tokens: '<tool_call>{"name": "f", "arguments": {}}</tool_call>')
+    assert ag.parse_turn(plain, [1])["tool_calls"][0]["function"] == {"name": "f", "arguments": {}}
+
+
 def call(name, **arguments):
     return {"type": "function", "function": {"name": name, "arguments": arguments}}
 
@@ -258,6 +271,42 @@ def test_main_gives_the_loss_and_the_kl_the_sampled_tokens_only(tmp_path, monkey
     assert all(n == policy_tokens / 2 for _, n in losses)  # dapo's N: the policy's tokens per minibatch
 
 
+def test_one_update_raises_the_rewarded_episodes_and_lowers_the_others(tmp_path, monkeypatch):
+    """One iteration of main from the scripted model, sampled at temperature 1 with a margin that makes most episodes
+    follow the script (two calls, no failure: a reward of 1) and some stray (0): measured from the model
+    before and after, the policy's log-prob of its own tokens rises in the episodes with a positive advantage and
+    falls in the others, Σ_i Â_i Δ log π(o_i) > 0."""
+    import copy
+
+    tokenizer, stop_ids, prompt, script, spans = scripted_episode()
+    policy = ScriptedLM(len(tokenizer), script, margin=12.0)
+    before = copy.deepcopy(policy).eval()
+    row = {"prompt": [{"role": "user", "content": "12*34*5"}], "target": "2040"}
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rewards.py").write_text("def clean(prompts, completions, **columns):\n    return [float([m['content'][:9] "
+                                         "for m in c if m['role'] == 'tool'] == ['408', '2040']) for c in completions]\n")
+    monkeypatch.setattr(ag, "load_models", lambda args, device: (tokenizer, stop_ids, policy, None))
+    monkeypatch.setattr(ag, "load_data", lambda *a: ([dict(row) for _ in range(8)], []))
+    monkeypatch.setattr(ag, "save_dtype_of", lambda *a: torch.float32)
+    monkeypatch.setattr(ag, "save_model", lambda *a: None)
+    batches, sample = [], ag.sample_episodes
+    monkeypatch.setattr(ag, "sample_episodes", lambda *a, **k: batches.append(sample(*a, **k)) or batches[-1])
+    args = ag.Args(num_iterations=1, batch_size=16, mini_batch_size=16, num_generations=8, ppo_epochs=1, eval_size=0,
+                   max_completion_length=len(script) - len(prompt) + 5, max_prompt_length=len(prompt), beta=0.0,
+                   reward_fn=("rewards.py:clean",), lr=1e-3, cuda=False, bf16=False, progress=False,
+                   output_dir=str(tmp_path / "out"))
+    ag.main(args)
+    batch = batches[0]
+    assert 0 < batch.rewards.sum() < len(batch.rewards)  # both kinds of episode
+    advantages = ag.compute_advantages(batch.rewards, 8, "grpo", True)
+    with torch.no_grad():
+        new, old = (ag.policy_logprobs(model, batch.sequences, batch.attention_mask, batch.context_length, 1.0)[0]
+                    for model in (policy, before))
+    change = ((new - old) * batch.mask).sum(1)
+    assert (advantages * change).sum() > 0
+    assert (change[advantages > 0] > 0).float().mean() > 0.5 and (change[advantages < 0] < 0).float().mean() > 0.5
+
+
 def test_a_tool_result_that_would_not_fit_ends_the_episode(episode):
     """TRL's rule: with room for the first call but not its result, the result is dropped and the episode ends
     after the policy's first turn, which is kept whole."""
@@ -341,21 +390,33 @@ def test_a_tiny_qwen_trains_with_a_tool_of_the_users_and_logs_the_tools(tmp_path
     assert all(value == 0 for _, value in logs["policy/first_ratio_max_error"])
 
 
+@pytest.mark.parametrize("spec,words", [
+    ("missing.py:add", ["missing.py", "does not exist"]),
+    ("tools.py:no_hints", ["no_hints", "type hints and a docstring"]),
+    ("tools.py:subtract", ["no function 'subtract'"]),
+    ("broken.py:f", ["importing 'broken.py' failed", "ZeroDivisionError"]),
+    ("tools.py", ["MODULE_OR_FILE:NAME"]),
+], ids=["no-file", "no-hints", "no-function", "raises", "no-name"])
+def test_a_tool_that_does_not_load_is_one_line(tmp_path, monkeypatch, spec, words):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tools.py").write_text(TOOLS_PY)
+    (tmp_path / "broken.py").write_text("1 / 0\n")
+    with pytest.raises(SystemExit) as stop:
+        ag.load_tools([spec])
+    message = str(stop.value)
+    assert message.startswith("error: ") and "\n" not in message and all(w in message for w in words), message
+    assert list(ag.load_tools(["tools.py:add"])) == ["add"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("flags,words", [
-    (["--tools", "missing.py:add"], ["missing.py", "does not exist"]),
-    (["--tools", "tools.py:no_hints"], ["no_hints", "type hints and a docstring"]),
-    (["--tools", "tools.py:subtract"], ["no function 'subtract'"]),
-    (["--tools", "broken.py:f"], ["importing 'broken.py' failed", "ZeroDivisionError"]),
     ([], ["does not render tools"]),  # the model's template: ChatML without tools
     (["--dataset-name", "no_prompts.jsonl", "--tools", "tools.py:add", "--reward-fn", "exact_match"],
      ["needs a `prompt` column"]),
-], ids=["no-file", "no-hints", "no-function", "raises", "no-tool-template", "no-prompts"])
+], ids=["no-tool-template", "no-prompts"])
 def test_bad_input_is_one_line(tmp_path, flags, words):
-    """Each before any work: a tool file that does not load, a function without type hints or docstring, a
-    template without tool support, a dataset without prompts."""
+    """Through the script, before any work: a template without tool support, a dataset without prompts."""
     (tmp_path / "tools.py").write_text(TOOLS_PY)
-    (tmp_path / "broken.py").write_text("1 / 0\n")
     (tmp_path / "no_prompts.jsonl").write_text('{"question": "1+2", "target": "3"}\n' * 20)
     model = save_tiny_qwen(tmp_path / "qwen", CHATML if not flags else CHATML_TOOLS)
     proc = run_script("agent_grpo.py", "--model-name-or-path", model, *flags, "--no-cuda", cwd=tmp_path, check=False)

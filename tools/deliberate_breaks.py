@@ -1018,6 +1018,8 @@ BREAKS = {
         "tests/test_agent_grpo.py"),
     "agent_template_prefix_unchecked": ("agent_grpo.py", "if not ends or after[: ends[-1] + 1] != before[: ends[-1] + 1]:",
         "if not ends:", "tests/test_agent_grpo.py"),
+    "agent_advantage_sign": ("agent_grpo.py", "advantages = compute_advantages(batch.rewards, G, args.advantage, args.scale_rewards)",
+        "advantages = -compute_advantages(batch.rewards, G, args.advantage, args.scale_rewards)", "tests/test_agent_grpo.py"),
     "agent_failure_not_an_error_result": ("agent_grpo.py", '        return json.dumps({"error": error}), True', '        return error, False',
         "tests/test_agent_grpo.py"),
     "distill_sampled_token_beta_unchecked": ("distill.py", "if args.sampled_token and (args.beta != 1 or args.lmbda != 1):",
