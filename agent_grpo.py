@@ -18,7 +18,7 @@ offline: products of two or three numbers, which the tiny model cannot multiply 
 of three takes two calls, the second on the first's result.
 
     python agent_grpo.py --write-sft-data data/tools.jsonl    # demonstrations of the built-in task, for sft.py
-    python sft.py --dataset-name data/tools.jsonl --max-length 336 --max-steps 400 --batch-size 32 --warmup-steps 40 \\
+    python sft.py --dataset-name data/tools.jsonl --max-length 400 --max-steps 400 --batch-size 32 --warmup-steps 40 \\
         --output-dir models/sft_tools
     python agent_grpo.py                                       # GRPO with the tool, from models/sft_tools
     python agent_grpo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --dataset-name my.jsonl \\
@@ -117,7 +117,7 @@ class Args:
     """AdamW learning rate (a pretrained model wants ~1e-6)"""
     anneal_lr: bool = True
     """linearly anneal the learning rate to 0 over the iterations"""
-    max_completion_length: int = 200
+    max_completion_length: int = 256
     """the most tokens of an episode after its prompt, the policy's and the tools' together (TRL's rule: a tool
     result that would not fit is dropped and the episode ends; a turn is cut at the limit); L_max of dr_grpo"""
     max_prompt_length: int = 64

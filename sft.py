@@ -275,8 +275,7 @@ def prompt_length(labels):
 
 
 # The built-in tiny model's chat template, over ByT5's bytes: `role: content</s>` a turn (EOS ends it), the tools'
-# names on a first line, a tool call in Qwen2.5's format with compact JSON, <tool_call> and </tool_call> one token
-# each (make_tokenizer adds them); agent_grpo.py's built-in task uses it
+# names on a first line, a tool call in Qwen2.5's format with compact JSON; agent_grpo.py's built-in task uses it
 BYTE_CHAT_TEMPLATE = (
     "{% if tools %}tools: {{ tools | map(attribute='function') | map(attribute='name') | join(', ') }}\n{% endif %}"
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] or '' }}{% for c in m.get('tool_calls') or [] %}"
@@ -293,7 +292,6 @@ def make_tokenizer(path):
         from transformers import ByT5Tokenizer
 
         tokenizer = ByT5Tokenizer()
-        tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
         tokenizer.chat_template = BYTE_CHAT_TEMPLATE
         return tokenizer
     return load_tokenizer(path, "pass an existing directory or a hub id")

@@ -204,8 +204,7 @@ def check_args(args):
 
 
 # The built-in tiny model's chat template, over ByT5's bytes: `role: content</s>` a turn (EOS ends it), the tools'
-# names on a first line, a tool call in Qwen2.5's format with compact JSON, <tool_call> and </tool_call> one token
-# each (make_tokenizer adds them); agent_grpo.py's built-in task uses it
+# names on a first line, a tool call in Qwen2.5's format with compact JSON; agent_grpo.py's built-in task uses it
 BYTE_CHAT_TEMPLATE = (
     "{% if tools %}tools: {{ tools | map(attribute='function') | map(attribute='name') | join(', ') }}\n{% endif %}"
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] or '' }}{% for c in m.get('tool_calls') or [] %}"
@@ -233,8 +232,7 @@ def main(args: Args):
         from transformers import ByT5Tokenizer
 
         tokenizer = ByT5Tokenizer()  # a byte-level tokenizer needs no files; pad (0) differs from EOS (1)
-        tokenizer.add_tokens(["<tool_call>", "</tool_call>"])  # and a chat template that renders tools
-        tokenizer.chat_template = BYTE_CHAT_TEMPLATE
+        tokenizer.chat_template = BYTE_CHAT_TEMPLATE  # it renders tools; the vocabulary stays ByT5's
     else:
         tokenizer = load_tokenizer(args.model_name_or_path, "pass an existing directory or a hub id")
     stop_ids = stop_token_ids(tokenizer)
