@@ -703,12 +703,14 @@ def test_dynamic_sampling_fills_the_batch_when_the_cap_is_reached(tiny_checkpoin
     assert [v for _, v in logs["objective/zero_std_fraction"]] == [1.0, 1.0]
 
 
-def test_the_kl_penalty_is_to_the_reference_and_never_negative(small_checkpoints, tmp_path, monkeypatch):
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo"])
+def test_the_kl_penalty_is_to_the_reference_and_never_negative(small_checkpoints, tmp_path, monkeypatch, loss_type):
     """β's term in the loss: in iteration 2, where the rollout policy has moved away from the reference, the KL the
     update penalizes is k3 against the reference's log-probs (computed here from the SFT checkpoint), not the rollout
     policy's; and the logged penalty, β times a mean of k3 ≥ 0, is 0 in iteration 1 (its one step is taken where the
     policy is the reference) and positive in iteration 2, where it is β times k3 aggregated as the loss is. A
-    penalty of the wrong sign, one taken against the rollout policy, or one that ignores --beta fails."""
+    penalty of the wrong sign, one taken against the rollout policy, or one that ignores --beta fails; under dr_grpo,
+    one divided by another L_max than --response-length's too."""
     from transformers import AutoModelForCausalLM
 
     calls, penalized = [], []
@@ -730,7 +732,7 @@ def test_the_kl_penalty_is_to_the_reference_and_never_negative(small_checkpoints
     run_in_process("grpo.py", *CPU_FLOAT32, "--model-name-or-path", str(sft_path), "--num-iterations", "2", "--batch-size", "16",
                    "--num-generations", "4", "--mini-batch-size", "16", "--ppo-epochs", "1", "--beta", "0.5",
                    "--lr", "1e-3", "--no-anneal-lr", "--eval-size", "4", "--eval-every", "10", "--output-dir", "out",
-                   cwd=tmp_path)
+                   "--loss-type", loss_type, cwd=tmp_path)
     sequences, attention_mask, width, mask, _ = [call for call in calls if len(call[0]) == 16][1]  # iteration 2's
     reference = response_token_logprobs(AutoModelForCausalLM.from_pretrained(sft_path).eval(), sequences,
                                         attention_mask, width)
@@ -740,5 +742,5 @@ def test_the_kl_penalty_is_to_the_reference_and_never_negative(small_checkpoints
     penalties = [v for _, v in read_run(tmp_path, "grpo")["losses/kl_penalty"]]
     assert penalties[0] == 0.0 and penalties[1] > 0, penalties
     _, k3, loss_mask = penalized[1]  # the logged penalty is β = 0.5 times k3 aggregated as the loss is
-    expected = 0.5 * grpo.aggregate_loss(k3, loss_mask, "grpo", 16, max(1.0, loss_mask.sum().item()), 12)
+    expected = 0.5 * grpo.aggregate_loss(k3, loss_mask, loss_type, 16, max(1.0, loss_mask.sum().item()), 12)
     assert penalties[1] == pytest.approx(expected.item(), rel=1e-5)

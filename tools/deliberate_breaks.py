@@ -77,6 +77,8 @@ BREAKS = {
         '    return -args.beta * aggregate_loss(k3,', "tests/test_grpo.py"),
     "grpo_kl_to_the_rollout_policy": ('grpo.py', 'kl_to_reference(logprobs, old.ref_logprobs,',
         'kl_to_reference(logprobs, old.logprobs,', "tests/test_grpo.py"),
+    "grpo_kl_normalizer_length": ('grpo.py', '                                             args.response_length, args)\n',
+        '                                             1, args)\n', "tests/test_grpo.py"),
     "rlhf_ppo_no_missing_eos_penalty": ('rlhf_ppo.py', '    rewards = torch.where(has_stop, rewards, torch.full_like(rewards, args.missing_eos_penalty))\n',
         '', "tests/test_rlhf_ppo.py"),
     "grpo_loss_sign": ("grpo.py", "    return -torch.min(ratio * advantages,", "    return torch.min(ratio * advantages,",
