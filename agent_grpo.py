@@ -447,7 +447,8 @@ def check_args(args):
         if getattr(args, name) < least:
             sys.exit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: it must be at least {least}")
     if args.max_tool_calling_iterations is not None and args.max_tool_calling_iterations < 0:
-        sys.exit(f"error: --max-tool-calling-iterations {args.max_tool_calling_iterations}: 0 or more (0: no calls run)")
+        sys.exit(f"error: --max-tool-calling-iterations {args.max_tool_calling_iterations}: 0 or more (0: no calls "
+                 "run)")
     for name, rule in {"lr": ">= 0", "max_grad_norm": "> 0", "temperature": "> 0", "beta": ">= 0", "epsilon": "> 0",
                        "epsilon_high": "> 0", "tool_timeout": "> 0", "vllm_importance_sampling_clip_max": ">= 0",
                        "vllm_importance_sampling_clip_min": ">= 0", "off_policy_mask_threshold": ">= 0"}.items():
@@ -609,8 +610,9 @@ def parse_calls(text):
                 raise TypeError("the name must be text and the arguments an object")
             calls.append({"type": "function", "function": {"name": call["name"], "arguments": arguments}})
         except (ValueError, KeyError, TypeError, AttributeError) as e:
+            why = first_line(e) if closed else "never closed"
             calls.append({"type": "function", "function": {"name": "", "arguments": {}},
-                          "error": f"not JSON with a name and arguments ({first_line(e) if closed else 'never closed'})"})
+                          "error": f"not JSON with a name and arguments ({why})"})
     return CALL.sub("", text).strip(), calls
 
 
@@ -774,7 +776,8 @@ def demonstration(rng):
             if rng.random() < 0.1:  # a call cut short: the tool's error, then the call again
                 cut = f'<tool_call>{{"name":"multiply","arguments":{{"a":{result},"b":{factor}}}</tool_call>'
                 error, _ = call_tool({"multiply": multiply}, parse_calls(cut)[1][0], 1.0)
-                messages += [{"role": "assistant", "content": cut}, {"role": "tool", "name": "multiply", "content": error}]
+                messages += [{"role": "assistant", "content": cut},
+                             {"role": "tool", "name": "multiply", "content": error}]
             a = int(str(result)[::-1]) if rng.random() < 0.1 and str(result)[0] != str(result)[-1] else result
             result = multiply(a, factor)
             messages += [{"role": "assistant", "content": "", "tool_calls": [
@@ -830,20 +833,21 @@ class Episodes:
 def run_episodes(policy, env, prompt_ids, prompts, args, greedy=False):
     """Each prompt's episode, all at once: sample a turn for every episode still going (`generate`, one batch),
     parse its calls, run them, append the tool turn's ids (tool_turn_ids) and go on, until a turn calls no tool, has
-    no stop token (cut at --max-completion-length tokens after the prompt), or --max-tool-calling-iterations rounds are done.
-    A tool turn that would leave no room for a next turn is dropped and its episode ends (TRL's rule), as does one the
+    no stop token (cut at --max-completion-length tokens after the prompt), or --max-tool-calling-iterations rounds
+    are done. A tool turn that would leave no room for a next turn is dropped and its episode ends (TRL's rule), as does one the
     template cannot render so that it continues the sampled ids (refused, said once). Returns per episode its turns
     [(ids, sampled, logprobs)], its messages after the prompt, and its counts (calls, failures, turns, tool tokens)."""
     turns, conversations = [[] for _ in prompt_ids], [[] for _ in prompt_ids]
-    counts, used, going, rounds = [[0, 0, 0, 0] for _ in prompt_ids], [0] * len(prompt_ids), list(range(len(prompt_ids))), 0
+    counts = [[0, 0, 0, 0] for _ in prompt_ids]  # calls, failed calls, the policy's turns, the environment's tokens
+    used, going, rounds = [0] * len(prompt_ids), list(range(len(prompt_ids))), 0  # used: tokens after the prompt
     while going:
         contexts = [prompt_ids[b] + [t for ids, _, _ in turns[b] for t in ids] for b in going]
+        room = [args.max_completion_length - used[b] for b in going]
         sequences, _, width, response_mask, logprobs = generate(policy, contexts, env.tokenizer.pad_token_id,
-                                                                env.stop_ids, max(args.max_completion_length - used[b] for b in going),
-                                                                args.temperature, greedy)
+                                                                env.stop_ids, max(room), args.temperature, greedy)
         still = []
         for row, b in enumerate(going):
-            n = min(int(response_mask[row].sum()), args.max_completion_length - used[b])  # a turn is cut at the episode's limit
+            n = min(int(response_mask[row].sum()), room[row])  # a turn is cut at the episode's limit
             ids = sequences[row, width : width + n].tolist()
             turns[b].append((ids, True, logprobs[row, :n].tolist()))
             used[b], counts[b][2] = used[b] + n, counts[b][2] + 1
@@ -853,7 +857,8 @@ def run_episodes(policy, env, prompt_ids, prompts, args, greedy=False):
             if not stopped or not message["tool_calls"] or rounds == args.max_tool_calling_iterations:
                 continue
             results = [call_tool(env.tools, call, args.tool_timeout) for call in message["tool_calls"]]
-            counts[b][0], counts[b][1] = counts[b][0] + len(results), counts[b][1] + sum(failed for _, failed in results)
+            counts[b][0] += len(results)
+            counts[b][1] += sum(failed for _, failed in results)
             replies = [{"role": "tool", "name": call["function"]["name"], "content": content}
                        for call, (content, _) in zip(message["tool_calls"], results)]
             suffix = tool_turn_ids(env.tokenizer, prompts[b] + conversations[b], replies, env.schemas, env.stop_ids)
@@ -942,7 +947,8 @@ def log_agent_iteration(writer, iteration, batch, old, stats, names, lr, start_t
         "rollout/logprob_diff_mean": mismatch[0].item() / tokens, "rollout/logprob_diff_max": mismatch[1].item(),
     }
     if args.beta > 0:
-        logs.update({"objective/kl": old.k1.sum().item() / B, "losses/kl_penalty": stats["kl_penalty"] / num_minibatches})
+        logs.update({"objective/kl": old.k1.sum().item() / B,
+                     "losses/kl_penalty": stats["kl_penalty"] / num_minibatches})
     logs.update(term_means(batch.table, names, "rewards/", "objective/score"))
     for tag, value in logs.items():
         writer.add_scalar(tag, float(value), iteration)
@@ -985,7 +991,8 @@ def tokenize_tool_prompts(tokenizer, rows, schemas, max_prompt_length, split):
     """(rows, token ids of their prompts with the tools' schemas, ending with the assistant's header) of the rows
     whose prompt fits `max_prompt_length`; the others are dropped and counted. A text prompt is one user turn."""
     for row in rows:
-        row["prompt"] = row["prompt"] if isinstance(row["prompt"], list) else [{"role": "user", "content": row["prompt"]}]
+        if not isinstance(row["prompt"], list):
+            row["prompt"] = [{"role": "user", "content": row["prompt"]}]
     encoded = [render_chat(tokenizer, row["prompt"], add_generation_prompt=True, tools=schemas) for row in rows]
     kept = [i for i, ids in enumerate(encoded) if len(ids) <= max_prompt_length]
     if len(kept) < len(encoded):

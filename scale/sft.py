@@ -202,7 +202,6 @@ def check_args(args):
     check_warmup(args.warmup_steps, args.max_steps, "cosine")
 
 
-
 # The built-in tiny model's chat template, over ByT5's bytes: `role: content</s>` a turn (EOS ends it), the tools'
 # names on a first line, a tool call in Qwen2.5's format with compact JSON; agent_grpo.py's built-in task uses it
 BYTE_CHAT_TEMPLATE = (
