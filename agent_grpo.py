@@ -701,7 +701,7 @@ def load_tools(specs):
             try:
                 get_json_schema(namespace[name])
             except Exception as e:  # noqa: BLE001  transformers' own exceptions for a missing hint or docstring
-                sys.exit(f"error: --tools {spec!r}: {first_line(e).rstrip('.')}; a tool needs type hints and a "
+                sys.exit(f"error: --tools {spec!r}: {first_line(e).rstrip('.!')}; a tool needs type hints and a "
                          "docstring whose Args section describes each argument (its JSON schema), as TRL's tools")
             if name in tools:
                 sys.exit(f"error: --tools: {name!r} is given twice")
