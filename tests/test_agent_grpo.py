@@ -423,6 +423,26 @@ def test_bad_input_is_one_line(tmp_path, flags, words):
     assert_one_line_error(proc, *words)
 
 
+def test_the_demonstrations_are_data_sft_trains_on_the_assistants_turns_of(tmp_path, capsys):
+    """--write-sft-data's file, read as sft.py reads it: every row passes sft.py's checks, and with its built-in
+    byte tokenizer and chat template the labeled tokens are the assistant's turns (the calls and the answer, each
+    with its stop token), never a tool's result or the template's headers."""
+    import sft
+
+    ag.write_demonstrations(str(tmp_path / "tools.jsonl"), 1, n=40)
+    assert "wrote 40 demonstrations" in capsys.readouterr().out
+    data, _ = sft.read_json_rows(str(tmp_path / "tools.jsonl"))
+    tokenizer = sft.make_tokenizer(None)
+    stop_ids = sft.stop_token_ids(tokenizer)
+    for row in data["train"]:
+        assert sft.row_problem(row, ("messages",)) is None
+        ids, labels = sft.tokenize(row, tokenizer, stop_ids)
+        labeled = tokenizer.decode([t for t in labels if t != -100])
+        turns = [m for m in row["messages"] if m["role"] == "assistant"]
+        assert labeled.count("</s>") == len(turns) and "tool:" not in labeled and "assistant:" not in labeled
+        assert labeled.endswith(turns[-1]["content"] + "</s>")
+
+
 def test_the_built_in_task_and_its_demonstrations():
     """Products of two or three factors; a demonstration calls the tool once per factor after the first, on the last
     result, and answers with it; its slips are the ones documented, about as often."""

@@ -1022,6 +1022,8 @@ BREAKS = {
         "if not ends:", "tests/test_agent_grpo.py"),
     "agent_advantage_sign": ("agent_grpo.py", "advantages = compute_advantages(batch.rewards, G, args.advantage, args.scale_rewards)",
         "advantages = -compute_advantages(batch.rewards, G, args.advantage, args.scale_rewards)", "tests/test_agent_grpo.py"),
+    "sft_byte_tokenizer_without_the_tool_template": ("sft.py", "        tokenizer.chat_template = BYTE_CHAT_TEMPLATE\n",
+        "        tokenizer.chat_template = None\n", "tests/test_agent_grpo.py"),
     "agent_failure_not_an_error_result": ("agent_grpo.py", '        return json.dumps({"error": error}), True', '        return error, False',
         "tests/test_agent_grpo.py"),
     "distill_sampled_token_beta_unchecked": ("distill.py", "if args.sampled_token and (args.beta != 1 or args.lmbda != 1):",
