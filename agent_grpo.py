@@ -22,7 +22,7 @@ of three takes two calls, the second on the first's result.
         --output-dir models/sft_tools
     python agent_grpo.py                                       # GRPO with the tool, from models/sft_tools
     python agent_grpo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --dataset-name my.jsonl \\
-        --tools my_tools.py:search,lookup --reward-fn my_rewards.py:correct --lr 1e-6
+        --tools my_tools.py:search,lookup --reward-fn my_rewards.py:correct --lr 1e-6 --max-prompt-length 1024
 
 One process, one device; no scale/ sibling yet (scale/grpo.py holds the systems features for single-turn GRPO).
 """
@@ -509,8 +509,8 @@ def main(args: Args):
     save_dtype = save_dtype_of(args, args.model_name_or_path)
     train_rows, train_ids = tokenize_tool_prompts(tokenizer, train_rows, schemas, args.max_prompt_length, "train")
     if len(train_ids) < B // G:
-        sys.exit(f"error: {len(train_ids)} training prompts fit --max-prompt-length, fewer than the {B // G} of a "
-                 "batch; lower --batch-size")
+        sys.exit(f"error: {len(train_ids)} training prompts fit --max-prompt-length {args.max_prompt_length}, fewer "
+                 f"than the {B // G} of a batch; raise it (the tools' schemas are in every prompt) or lower --batch-size")
     eval_rows, eval_ids = tokenize_tool_prompts(tokenizer, eval_rows, schemas, args.max_prompt_length, "eval")
     positions, longest = model_positions(policy), max(len(ids) for ids in train_ids + eval_ids)
     if positions is not None and longest + args.max_completion_length > positions:
