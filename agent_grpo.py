@@ -119,7 +119,8 @@ class Args:
     """linearly anneal the learning rate to 0 over the iterations"""
     max_completion_length: int = 256
     """the most tokens of an episode after its prompt, the policy's and the tools' together (TRL's rule: a tool
-    result that would not fit is dropped and the episode ends; a turn is cut at the limit); L_max of dr_grpo"""
+    result that would leave no room for another turn is dropped and the episode ends; a turn is cut at the limit);
+    L_max of dr_grpo"""
     max_prompt_length: int = 64
     """prompts longer than this many tokens (the tools' schemas included) are dropped (and counted), never cut"""
     bf16: Annotated[bool | None, tyro.conf.DisallowNone] = None
@@ -709,6 +710,13 @@ def load_tools(specs):
     return tools
 
 
+def tool_schemas(tools):
+    """The JSON schema of each tool, as the chat template renders them (TRL's tools= and sft.py's `tools` column)."""
+    from transformers.utils import get_json_schema
+
+    return [get_json_schema(fn) for fn in tools.values()]
+
+
 def check_tool_template(tokenizer, schemas, stop_ids, path):
     """One line, before any work, where the chat template of the model at `path` cannot carry an episode: it does
     not render the tools, a call or a tool's result, or it renders a tool turn so that the turn's ids cannot continue
@@ -795,13 +803,6 @@ def write_demonstrations(path, seed, n=20_000):
     print(f"wrote {n:,} demonstrations of the built-in tool task to {path}")
 
 
-def tool_schemas(tools):
-    """The JSON schema of each tool, as the chat template renders them (TRL's tools= and sft.py's `tools` column)."""
-    from transformers.utils import get_json_schema
-
-    return [get_json_schema(fn) for fn in tools.values()]
-
-
 @dataclass
 class Environment:
     """What an episode runs in: the tokenizer and its chat template, the tools by name, their schemas, the stop ids."""
@@ -865,7 +866,7 @@ def run_episodes(policy, env, prompt_ids, prompts, args, greedy=False):
             if suffix is None:
                 note_once(env, "refused", "note: a tool turn the chat template renders so that its ids cannot continue "
                           "the sampled ones was refused: its episode ends there (now and whenever this happens)")
-            elif used[b] + len(suffix) < args.max_completion_length:  # TRL's rule: a result that would not fit ends it
+            elif used[b] + len(suffix) < args.max_completion_length:  # TRL's rule: a result with no room ends it
                 turns[b].append((suffix, False, None))
                 conversations[b] += replies
                 used[b], counts[b][3] = used[b] + len(suffix), counts[b][3] + len(suffix)
@@ -1005,7 +1006,7 @@ def load_models(args, device):
     """(tokenizer, stop_ids, policy, reference or None), on the device: the policy in float32, the reference as the
     policy (before the first update the KL is exactly 0), dropout off in both; the reference only when β > 0."""
     tokenizer = load_tokenizer(args.model_name_or_path, "run `python agent_grpo.py --write-sft-data data/tools.jsonl` "
-                               "and sft.py on it first (README), or pass a path")
+                               "and sft.py on it first (docs/agent_grpo.md), or pass a path")
     stop_ids = stop_token_ids(tokenizer)
     policy = load_no_dropout(args.model_name_or_path, "lm")
     ref = load_no_dropout(args.model_name_or_path, "lm") if args.beta > 0 else None
