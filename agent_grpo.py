@@ -128,18 +128,36 @@ class Args:
     temperature: float = 1.0
     """sampling temperature; the log-probs of training divide the logits by it too"""
     advantage: str = "grpo"
-    """grpo, rloo, reinforce_pp or reinforce_pp_baseline, as grpo.py's (compute_advantages)"""
-    scale_rewards: bool = True
-    """divide GRPO's advantages by the group's std (--no-scale-rewards: Dr. GRPO)"""
+    """grpo, rloo, reinforce_pp, reinforce_pp_baseline or maxrl (rewards ≥ 0), as grpo.py's (compute_advantages)"""
+    scale_rewards: str = "group"
+    """divide GRPO's advantages by the group's std (group), the batch's (batch), or not (none, Dr. GRPO)"""
+    no_scale_rewards: Annotated[bool, tyro.conf.FlagCreatePairsOff] = False
+    """the older spelling of --scale-rewards none"""
     loss_type: str = "grpo"
     """grpo: mean over each episode's policy tokens, then over episodes; dapo: mean over all policy tokens of the
-    rollout; dr_grpo: sum / (episodes × --max-completion-length); cispo: as grpo.py's (TRL: loss_type)"""
+    rollout; dr_grpo: sum / (episodes × --max-completion-length); cispo, dppo, sapo, luspo, vespo: as grpo.py's
+    (TRL: loss_type)"""
     importance_sampling_level: str = "token"
     """token: one ratio per token; sequence: GSPO's one ratio per episode, over its policy tokens"""
     epsilon: float = 0.2
     """ε of the clipped surrogate (the lower bound, and the upper one unless --epsilon-high is set)"""
     epsilon_high: float | None = None
-    """upper clip bound 1 + ε_high (DAPO's clip-higher); with --loss-type cispo the weight's cap (TRL's meaning)"""
+    """upper clip bound 1 + ε_high (DAPO's clip-higher); with --loss-type cispo the weight's cap (TRL's meaning);
+    with dppo, --epsilon and --epsilon-high are the trust region's δ_low and δ_high"""
+    dppo_divergence: str = "binary_tv"
+    """--loss-type dppo's divergence, binary_tv or binary_kl, as grpo.py's"""
+    sapo_temperature_pos: float = 1.0
+    """τ of --loss-type sapo's gate where Â > 0 (TRL's)"""
+    sapo_temperature_neg: float = 1.05
+    """τ of --loss-type sapo's gate where Â ≤ 0 (TRL's)"""
+    vespo_k_pos: float = 2.0
+    """k of --loss-type vespo's weight where Â ≥ 0 (TRL's)"""
+    vespo_lambda_pos: float = 3.0
+    """λ of --loss-type vespo's weight where Â ≥ 0 (TRL's)"""
+    vespo_k_neg: float = 3.0
+    """k of --loss-type vespo's weight where Â < 0 (TRL's)"""
+    vespo_lambda_neg: float = 2.0
+    """λ of --loss-type vespo's weight where Â < 0 (TRL's)"""
     beta: float = 0.04
     """β of the k3 KL penalty to the reference, on the policy's tokens only; 0 drops the reference model"""
     missing_eos_penalty: float = -1.0
@@ -159,6 +177,32 @@ class Args:
     """C_min: the weight's lower bound; None: none (TRL's)"""
     off_policy_mask_threshold: float | None = None
     """δ of DeepSeek-V3.2's off-policy sequence masking, as grpo.py; None: off"""
+    entropy_coef: float = 0.0
+    """c of the entropy bonus over the policy's tokens, as grpo.py's (TRL's)"""
+    use_adaptive_entropy: bool = False
+    """Skywork-OR1's adaptive entropy control, as grpo.py's (TRL's)"""
+    entropy_target: float = 0.2
+    """the entropy adaptive control holds (TRL's)"""
+    entropy_coef_delta: float = 0.005
+    """adaptive control's step of the coefficient (TRL's)"""
+    entropy_coef_min: float = 0.0
+    """adaptive control's least coefficient (TRL's)"""
+    entropy_coef_max: float = 1.0
+    """adaptive control's largest coefficient (TRL's)"""
+    top_entropy_quantile: float = 1.0
+    """ρ: the policy loss on the ρ fraction of policy tokens of highest entropy only (TRL's)"""
+    cov_method: str | None = None
+    """clip_cov or kl_cov, as grpo.py's; None: off"""
+    clip_cov_ratio: float = 2e-4
+    """clip_cov: the fraction of tokens detached (the paper's)"""
+    clip_cov_lb: float = 1.0
+    """clip_cov's lower bound of the covariance"""
+    clip_cov_ub: float = 5.0
+    """clip_cov's upper bound of the covariance"""
+    kl_cov_ratio: float = 2e-3
+    """kl_cov: the fraction of tokens penalized (the paper's)"""
+    kl_cov_coef: float = 1.0
+    """kl_cov: β of the penalty β |log π_θ − log π_old|"""
     max_grad_norm: float = 1.0
     """clip the global gradient norm to this"""
     eval_every: int = 20
@@ -192,24 +236,75 @@ def episode_tokens(turns):
     return ids, mask, logprobs
 
 
-def group_advantages(rewards, num_generations, scale_rewards=True, eps=1e-4):
+def group_advantages(rewards, num_generations, scale_rewards="group", eps=1e-4):
     """GRPO's advantage of completion i (Shao et al. 2024, section 4.1.2, outcome supervision), given to every
     one of its tokens; the group is the G completions of one prompt:
 
         Â_i = (r_i − mean(r)) / (std(r) + ε)      std over the group, with G − 1 in the denominator (as TRL)
 
-    scale_rewards=False (Dr. GRPO, Liu et al. 2025): Â_i = r_i − mean(r). Dividing by the std gives groups
-    whose rewards barely differ (prompts nearly always or nearly never solved) as much weight as the rest.
-    A group of equal rewards gets Â = 0: it teaches nothing. An unscored completion (reward NaN) is left out of
-    its group's mean and std, as in TRL 1.16; its own Â is NaN until compute_advantages makes it 0."""
+    scale_rewards "none" (or False; Dr. GRPO, Liu et al. 2025): Â_i = r_i − mean(r). Dividing by the std gives
+    groups whose rewards barely differ (prompts nearly always or nearly never solved) as much weight as the rest;
+    "batch" divides by the std of all B rewards instead (TRL's scale_rewards="batch"), which does not. A group of
+    equal rewards gets Â = 0: it teaches nothing. An unscored completion (reward NaN) is left out of its group's
+    mean and std, as in TRL 1.16; its own Â is NaN until compute_advantages makes it 0."""
     groups = rewards.view(-1, num_generations)
     advantages = groups - groups.nanmean(1, keepdim=True)
-    if scale_rewards:  # the std of the scored rewards (torch.std's own where every one is scored)
+    if scale_rewards in ("group", True):  # the std of the scored rewards (torch.std's own where every one is scored)
         scored = (~groups.isnan()).sum(1, keepdim=True)
         std = torch.where(scored == num_generations, groups.std(1, keepdim=True),
                           (advantages.nan_to_num() ** 2).sum(1, keepdim=True).div(scored - 1).sqrt())
         advantages = advantages / (std + eps)
+    elif scale_rewards == "batch":
+        advantages = advantages / (batch_moments(rewards)[1] + eps)
     return advantages.flatten()
+
+
+def nanstd(x, dim):
+    """The standard deviation along `dim` of the values of x that are not NaN, with n − 1 in the denominator (as
+    TRL's nanstd), keeping the dimension."""
+    count = (~x.isnan()).sum(dim, keepdim=True)
+    return (((x - x.nanmean(dim, keepdim=True)) ** 2).nansum(dim, keepdim=True) / (count - 1)).sqrt()
+
+
+def batch_moments(x):
+    """(mean, std) of the values of x that are not NaN, the std with n − 1 in the denominator (TRL's nanstd over the
+    whole batch)."""
+    n = (~x.isnan()).sum().float()
+    mean = x.nansum() / n
+    return mean, (((x - mean) ** 2).nansum() / (n - 1)).sqrt()
+
+
+def maxrl_advantages(rewards, num_generations, eps=1e-6):
+    """MaxRL (Tajwar et al. 2026, "Maximum Likelihood Reinforcement Learning"): the group's mean reward in place of
+    its std,
+
+        Â_i = (r_i − mean(r)) / (mean(r) + ε)
+
+    With 0/1 rewards mean(r) is the pass rate p̂ of the prompt, and Σ_i Â_i ∇log π(o_i) / G = (1/K) Σ_correct ∇log π
+    − (1/G) Σ_all ∇log π for K correct answers: an estimate of ∇log p (maximum likelihood) where GRPO estimates
+    ∇p. A prompt solved 1 time in 8 weighs 7 times one solved 7 times in 8. Rewards must not be negative
+    (check_args). A group of zeros gets Â = 0; unscored completions (NaN) are left out, as in group_advantages."""
+    groups = rewards.view(-1, num_generations)
+    mean = groups.nanmean(1, keepdim=True)
+    return ((groups - mean) / (mean + eps)).flatten()
+
+
+def normalize_then_sum(table, weights, num_generations, eps=1e-4):
+    """GDPO's advantage (arXiv 2601.05242) from K reward terms, as TRL 1.16's multi_objective_aggregation=
+    "normalize_then_sum": each term normalized within its group first, so that a term of small spread is not
+    drowned by one of large spread in the sum, then the weighted sum normalized over the batch,
+
+        A_i = Σ_k w_k (r_ik − mean_g(r_k)) / (std_g(r_k) + ε),    Â_i = (A_i − mean_B(A)) / (std_B(A) + ε)
+
+    `table` is [B, K] with NaN where a term does not apply (left out of its statistics, adding 0 to the sum); a
+    completion no term applies to gets NaN, as in combine_rewards. Stds with n − 1 in the denominator; mean_B and
+    std_B over the whole batch (batch_moments)."""
+    groups = table.view(-1, num_generations, table.shape[1])
+    normalized = (groups - groups.nanmean(1, keepdim=True)) / (nanstd(groups, 1) + eps)
+    summed = (normalized.view_as(table) * torch.as_tensor(weights, dtype=table.dtype, device=table.device)).nansum(1)
+    summed = summed.masked_fill(table.isnan().all(1), math.nan)
+    mean, std = batch_moments(summed)
+    return (summed - mean) / (std + eps)
 
 
 def rloo_advantages(rewards, num_generations):
@@ -241,12 +336,17 @@ def reinforce_pp_advantages(rewards, num_generations, group_baseline, eps=1e-8):
     return (x - mean) * torch.rsqrt(((x - mean) ** 2).nansum() / scored + eps)
 
 
-def compute_advantages(rewards, num_generations, advantage, scale_rewards):
-    """Â_i of each completion by --advantage: grpo (group_advantages, with --no-scale-rewards Dr. GRPO's), rloo
-    (rloo_advantages), reinforce_pp and reinforce_pp_baseline (reinforce_pp_advantages, over the whole batch).
+def compute_advantages(rewards, num_generations, advantage, scale_rewards, table=None, weights=None):
+    """Â_i of each completion by --advantage: grpo (group_advantages, with --scale-rewards none Dr. GRPO's), rloo
+    (rloo_advantages), reinforce_pp and reinforce_pp_baseline (reinforce_pp_advantages, over the whole batch),
+    maxrl (maxrl_advantages); given the reward terms' `table` and `weights`, GDPO's (normalize_then_sum).
     An unscored completion (reward NaN: no reward function applies to it) gets Â = 0, as in TRL 1.16: it moves
     nothing, and the others' baselines leave it out."""
-    if advantage == "rloo":
+    if table is not None:
+        advantages = normalize_then_sum(table, weights, num_generations)
+    elif advantage == "maxrl":
+        advantages = maxrl_advantages(rewards, num_generations)
+    elif advantage == "rloo":
         advantages = rloo_advantages(rewards, num_generations)
     elif advantage.startswith("reinforce_pp"):
         advantages = reinforce_pp_advantages(rewards, num_generations, advantage == "reinforce_pp_baseline")
@@ -347,20 +447,82 @@ def cispo_loss(ratio, logprobs, advantages, epsilon_high):
     return -torch.clamp(ratio, max=epsilon_high).detach() * advantages.unsqueeze(1) * logprobs
 
 
-def token_losses(ratio, logprobs, advantages, loss_type, epsilon_low, epsilon_high):
-    """The per-token loss l_t by --loss-type: CISPO's (cispo_loss) for cispo, else the clipped surrogate
-    (clipped_surrogate); aggregate_loss then makes them one number."""
+def dppo_trust_region(logprobs, sampler_logprobs, advantages, divergence, delta_low, delta_high):
+    """DPPO's trust region (arXiv 2602.04879, as prime-rl's and verl's dppo losses): 1 where token t may learn, 0
+    where π_θ has moved past δ from the sampler in the direction its advantage pushes (further would be unsafe),
+
+        M_t = 0  if Â > 0 and p_θ > p_s and D_t > δ_high,   or  Â ≤ 0 and p_θ < p_s and D_t > δ_low;   else 1
+
+    with p = π(o_t | q, o_<t) the sampled token's probability under π_θ (detached) and the sampler, and D_t the
+    divergence of the two Bernoulli(p) distributions of "this token or another": binary_tv |p_θ − p_s|,
+    binary_kl p_s log(p_s/p_θ) + (1 − p_s) log((1 − p_s)/(1 − p_θ)). The ratio's clip judges a rare token by
+    a ratio that moves a lot for a small change of its probability; the divergence, by the probability itself.
+    A token moving back toward the sampler always learns. [B, T]."""
+    p, q = logprobs.detach().exp(), sampler_logprobs.exp()
+    if divergence == "binary_tv":
+        distance = (p - q).abs()
+    else:  # the Bernoulli KL, in log space where p and q are near 1
+        distance = q * (sampler_logprobs - logprobs.detach()) + (1 - q) * (torch.log1p(-q.clamp(max=1 - 1e-7))
+                                                                         - torch.log1p(-p.clamp(max=1 - 1e-7)))
+    advantages = advantages.unsqueeze(1)
+    unsafe = torch.where(advantages > 0, (p > q) & (distance > delta_high), (p < q) & (distance > delta_low))
+    return (~unsafe).to(logprobs.dtype)
+
+
+def sapo_loss(ratio, advantages, temperature_pos, temperature_neg):
+    """SAPO (arXiv 2511.20347, "Soft Adaptive Policy Optimization"), as TRL 1.16's loss_type="sapo": a sigmoid gate
+    of the ratio in place of the hard clip, so a token's gradient fades as its ratio leaves 1 instead of stopping,
+
+        l_t = −(4/τ) σ(τ (ρ_t − 1)) Â,    τ = τ_pos where Â > 0, else τ_neg
+
+    whose gradient at ρ = 1 is −Â ∇ρ, the unclipped surrogate's; a larger τ_neg fades negative tokens sooner."""
+    advantages = advantages.unsqueeze(1)
+    temperature = torch.where(advantages > 0, temperature_pos, temperature_neg)
+    return -torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature * advantages
+
+
+@torch.no_grad()
+def vespo_weights(log_ratio, mask, advantages, is_weights, k_pos, lambda_pos, k_neg, lambda_neg):
+    """VESPO's weight of each completion (arXiv 2602.10693; TRL 1.16's loss_type="vespo"), one smooth function
+    of the completion's whole importance ratio w in place of a clip, detached:
+
+        φ(w) = e^λ w^k e^(−λ w) = exp(λ + k log w − λ w),   w = Π_t ρ_t · Π_t π_old/π_sampler (the sampler correction)
+
+    φ(1) = 1; it peaks at w = k/λ and falls toward 0 far from it on either side. (k, λ) = (k_pos, λ_pos) where
+    Â ≥ 0, else (k_neg, λ_neg). log ρ_t clamped to ±20 and log w to [log 1e-8, 20], as TRL. [B, 1]."""
+    log_w = (log_ratio.clamp(-20.0, 20.0) * mask).sum(1, keepdim=True)
+    if is_weights is not None:  # TRL sums the correction's log-weights over every position (1 on padding)
+        log_w = log_w + is_weights.log().clamp(math.log(1e-8), 20.0).sum(1, keepdim=True)
+    log_w = log_w.clamp(math.log(1e-8), 20.0)
+    positive = advantages.unsqueeze(1) >= 0
+    k, lam = torch.where(positive, k_pos, k_neg), torch.where(positive, lambda_pos, lambda_neg).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(0.0, 0.0, 0.0)
+
+
+def token_losses(ratio, logprobs, advantages, loss_type, epsilon_low, epsilon_high, weights=None,
+                 temperatures=(1.0, 1.05)):
+    """The per-token loss l_t by --loss-type: CISPO's (cispo_loss) for cispo; −sg(φ_i) Â log π_θ for vespo, with
+    `weights` φ (vespo_weights); SAPO's gate (sapo_loss, `temperatures` τ_pos, τ_neg) for sapo; the plain
+    surrogate −ρ_t Â for dppo (dppo_trust_region's mask drops tokens instead of a clip); else the clipped
+    surrogate (clipped_surrogate: grpo, dapo, dr_grpo, luspo). aggregate_loss then makes them one number."""
     if loss_type == "cispo":
         return cispo_loss(ratio, logprobs, advantages, epsilon_high)
+    if loss_type == "vespo":
+        return -weights * advantages.unsqueeze(1) * logprobs
+    if loss_type == "sapo":
+        return sapo_loss(ratio, advantages, *temperatures)
+    if loss_type == "dppo":
+        return -ratio * advantages.unsqueeze(1)
     return clipped_surrogate(ratio, advantages, epsilon_low, epsilon_high)
 
 
 def clipped_tokens(ratio, advantages, epsilon_low, epsilon_high, loss_type):
     """(low, high): where the clip is active on each side. The clipped surrogate cuts a token's gradient when ρ_t
     falls below 1 − ε_low with Â < 0 (low) or rises above 1 + ε_high with Â > 0 (high); out of the band on the
-    other side, min() keeps the unclipped term. As TRL counts them. CISPO caps the weight above ε_high only."""
-    if loss_type == "cispo":
-        return torch.zeros_like(ratio, dtype=torch.bool), ratio > epsilon_high
+    other side, min() keeps the unclipped term. As TRL counts them. CISPO caps the weight above ε_high only; sapo,
+    vespo and dppo have no clip (dppo's dropped tokens are counted apart)."""
+    if loss_type in ("cispo", "sapo", "vespo", "dppo"):
+        return torch.zeros_like(ratio, dtype=torch.bool), ratio > (epsilon_high if loss_type == "cispo" else math.inf)
     advantages = advantages.unsqueeze(1)
     return (ratio < 1 - epsilon_low) & (advantages < 0), (ratio > 1 + epsilon_high) & (advantages > 0)
 
@@ -373,18 +535,82 @@ def aggregate_loss(per_token_loss, mask, loss_type, num_sequences, num_tokens, m
         dapo      Σ_i Σ_t l_it / N                 every token of the rollout weighs the same (Yu et al. 2025)
         dr_grpo   Σ_i Σ_t l_it / (B · L_max)       a constant normalizer: no length bias (Liu et al. 2025)
         cispo     Σ_i Σ_t l_it / N                 as dapo, with CISPO's per-token loss (MiniMax-M1, 2025)
+        dppo      Σ_i Σ_t l_it / N                 as dapo (prime-rl's and verl's token mean)
+        vespo     Σ_i Σ_t l_it / N                 as dapo (TRL 1.16)
+        sapo      (1/B) Σ_i (1/|o_i|) Σ_t l_it     as grpo (TRL 1.16)
+        luspo     (1/B) Σ_i Σ_t l_it               GSPO's loss scaled by each length (LUSPO, arXiv 2602.05261)
 
     B = `num_sequences` completions in the minibatch; N = `num_tokens`, the rollout's tokens ÷ its minibatches,
     as TRL 1.16 (a minibatch's own token count would weigh a token of a short minibatch more); L_max =
     `max_completion_length`. Under grpo a long wrong answer is penalized less per token than a short one."""
     summed = (per_token_loss * mask).sum(1)
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         return (summed / mask.sum(1).clamp(min=1)).sum() / num_sequences
-    if loss_type in ("dapo", "cispo"):
+    if loss_type in ("dapo", "cispo", "dppo", "vespo"):
         return summed.sum() / num_tokens
+    if loss_type == "luspo":
+        return summed.sum() / num_sequences
     if loss_type == "dr_grpo":
         return summed.sum() / (num_sequences * max_completion_length)
     raise ValueError(f"unknown loss type {loss_type!r}")
+
+
+def high_entropy_mask(entropy, mask, quantile):
+    """The 80/20 rule (Wang et al. 2025, "Beyond the 80/20 Rule"), as TRL 1.16's top_entropy_quantile ρ: True on the
+    tokens whose entropy H(π_θ(·|s_t)) is at least the (1 − ρ) quantile of the entropies of the `mask`ed tokens
+    (linear interpolation, torch.quantile's), False elsewhere and on padding. The forking tokens where the policy
+    hesitates carry the gradient; ρ = 0 keeps the highest one only."""
+    values = entropy.detach()[mask.bool()]
+    if values.numel() == 0:
+        return torch.zeros_like(mask, dtype=torch.bool)
+    return (entropy.detach() >= torch.quantile(values.float(), 1 - quantile)) & mask.bool()
+
+
+def entropy_bonus(entropy, mask):
+    """H̄, the mean entropy over the `mask`ed tokens, whose coefficient times it the loss subtracts (TRL 1.16's
+    entropy_coef: the same mean whatever --loss-type's normalizer). A scalar with the gradient of `entropy`."""
+    return (entropy * mask).sum() / mask.sum().clamp(min=1)
+
+
+def adaptive_entropy_coef(coef, entropy, target, delta, low, high):
+    """Skywork-OR1's adaptive entropy control (arXiv 2505.22312), as TRL 1.16's use_adaptive_entropy:
+    after each optimizer step the coefficient moves by δ toward holding the entropy at the target,
+
+        c ← min(c + δ, c_max)  if H̄ ≤ target,   else  max(c − δ, c_min)
+
+    and the next step applies c only while H̄ ≤ target (0 otherwise)."""
+    return min(coef + delta, high) if entropy <= target else max(coef - delta, low)
+
+
+def token_covariance(advantages, logprobs, mask):
+    """Each token's term of the covariance between log π_θ and the advantage over the `mask`ed tokens of a minibatch
+    (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs", eq. 11-12), detached,
+
+        Cov_t = (log π_θ(o_t) − mean(log π_θ)) · (Â_t − mean(Â))
+
+    Entropy falls in a step by about the sum of these (their Lemma): a token that is likely and rewarded, or
+    unlikely and punished, lowers it. Clip-Cov and KL-Cov act on the tokens of largest Cov_t. [B, T]."""
+    advantages, logprobs = advantages.unsqueeze(1).expand_as(mask), logprobs.detach()
+    n = mask.sum().clamp(min=1)
+    return (logprobs - (logprobs * mask).sum() / n) * (advantages - (advantages * mask).sum() / n) * mask
+
+
+def clip_cov_tokens(covariance, mask, cut, ratio, low, high):
+    """Clip-Cov's tokens (Cui et al. 2025, eq. 13; as verl's clip_cov): r·N of the N `mask`ed tokens, at least one,
+    drawn at random among those whose Cov_t lies strictly between `low` and `high` and whose gradient the loss does
+    not already `cut` (the clip); they get no gradient. True on those chosen. Draws from torch's generator."""
+    candidates = ((covariance > low) & (covariance < high) & mask.bool() & ~cut).flatten().nonzero().squeeze(1)
+    count = max(int(ratio * mask.sum().item()), 1)
+    chosen = candidates[torch.randperm(len(candidates), device=mask.device)[:count]]
+    return torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device).index_fill_(0, chosen, True).view_as(mask)
+
+
+def kl_cov_tokens(covariance, mask, ratio):
+    """KL-Cov's tokens (Cui et al. 2025, eq. 14; as verl's kl_cov): the k·N `mask`ed tokens of largest Cov_t, at
+    least one; each gets the penalty β |log π_θ(o_t) − log π_old(o_t)|. True on those chosen."""
+    count = max(int(ratio * mask.sum().item()), 1)
+    chosen = covariance.masked_fill(~mask.bool(), -math.inf).flatten().topk(count).indices
+    return torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device).index_fill_(0, chosen, True).view_as(mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -452,19 +678,42 @@ def check_args(args):
                  "run)")
     for name, rule in {"lr": ">= 0", "max_grad_norm": "> 0", "temperature": "> 0", "beta": ">= 0", "epsilon": "> 0",
                        "epsilon_high": "> 0", "tool_timeout": "> 0", "vllm_importance_sampling_clip_max": ">= 0",
-                       "vllm_importance_sampling_clip_min": ">= 0", "off_policy_mask_threshold": ">= 0"}.items():
+                       "vllm_importance_sampling_clip_min": ">= 0", "off_policy_mask_threshold": ">= 0",
+                       "sapo_temperature_pos": "> 0", "sapo_temperature_neg": "> 0", "vespo_k_pos": ">= 0",
+                       "vespo_k_neg": ">= 0", "vespo_lambda_pos": "> 0", "vespo_lambda_neg": "> 0",
+                       "entropy_coef": ">= 0", "entropy_target": ">= 0", "entropy_coef_delta": ">= 0",
+                       "entropy_coef_min": ">= 0", "entropy_coef_max": ">= 0", "clip_cov_ratio": "> 0",
+                       "kl_cov_ratio": "> 0", "kl_cov_coef": ">= 0"}.items():
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and (value > 0 or rule == ">= 0" and value == 0)):
             sys.exit(f"error: --{name.replace('_', '-')} {value}: it must be a finite number {rule}")
-    for flag, value, choices in (("--advantage", args.advantage, ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")),
-                                 ("--loss-type", args.loss_type, ("grpo", "dapo", "dr_grpo", "cispo")),
+    for flag, value, choices in (("--advantage", args.advantage, ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
+                                                                  "maxrl")),
+                                 ("--loss-type", args.loss_type, ("grpo", "dapo", "dr_grpo", "cispo", "dppo", "sapo",
+                                                                  "luspo", "vespo")),
                                  ("--importance-sampling-level", args.importance_sampling_level, ("token", "sequence")),
                                  ("--vllm-importance-sampling-mode", args.vllm_importance_sampling_mode,
-                                  ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"))):
+                                  ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")),
+                                 ("--scale-rewards", args.scale_rewards, ("group", "batch", "none", True, False)),
+                                 ("--dppo-divergence", args.dppo_divergence, ("binary_tv", "binary_kl")),
+                                 ("--cov-method", args.cov_method, (None, "clip_cov", "kl_cov"))):
         if value not in choices:
-            sys.exit(f"error: {flag} {value!r}: choose one of {', '.join(choices)}")
-    if not args.scale_rewards and args.advantage != "grpo":
-        sys.exit(f"error: --no-scale-rewards changes --advantage grpo only; --advantage {args.advantage} has its own scale")
+            sys.exit(f"error: {flag} {value!r}: choose one of {', '.join(map(str, choices))}")
+    if args.scale_rewards not in ("group", True) and args.advantage != "grpo":
+        sys.exit(f"error: --scale-rewards {args.scale_rewards} changes --advantage grpo only; --advantage "
+                 f"{args.advantage} has its own scale")
+    if args.advantage == "maxrl" and args.missing_eos_penalty < 0:
+        sys.exit(f"error: --advantage maxrl divides by the group's mean reward, a pass rate: rewards must not be "
+                 f"negative; set --missing-eos-penalty 0 (it is {args.missing_eos_penalty})")
+    if not 0 <= args.top_entropy_quantile <= 1 or args.entropy_coef_min > args.entropy_coef_max \
+            or not args.clip_cov_lb < args.clip_cov_ub:
+        sys.exit(f"error: --top-entropy-quantile {args.top_entropy_quantile} must lie in [0, 1], --entropy-coef-min "
+                 "not exceed --entropy-coef-max, and --clip-cov-lb be below --clip-cov-ub")
+    if args.loss_type in ("dppo", "vespo") and args.importance_sampling_level == "sequence" or (
+            args.loss_type == "vespo" and args.vllm_importance_sampling_correction
+            and args.vllm_importance_sampling_mode.startswith("sequence")):
+        sys.exit(f"error: --loss-type {args.loss_type} takes each token's own ratio: use --importance-sampling-level "
+                 "token (and with vespo a token_* --vllm-importance-sampling-mode)")
     if args.loss_type == "cispo" and (args.epsilon_high is None or args.importance_sampling_level == "sequence"):
         sys.exit("error: --loss-type cispo caps each token's weight at --epsilon-high (set it, e.g. 5.0) and needs "
                  "--importance-sampling-level token")
@@ -519,6 +768,7 @@ def main(args: Args):
                  f"exceeds the model's {positions} positions; lower --max-prompt-length or --max-completion-length")
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr)
     lag = RolloutLag(policy, args)  # --rollout-lag K: the weights a rollout samples with
+    control = EntropyControl(args)  # --entropy-coef, --use-adaptive-entropy: the entropy bonus
     writer = SummaryWriter(f"runs/{args.exp_name}__{args.seed}__{int(time.time())}")
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
     print(f"{1 + (ref is not None)} model(s) in memory; tools: {', '.join(tools)}")
@@ -551,23 +801,24 @@ def main(args: Args):
 
         # ---- 3. update: μ passes over the rollout in shuffled minibatches, on the policy's tokens only --------
         policy.train()
-        stats = {k: 0.0 for k in ("policy_loss", "kl_penalty", "clipped_low", "clipped_high", "off_policy_masked")}
+        stats = {k: 0.0 for k in ("policy_loss", "kl_penalty", "clipped_low", "clipped_high", "off_policy_masked",
+                                  "dppo_masked", "cov_selected", "policy_entropy", "bonus")}
         for epoch in range(args.ppo_epochs):
             order = torch.randperm(B, device=device) if epoch > 0 else torch.arange(B, device=device)
             for start in range(0, B, args.mini_batch_size):
                 mb = order[start : start + args.mini_batch_size]
                 with amp():
-                    logprobs, _ = policy_logprobs(policy, batch.sequences[mb], batch.attention_mask[mb],
-                                                  batch.context_length, args.temperature)
+                    logprobs, entropy = policy_logprobs(policy, batch.sequences[mb], batch.attention_mask[mb],
+                                                        batch.context_length, args.temperature, control.on)
                 ratio = importance_ratio(logprobs, old.logprobs[mb], batch.mask[mb], args.importance_sampling_level)
-                per_token, masked = grpo_token_losses(ratio, logprobs, advantages[mb], batch, old, mb, epsilon_high,
-                                                      args)
+                per_token, counts = grpo_token_losses(ratio, logprobs, entropy, advantages[mb], batch, old, mb,
+                                                      epsilon_high, args)
                 policy_loss = aggregate_loss(per_token, batch.loss_mask[mb], args.loss_type, args.mini_batch_size,
                                              batch.num_tokens, args.max_completion_length)
                 kl_penalty = kl_to_reference(logprobs, old.ref_logprobs, batch.loss_mask, mb, batch.num_tokens,
                                              args.max_completion_length, args)
-                (policy_loss + kl_penalty).backward()
-                accumulate_grpo_stats(stats, policy_loss, kl_penalty, ratio, advantages[mb], batch.mask[mb], masked,
+                (policy_loss + kl_penalty - control.bonus(entropy, batch.loss_mask[mb], counts)).backward()
+                accumulate_grpo_stats(stats, policy_loss, kl_penalty, ratio, advantages[mb], batch.mask[mb], counts,
                                       epoch == start == 0, epsilon_high, args)
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                 check_finite(iteration, loss=policy_loss + kl_penalty, grad_norm=grad_norm)
@@ -575,7 +826,7 @@ def main(args: Args):
                 optimizer.zero_grad(set_to_none=True)
 
         # ---- 4. log: statistics of the whole batch, the policy's tokens and the tools' apart ----------------
-        log_agent_iteration(writer, iteration, batch, old, stats, terms.names, lr, start_time, args)
+        log_agent_iteration(writer, iteration, batch, old, stats, terms.names, lr, start_time, control, args)
         progress(iteration, f"reward {float(batch.rewards.nanmean()):.3f}")
         if iteration % args.eval_every == 0 or iteration == args.num_iterations:
             evaluate(policy, env, eval_rows, eval_ids, terms, amp, writer, iteration, args)
@@ -926,7 +1177,7 @@ def episode_text(tokenizer, sequence, attention_mask, mask, context_length):
     return "".join(pieces)
 
 
-def log_agent_iteration(writer, iteration, batch, old, stats, names, lr, start_time, args):
+def log_agent_iteration(writer, iteration, batch, old, stats, names, lr, start_time, control, args):
     """An iteration's statistics of the whole batch, to TensorBoard (docs/tags.md), and a line every 10 iterations:
     the policy's tokens only (entropy, lengths, clipping, KL) and the tools' apart."""
     B, G, mask, mismatch = args.batch_size, args.num_generations, batch.mask, old.mismatch
@@ -944,9 +1195,15 @@ def log_agent_iteration(writer, iteration, batch, old, stats, names, lr, start_t
         "losses/policy_loss": stats["policy_loss"] / num_minibatches,
         "policy/clipfrac": (stats["clipped_low"] + stats["clipped_high"]) / (args.ppo_epochs * tokens),
         "policy/first_ratio_max_error": stats["first_ratio_max_error"],
+        "policy/entropy": stats["policy_entropy"] / (args.ppo_epochs * max(1.0, batch.loss_mask.sum().item())),
         "charts/learning_rate": lr, "charts/episodes_per_second": iteration * B / (time.time() - start_time),
         "rollout/logprob_diff_mean": mismatch[0].item() / tokens, "rollout/logprob_diff_max": mismatch[1].item(),
     }
+    for name, on in (("dppo_masked", args.loss_type == "dppo"), ("cov_selected", args.cov_method is not None)):
+        if on:  # as grpo.py's: the tokens out of DPPO's trust region; Clip-Cov's or KL-Cov's tokens
+            logs[f"policy/{name}_fraction"] = stats[name] / (args.ppo_epochs * tokens)
+    if control.on:
+        logs.update({"policy/entropy_coef": control.coef, "losses/entropy_bonus": stats["bonus"] / num_minibatches})
     if args.beta > 0:
         logs.update({"objective/kl": old.k1.sum().item() / B,
                      "losses/kl_penalty": stats["kl_penalty"] / num_minibatches})
@@ -1061,19 +1318,76 @@ def sampler_correction(old_logprobs, sampler_logprobs, mask, args):
                                                 args.vllm_importance_sampling_clip_max)
 
 
-def grpo_token_losses(ratio, logprobs, advantages, batch, old, mb, epsilon_high, args):
-    """Each token's loss of minibatch `mb` (token_losses), weighed by the sampler correction (the sampler was not
-    π_old: π_old / π_sampler) and, with --off-policy-mask-threshold, with the negative completions the policy left
-    behind dropped (off_policy_sequence_mask). Returns (the losses, how many completions were dropped)."""
-    losses = token_losses(ratio, logprobs, advantages, args.loss_type, args.epsilon, epsilon_high)
-    if old.is_weights is not None:
-        losses = losses * old.is_weights[mb]
-    masked = torch.zeros((), device=losses.device)
-    if args.off_policy_mask_threshold is not None:
-        kept = off_policy_sequence_mask(advantages, logprobs, batch.sampler_logprobs[mb], batch.mask[mb],
-                                        args.off_policy_mask_threshold)
-        losses, masked = losses * kept, (1 - kept).sum()
-    return losses, masked
+def grpo_token_losses(ratio, logprobs, entropy, advantages, batch, old, mb, epsilon_high, args):
+    """Each token's loss of minibatch `mb` (token_losses; vespo's weight from vespo_weights), with --loss-type dppo
+    the tokens out of the trust region dropped (dppo_trust_region), with --cov-method the Clip-Cov or KL-Cov tokens
+    detached or penalized (token_covariance), weighed by the sampler correction (the sampler was not π_old:
+    π_old / π_sampler; vespo's weight has it), with --off-policy-mask-threshold the negative completions the policy
+    left behind dropped (off_policy_sequence_mask), and with --top-entropy-quantile only the high-entropy tokens
+    kept (high_entropy_mask). Returns (the losses, counts for the logs: completions and tokens dropped, tokens
+    chosen by the Cov method, the entropy summed over the loss's tokens)."""
+    mask, loss_mask, a = batch.mask[mb], batch.loss_mask[mb], args
+    is_weights = None if old.is_weights is None else old.is_weights[mb]
+    weights = (vespo_weights(logprobs - old.logprobs[mb], mask, advantages, is_weights, a.vespo_k_pos,
+                             a.vespo_lambda_pos, a.vespo_k_neg, a.vespo_lambda_neg) if a.loss_type == "vespo" else None)
+    losses = token_losses(ratio, logprobs, advantages, a.loss_type, a.epsilon, epsilon_high, weights,
+                          (a.sapo_temperature_pos, a.sapo_temperature_neg))
+    zero = torch.zeros((), device=losses.device)
+    counts = {"off_policy_masked": zero, "dppo_masked": zero, "cov_selected": zero,
+              "policy_entropy": (entropy.detach() * loss_mask).sum()}
+    low, high = clipped_tokens(ratio, advantages, a.epsilon, epsilon_high, a.loss_type)
+    cut = low | high  # the tokens the loss already gives no gradient
+    if a.loss_type == "dppo":
+        keep = dppo_trust_region(logprobs, batch.sampler_logprobs[mb], advantages, a.dppo_divergence, a.epsilon,
+                                 epsilon_high)
+        losses, counts["dppo_masked"], cut = losses * keep, ((1 - keep) * mask).sum(), cut | (keep == 0)
+    if a.cov_method == "clip_cov":
+        chosen = clip_cov_tokens(token_covariance(advantages, logprobs, loss_mask), loss_mask, cut, a.clip_cov_ratio,
+                                 a.clip_cov_lb, a.clip_cov_ub)
+        losses, counts["cov_selected"] = losses * ~chosen, chosen.sum()
+    elif a.cov_method == "kl_cov":
+        chosen = kl_cov_tokens(token_covariance(advantages, logprobs, loss_mask), loss_mask, a.kl_cov_ratio)
+        losses = losses + a.kl_cov_coef * (logprobs - old.logprobs[mb]).abs() * chosen
+        counts["cov_selected"] = chosen.sum()
+    if is_weights is not None and a.loss_type != "vespo":
+        losses = losses * is_weights
+    if a.off_policy_mask_threshold is not None:
+        kept = off_policy_sequence_mask(advantages, logprobs, batch.sampler_logprobs[mb], mask,
+                                        a.off_policy_mask_threshold)
+        losses, counts["off_policy_masked"] = losses * kept, (1 - kept).sum()
+    if a.top_entropy_quantile < 1:
+        losses = losses * high_entropy_mask(entropy, loss_mask, a.top_entropy_quantile)
+    return losses, counts
+
+
+class EntropyControl:
+    """--entropy-coef and --use-adaptive-entropy: the bonus c·H̄ the loss subtracts (entropy_bonus), over the tokens
+    the policy loss sees (with --top-entropy-quantile, the high-entropy ones, as TRL), and with adaptive control its
+    coefficient moved after each optimizer step (adaptive_entropy_coef; TRL applies no bonus before the first
+    measurement). Off (the defaults): no bonus, and the update's entropy carries no gradient."""
+
+    def __init__(self, args):
+        self.args, self.coef, self.last, self.window = args, args.entropy_coef, math.inf, 0.0
+        self.on = args.entropy_coef != 0 or args.use_adaptive_entropy
+
+    def bonus(self, entropy, loss_mask, counts, step_ends=True):
+        """c·H̄ of a micro-batch (into `counts` for the logs); at a step's end the coefficient moves, by the entropy
+        of the step's micro-batches together (their summed entropy over their summed tokens, as TRL)."""
+        if not self.on:
+            return torch.zeros((), device=loss_mask.device)
+        a = self.args
+        mask = loss_mask * high_entropy_mask(entropy, loss_mask, a.top_entropy_quantile) if a.top_entropy_quantile < 1 \
+            else loss_mask
+        mean = entropy_bonus(entropy, mask)
+        coef = self.coef if not a.use_adaptive_entropy or self.last <= a.entropy_target else 0.0
+        counts["bonus"] = coef * mean.detach()
+        self.window = self.window + torch.stack([(entropy.detach() * mask).sum(), mask.sum()])
+        if a.use_adaptive_entropy and step_ends:
+            self.last = (self.window[0] / self.window[1].clamp(min=1)).item()
+            self.coef = adaptive_entropy_coef(self.coef, self.last, a.entropy_target, a.entropy_coef_delta,
+                                              a.entropy_coef_min, a.entropy_coef_max)
+        self.window = 0.0 if step_ends else self.window
+        return coef * mean
 
 
 def kl_to_reference(logprobs, ref_logprobs, loss_mask, mb, num_tokens, max_completion_length, args):
@@ -1087,15 +1401,16 @@ def kl_to_reference(logprobs, ref_logprobs, loss_mask, mb, num_tokens, max_compl
 
 
 @torch.no_grad()
-def accumulate_grpo_stats(stats, policy_loss, kl_penalty, ratio, advantages, mask, masked, first, epsilon_high, args):
-    """Adds a minibatch's losses, clipped-token counts and completions masked to `stats`; at the first minibatch of
-    an iteration, before any step, the ratio's largest distance from 1 (it must be exactly 0)."""
+def accumulate_grpo_stats(stats, policy_loss, kl_penalty, ratio, advantages, mask, counts, first, epsilon_high, args):
+    """Adds a minibatch's losses, clipped-token counts and grpo_token_losses' counts to `stats`; at the first
+    minibatch of an iteration, before any step, the ratio's largest distance from 1 (it must be exactly 0)."""
     stats["policy_loss"] += policy_loss.item()
     stats["kl_penalty"] += kl_penalty.item()
     low, high = clipped_tokens(ratio, advantages, args.epsilon, epsilon_high, args.loss_type)
     stats["clipped_low"] += (low * mask).sum().item()
     stats["clipped_high"] += (high * mask).sum().item()
-    stats["off_policy_masked"] += masked.item()
+    for name in ("off_policy_masked", "dppo_masked", "cov_selected", "policy_entropy", "bonus"):
+        stats[name] += float(counts.get(name, 0.0))
     if first:
         stats["first_ratio_max_error"] = (ratio - 1).abs().max()
 
@@ -1533,14 +1848,14 @@ def position_ids_of(attention_mask):
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
-def policy_logprobs(model, sequences, attention_mask, context_length, temperature):
+def policy_logprobs(model, sequences, attention_mask, context_length, temperature, entropy_grad=False):
     """(log π(a_t | s_t) of each response token, the entropy of π(·|s_t)), from one forward pass over prompt +
     response: z = logits / temperature in float32, as `generate` draws tokens, log π = log_softmax(z)."""
     # use_cache=False: a pass that does not sample keeps no KV cache (transformers makes one by default)
     logits = model(input_ids=sequences, attention_mask=attention_mask,
                    position_ids=position_ids_of(attention_mask), use_cache=False).logits[:, context_length - 1 : -1]
     logprobs = torch.log_softmax(logits.float() / temperature, -1)
-    with torch.no_grad():
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):  # for an entropy bonus only
         entropy = -(logprobs.exp() * logprobs).sum(-1)
     return logprobs.gather(-1, sequences[:, context_length:].unsqueeze(-1)).squeeze(-1), entropy
 
@@ -1619,6 +1934,8 @@ def settle_defaults(args):
         args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     if getattr(args, "vllm_importance_sampling_correction", False) is None:
         args.vllm_importance_sampling_correction = args.rollout_lag > 0
+    if getattr(args, "no_scale_rewards", False):  # grpo: --no-scale-rewards, the older --scale-rewards none
+        args.scale_rewards = "none"
 
 
 class RolloutLag:

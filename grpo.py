@@ -129,13 +129,25 @@ class Args:
     advantage: str = "grpo"
     """grpo: (r − group mean) / group std; rloo: r − the mean of the other G − 1 rewards (Ahmadian et al. 2024);
     reinforce_pp: r normalized over the whole batch (REINFORCE++, Hu 2025); reinforce_pp_baseline: the
-    group mean subtracted first (OpenRLHF: advantage_estimator reinforce / reinforce_baseline)"""
-    scale_rewards: bool = True
-    """divide GRPO's advantages by the group's std (--no-scale-rewards: Dr. GRPO, Liu et al. 2025)"""
+    group mean subtracted first (OpenRLHF: advantage_estimator reinforce / reinforce_baseline); maxrl: (r − group
+    mean) / group mean, for rewards in [0, 1] (MaxRL, Tajwar et al. 2026)"""
+    scale_rewards: str = "group"
+    """divide GRPO's advantages by the group's std (group), by the whole batch's (batch), or not (none, Dr. GRPO,
+    Liu et al. 2025) (TRL: scale_rewards)"""
+    no_scale_rewards: Annotated[bool, tyro.conf.FlagCreatePairsOff] = False
+    """the older spelling of --scale-rewards none"""
+    multi_objective_aggregation: str = "sum_then_normalize"
+    """with several reward terms: sum_then_normalize, the advantage of the weighted sum; normalize_then_sum, each
+    term normalized within its group, then the weighted sum normalized over the batch (GDPO, arXiv 2601.05242) (TRL's
+    name and default)"""
     loss_type: str = "grpo"
     """grpo: mean over each completion's tokens, then over completions; dapo: mean over all tokens of the rollout;
     dr_grpo: sum over tokens / (completions × --response-length); cispo: MiniMax-M1's clipped importance weight
-    with every token's gradient kept, over all tokens of the batch (TRL: loss_type)"""
+    with every token's gradient kept, over all tokens of the batch; dppo: no clip, the tokens that left the trust
+    region dropped (dppo_trust_region); sapo: a soft gate in place of the clip (sapo_loss), aggregated as grpo;
+    luspo: summed over each completion's tokens, then averaged over completions (use it with
+    --importance-sampling-level sequence); vespo: a smooth weight of the completion's ratio (vespo_weights), over
+    all tokens (TRL: loss_type)"""
     importance_sampling_level: str = "token"
     """token: one ratio π_θ/π_old per token (GRPO, DAPO); sequence: GSPO's one ratio per completion, the geometric
     mean of its tokens' (Zheng et al. 2025), clipped per completion: its ε is about 1e-3 of the token-level one
@@ -145,7 +157,24 @@ class Args:
     clip_coef, rlhf_ppo.py: cliprange"""
     epsilon_high: float | None = None
     """upper clip bound 1 + ε_high (DAPO's clip-higher, e.g. 0.28); None: ε. With --loss-type cispo, the cap of
-    the weight itself (TRL's meaning; e.g. 5.0)"""
+    the weight itself (TRL's meaning; e.g. 5.0). With --loss-type dppo, --epsilon and --epsilon-high are the
+    trust region's δ_low and δ_high (verl's meaning; prime-rl's dppo_mask_low/high, 0.2 each)"""
+    dppo_divergence: str = "binary_tv"
+    """--loss-type dppo's divergence between π_θ and the sampler at each token: binary_tv, |p_θ − p_sampler| of the
+    sampled token; binary_kl, the KL between the two Bernoulli(p) of the sampled token (use a smaller δ, e.g. 0.05)
+    (DPPO, arXiv 2602.04879)"""
+    sapo_temperature_pos: float = 1.0
+    """τ of --loss-type sapo's gate on tokens of positive advantage (TRL's)"""
+    sapo_temperature_neg: float = 1.05
+    """τ of --loss-type sapo's gate on tokens of zero or negative advantage (TRL's)"""
+    vespo_k_pos: float = 2.0
+    """k of --loss-type vespo's weight φ(w) = e^λ w^k e^(−λw) where Â ≥ 0 (TRL's)"""
+    vespo_lambda_pos: float = 3.0
+    """λ of --loss-type vespo's weight where Â ≥ 0 (TRL's)"""
+    vespo_k_neg: float = 3.0
+    """k of --loss-type vespo's weight where Â < 0 (TRL's)"""
+    vespo_lambda_neg: float = 2.0
+    """λ of --loss-type vespo's weight where Â < 0 (TRL's)"""
     beta: float = 0.04
     """β of the k3 KL penalty to the reference (DeepSeekMath's 0.04); 0 drops the reference model (and eval/kl)"""
     missing_eos_penalty: float = -1.0
@@ -183,6 +212,39 @@ class Args:
     """C_min: the weight's lower bound (truncate: clipped to it; mask: below it, 0); None: none (TRL's)"""
     off_policy_mask_threshold: float | None = None
     """δ of DeepSeek-V3.2's off-policy sequence masking (off_policy_sequence_mask), e.g. 0.5; None: off (TRL's)"""
+    entropy_coef: float = 0.0
+    """c of the entropy bonus: the loss less c × the mean entropy of the update's tokens, whatever --loss-type
+    (TRL's); with --use-adaptive-entropy the starting coefficient"""
+    use_adaptive_entropy: bool = False
+    """Skywork-OR1's adaptive entropy control: the bonus applies while the entropy is at or below --entropy-target,
+    and its coefficient moves by --entropy-coef-delta each step, up while below, down while above (TRL's)"""
+    entropy_target: float = 0.2
+    """the entropy (nats per token) adaptive control holds the policy at (TRL's)"""
+    entropy_coef_delta: float = 0.005
+    """adaptive control's step of the coefficient per optimizer step (TRL's)"""
+    entropy_coef_min: float = 0.0
+    """adaptive control's least coefficient (TRL's)"""
+    entropy_coef_max: float = 1.0
+    """adaptive control's largest coefficient (TRL's)"""
+    top_entropy_quantile: float = 1.0
+    """ρ: the policy loss on the ρ fraction of each minibatch's tokens of highest entropy only (the 80/20 rule, Wang
+    et al. 2025: 0.2); 1.0: every token (TRL's)"""
+    cov_method: str | None = None
+    """clip_cov or kl_cov (Cui et al. 2025, "The Entropy Mechanism of RL"): the tokens whose Â and log π_θ covary
+    most, which drive entropy down, get no gradient (clip_cov) or a KL penalty to π_old (kl_cov), whatever
+    --loss-type (token_covariance); None: off"""
+    clip_cov_ratio: float = 2e-4
+    """clip_cov: the fraction of each minibatch's tokens detached, drawn at random among those whose covariance lies
+    in [--clip-cov-lb, --clip-cov-ub] (the paper's and verl's 2e-4)"""
+    clip_cov_lb: float = 1.0
+    """clip_cov's lower bound of the covariance (the paper's and verl's)"""
+    clip_cov_ub: float = 5.0
+    """clip_cov's upper bound of the covariance (the paper's and verl's)"""
+    kl_cov_ratio: float = 2e-3
+    """kl_cov: the fraction of each minibatch's tokens of highest covariance given the penalty (the paper's 2e-3 for
+    Qwen2.5-7B; verl's default 2e-4)"""
+    kl_cov_coef: float = 1.0
+    """kl_cov: β of the penalty β |log π_θ − log π_old| on those tokens (the paper's and verl's ppo_kl_coef)"""
     max_grad_norm: float = 1.0
     """clip the global gradient norm to this"""
     eval_every: int = 20
@@ -190,6 +252,12 @@ class Args:
     eval_size: int = 512
     """eval prompts, 0 for no evaluation: the built-in task's are those of sft.py, rlhf_ppo.py and dpo.py; a dataset's
     are its `test` split, or else prompts held out from the training ones"""
+    eval_num_samples: int = 1
+    """n: completions sampled per eval prompt; above 1, eval/pass@k for k = 1, 2, 4, ... up to n, unbiased (Chen et
+    al. 2021), on the built-in task (the target exactly) and with reward functions (each one that applies scores 1)"""
+    log_completions_every: int = 0
+    """every this many iterations, a table of the rollout's first prompts, completions and reward terms under
+    train/completions in TensorBoard's text tab; 0: never (TRL: log_completions)"""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,24 +265,75 @@ class Args:
 # adjacent rows; token tensors are [B, response_length] with `mask` 1 on completion tokens up to and
 # including the first stop token. Checked against hand-computed values in tests/test_grpo.py.
 # ---------------------------------------------------------------------------------------------
-def group_advantages(rewards, num_generations, scale_rewards=True, eps=1e-4):
+def group_advantages(rewards, num_generations, scale_rewards="group", eps=1e-4):
     """GRPO's advantage of completion i (Shao et al. 2024, section 4.1.2, outcome supervision), given to every
     one of its tokens; the group is the G completions of one prompt:
 
         Â_i = (r_i − mean(r)) / (std(r) + ε)      std over the group, with G − 1 in the denominator (as TRL)
 
-    scale_rewards=False (Dr. GRPO, Liu et al. 2025): Â_i = r_i − mean(r). Dividing by the std gives groups
-    whose rewards barely differ (prompts nearly always or nearly never solved) as much weight as the rest.
-    A group of equal rewards gets Â = 0: it teaches nothing. An unscored completion (reward NaN) is left out of
-    its group's mean and std, as in TRL 1.16; its own Â is NaN until compute_advantages makes it 0."""
+    scale_rewards "none" (or False; Dr. GRPO, Liu et al. 2025): Â_i = r_i − mean(r). Dividing by the std gives
+    groups whose rewards barely differ (prompts nearly always or nearly never solved) as much weight as the rest;
+    "batch" divides by the std of all B rewards instead (TRL's scale_rewards="batch"), which does not. A group of
+    equal rewards gets Â = 0: it teaches nothing. An unscored completion (reward NaN) is left out of its group's
+    mean and std, as in TRL 1.16; its own Â is NaN until compute_advantages makes it 0."""
     groups = rewards.view(-1, num_generations)
     advantages = groups - groups.nanmean(1, keepdim=True)
-    if scale_rewards:  # the std of the scored rewards (torch.std's own where every one is scored)
+    if scale_rewards in ("group", True):  # the std of the scored rewards (torch.std's own where every one is scored)
         scored = (~groups.isnan()).sum(1, keepdim=True)
         std = torch.where(scored == num_generations, groups.std(1, keepdim=True),
                           (advantages.nan_to_num() ** 2).sum(1, keepdim=True).div(scored - 1).sqrt())
         advantages = advantages / (std + eps)
+    elif scale_rewards == "batch":
+        advantages = advantages / (batch_moments(rewards)[1] + eps)
     return advantages.flatten()
+
+
+def nanstd(x, dim):
+    """The standard deviation along `dim` of the values of x that are not NaN, with n − 1 in the denominator (as
+    TRL's nanstd), keeping the dimension."""
+    count = (~x.isnan()).sum(dim, keepdim=True)
+    return (((x - x.nanmean(dim, keepdim=True)) ** 2).nansum(dim, keepdim=True) / (count - 1)).sqrt()
+
+
+def batch_moments(x):
+    """(mean, std) of the values of x that are not NaN, the std with n − 1 in the denominator (TRL's nanstd over the
+    whole batch)."""
+    n = (~x.isnan()).sum().float()
+    mean = x.nansum() / n
+    return mean, (((x - mean) ** 2).nansum() / (n - 1)).sqrt()
+
+
+def maxrl_advantages(rewards, num_generations, eps=1e-6):
+    """MaxRL (Tajwar et al. 2026, "Maximum Likelihood Reinforcement Learning"): the group's mean reward in place of
+    its std,
+
+        Â_i = (r_i − mean(r)) / (mean(r) + ε)
+
+    With 0/1 rewards mean(r) is the pass rate p̂ of the prompt, and Σ_i Â_i ∇log π(o_i) / G = (1/K) Σ_correct ∇log π
+    − (1/G) Σ_all ∇log π for K correct answers: an estimate of ∇log p (maximum likelihood) where GRPO estimates
+    ∇p. A prompt solved 1 time in 8 weighs 7 times one solved 7 times in 8. Rewards must not be negative
+    (check_args). A group of zeros gets Â = 0; unscored completions (NaN) are left out, as in group_advantages."""
+    groups = rewards.view(-1, num_generations)
+    mean = groups.nanmean(1, keepdim=True)
+    return ((groups - mean) / (mean + eps)).flatten()
+
+
+def normalize_then_sum(table, weights, num_generations, eps=1e-4):
+    """GDPO's advantage (arXiv 2601.05242) from K reward terms, as TRL 1.16's multi_objective_aggregation=
+    "normalize_then_sum": each term normalized within its group first, so that a term of small spread is not
+    drowned by one of large spread in the sum, then the weighted sum normalized over the batch,
+
+        A_i = Σ_k w_k (r_ik − mean_g(r_k)) / (std_g(r_k) + ε),    Â_i = (A_i − mean_B(A)) / (std_B(A) + ε)
+
+    `table` is [B, K] with NaN where a term does not apply (left out of its statistics, adding 0 to the sum); a
+    completion no term applies to gets NaN, as in combine_rewards. Stds with n − 1 in the denominator; mean_B and
+    std_B over the whole batch (batch_moments)."""
+    groups = table.view(-1, num_generations, table.shape[1])
+    normalized = (groups - groups.nanmean(1, keepdim=True)) / (nanstd(groups, 1) + eps)
+    summed = (normalized.view_as(table) * torch.as_tensor(weights, dtype=table.dtype, device=table.device)).nansum(1)
+    summed = summed.masked_fill(table.isnan().all(1), math.nan)
+    mean, std = batch_moments(summed)
+    return (summed - mean) / (std + eps)
 
 
 def rloo_advantages(rewards, num_generations):
@@ -246,12 +365,17 @@ def reinforce_pp_advantages(rewards, num_generations, group_baseline, eps=1e-8):
     return (x - mean) * torch.rsqrt(((x - mean) ** 2).nansum() / scored + eps)
 
 
-def compute_advantages(rewards, num_generations, advantage, scale_rewards):
-    """Â_i of each completion by --advantage: grpo (group_advantages, with --no-scale-rewards Dr. GRPO's), rloo
-    (rloo_advantages), reinforce_pp and reinforce_pp_baseline (reinforce_pp_advantages, over the whole batch).
+def compute_advantages(rewards, num_generations, advantage, scale_rewards, table=None, weights=None):
+    """Â_i of each completion by --advantage: grpo (group_advantages, with --scale-rewards none Dr. GRPO's), rloo
+    (rloo_advantages), reinforce_pp and reinforce_pp_baseline (reinforce_pp_advantages, over the whole batch),
+    maxrl (maxrl_advantages); given the reward terms' `table` and `weights`, GDPO's (normalize_then_sum).
     An unscored completion (reward NaN: no reward function applies to it) gets Â = 0, as in TRL 1.16: it moves
     nothing, and the others' baselines leave it out."""
-    if advantage == "rloo":
+    if table is not None:
+        advantages = normalize_then_sum(table, weights, num_generations)
+    elif advantage == "maxrl":
+        advantages = maxrl_advantages(rewards, num_generations)
+    elif advantage == "rloo":
         advantages = rloo_advantages(rewards, num_generations)
     elif advantage.startswith("reinforce_pp"):
         advantages = reinforce_pp_advantages(rewards, num_generations, advantage == "reinforce_pp_baseline")
@@ -265,9 +389,11 @@ def informative_groups(rewards, num_generations):
     True for each group whose G rewards are not all equal. A group of equal rewards (every answer right, or every
     one wrong) has Â_i = 0 under grpo's and rloo's advantages and reinforce_pp_baseline's: it gives no gradient but
     still counts in the batch's normalizers and KL penalty, so the batch learns from fewer prompts. Unscored
-    completions (NaN) do not count: a group needs two scored rewards that differ."""
-    groups = rewards.view(-1, num_generations)
-    return groups.nan_to_num(-math.inf).amax(1) > groups.nan_to_num(math.inf).amin(1)
+    completions (NaN) do not count: a group needs two scored rewards that differ. `rewards` [B, K] (GDPO's reward
+    terms): a group is kept where any one term differs, though the sums be equal (normalize_then_sum gives it
+    Â ≠ 0; judged by the sum, it would be dropped)."""
+    groups = rewards.view(-1, num_generations, *rewards.shape[1:])
+    return (groups.nan_to_num(-math.inf).amax(1) > groups.nan_to_num(math.inf).amin(1)).view(len(groups), -1).any(1)
 
 
 def soft_overlong_punishment(lengths, max_length, cache):
@@ -374,20 +500,82 @@ def cispo_loss(ratio, logprobs, advantages, epsilon_high):
     return -torch.clamp(ratio, max=epsilon_high).detach() * advantages.unsqueeze(1) * logprobs
 
 
-def token_losses(ratio, logprobs, advantages, loss_type, epsilon_low, epsilon_high):
-    """The per-token loss l_t by --loss-type: CISPO's (cispo_loss) for cispo, else the clipped surrogate
-    (clipped_surrogate); aggregate_loss then makes them one number."""
+def dppo_trust_region(logprobs, sampler_logprobs, advantages, divergence, delta_low, delta_high):
+    """DPPO's trust region (arXiv 2602.04879, as prime-rl's and verl's dppo losses): 1 where token t may learn, 0
+    where π_θ has moved past δ from the sampler in the direction its advantage pushes (further would be unsafe),
+
+        M_t = 0  if Â > 0 and p_θ > p_s and D_t > δ_high,   or  Â ≤ 0 and p_θ < p_s and D_t > δ_low;   else 1
+
+    with p = π(o_t | q, o_<t) the sampled token's probability under π_θ (detached) and the sampler, and D_t the
+    divergence of the two Bernoulli(p) distributions of "this token or another": binary_tv |p_θ − p_s|,
+    binary_kl p_s log(p_s/p_θ) + (1 − p_s) log((1 − p_s)/(1 − p_θ)). The ratio's clip judges a rare token by
+    a ratio that moves a lot for a small change of its probability; the divergence, by the probability itself.
+    A token moving back toward the sampler always learns. [B, T]."""
+    p, q = logprobs.detach().exp(), sampler_logprobs.exp()
+    if divergence == "binary_tv":
+        distance = (p - q).abs()
+    else:  # the Bernoulli KL, in log space where p and q are near 1
+        distance = q * (sampler_logprobs - logprobs.detach()) + (1 - q) * (torch.log1p(-q.clamp(max=1 - 1e-7))
+                                                                         - torch.log1p(-p.clamp(max=1 - 1e-7)))
+    advantages = advantages.unsqueeze(1)
+    unsafe = torch.where(advantages > 0, (p > q) & (distance > delta_high), (p < q) & (distance > delta_low))
+    return (~unsafe).to(logprobs.dtype)
+
+
+def sapo_loss(ratio, advantages, temperature_pos, temperature_neg):
+    """SAPO (arXiv 2511.20347, "Soft Adaptive Policy Optimization"), as TRL 1.16's loss_type="sapo": a sigmoid gate
+    of the ratio in place of the hard clip, so a token's gradient fades as its ratio leaves 1 instead of stopping,
+
+        l_t = −(4/τ) σ(τ (ρ_t − 1)) Â,    τ = τ_pos where Â > 0, else τ_neg
+
+    whose gradient at ρ = 1 is −Â ∇ρ, the unclipped surrogate's; a larger τ_neg fades negative tokens sooner."""
+    advantages = advantages.unsqueeze(1)
+    temperature = torch.where(advantages > 0, temperature_pos, temperature_neg)
+    return -torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature * advantages
+
+
+@torch.no_grad()
+def vespo_weights(log_ratio, mask, advantages, is_weights, k_pos, lambda_pos, k_neg, lambda_neg):
+    """VESPO's weight of each completion (arXiv 2602.10693; TRL 1.16's loss_type="vespo"), one smooth function
+    of the completion's whole importance ratio w in place of a clip, detached:
+
+        φ(w) = e^λ w^k e^(−λ w) = exp(λ + k log w − λ w),   w = Π_t ρ_t · Π_t π_old/π_sampler (the sampler correction)
+
+    φ(1) = 1; it peaks at w = k/λ and falls toward 0 far from it on either side. (k, λ) = (k_pos, λ_pos) where
+    Â ≥ 0, else (k_neg, λ_neg). log ρ_t clamped to ±20 and log w to [log 1e-8, 20], as TRL. [B, 1]."""
+    log_w = (log_ratio.clamp(-20.0, 20.0) * mask).sum(1, keepdim=True)
+    if is_weights is not None:  # TRL sums the correction's log-weights over every position (1 on padding)
+        log_w = log_w + is_weights.log().clamp(math.log(1e-8), 20.0).sum(1, keepdim=True)
+    log_w = log_w.clamp(math.log(1e-8), 20.0)
+    positive = advantages.unsqueeze(1) >= 0
+    k, lam = torch.where(positive, k_pos, k_neg), torch.where(positive, lambda_pos, lambda_neg).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(0.0, 0.0, 0.0)
+
+
+def token_losses(ratio, logprobs, advantages, loss_type, epsilon_low, epsilon_high, weights=None,
+                 temperatures=(1.0, 1.05)):
+    """The per-token loss l_t by --loss-type: CISPO's (cispo_loss) for cispo; −sg(φ_i) Â log π_θ for vespo, with
+    `weights` φ (vespo_weights); SAPO's gate (sapo_loss, `temperatures` τ_pos, τ_neg) for sapo; the plain
+    surrogate −ρ_t Â for dppo (dppo_trust_region's mask drops tokens instead of a clip); else the clipped
+    surrogate (clipped_surrogate: grpo, dapo, dr_grpo, luspo). aggregate_loss then makes them one number."""
     if loss_type == "cispo":
         return cispo_loss(ratio, logprobs, advantages, epsilon_high)
+    if loss_type == "vespo":
+        return -weights * advantages.unsqueeze(1) * logprobs
+    if loss_type == "sapo":
+        return sapo_loss(ratio, advantages, *temperatures)
+    if loss_type == "dppo":
+        return -ratio * advantages.unsqueeze(1)
     return clipped_surrogate(ratio, advantages, epsilon_low, epsilon_high)
 
 
 def clipped_tokens(ratio, advantages, epsilon_low, epsilon_high, loss_type):
     """(low, high): where the clip is active on each side. The clipped surrogate cuts a token's gradient when ρ_t
     falls below 1 − ε_low with Â < 0 (low) or rises above 1 + ε_high with Â > 0 (high); out of the band on the
-    other side, min() keeps the unclipped term. As TRL counts them. CISPO caps the weight above ε_high only."""
-    if loss_type == "cispo":
-        return torch.zeros_like(ratio, dtype=torch.bool), ratio > epsilon_high
+    other side, min() keeps the unclipped term. As TRL counts them. CISPO caps the weight above ε_high only; sapo,
+    vespo and dppo have no clip (dppo's dropped tokens are counted apart)."""
+    if loss_type in ("cispo", "sapo", "vespo", "dppo"):
+        return torch.zeros_like(ratio, dtype=torch.bool), ratio > (epsilon_high if loss_type == "cispo" else math.inf)
     advantages = advantages.unsqueeze(1)
     return (ratio < 1 - epsilon_low) & (advantages < 0), (ratio > 1 + epsilon_high) & (advantages > 0)
 
@@ -400,18 +588,95 @@ def aggregate_loss(per_token_loss, mask, loss_type, num_sequences, num_tokens, m
         dapo      Σ_i Σ_t l_it / N                 every token of the rollout weighs the same (Yu et al. 2025)
         dr_grpo   Σ_i Σ_t l_it / (B · L_max)       a constant normalizer: no length bias (Liu et al. 2025)
         cispo     Σ_i Σ_t l_it / N                 as dapo, with CISPO's per-token loss (MiniMax-M1, 2025)
+        dppo      Σ_i Σ_t l_it / N                 as dapo (prime-rl's and verl's token mean)
+        vespo     Σ_i Σ_t l_it / N                 as dapo (TRL 1.16)
+        sapo      (1/B) Σ_i (1/|o_i|) Σ_t l_it     as grpo (TRL 1.16)
+        luspo     (1/B) Σ_i Σ_t l_it               GSPO's loss scaled by each length (LUSPO, arXiv 2602.05261)
 
     B = `num_sequences` completions in the minibatch; N = `num_tokens`, the rollout's tokens ÷ its minibatches,
     as TRL 1.16 (a minibatch's own token count would weigh a token of a short minibatch more); L_max =
     `max_completion_length`. Under grpo a long wrong answer is penalized less per token than a short one."""
     summed = (per_token_loss * mask).sum(1)
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         return (summed / mask.sum(1).clamp(min=1)).sum() / num_sequences
-    if loss_type in ("dapo", "cispo"):
+    if loss_type in ("dapo", "cispo", "dppo", "vespo"):
         return summed.sum() / num_tokens
+    if loss_type == "luspo":
+        return summed.sum() / num_sequences
     if loss_type == "dr_grpo":
         return summed.sum() / (num_sequences * max_completion_length)
     raise ValueError(f"unknown loss type {loss_type!r}")
+
+
+def high_entropy_mask(entropy, mask, quantile):
+    """The 80/20 rule (Wang et al. 2025, "Beyond the 80/20 Rule"), as TRL 1.16's top_entropy_quantile ρ: True on the
+    tokens whose entropy H(π_θ(·|s_t)) is at least the (1 − ρ) quantile of the entropies of the `mask`ed tokens
+    (linear interpolation, torch.quantile's), False elsewhere and on padding. The forking tokens where the policy
+    hesitates carry the gradient; ρ = 0 keeps the highest one only."""
+    values = entropy.detach()[mask.bool()]
+    if values.numel() == 0:
+        return torch.zeros_like(mask, dtype=torch.bool)
+    return (entropy.detach() >= torch.quantile(values.float(), 1 - quantile)) & mask.bool()
+
+
+def entropy_bonus(entropy, mask):
+    """H̄, the mean entropy over the `mask`ed tokens, whose coefficient times it the loss subtracts (TRL 1.16's
+    entropy_coef: the same mean whatever --loss-type's normalizer). A scalar with the gradient of `entropy`."""
+    return (entropy * mask).sum() / mask.sum().clamp(min=1)
+
+
+def adaptive_entropy_coef(coef, entropy, target, delta, low, high):
+    """Skywork-OR1's adaptive entropy control (arXiv 2505.22312), as TRL 1.16's use_adaptive_entropy:
+    after each optimizer step the coefficient moves by δ toward holding the entropy at the target,
+
+        c ← min(c + δ, c_max)  if H̄ ≤ target,   else  max(c − δ, c_min)
+
+    and the next step applies c only while H̄ ≤ target (0 otherwise)."""
+    return min(coef + delta, high) if entropy <= target else max(coef - delta, low)
+
+
+def token_covariance(advantages, logprobs, mask):
+    """Each token's term of the covariance between log π_θ and the advantage over the `mask`ed tokens of a minibatch
+    (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs", eq. 11-12), detached,
+
+        Cov_t = (log π_θ(o_t) − mean(log π_θ)) · (Â_t − mean(Â))
+
+    Entropy falls in a step by about the sum of these (their Lemma): a token that is likely and rewarded, or
+    unlikely and punished, lowers it. Clip-Cov and KL-Cov act on the tokens of largest Cov_t. [B, T]."""
+    advantages, logprobs = advantages.unsqueeze(1).expand_as(mask), logprobs.detach()
+    n = mask.sum().clamp(min=1)
+    return (logprobs - (logprobs * mask).sum() / n) * (advantages - (advantages * mask).sum() / n) * mask
+
+
+def clip_cov_tokens(covariance, mask, cut, ratio, low, high):
+    """Clip-Cov's tokens (Cui et al. 2025, eq. 13; as verl's clip_cov): r·N of the N `mask`ed tokens, at least one,
+    drawn at random among those whose Cov_t lies strictly between `low` and `high` and whose gradient the loss does
+    not already `cut` (the clip); they get no gradient. True on those chosen. Draws from torch's generator."""
+    candidates = ((covariance > low) & (covariance < high) & mask.bool() & ~cut).flatten().nonzero().squeeze(1)
+    count = max(int(ratio * mask.sum().item()), 1)
+    chosen = candidates[torch.randperm(len(candidates), device=mask.device)[:count]]
+    return torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device).index_fill_(0, chosen, True).view_as(mask)
+
+
+def kl_cov_tokens(covariance, mask, ratio):
+    """KL-Cov's tokens (Cui et al. 2025, eq. 14; as verl's kl_cov): the k·N `mask`ed tokens of largest Cov_t, at
+    least one; each gets the penalty β |log π_θ(o_t) − log π_old(o_t)|. True on those chosen."""
+    count = max(int(ratio * mask.sum().item()), 1)
+    chosen = covariance.masked_fill(~mask.bool(), -math.inf).flatten().topk(count).indices
+    return torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device).index_fill_(0, chosen, True).view_as(mask)
+
+
+def pass_at_k(n, c, k):
+    """The unbiased estimator of pass@k from n samples of which c pass (Chen et al. 2021, "Evaluating Large Language
+    Models Trained on Code", eq. 1): the chance that k of the n, drawn without replacement, include a pass,
+
+        pass@k = 1 − C(n − c, k) / C(n, k) = 1 − Π_{i = n−c+1}^{n} (1 − k/i)
+
+    (the product form is theirs, stable for large n). Whether any of the n passed, reported as pass@k for k < n,
+    is biased high."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -472,24 +737,56 @@ def check_args(args):
     # the least each count can be (--eval-size 0: no evaluation; a group needs 2 completions, its own baseline);
     # below it a run would crash deep inside (a modulo by zero, an empty batch) or train nothing
     for name, least in {"num_iterations": 1, "num_generations": 2, "mini_batch_size": 1, "max_sampling_rounds": 1,
-                        "batch_size": 1, "ppo_epochs": 1, "response_length": 1, "eval_every": 1, "eval_size": 0}.items():
+                        "batch_size": 1, "ppo_epochs": 1, "response_length": 1, "eval_every": 1, "eval_size": 0,
+                        "eval_num_samples": 1, "log_completions_every": 0}.items():
         if getattr(args, name) < least:
             sys.exit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: it must be at least {least}")
     # the real numbers, finite and in range (a gradient clip of 0 trains nothing; below 0, the wrong way)
     for name, rule in {"lr": ">= 0", "max_grad_norm": "> 0", "temperature": "> 0", "beta": ">= 0", "epsilon": "> 0",
-                       "epsilon_high": "> 0"}.items():
+                       "epsilon_high": "> 0", "sapo_temperature_pos": "> 0", "sapo_temperature_neg": "> 0",
+                       "vespo_k_pos": ">= 0", "vespo_k_neg": ">= 0", "vespo_lambda_pos": "> 0", "vespo_lambda_neg": "> 0",
+                       "entropy_coef": ">= 0", "entropy_target": ">= 0", "entropy_coef_delta": ">= 0",
+                       "entropy_coef_min": ">= 0", "entropy_coef_max": ">= 0", "clip_cov_ratio": "> 0",
+                       "kl_cov_ratio": "> 0", "kl_cov_coef": ">= 0"}.items():
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and (value > 0 or rule == ">= 0" and value == 0)):
             sys.exit(f"error: --{name.replace('_', '-')} {value}: it must be a finite number {rule}")
     G = args.num_generations
-    advantages = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+    advantages = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "maxrl")
     for flag, value, choices in (("--advantage", args.advantage, advantages),
-                                 ("--loss-type", args.loss_type, ("grpo", "dapo", "dr_grpo", "cispo")),
-                                 ("--importance-sampling-level", args.importance_sampling_level, ("token", "sequence"))):
+                                 ("--loss-type", args.loss_type, ("grpo", "dapo", "dr_grpo", "cispo", "dppo", "sapo",
+                                                                  "luspo", "vespo")),
+                                 ("--importance-sampling-level", args.importance_sampling_level, ("token", "sequence")),
+                                 ("--scale-rewards", args.scale_rewards, ("group", "batch", "none", True, False)),
+                                 ("--multi-objective-aggregation", args.multi_objective_aggregation,
+                                  ("sum_then_normalize", "normalize_then_sum")),
+                                 ("--dppo-divergence", args.dppo_divergence, ("binary_tv", "binary_kl")),
+                                 ("--cov-method", args.cov_method, (None, "clip_cov", "kl_cov"))):
         if value not in choices:
-            sys.exit(f"error: {flag} {value!r}: choose one of {', '.join(choices)}")
-    if not args.scale_rewards and args.advantage != "grpo":
-        sys.exit(f"error: --no-scale-rewards changes --advantage grpo only; --advantage {args.advantage} has its own scale")
+            sys.exit(f"error: {flag} {value!r}: choose one of {', '.join(map(str, choices))}")
+    if args.scale_rewards not in ("group", True) and args.advantage != "grpo":
+        sys.exit(f"error: --scale-rewards {args.scale_rewards} changes --advantage grpo only; --advantage "
+                 f"{args.advantage} has its own scale")
+    if args.multi_objective_aggregation == "normalize_then_sum" and (args.advantage != "grpo" or args.soft_overlong_cache):
+        sys.exit("error: --multi-objective-aggregation normalize_then_sum is GDPO's advantage, of the reward terms: use "
+                 "it with --advantage grpo and without --soft-overlong-cache (a penalty of the sum)")
+    if args.advantage == "maxrl" and (args.missing_eos_penalty < 0 or args.soft_overlong_cache):
+        sys.exit(f"error: --advantage maxrl divides by the group's mean reward, a pass rate: rewards must not be "
+                 f"negative; set --missing-eos-penalty 0 (it is {args.missing_eos_penalty}) and leave out "
+                 "--soft-overlong-cache")
+    if not 0 <= args.top_entropy_quantile <= 1:
+        sys.exit(f"error: --top-entropy-quantile {args.top_entropy_quantile}: the fraction of tokens kept, in [0, 1]")
+    if args.entropy_coef_min > args.entropy_coef_max or not args.clip_cov_lb < args.clip_cov_ub:
+        sys.exit(f"error: --entropy-coef-min {args.entropy_coef_min} must not exceed --entropy-coef-max "
+                 f"{args.entropy_coef_max}, and --clip-cov-lb {args.clip_cov_lb} must be below --clip-cov-ub "
+                 f"{args.clip_cov_ub}")
+    if args.loss_type in ("dppo", "vespo") and args.importance_sampling_level == "sequence":
+        sys.exit(f"error: --loss-type {args.loss_type} takes each token's own ratio: use --importance-sampling-level "
+                 "token")
+    if (args.loss_type == "vespo" and args.vllm_importance_sampling_correction
+            and args.vllm_importance_sampling_mode.startswith("sequence")):
+        sys.exit("error: --loss-type vespo folds the sampler correction into its weight token by token: use "
+                 "--vllm-importance-sampling-mode token_truncate or token_mask (as TRL)")
     if not 0 <= args.soft_overlong_cache < args.response_length:
         sys.exit(f"error: --soft-overlong-cache {args.soft_overlong_cache}: the last tokens before --response-length "
                  f"{args.response_length} where the penalty grows, from 0 (off) to {args.response_length - 1}")
@@ -566,6 +863,7 @@ def main(args: Args):
                  f"model's {positions} positions; lower --max-prompt-length or --response-length")
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr)
     lag = RolloutLag(policy, args)  # --rollout-lag K: the weights a rollout samples with
+    control = EntropyControl(args)  # --entropy-coef, --use-adaptive-entropy: the entropy bonus
     writer = SummaryWriter(f"runs/{args.exp_name}__{args.seed}__{int(time.time())}")
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
     print(f"{1 + (ref is not None) + (reward is not None)} model(s) in memory: the policy"
@@ -604,13 +902,13 @@ def main(args: Args):
                 batch = sample_groups(policy, train_rows, train_ids, rng, rewards_of, tokenizer.pad_token_id, stop_ids,
                                       said, args)
             # ---- 2. advantages within each group (or over the batch), and the policy the update starts from ---
-            advantages = compute_advantages(batch.rewards, G, args.advantage, args.scale_rewards)
+            advantages = compute_advantages(batch.rewards, G, args.advantage, args.scale_rewards, batch.terms, weights)
             old = old_policy(policy, ref, batch, logprobs_of, args)
 
         # ---- 3. update: μ passes over the rollout in shuffled minibatches ------------------------------------
         policy.train()
-        stats = {k: 0.0 for k in ("policy_loss", "kl_penalty", "clipped_low", "clipped_high",
-                                  "off_policy_masked")}  # summed over minibatches
+        stats = {k: 0.0 for k in ("policy_loss", "kl_penalty", "clipped_low", "clipped_high", "off_policy_masked",
+                                  "dppo_masked", "cov_selected", "policy_entropy", "bonus")}  # summed over minibatches
         for epoch in range(args.ppo_epochs):
             # the first pass takes the rollout in order, so its first minibatch is exactly the rollout's first
             # chunk; later passes reshuffle (whole groups need not stay together: advantages are computed)
@@ -618,17 +916,17 @@ def main(args: Args):
             for start in range(0, B, args.mini_batch_size):
                 mb = order[start : start + args.mini_batch_size]
                 with amp():
-                    logprobs, _ = policy_logprobs(policy, batch.sequences[mb], batch.attention_mask[mb],
-                                                  batch.context_length, args.temperature)
+                    logprobs, entropy = policy_logprobs(policy, batch.sequences[mb], batch.attention_mask[mb],
+                                                        batch.context_length, args.temperature, control.on)
                 ratio = importance_ratio(logprobs, old.logprobs[mb], batch.mask[mb], args.importance_sampling_level)
-                per_token, masked = grpo_token_losses(ratio, logprobs, advantages[mb], batch, old, mb, epsilon_high,
-                                                      args)
+                per_token, counts = grpo_token_losses(ratio, logprobs, entropy, advantages[mb], batch, old, mb,
+                                                      epsilon_high, args)
                 policy_loss = aggregate_loss(per_token, batch.loss_mask[mb], args.loss_type, args.mini_batch_size,
                                              batch.num_tokens, args.response_length)
                 kl_penalty = kl_to_reference(logprobs, old.ref_logprobs, batch.loss_mask, mb, batch.num_tokens,
                                              args.response_length, args)
-                (policy_loss + kl_penalty).backward()
-                accumulate_grpo_stats(stats, policy_loss, kl_penalty, ratio, advantages[mb], batch.mask[mb], masked,
+                (policy_loss + kl_penalty - control.bonus(entropy, batch.loss_mask[mb], counts)).backward()
+                accumulate_grpo_stats(stats, policy_loss, kl_penalty, ratio, advantages[mb], batch.mask[mb], counts,
                                       epoch == start == 0, epsilon_high, args)
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                 check_finite(iteration, loss=policy_loss + kl_penalty, grad_norm=grad_norm)
@@ -636,7 +934,7 @@ def main(args: Args):
                 optimizer.zero_grad(set_to_none=True)
 
         # ---- 4. log: statistics of the whole batch --------------------------------------------------------
-        log_grpo_iteration(writer, iteration, batch, old, stats, terms.names, lr, start_time, args)
+        log_grpo_iteration(writer, iteration, batch, old, stats, terms.names, lr, start_time, control, args)
         progress(iteration, f"reward {float(batch.rewards.nanmean()):.3f}")
         if iteration % args.eval_every == 0 or iteration == args.num_iterations:
             evaluate(models, eval_rows, eval_ids, terms, rewards_of, amp, writer, iteration, args)
@@ -660,6 +958,9 @@ class Groups:
     informative: torch.Tensor  # one per group sampled (every round): its rewards differ
     loss_mask: torch.Tensor  # the tokens the loss sees: with --mask-truncated-completions not an unfinished one's
     num_tokens: float  # dapo's and cispo's normalizer: the rollout's loss tokens per minibatch
+    terms: torch.Tensor | None  # GDPO's [B, K] reward terms, --missing-eos-penalty for an unfinished one; else None
+    prompts: list  # each completion's prompt, as the dataset has it
+    completions: list  # the completions' text
 
 
 def sample_groups(policy, rows, prompt_ids, rng, rewards_of, pad_token_id, stop_ids, said, args):
@@ -672,10 +973,14 @@ def sample_groups(policy, rows, prompt_ids, rng, rewards_of, pad_token_id, stop_
         chosen = rng.sample(range(len(prompt_ids)), B // G)
         ids = [prompt_ids[i] for i in chosen for _ in range(G)]  # each prompt G times, in adjacent rows
         sampled = generate(policy, ids, pad_token_id, stop_ids, args.response_length, args.temperature)
-        rewards, table, _, has_stop = rewards_of([rows[i] for i in chosen for _ in range(G)], *sampled[:3],
-                                                 sampled[3].float())
-        rounds.append({"sampled": sampled, "rewards": rewards, "table": table, "has_stop": has_stop})
-        informative = torch.cat([informative_groups(r["rewards"], G) for r in rounds])  # of every group sampled
+        rewards, table, texts, has_stop = rewards_of([rows[i] for i in chosen for _ in range(G)], *sampled[:3],
+                                                     sampled[3].float())
+        terms = (torch.where(has_stop[:, None], table, args.missing_eos_penalty)
+                 if args.multi_objective_aggregation == "normalize_then_sum" else None)
+        rounds.append({"sampled": sampled, "rewards": rewards, "table": table, "has_stop": has_stop, "terms": terms,
+                       "texts": texts, "prompts": [rows[i]["prompt"] for i in chosen for _ in range(G)]})
+        # of every group sampled; GDPO's by its terms: a group whose terms differ has Â ≠ 0 though its sums be equal
+        informative = torch.cat([informative_groups(r["rewards"] if terms is None else r["terms"], G) for r in rounds])
         if not args.dynamic_sampling:
             break
         short = max(0, B // G - int(informative.sum()))  # groups that differ still missing from a batch
@@ -695,8 +1000,11 @@ def sample_groups(policy, rows, prompt_ids, rng, rewards_of, pad_token_id, stop_
                                                            for k in ("rewards", "table", "has_stop"))
     loss_mask = mask * has_stop.unsqueeze(1) if args.mask_truncated_completions else mask
     num_tokens = max(1.0, loss_mask.sum().item()) * args.mini_batch_size / B  # so that each token weighs the same
+    terms = None if rounds[0]["terms"] is None else torch.cat([r["terms"] for r in rounds])[idx]
+    texts, prompts = ([x for r in rounds for x in r[k]] for k in ("texts", "prompts"))
     return Groups(sequences[idx], attention_mask[idx], context_length, mask, rewards, table, has_stop,
-                  sampler_logprobs[idx], informative, loss_mask, num_tokens)
+                  sampler_logprobs[idx], informative, loss_mask, num_tokens, terms, [prompts[i] for i in idx.tolist()],
+                  [texts[i] for i in idx.tolist()])
 
 
 @dataclass
@@ -769,19 +1077,76 @@ def sampler_correction(old_logprobs, sampler_logprobs, mask, args):
                                                 args.vllm_importance_sampling_clip_max)
 
 
-def grpo_token_losses(ratio, logprobs, advantages, batch, old, mb, epsilon_high, args):
-    """Each token's loss of minibatch `mb` (token_losses), weighed by the sampler correction (the sampler was not
-    π_old: π_old / π_sampler) and, with --off-policy-mask-threshold, with the negative completions the policy left
-    behind dropped (off_policy_sequence_mask). Returns (the losses, how many completions were dropped)."""
-    losses = token_losses(ratio, logprobs, advantages, args.loss_type, args.epsilon, epsilon_high)
-    if old.is_weights is not None:
-        losses = losses * old.is_weights[mb]
-    masked = torch.zeros((), device=losses.device)
-    if args.off_policy_mask_threshold is not None:
-        kept = off_policy_sequence_mask(advantages, logprobs, batch.sampler_logprobs[mb], batch.mask[mb],
-                                        args.off_policy_mask_threshold)
-        losses, masked = losses * kept, (1 - kept).sum()
-    return losses, masked
+def grpo_token_losses(ratio, logprobs, entropy, advantages, batch, old, mb, epsilon_high, args):
+    """Each token's loss of minibatch `mb` (token_losses; vespo's weight from vespo_weights), with --loss-type dppo
+    the tokens out of the trust region dropped (dppo_trust_region), with --cov-method the Clip-Cov or KL-Cov tokens
+    detached or penalized (token_covariance), weighed by the sampler correction (the sampler was not π_old:
+    π_old / π_sampler; vespo's weight has it), with --off-policy-mask-threshold the negative completions the policy
+    left behind dropped (off_policy_sequence_mask), and with --top-entropy-quantile only the high-entropy tokens
+    kept (high_entropy_mask). Returns (the losses, counts for the logs: completions and tokens dropped, tokens
+    chosen by the Cov method, the entropy summed over the loss's tokens)."""
+    mask, loss_mask, a = batch.mask[mb], batch.loss_mask[mb], args
+    is_weights = None if old.is_weights is None else old.is_weights[mb]
+    weights = (vespo_weights(logprobs - old.logprobs[mb], mask, advantages, is_weights, a.vespo_k_pos,
+                             a.vespo_lambda_pos, a.vespo_k_neg, a.vespo_lambda_neg) if a.loss_type == "vespo" else None)
+    losses = token_losses(ratio, logprobs, advantages, a.loss_type, a.epsilon, epsilon_high, weights,
+                          (a.sapo_temperature_pos, a.sapo_temperature_neg))
+    zero = torch.zeros((), device=losses.device)
+    counts = {"off_policy_masked": zero, "dppo_masked": zero, "cov_selected": zero,
+              "policy_entropy": (entropy.detach() * loss_mask).sum()}
+    low, high = clipped_tokens(ratio, advantages, a.epsilon, epsilon_high, a.loss_type)
+    cut = low | high  # the tokens the loss already gives no gradient
+    if a.loss_type == "dppo":
+        keep = dppo_trust_region(logprobs, batch.sampler_logprobs[mb], advantages, a.dppo_divergence, a.epsilon,
+                                 epsilon_high)
+        losses, counts["dppo_masked"], cut = losses * keep, ((1 - keep) * mask).sum(), cut | (keep == 0)
+    if a.cov_method == "clip_cov":
+        chosen = clip_cov_tokens(token_covariance(advantages, logprobs, loss_mask), loss_mask, cut, a.clip_cov_ratio,
+                                 a.clip_cov_lb, a.clip_cov_ub)
+        losses, counts["cov_selected"] = losses * ~chosen, chosen.sum()
+    elif a.cov_method == "kl_cov":
+        chosen = kl_cov_tokens(token_covariance(advantages, logprobs, loss_mask), loss_mask, a.kl_cov_ratio)
+        losses = losses + a.kl_cov_coef * (logprobs - old.logprobs[mb]).abs() * chosen
+        counts["cov_selected"] = chosen.sum()
+    if is_weights is not None and a.loss_type != "vespo":
+        losses = losses * is_weights
+    if a.off_policy_mask_threshold is not None:
+        kept = off_policy_sequence_mask(advantages, logprobs, batch.sampler_logprobs[mb], mask,
+                                        a.off_policy_mask_threshold)
+        losses, counts["off_policy_masked"] = losses * kept, (1 - kept).sum()
+    if a.top_entropy_quantile < 1:
+        losses = losses * high_entropy_mask(entropy, loss_mask, a.top_entropy_quantile)
+    return losses, counts
+
+
+class EntropyControl:
+    """--entropy-coef and --use-adaptive-entropy: the bonus c·H̄ the loss subtracts (entropy_bonus), over the tokens
+    the policy loss sees (with --top-entropy-quantile, the high-entropy ones, as TRL), and with adaptive control its
+    coefficient moved after each optimizer step (adaptive_entropy_coef; TRL applies no bonus before the first
+    measurement). Off (the defaults): no bonus, and the update's entropy carries no gradient."""
+
+    def __init__(self, args):
+        self.args, self.coef, self.last, self.window = args, args.entropy_coef, math.inf, 0.0
+        self.on = args.entropy_coef != 0 or args.use_adaptive_entropy
+
+    def bonus(self, entropy, loss_mask, counts, step_ends=True):
+        """c·H̄ of a micro-batch (into `counts` for the logs); at a step's end the coefficient moves, by the entropy
+        of the step's micro-batches together (their summed entropy over their summed tokens, as TRL)."""
+        if not self.on:
+            return torch.zeros((), device=loss_mask.device)
+        a = self.args
+        mask = loss_mask * high_entropy_mask(entropy, loss_mask, a.top_entropy_quantile) if a.top_entropy_quantile < 1 \
+            else loss_mask
+        mean = entropy_bonus(entropy, mask)
+        coef = self.coef if not a.use_adaptive_entropy or self.last <= a.entropy_target else 0.0
+        counts["bonus"] = coef * mean.detach()
+        self.window = self.window + torch.stack([(entropy.detach() * mask).sum(), mask.sum()])
+        if a.use_adaptive_entropy and step_ends:
+            self.last = (self.window[0] / self.window[1].clamp(min=1)).item()
+            self.coef = adaptive_entropy_coef(self.coef, self.last, a.entropy_target, a.entropy_coef_delta,
+                                              a.entropy_coef_min, a.entropy_coef_max)
+        self.window = 0.0 if step_ends else self.window
+        return coef * mean
 
 
 def kl_to_reference(logprobs, ref_logprobs, loss_mask, mb, num_tokens, max_completion_length, args):
@@ -795,21 +1160,23 @@ def kl_to_reference(logprobs, ref_logprobs, loss_mask, mb, num_tokens, max_compl
 
 
 @torch.no_grad()
-def accumulate_grpo_stats(stats, policy_loss, kl_penalty, ratio, advantages, mask, masked, first, epsilon_high, args):
-    """Adds a minibatch's losses, clipped-token counts and completions masked to `stats`; at the first minibatch of
-    an iteration, before any step, the ratio's largest distance from 1 (it must be exactly 0)."""
+def accumulate_grpo_stats(stats, policy_loss, kl_penalty, ratio, advantages, mask, counts, first, epsilon_high, args):
+    """Adds a minibatch's losses, clipped-token counts and grpo_token_losses' counts to `stats`; at the first
+    minibatch of an iteration, before any step, the ratio's largest distance from 1 (it must be exactly 0)."""
     stats["policy_loss"] += policy_loss.item()
     stats["kl_penalty"] += kl_penalty.item()
     low, high = clipped_tokens(ratio, advantages, args.epsilon, epsilon_high, args.loss_type)
     stats["clipped_low"] += (low * mask).sum().item()
     stats["clipped_high"] += (high * mask).sum().item()
-    stats["off_policy_masked"] += masked.item()
+    for name in ("off_policy_masked", "dppo_masked", "cov_selected", "policy_entropy", "bonus"):
+        stats[name] += float(counts.get(name, 0.0))
     if first:
         stats["first_ratio_max_error"] = (ratio - 1).abs().max()
 
 
-def log_grpo_iteration(writer, iteration, batch, old, stats, names, lr, start_time, args):
-    """An iteration's statistics of the whole batch, to TensorBoard (docs/tags.md), and a line every 10 iterations."""
+def log_grpo_iteration(writer, iteration, batch, old, stats, names, lr, start_time, control, args):
+    """An iteration's statistics of the whole batch, to TensorBoard (docs/tags.md), and a line every 10 iterations;
+    every --log-completions-every iterations, the rollout's first completions as text."""
     B, G, mask, mismatch = args.batch_size, args.num_generations, batch.mask, old.mismatch
     groups, tokens = batch.rewards.view(-1, G), mask.sum().item()
     num_minibatches = args.ppo_epochs * B // args.mini_batch_size
@@ -826,6 +1193,7 @@ def log_grpo_iteration(writer, iteration, batch, old, stats, names, lr, start_ti
         "policy/clipfrac_low": stats["clipped_low"] / (args.ppo_epochs * tokens),
         "policy/clipfrac_high": stats["clipped_high"] / (args.ppo_epochs * tokens),
         "policy/first_ratio_max_error": stats["first_ratio_max_error"],
+        "policy/entropy": stats["policy_entropy"] / (args.ppo_epochs * max(1.0, batch.loss_mask.sum().item())),
         "charts/learning_rate": lr, "charts/episodes_per_second": iteration * B / (time.time() - start_time),
         # the sampler against π_old (sampler_mismatch), over the rollout's tokens
         "rollout/logprob_diff_mean": mismatch[0].item() / tokens, "rollout/logprob_diff_max": mismatch[1].item(),
@@ -839,9 +1207,18 @@ def log_grpo_iteration(writer, iteration, batch, old, stats, names, lr, start_ti
         logs["rollout/is_masked_fraction"] = ((old.is_weights == 0) * mask).sum().item() / tokens
     if args.off_policy_mask_threshold is not None:
         logs["policy/off_policy_masked_fraction"] = stats["off_policy_masked"] / (args.ppo_epochs * B)
+    if args.loss_type == "dppo":  # the tokens out of DPPO's trust region, beside the clip fractions
+        logs["policy/dppo_masked_fraction"] = stats["dppo_masked"] / (args.ppo_epochs * tokens)
+    if args.cov_method is not None:
+        logs["policy/cov_selected_fraction"] = stats["cov_selected"] / (args.ppo_epochs * tokens)
+    if control.on:  # the coefficient the next step applies, and the bonus c·H̄ per minibatch
+        logs.update({"policy/entropy_coef": control.coef, "losses/entropy_bonus": stats["bonus"] / num_minibatches})
     logs.update(term_means(batch.table, names, "rewards/", "objective/score"))  # each reward term's mean
     for tag, value in logs.items():
         writer.add_scalar(tag, float(value), iteration)
+    if args.log_completions_every and iteration % args.log_completions_every == 0:
+        writer.add_text("train/completions", samples_markdown(batch.prompts, batch.completions, batch.rewards,
+                                                              batch.table, names), iteration)
     if iteration % 10 == 0:
         print(f"iteration {iteration}: reward {logs['objective/reward']:.3f} (std {logs['objective/reward_std']:.3f}), "
               f"kl {logs.get('objective/kl', 0.0):.3f}, {time.time() - start_time:.0f} s")
@@ -849,11 +1226,14 @@ def log_grpo_iteration(writer, iteration, batch, old, stats, names, lr, start_ti
 
 @torch.no_grad()
 def evaluate(models, eval_rows, eval_ids, terms, rewards_of, amp, writer, iteration, args):
-    """Completions of the eval prompts at --temperature: their reward and each reward term, their KL to the
-    reference (Σ_t log π_θ − log π_ref over a completion) and, on the built-in task, their gold reward."""
+    """Completions of the eval prompts at --temperature (--eval-num-samples of each): their reward and each reward
+    term, their KL to the reference (Σ_t log π_θ − log π_ref over a completion), on the built-in task their gold
+    reward, and with several samples pass@k."""
     policy, ref, tokenizer, stop_ids, logprobs_of = models
     if not eval_ids:
         return
+    k = args.eval_num_samples  # the samples of a prompt in adjacent rows
+    eval_rows, eval_ids = [r for r in eval_rows for _ in range(k)], [ids for ids in eval_ids for _ in range(k)]
     policy.eval()
     with amp():
         sequences, attention_mask, context_length, response_mask, _ = generate(
@@ -869,11 +1249,12 @@ def evaluate(models, eval_rows, eval_ids, terms, rewards_of, amp, writer, iterat
         logs["eval/gold_accuracy"] = sum(c == row["target"] for c, row in zip(completions, eval_rows)) / n
         logs["eval/gold_score"] = sum(gold_score(c, row["target"]) for c, row in zip(completions, eval_rows)) / n
     logs.update(term_means(table, terms.names, "eval/rewards/", "eval/score"))
+    logs.update(pass_at_k_logs(passes(completions, eval_rows, table, terms.names, args.dataset_name is None), k))
     for tag, value in logs.items():
         writer.add_scalar(tag, value, iteration)
     print(f"iteration {iteration}: " + ", ".join(f"{tag} {value:.3f}" for tag, value in logs.items()))
-    writer.add_text("eval/samples", samples_markdown([row["prompt"] for row in eval_rows], completions, rewards, table,
-                                                     terms.names), iteration)
+    writer.add_text("eval/samples", samples_markdown([row["prompt"] for row in eval_rows[::k]], completions[::k],
+                                                     rewards[::k], table[::k], terms.names), iteration)
     policy.train()
 
 
@@ -1381,6 +1762,28 @@ def samples_markdown(prompts, completions, rewards, table, names, n=8):
     return "\n".join(lines)
 
 
+def passes(completions, rows, table, names, builtin):
+    """Whether each completion passes, for pass@k: on the built-in task it is exactly the target; else every reward
+    function that applies to it scores it 1 or more (exact_match, numeric_match, format: a pass), and one does.
+    None where there is no reward function (a reward model's score has no pass)."""
+    if builtin:
+        return [c == row["target"] for c, row in zip(completions, rows)]
+    functions = table[:, [k for k, name in enumerate(names) if name != "reward_model"]]
+    if functions.shape[1] == 0:
+        return None
+    return ((functions.nan_to_num(math.inf) >= 1).all(1) & ~functions.isnan().all(1)).tolist()
+
+
+def pass_at_k_logs(passed, n):
+    """{eval/pass@k: the mean over prompts of pass_at_k} for k = 1, 2, 4, ... up to n, from `passed` (passes), the
+    n samples of each prompt in adjacent rows; {} with one sample (eval/gold_accuracy is pass@1) or no passes."""
+    if passed is None or n == 1:
+        return {}
+    counts = torch.tensor(passed).view(-1, n).sum(1).tolist()
+    return {f"eval/pass@{2 ** i}": sum(pass_at_k(n, c, 2 ** i) for c in counts) / len(counts)
+            for i in range(n.bit_length()) if 2 ** i <= n}
+
+
 # ---------------------------------------------------------------------------------------------
 # Forward passes and sampling
 # ---------------------------------------------------------------------------------------------
@@ -1396,14 +1799,14 @@ def last_token_index(attention_mask):
     return (positions * attention_mask).argmax(-1)
 
 
-def policy_logprobs(model, sequences, attention_mask, context_length, temperature):
+def policy_logprobs(model, sequences, attention_mask, context_length, temperature, entropy_grad=False):
     """(log π(a_t | s_t) of each response token, the entropy of π(·|s_t)), from one forward pass over prompt +
     response: z = logits / temperature in float32, as `generate` draws tokens, log π = log_softmax(z)."""
     # use_cache=False: a pass that does not sample keeps no KV cache (transformers makes one by default)
     logits = model(input_ids=sequences, attention_mask=attention_mask,
                    position_ids=position_ids_of(attention_mask), use_cache=False).logits[:, context_length - 1 : -1]
     logprobs = torch.log_softmax(logits.float() / temperature, -1)
-    with torch.no_grad():
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):  # for an entropy bonus only
         entropy = -(logprobs.exp() * logprobs).sum(-1)
     return logprobs.gather(-1, sequences[:, context_length:].unsqueeze(-1)).squeeze(-1), entropy
 
@@ -1519,6 +1922,8 @@ def settle_defaults(args):
         args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     if getattr(args, "vllm_importance_sampling_correction", False) is None:
         args.vllm_importance_sampling_correction = args.rollout_lag > 0
+    if getattr(args, "no_scale_rewards", False):  # grpo: --no-scale-rewards, the older --scale-rewards none
+        args.scale_rewards = "none"
 
 
 class RolloutLag:

@@ -1171,14 +1171,14 @@ def last_token_index(attention_mask):
     return (positions * attention_mask).argmax(-1)
 
 
-def policy_logprobs(model, sequences, attention_mask, context_length, temperature):
+def policy_logprobs(model, sequences, attention_mask, context_length, temperature, entropy_grad=False):
     """(log π(a_t | s_t) of each response token, the entropy of π(·|s_t)), from one forward pass over prompt +
     response: z = logits / temperature in float32, as `generate` draws tokens, log π = log_softmax(z)."""
     # use_cache=False: a pass that does not sample keeps no KV cache (transformers makes one by default)
     logits = model(input_ids=sequences, attention_mask=attention_mask,
                    position_ids=position_ids_of(attention_mask), use_cache=False).logits[:, context_length - 1 : -1]
     logprobs = torch.log_softmax(logits.float() / temperature, -1)
-    with torch.no_grad():
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):  # for an entropy bonus only
         entropy = -(logprobs.exp() * logprobs).sum(-1)
     return logprobs.gather(-1, sequences[:, context_length:].unsqueeze(-1)).squeeze(-1), entropy
 
@@ -1284,6 +1284,8 @@ def settle_defaults(args):
         args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     if getattr(args, "vllm_importance_sampling_correction", False) is None:
         args.vllm_importance_sampling_correction = args.rollout_lag > 0
+    if getattr(args, "no_scale_rewards", False):  # grpo: --no-scale-rewards, the older --scale-rewards none
+        args.scale_rewards = "none"
 
 
 class RolloutLag:

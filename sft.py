@@ -813,6 +813,8 @@ def settle_defaults(args):
         args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     if getattr(args, "vllm_importance_sampling_correction", False) is None:
         args.vllm_importance_sampling_correction = args.rollout_lag > 0
+    if getattr(args, "no_scale_rewards", False):  # grpo: --no-scale-rewards, the older --scale-rewards none
+        args.scale_rewards = "none"
 
 
 def get_lr(step, lr, warmup_steps, max_steps, decay):

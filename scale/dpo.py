@@ -992,7 +992,7 @@ def head_logprobs(model, targets, temperature=1.0, with_entropy=False, **inputs)
     """`model(**inputs)` with its LM head applied a chunk of positions at a time inside the forward pass: log π of
     `targets` ([batch, positions], one per position whose logits the pass computes) as [batch, positions] float32,
     z = head(h) upcast to float32, then divided by the temperature (as `generate` draws tokens), log π = z(target) −
-    logsumexp(z); with_entropy, also the entropy H = logsumexp(z) − Σ softmax(z)·z (no gradient). Each chunk's
+    logsumexp(z); with_entropy, also the entropy H = logsumexp(z) − Σ softmax(z)·z (no gradient unless "grad"). Each chunk's
     logits are recomputed in the backward pass (activation checkpointing), so that no [batch, length, vocabulary]
     tensor exists in any dtype, only [chunk, vocabulary] (torchtune's chunked cross-entropy and Liger's fused linear
     cross-entropy do the same); on a GPU, a pass within choose_head's budget is one chunk, kept for the backward.
@@ -1014,7 +1014,7 @@ def head_logprobs(model, targets, temperature=1.0, with_entropy=False, **inputs)
         logprobs = z.gather(-1, y.unsqueeze(-1)).squeeze(-1) - normalizer
         if not with_entropy:
             return logprobs
-        with torch.no_grad():
+        with torch.set_grad_enabled(with_entropy == "grad" and torch.is_grad_enabled()):
             entropy = normalizer - (torch.softmax(z, -1) * z).sum(-1)
         return torch.stack([logprobs, entropy], -1)
 
@@ -1458,6 +1458,8 @@ def settle_defaults(args):
         args.gradient_checkpointing = args.fsdp
     if getattr(args, "vllm_importance_sampling_correction", False) is None:
         args.vllm_importance_sampling_correction = args.rollout_lag > 0
+    if getattr(args, "no_scale_rewards", False):  # grpo: --no-scale-rewards, the older --scale-rewards none
+        args.scale_rewards = "none"
 
 
 def get_lr(step, lr, warmup_steps, max_steps, decay):

@@ -1090,6 +1090,8 @@ def settle_defaults(args):
         args.gradient_checkpointing = args.fsdp
     if getattr(args, "vllm_importance_sampling_correction", False) is None:
         args.vllm_importance_sampling_correction = args.rollout_lag > 0
+    if getattr(args, "no_scale_rewards", False):  # grpo: --no-scale-rewards, the older --scale-rewards none
+        args.scale_rewards = "none"
 
 
 def get_lr(step, lr, warmup_steps, max_steps, decay):

@@ -1416,8 +1416,8 @@ def rowwise(fn, *tensors):
 def token_logprobs(logits, tokens, with_entropy=False, temperature=1.0):
     """log π(token) = z(token) − logsumexp(z) at each position, z = logits / temperature in float32 (as
     `generate` draws tokens: the logits upcast before the temperature divides them), and optionally the
-    entropy H = logsumexp(z) − Σ softmax(z)·z. A few rows at a time (rowwise): no float32 [batch, length,
-    vocabulary] tensor is made or kept."""
+    entropy H = logsumexp(z) − Σ softmax(z)·z (with_entropy "grad": with its gradient, for an entropy bonus). A few
+    rows at a time (rowwise): no float32 [batch, length, vocabulary] tensor is made or kept."""
     def chunk_logprobs(rows, row_tokens):
         z = rows.float() / temperature
         return z.gather(-1, row_tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, -1)
@@ -1429,7 +1429,7 @@ def token_logprobs(logits, tokens, with_entropy=False, temperature=1.0):
     logprobs = rowwise(chunk_logprobs, logits, tokens)
     if not with_entropy:
         return logprobs
-    with torch.no_grad():
+    with torch.set_grad_enabled(with_entropy == "grad" and torch.is_grad_enabled()):
         return logprobs, rowwise(chunk_entropy, logits)
 
 
@@ -1460,7 +1460,7 @@ def head_logprobs(model, targets, temperature=1.0, with_entropy=False, **inputs)
     """`model(**inputs)` with its LM head applied a chunk of positions at a time inside the forward pass: log π of
     `targets` ([batch, positions], one per position whose logits the pass computes) as [batch, positions] float32,
     z = head(h) upcast to float32, then divided by the temperature (as `generate` draws tokens), log π = z(target) −
-    logsumexp(z); with_entropy, also the entropy H = logsumexp(z) − Σ softmax(z)·z (no gradient). Each chunk's
+    logsumexp(z); with_entropy, also the entropy H = logsumexp(z) − Σ softmax(z)·z (no gradient unless "grad"). Each chunk's
     logits are recomputed in the backward pass (activation checkpointing), so that no [batch, length, vocabulary]
     tensor exists in any dtype, only [chunk, vocabulary] (torchtune's chunked cross-entropy and Liger's fused linear
     cross-entropy do the same); on a GPU, a pass within choose_head's budget is one chunk, kept for the backward.
@@ -1482,7 +1482,7 @@ def head_logprobs(model, targets, temperature=1.0, with_entropy=False, **inputs)
         logprobs = z.gather(-1, y.unsqueeze(-1)).squeeze(-1) - normalizer
         if not with_entropy:
             return logprobs
-        with torch.no_grad():
+        with torch.set_grad_enabled(with_entropy == "grad" and torch.is_grad_enabled()):
             entropy = normalizer - (torch.softmax(z, -1) * z).sum(-1)
         return torch.stack([logprobs, entropy], -1)
 
@@ -1523,16 +1523,17 @@ def last_token_index(attention_mask):
     return (positions * attention_mask).argmax(-1)
 
 
-def policy_logprobs(model, sequences, attention_mask, context_length, temperature):
+def policy_logprobs(model, sequences, attention_mask, context_length, temperature, entropy_grad=False):
     """(log π(a_t | s_t) of each response token, the entropy of π(·|s_t)), z divided by the sampling temperature
     in float32 as when sampling: from one forward pass over prompt + response, the LM head applied to the response
     positions only and in chunks (head_logprobs), or, where rows repeat a prompt (GRPO's G completions of each),
-    from shared_prompt_logprobs."""
-    shared = shared_prompt_logprobs(model, sequences, attention_mask, context_length, temperature)
+    from shared_prompt_logprobs. The entropy has a gradient with entropy_grad only (an entropy bonus)."""
+    with_entropy = "grad" if entropy_grad else True
+    shared = shared_prompt_logprobs(model, sequences, attention_mask, context_length, temperature, with_entropy)
     if shared is not None:
         return shared
     scored = sequences.shape[1] - context_length + 1  # position t predicts token t + 1: context_length − 1 onwards
-    logprobs, entropy = head_logprobs(model, F.pad(sequences[:, context_length:], (0, 1)), temperature, True,
+    logprobs, entropy = head_logprobs(model, F.pad(sequences[:, context_length:], (0, 1)), temperature, with_entropy,
                                       input_ids=sequences, attention_mask=attention_mask,
                                       position_ids=position_ids_of(attention_mask), logits_to_keep=scored)
     return logprobs[:, :-1], entropy[:, :-1]  # the last position predicts nothing
@@ -1543,7 +1544,7 @@ def policy_logprobs(model, sequences, attention_mask, context_length, temperatur
 CACHE = "cache" if tuple(int(v) for v in transformers.__version__.split(".")[:2]) >= (5, 24) else "past_key_values"
 
 
-def shared_prompt_logprobs(model, sequences, attention_mask, context_length, temperature):
+def shared_prompt_logprobs(model, sequences, attention_mask, context_length, temperature, with_entropy=True):
     """policy_logprobs with each distinct prompt of the batch computed once: one forward pass over the distinct
     prompts, whose keys and values (the KV cache, as in generation) every row that repeats the prompt reuses, then
     one over the responses. A causal model's prompt positions never see the response, so this is the same function
@@ -1564,11 +1565,12 @@ def shared_prompt_logprobs(model, sequences, attention_mask, context_length, tem
     prompt_ids, prompt_mask = distinct[:, :context_length], distinct[:, context_length:]
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids_of(prompt_mask),
                 use_cache=True, logits_to_keep=1)  # the last prompt position predicts the first response token
-    first = token_logprobs(out.logits[row_prompt], sequences[:, context_length : context_length + 1], True, temperature)
+    first = token_logprobs(out.logits[row_prompt], sequences[:, context_length : context_length + 1], with_entropy,
+                           temperature)
     cache = out[CACHE]
     cache.batch_select_indices(row_prompt)  # each row's prompt: a gather, differentiable
     positions = position_ids_of(attention_mask)
-    rest = head_logprobs(model, sequences[:, context_length + 1 :], temperature, True,
+    rest = head_logprobs(model, sequences[:, context_length + 1 :], temperature, with_entropy,
                          input_ids=sequences[:, context_length:-1], attention_mask=attention_mask[:, :-1],
                          position_ids=positions[:, context_length:-1], use_cache=True, **{CACHE: cache})
     return torch.cat([first[0], rest[0]], 1), torch.cat([first[1], rest[1]], 1)
@@ -2032,6 +2034,8 @@ def settle_defaults(args):
         args.gradient_checkpointing = args.fsdp
     if getattr(args, "vllm_importance_sampling_correction", False) is None:
         args.vllm_importance_sampling_correction = args.rollout_lag > 0
+    if getattr(args, "no_scale_rewards", False):  # grpo: --no-scale-rewards, the older --scale-rewards none
+        args.scale_rewards = "none"
 
 
 class RolloutLag:

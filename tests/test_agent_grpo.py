@@ -200,8 +200,8 @@ def test_no_environment_token_reaches_the_loss_the_kl_or_the_statistics(episode)
     batch, args = episode.batch, episode.args
     env_tokens = (batch.attention_mask[:, batch.context_length :] == 1) & ~batch.mask.bool()
     assert env_tokens.any()
-    for loss_type in ("grpo", "dapo", "dr_grpo"):
-        args = args_of(**{**vars(episode.args), "loss_type": loss_type, "beta": 0.1})
+    for loss_type in ("grpo", "dapo", "dr_grpo", "cispo", "dppo", "sapo", "luspo", "vespo"):
+        args = args_of(**{**vars(episode.args), "loss_type": loss_type, "beta": 0.1, "epsilon_high": 5.0})
         with torch.no_grad():
             old_logprobs, entropy = ag.policy_logprobs(episode.policy, batch.sequences, batch.attention_mask,
                                                        batch.context_length, 1.0)
@@ -210,7 +210,7 @@ def test_no_environment_token_reaches_the_loss_the_kl_or_the_statistics(episode)
         logprobs = (old_logprobs + 0.05).requires_grad_()  # a step away from π_old: ratios are not 1
         advantages, mb = torch.tensor([1.0, -0.5]), torch.arange(2)
         ratio = ag.importance_ratio(logprobs, old.logprobs, batch.mask, "token")
-        per_token, _ = ag.grpo_token_losses(ratio, logprobs, advantages, batch, old, mb, 0.2, args)
+        per_token, _ = ag.grpo_token_losses(ratio, logprobs, entropy, advantages, batch, old, mb, 0.2, args)
         loss = ag.aggregate_loss(per_token, batch.loss_mask, loss_type, 2, batch.num_tokens, args.max_completion_length)
         loss = loss + ag.kl_to_reference(logprobs, ref_logprobs, batch.loss_mask, mb, batch.num_tokens,
                                          args.max_completion_length, args)
@@ -229,8 +229,10 @@ def test_no_environment_token_reaches_the_loss_the_kl_or_the_statistics(episode)
         ref_logprobs, _ = ag.policy_logprobs(ref, batch.sequences, batch.attention_mask, batch.context_length, 1.0)
     logged = {}
     writer = SimpleNamespace(add_scalar=lambda tag, value, step: logged.__setitem__(tag, value))
-    stats = dict.fromkeys(("policy_loss", "kl_penalty", "clipped_low", "clipped_high", "first_ratio_max_error"), 0.0)
-    ag.log_agent_iteration(writer, 1, batch, old, stats, ["exact_match"], 1e-3, time.time() - 1, args)
+    stats = dict.fromkeys(("policy_loss", "kl_penalty", "clipped_low", "clipped_high", "first_ratio_max_error",
+                           "policy_entropy"), 0.0)
+    ag.log_agent_iteration(writer, 1, batch, old, stats, ["exact_match"], 1e-3, time.time() - 1, ag.EntropyControl(args),
+                           args)
     on = batch.mask.bool()
     assert logged["objective/completion_length"] == pytest.approx(on.sum().item() / 2)
     assert logged["objective/entropy"] == pytest.approx(entropy[on].sum().item() / 2)

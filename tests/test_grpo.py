@@ -2,6 +2,7 @@
 with targets, bad input)."""
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -142,30 +143,49 @@ def test_reinforce_pp_normalizes_over_the_batch():
     torch.testing.assert_close(grpo.reinforce_pp_advantages(rewards, 2, True), torch.tensor([1.414214, -1.414214, 0.0, 0.0]))
 
 
-def _reinforce_pp_on_rank(rank, init_file, rewards, out_file):
+def _batch_statistics_on_rank(rank, init_file, rewards, table, entropy, out_file):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    half = len(rewards) // 2
-    torch.save(scale_grpo.reinforce_pp_advantages(rewards[rank * half : (rank + 1) * half], 2, True),
+    half = slice(rank * len(rewards) // 2, (rank + 1) * len(rewards) // 2)
+    torch.save({"reinforce_pp": scale_grpo.reinforce_pp_advantages(rewards[half], 2, True),
+                "batch": scale_grpo.compute_advantages(rewards[half], 2, "grpo", "batch"),
+                "gdpo": scale_grpo.compute_advantages(rewards[half], 2, "grpo", "group", table[half], (1.0, 0.5)),
+                "top_entropy": scale_grpo.high_entropy_mask(entropy[half], torch.ones_like(entropy[half]), 0.25)},
                f"{out_file}.{rank}")
     dist.destroy_process_group()
 
 
-def test_reinforce_pp_normalizes_over_every_rank(tmp_path):
+def test_the_batch_statistics_are_over_every_rank(tmp_path):
     """scale/grpo.py on two gloo processes, each with half of the groups (the halves with different spreads):
-    together they give grpo.py's one-process advantages of the whole batch, not each half's own normalization;
-    on one process, the same bitwise."""
+    together they give grpo.py's one-process results of the whole batch, not each half's own: REINFORCE++'s
+    normalization, --scale-rewards batch's std, GDPO's batch normalization, and the 80/20 rule's quantile (the
+    high entropies all on rank 1); on one process, the same bitwise."""
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 3.0, -1.0, 0.2, 0.0])
-    torch.multiprocessing.spawn(_reinforce_pp_on_rank, args=(str(tmp_path / "init"), rewards, str(tmp_path / "out")),
-                                nprocs=2)
-    together = torch.cat([torch.load(tmp_path / f"out.{rank}") for rank in range(2)])
-    torch.testing.assert_close(together, grpo.reinforce_pp_advantages(rewards, 2, True), atol=1e-6, rtol=0)
-    assert (together[:4] - grpo.reinforce_pp_advantages(rewards[:4], 2, True)).abs().max() > 0.1
+    table = torch.stack([rewards, torch.tensor([0.1, 0.9, 0.0, 0.0, 5.0, 1.0, 0.4, 0.2])], 1)
+    entropy = torch.tensor([[0.1, 0.2], [0.3, 0.4], [0.5, 0.6], [0.7, 0.8], [2.0, 2.1], [2.2, 2.3], [2.4, 2.5], [2.6, 2.7]])
+    torch.multiprocessing.spawn(_batch_statistics_on_rank, nprocs=2,
+                                args=(str(tmp_path / "init"), rewards, table, entropy, str(tmp_path / "out")))
+    parts = [torch.load(tmp_path / f"out.{rank}") for rank in range(2)]
+    ones = torch.ones_like(entropy)
+    expected = {"reinforce_pp": grpo.reinforce_pp_advantages(rewards, 2, True),
+                "batch": grpo.compute_advantages(rewards, 2, "grpo", "batch"),
+                "gdpo": grpo.compute_advantages(rewards, 2, "grpo", "group", table, (1.0, 0.5)),
+                "top_entropy": grpo.high_entropy_mask(entropy, ones, 0.25)}
+    for name, value in expected.items():
+        together = torch.cat([part[name] for part in parts])
+        torch.testing.assert_close(together, value, atol=1e-6, rtol=0, msg=name)
+        alone = {"reinforce_pp": lambda: grpo.reinforce_pp_advantages(rewards[:4], 2, True),
+                 "batch": lambda: grpo.compute_advantages(rewards[:4], 2, "grpo", "batch"),
+                 "gdpo": lambda: grpo.compute_advantages(rewards[:4], 2, "grpo", "group", table[:4], (1.0, 0.5)),
+                 "top_entropy": lambda: grpo.high_entropy_mask(entropy[:4], ones[:4], 0.25)}[name]()
+        assert (together[:4].float() - alone.float()).abs().max() > 0.1, name  # rank 0's half alone is another result
     for baseline in (False, True):
         assert torch.equal(scale_grpo.reinforce_pp_advantages(rewards, 2, baseline),
                            grpo.reinforce_pp_advantages(rewards, 2, baseline))
+    assert torch.equal(scale_grpo.compute_advantages(rewards, 2, "grpo", "group", table, (1.0, 0.5)), expected["gdpo"])
+    assert torch.equal(scale_grpo.high_entropy_mask(entropy, ones, 0.25), expected["top_entropy"])
 
 
 def test_tokenize_prompts_drops_the_empty_and_the_too_long(capsys):
@@ -314,7 +334,7 @@ def test_a_completion_without_a_stop_token_gets_the_penalty_not_its_gold_score(t
     (["--loss-type", "mean"], ["--loss-type 'mean'", "grpo, dapo, dr_grpo, cispo"]),
     (["--loss-type", "cispo", "--importance-sampling-level", "sequence"], ["cispo", "--importance-sampling-level token"]),
     (["--importance-sampling-level", "group"], ["--importance-sampling-level 'group'", "token, sequence"]),
-    (["--advantage", "reinforce_pp", "--no-scale-rewards"], ["--no-scale-rewards", "--advantage reinforce_pp"]),
+    (["--advantage", "reinforce_pp", "--no-scale-rewards"], ["--scale-rewards none", "--advantage reinforce_pp"]),
     (["--reward-model-path", "models/nope"], ["models/nope", "python reward_model.py"]),
     (["--dynamic-sampling", "--max-sampling-rounds", "0"], ["--max-sampling-rounds 0", "at least 1"]),
     (["--soft-overlong-cache", "12"], ["--soft-overlong-cache 12", "--response-length 12", "to 11"]),
@@ -487,15 +507,17 @@ def test_one_step_raises_the_clipped_surrogate_on_the_sampled_completions(small_
     # 7 new tokens: the short answers (6 tokens with the stop) finish and the longer ones are cut, whatever is drawn
     (("--advantage", "reinforce_pp_baseline", "--mask-truncated-completions", "--response-length", "7"),
      "reinforce_pp_baseline"),
-    # L_max 10, not the default 12: a penalty that ignores --response-length fails
-    (("--soft-overlong-cache", "5", "--response-length", "10"), "grpo"),
+    # L_max 10, not the default 12: a penalty that ignores --response-length fails; the std of the whole batch
+    (("--soft-overlong-cache", "5", "--response-length", "10", "--scale-rewards", "batch"), "batch"),
     (("--advantage", "reinforce_pp", "--epsilon", "0.1"), "reinforce_pp"),
+    (("--advantage", "maxrl", "--missing-eos-penalty", "0", "--loss-type", "dapo"), "maxrl"),
 ])
 def test_the_variant_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypatch, flags, advantage):
     """The advantages the loss receives are, by hand from the gold scores of the recorded completions, GRPO's (r −
     mean) / (std + 1e-4), RLOO's r − mean of the other three, Dr. GRPO's r − mean, or REINFORCE++'s r − mean over
     the batch's root mean square (the centered rewards' batch mean is 0), with no group baseline r − its batch mean
-    over their root mean square; --mask-truncated-completions removes the completions with no stop token from the
+    over their root mean square, MaxRL's r − mean over the mean (--missing-eos-penalty 0), or r − mean over the
+    whole batch's std (--scale-rewards batch); --mask-truncated-completions removes the completions with no stop token from the
     loss; --soft-overlong-cache adds DAPO's length penalty to the rewards; --loss-type, --epsilon, --epsilon-high
     and --importance-sampling-level reach the loss's normalization, its clip, the ratio, and CISPO's loss in place
     of the clipped surrogate; and --temperature reaches the sampling (the rollout's and the evaluation's) and the
@@ -536,9 +558,10 @@ def test_the_variant_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypat
                    "--num-generations", "4", "--mini-batch-size", "16", "--ppo-epochs", "1", "--beta", "0",
                    "--eval-size", "8", "--output-dir", "out", *flags, cwd=tmp_path)
     sequences, _, width, mask, _ = rollout()
-    r = gold_rewards(AutoTokenizer.from_pretrained(small_checkpoints["sft"]), sequences, width, mask)
+    penalty = float(flags[flags.index("--missing-eos-penalty") + 1]) if "--missing-eos-penalty" in flags else -1.0
+    r = gold_rewards(AutoTokenizer.from_pretrained(small_checkpoints["sft"]), sequences, width, mask, penalty)
     if "--soft-overlong-cache" in flags:  # DAPO's penalty by hand, L_max 10, L_cache 5: (5 − |o|) / 5 past 5 tokens
-        lengths, stopped = mask.sum(1).float(), r != -1
+        lengths, stopped = mask.sum(1).float(), r != penalty
         penalty = torch.where(stopped & (lengths > 5), (5 - lengths) / 5, torch.zeros_like(r))
         assert (penalty < 0).any(), lengths
         r = r + penalty
@@ -547,7 +570,8 @@ def test_the_variant_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypat
     batch_centered = r - r.mean()
     expected = {"grpo": centered / (r.std(1, keepdim=True) + 1e-4), "rloo": r - (r.sum(1, keepdim=True) - r) / 3,
                 "dr_grpo": centered, "reinforce_pp_baseline": centered / centered.pow(2).mean().sqrt(),
-                "reinforce_pp": batch_centered / batch_centered.pow(2).mean().sqrt()}[advantage]
+                "reinforce_pp": batch_centered / batch_centered.pow(2).mean().sqrt(),
+                "batch": centered / (r.flatten().std() + 1e-4), "maxrl": centered / (r.mean(1, keepdim=True) + 1e-6)}[advantage]
     (_, level), (loss, received, epsilon_low, epsilon_high), (_, loss_type, loss_mask, normalizers) = seen
     assert level == (flags[flags.index("--importance-sampling-level") + 1] if "--importance-sampling-level" in flags
                      else "token")
@@ -744,3 +768,66 @@ def test_the_kl_penalty_is_to_the_reference_and_never_negative(small_checkpoints
     _, k3, loss_mask = penalized[1]  # the logged penalty is β = 0.5 times k3 aggregated as the loss is
     expected = 0.5 * grpo.aggregate_loss(k3, loss_mask, loss_type, 16, max(1.0, loss_mask.sum().item()), 12)
     assert penalties[1] == pytest.approx(expected.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("flags", [
+    ("--loss-type", "dppo", "--dppo-divergence", "binary_kl", "--epsilon", "0.05", "--epsilon-high", "0.07",
+     "--top-entropy-quantile", "0.4", "--entropy-coef", "0.02", "--cov-method", "kl_cov", "--kl-cov-ratio", "0.1"),
+    ("--loss-type", "vespo", "--vespo-k-pos", "1.5", "--vespo-lambda-pos", "2.5", "--vespo-k-neg", "2.5",
+     "--vespo-lambda-neg", "1.5", "--cov-method", "clip_cov", "--clip-cov-lb", "-5", "--clip-cov-ub", "5",
+     "--clip-cov-ratio", "0.3"),
+    ("--loss-type", "sapo", "--sapo-temperature-pos", "2", "--sapo-temperature-neg", "3", "--reward-fn", "gold",
+     "--reward-fn", "format", "--format-pattern", "[0-4]*", "--reward-weights", "1", "0.5",
+     "--multi-objective-aggregation", "normalize_then_sum"),
+])
+def test_the_2026_flags_reach_the_loss_with_the_tensors_of_their_moment(small_checkpoints, tmp_path, monkeypatch, flags):
+    """One iteration, one minibatch: each variant's function receives its flags' values and the tensors of the right
+    moment. DPPO's trust region: the sampler's log-probs of the recorded rollout, and the update's own log-probs
+    (the first minibatch: π_old's exactly); VESPO's weight: log ρ = 0 (π_θ is π_old before any step) and the
+    flags' k and λ; SAPO's temperatures; the 80/20 mask and the entropy bonus: the update's entropies, with a
+    gradient only for the bonus; KL-Cov's and Clip-Cov's fractions and bounds; GDPO: the reward terms of the
+    recorded completions (the gold score and the format, --missing-eos-penalty for an unfinished one) and the
+    weights."""
+    from transformers import AutoTokenizer
+
+    rollout, seen = recorded_rollout(grpo, monkeypatch, 16), {}
+    spied = ("token_losses", "dppo_trust_region", "vespo_weights", "high_entropy_mask", "entropy_bonus", "kl_cov_tokens",
+             "clip_cov_tokens", "compute_advantages")
+
+    def spy(name, real):
+        def recording(*args):
+            seen.setdefault(name, []).append(args)
+            return real(*args)
+        return recording
+
+    for name in spied:
+        monkeypatch.setattr(grpo, name, spy(name, getattr(grpo, name)))
+    run_in_process("grpo.py", *CPU_FLOAT32, "--model-name-or-path", str(small_checkpoints["sft"]), "--num-iterations",
+                   "1", "--batch-size", "16", "--num-generations", "4", "--mini-batch-size", "16", "--ppo-epochs", "1",
+                   "--beta", "0", "--eval-size", "8", "--output-dir", "out", *flags, cwd=tmp_path)
+    sequences, _, width, mask, sampler_logprobs = rollout()
+    (ratio, logprobs, advantages, loss_type, _, _, weights, temperatures), = seen["token_losses"]
+    assert loss_type == flags[1] and torch.equal(ratio, torch.ones_like(ratio))
+    if loss_type == "dppo":
+        (trained, sampler, _, divergence, low, high), = seen["dppo_trust_region"]
+        assert torch.equal(sampler, sampler_logprobs) and torch.equal(trained, logprobs)
+        assert (divergence, low, high) == ("binary_kl", 0.05, 0.07)
+        (entropy, _, quantile), (for_bonus, _, _) = seen["high_entropy_mask"]  # the policy loss's, the bonus's
+        (bonus_entropy, bonus_mask), = seen["entropy_bonus"]
+        assert quantile == 0.4 and entropy is for_bonus is bonus_entropy and entropy.requires_grad  # the update's
+        assert 0 < bonus_mask.sum() < mask.sum()  # the 80/20 mask: the high-entropy 40% of the tokens
+        assert seen["kl_cov_tokens"][0][2] == 0.1
+    if loss_type == "vespo":
+        (log_ratio, _, _, is_weights, *constants), = seen["vespo_weights"]
+        assert (log_ratio == 0).all() and is_weights is None and constants == [1.5, 2.5, 2.5, 1.5]
+        assert weights is not None and seen["clip_cov_tokens"][0][3:] == (0.3, -5.0, 5.0)
+    if loss_type == "sapo":
+        assert temperatures == (2.0, 3.0)
+        tokenizer = AutoTokenizer.from_pretrained(small_checkpoints["sft"])
+        gold = gold_rewards(tokenizer, sequences, width, mask)
+        completions = tokenizer.batch_decode(sequences[:, width:], skip_special_tokens=True)
+        form = torch.tensor([float(re.fullmatch("[0-4]*", c, re.DOTALL) is not None) for c in completions])
+        terms = torch.stack([gold, torch.where(gold == -1, -1.0, form)], 1)
+        (_, _, _, _, table, reward_weights), = seen["compute_advantages"]
+        torch.testing.assert_close(table, terms)
+        assert reward_weights == (1.0, 0.5)

@@ -133,21 +133,41 @@ def variant_flags(variant, checkpoints, tmp_path):
                             "--off-policy-mask-threshold", "0.01", "--loss-type", "dapo"],
         "rlhf_ppo-off_policy": ["--rollout-lag", "2", "--vllm-importance-sampling-mode", "sequence_truncate",
                                 "--vllm-importance-sampling-clip-max", "1.1"],
+        # the 2026 variants at values where each binds: DPPO's binary KL with a small δ, GDPO's terms with dynamic
+        # sampling by them, an adaptive entropy bonus that starts at once (target above the entropy), the 80/20 mask,
+        # KL-Cov on a tenth of the tokens, pass@k and the training samples
+        "grpo-dppo-gdpo": ["--loss-type", "dppo", "--dppo-divergence", "binary_kl", "--epsilon", "0.002",
+                           "--epsilon-high", "0.003", "--reward-fn", "gold", "--reward-fn", "format", "--format-pattern",
+                           "[0-4]*", "--reward-weights", "1", "0.5", "--multi-objective-aggregation", "normalize_then_sum",
+                           "--dynamic-sampling", "--max-sampling-rounds", "2", "--entropy-coef", "0.01",
+                           "--use-adaptive-entropy", "--entropy-target", "5", "--entropy-coef-delta", "0.1",
+                           "--top-entropy-quantile", "0.5", "--cov-method", "kl_cov", "--kl-cov-ratio", "0.1",
+                           "--kl-cov-coef", "0.5", "--eval-num-samples", "2", "--log-completions-every", "1",
+                           "--response-length", "7", "--max-prompt-length", "12"],
+        # VESPO's weight with the sampler's correction folded in, MaxRL's advantage, Clip-Cov on a fifth of the tokens
+        "grpo-vespo-maxrl": ["--loss-type", "vespo", "--vespo-k-pos", "1.5", "--vespo-lambda-neg", "2.5", "--advantage",
+                             "maxrl", "--missing-eos-penalty", "0", "--rollout-lag", "1", "--vllm-importance-sampling-mode",
+                             "token_truncate", "--cov-method", "clip_cov", "--clip-cov-lb", "-10", "--clip-cov-ub", "10",
+                             "--clip-cov-ratio", "0.2", "--response-length", "7", "--max-prompt-length", "12"],
+        "grpo-sapo": ["--loss-type", "sapo", "--sapo-temperature-pos", "2", "--sapo-temperature-neg", "3",
+                      "--scale-rewards", "batch"],
+        "grpo-luspo": ["--loss-type", "luspo", "--importance-sampling-level", "sequence"],
         "grpo-dr_grpo": ["--no-scale-rewards", "--loss-type", "dr_grpo", "--epsilon-high", "0.001", "--dynamic-sampling",
                          "--max-sampling-rounds", "2"],
     }.get(variant, [])
 
 
 CASES = list(TIERS) + ["sft-pretrained", "reward_model-margin", "dpo-ipo", "rlhf_ppo-terms", "grpo-rloo-cispo",
-                       "grpo-dr_grpo", "grpo-truncated", "rlhf_ppo-kl_coef", "grpo-off_policy", "rlhf_ppo-off_policy"]
+                       "grpo-dr_grpo", "grpo-truncated", "rlhf_ppo-kl_coef", "grpo-off_policy", "rlhf_ppo-off_policy",
+                       "grpo-dppo-gdpo", "grpo-vespo-maxrl", "grpo-sapo", "grpo-luspo"]
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_the_reference_and_its_scale_sibling_compute_the_same(tiny_checkpoints, small_checkpoints, tmp_path, case):
     """The default flags, and variants that take every loss-shaping flag both tiers accept off its default."""
     script = case.split("-")[0]
-    checkpoints = (small_checkpoints if case in ("rlhf_ppo-terms", "grpo-rloo-cispo", "grpo-off_policy", "rlhf_ppo-off_policy")
-                   else tiny_checkpoints)
+    checkpoints = (small_checkpoints if case in ("rlhf_ppo-terms", "grpo-rloo-cispo", "grpo-off_policy", "rlhf_ppo-off_policy",
+                                                 "grpo-dppo-gdpo", "grpo-vespo-maxrl", "grpo-luspo") else tiny_checkpoints)
     flags = flags_of(script, checkpoints) + variant_flags(case, checkpoints, tmp_path)
     (logs, weights), (scale_logs, scale_weights) = (run(path, flags + ["--output-dir", f"models/{script}"],
                                                         tmp_path / path.replace("/", "_"))
@@ -155,6 +175,10 @@ def test_the_reference_and_its_scale_sibling_compute_the_same(tiny_checkpoints, 
     assert set(logs) == set(scale_logs) and len(logs) >= 5, (sorted(logs), sorted(scale_logs))
     if case in ("rlhf_ppo-terms", "grpo-rloo-cispo"):  # `some` is logged; `none` (it applies to no completion) is not
         assert {"rewards/some", "eval/rewards/some"} <= set(logs) and not [tag for tag in logs if "none" in tag]
+    binding = {"grpo-dppo-gdpo": ["policy/dppo_masked_fraction", "policy/cov_selected_fraction", "losses/entropy_bonus"],
+               "grpo-vespo-maxrl": ["policy/cov_selected_fraction"]}.get(case, [])  # logged, and not 0: they bind
+    assert all(max(v for _, v in logs[tag]) > 0 for tag in binding), {tag: logs.get(tag) for tag in binding}
+    assert case != "grpo-dppo-gdpo" or {"eval/pass@1", "eval/pass@2"} <= set(logs)
     assert set(weights) == set(scale_weights) and weights
     if TIERS[script] is None:  # the same computation: bitwise
         assert [tag for tag in logs if logs[tag] != scale_logs[tag]] == []

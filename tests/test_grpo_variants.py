@@ -1,0 +1,203 @@
+"""grpo.py's 2026 variants against hand computations, with unequal constants: MaxRL's and batch-scaled advantages,
+GDPO's normalize_then_sum (and dynamic sampling by its terms), DPPO's trust region, SAPO's gate, VESPO's weight and
+the loss types' normalizers, the entropy controls (the 80/20 mask, the bonus and its adaptive coefficient),
+Clip-Cov and KL-Cov, and pass@k. Each in both tiers where scale/ has the same function."""
+import math
+
+import pytest
+import torch
+
+import grpo
+from scale import grpo as scale_grpo
+
+BOTH = pytest.mark.parametrize("module", [grpo, scale_grpo])
+
+
+@BOTH
+def test_batch_scaled_and_maxrl_advantages(module):
+    """Rewards 1, 0, 0, 0 | 1, 1, 1, 0 in groups of G = 4. Batch scaling: r − the group mean (0.25; 0.75) over the
+    std of all 8 rewards (four 1s and four 0s: mean 0.5, variance 8 · 0.25 / 7 → std 0.534522). MaxRL:
+    (r − mean) / mean: 0.75 / 0.25 = 3, −1, −1, −1 | 0.25 / 0.75 = 1/3 (×3), −1."""
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0])
+    centered = torch.tensor([0.75, -0.25, -0.25, -0.25, 0.25, 0.25, 0.25, -0.75])
+    torch.testing.assert_close(module.compute_advantages(rewards, 4, "grpo", "batch"),
+                               centered / (math.sqrt(2 / 7) + 1e-4))
+    torch.testing.assert_close(module.compute_advantages(rewards, 4, "maxrl", "group"),
+                               torch.tensor([3.0, -1, -1, -1, 1 / 3, 1 / 3, 1 / 3, -1]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(module.compute_advantages(torch.zeros(4), 4, "maxrl", "group"), torch.zeros(4))
+    # "none" and False (Dr. GRPO's flag) are the same, and "group" is True
+    torch.testing.assert_close(module.compute_advantages(rewards, 4, "grpo", "none"), centered)
+    torch.testing.assert_close(module.compute_advantages(rewards, 4, "grpo", "group"),
+                               module.compute_advantages(rewards, 4, "grpo", True))
+
+
+@BOTH
+def test_normalize_then_sum_is_gdpo(module):
+    """Two terms, weights 1 and 2, groups of G = 2. Term 1: (1, 0) → ±0.5 / (std √0.5 + 1e-4); (1, 1) → 0.
+    Term 2: (0.2, 0.6) → ∓0.2 / (std √0.08 + 1e-4); (NaN, 0.4): one value, std NaN, so it adds nothing. The sums
+    A = a1 + 2 a2, then (A − mean A) / (std A + 1e-4) over the batch, n − 1 in the std."""
+    table = torch.tensor([[1.0, 0.2], [0.0, 0.6], [1.0, math.nan], [1.0, 0.4]])
+    a1, a2 = 0.5 / (math.sqrt(0.5) + 1e-4), 0.2 / (math.sqrt(0.08) + 1e-4)
+    summed = torch.tensor([a1 - 2 * a2, -a1 + 2 * a2, 0.0, 0.0])
+    expected = (summed - summed.mean()) / (summed.std() + 1e-4)
+    got = module.compute_advantages(torch.zeros(4), 2, "grpo", "group", table, (1.0, 2.0))
+    torch.testing.assert_close(got, expected)
+    # a completion no term applies to gets Â = 0 and stays out of the batch's statistics
+    table = torch.tensor([[1.0, 0.2], [0.0, 0.6], [math.nan, math.nan], [1.0, 0.4]])
+    got = module.compute_advantages(torch.zeros(4), 2, "grpo", "group", table, (1.0, 2.0))
+    kept = torch.tensor([a1 - 2 * a2, -a1 + 2 * a2, 0.0])
+    torch.testing.assert_close(got[[0, 1, 3]], (kept - kept.mean()) / (kept.std() + 1e-4))
+    assert got[2] == 0
+
+
+@BOTH
+def test_dynamic_sampling_keeps_a_group_whose_terms_differ_though_its_sums_are_equal(module):
+    """Three terms, groups of G = 3: (2, 0, 0), (0, 1, 1), (0, 1, 1) sum to 2 each, but the terms' stds differ
+    (1.154701 and 0.577350), so GDPO gives them Â ≠ 0: the group is kept. A group equal in every term is dropped;
+    judged by its sums, both would be."""
+    table = torch.tensor([[2.0, 0, 0], [0, 1, 1], [0, 1, 1], [1, 1, 0], [1, 1, 0], [1, 1, 0]])
+    assert module.informative_groups(table, 3).tolist() == [True, False]
+    assert module.informative_groups(table.sum(1), 3).tolist() == [False, False]
+    assert module.compute_advantages(table.sum(1), 3, "grpo", "group", table, (1.0, 1.0, 1.0))[:3].abs().min() > 0.5
+
+
+@BOTH
+def test_dppo_trust_region_drops_the_tokens_that_moved_too_far_the_way_their_advantage_pushes(module):
+    """p_θ = 0.5, 0.1 | 0.2, 0.3 against the sampler's 0.1, 0.5 | 0.2, 0.25; Â = 1, −1; δ_low 0.2, δ_high 0.3.
+    binary_tv: token (0, 0) rose by 0.4 > δ_high with Â > 0: dropped; (0, 1) fell: kept; row 1 (Â < 0): (1, 0)
+    did not move, (1, 1) rose (the safe way): kept. binary_kl of (0, 0): 0.1 log(0.1/0.5) + 0.9 log(0.9/0.5)
+    = 0.368064: dropped at δ_high 0.3, kept at 0.4. With Â = −1 in row 0, token (0, 1) fell by 0.4 > δ_low."""
+    logprobs = torch.tensor([[0.5, 0.1], [0.2, 0.3]]).log()
+    sampler = torch.tensor([[0.1, 0.5], [0.2, 0.25]]).log()
+    advantages = torch.tensor([1.0, -1.0])
+    keep = module.dppo_trust_region(logprobs, sampler, advantages, "binary_tv", 0.2, 0.3)
+    torch.testing.assert_close(keep, torch.tensor([[0.0, 1.0], [1.0, 1.0]]))
+    assert module.dppo_trust_region(logprobs, sampler, advantages, "binary_tv", 0.2, 0.45).all()
+    kl = 0.1 * math.log(0.1 / 0.5) + 0.9 * math.log(0.9 / 0.5)
+    assert 0.3 < kl < 0.4
+    assert module.dppo_trust_region(logprobs, sampler, advantages, "binary_kl", 0.2, 0.3).tolist() == [[0, 1], [1, 1]]
+    assert module.dppo_trust_region(logprobs, sampler, advantages, "binary_kl", 0.2, 0.4).all()
+    keep = module.dppo_trust_region(logprobs, sampler, torch.tensor([-1.0, -1.0]), "binary_tv", 0.2, 0.3)
+    torch.testing.assert_close(keep, torch.tensor([[1.0, 0.0], [1.0, 1.0]]))
+    # the loss: −ρ Â on the kept tokens, its gradient ρ Â ∇log π (dppo's plain surrogate)
+    ratio = torch.tensor([[1.5, 0.8], [1.0, 1.2]])
+    torch.testing.assert_close(module.token_losses(ratio, logprobs, advantages, "dppo", 0.2, 0.3),
+                               torch.tensor([[-1.5, -0.8], [1.0, 1.2]]))
+
+
+@BOTH
+def test_sapo_gate(module):
+    """ρ = 1.2 with Â = 2 (τ_pos 1): −(4/1) σ(0.2) · 2 = −4.398668; ρ = 0.9 with Â = −1 (τ_neg 1.05):
+    (4/1.05) σ(−0.105) = 1.804852. At ρ = 1 the gradient is −Â ∂ρ, the unclipped surrogate's."""
+    ratio = torch.tensor([[1.2], [0.9]])
+    got = module.token_losses(ratio, ratio.log(), torch.tensor([2.0, -1.0]), "sapo", 0.2, 0.2, None, (1.0, 1.05))
+    torch.testing.assert_close(got, torch.tensor([[-8 / (1 + math.exp(-0.2))], [4 / 1.05 / (1 + math.exp(0.105))]]))
+    ratio = torch.ones(1, 1, requires_grad=True)
+    module.sapo_loss(ratio, torch.tensor([-3.0]), 1.0, 1.05).sum().backward()
+    torch.testing.assert_close(ratio.grad, torch.tensor([[3.0]]))
+
+
+@BOTH
+def test_vespo_weight_and_loss(module):
+    """Row 0: log ρ 0.1, 0.2 (both counted), Â = 1 ≥ 0 (k 2, λ 3): log w = 0.3, log φ = 3 + 0.6 − 3 e^0.3 =
+    −0.449576. Row 1: log ρ −0.3 and a padded 5.0 (not counted), Â = −1 (k 3, λ 2): log φ = 2 − 0.9 − 2 e^−0.3.
+    With a sampler correction of 1.5 at (0, 0): log w = 0.3 + log 1.5. The loss −φ Â log π."""
+    log_ratio, mask = torch.tensor([[0.1, 0.2], [-0.3, 5.0]]), torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    advantages = torch.tensor([1.0, -1.0])
+    phi = module.vespo_weights(log_ratio, mask, advantages, None, 2.0, 3.0, 3.0, 2.0)
+    expected = [math.exp(3 + 0.6 - 3 * math.exp(0.3)), math.exp(2 - 0.9 - 2 * math.exp(-0.3))]
+    torch.testing.assert_close(phi, torch.tensor(expected).unsqueeze(1))
+    w = 0.3 + math.log(1.5)
+    phi = module.vespo_weights(log_ratio, mask, advantages, torch.tensor([[1.5, 1.0], [1.0, 1.0]]), 2.0, 3.0, 3.0, 2.0)
+    assert phi[0, 0].item() == pytest.approx(math.exp(3 + 2 * w - 3 * math.exp(w)), rel=1e-5)
+    logprobs = torch.tensor([[-1.0, -2.0], [-0.5, -0.1]])
+    torch.testing.assert_close(module.token_losses(None, logprobs, advantages, "vespo", 0.2, 0.2, phi),
+                               -phi * advantages.unsqueeze(1) * logprobs)
+
+
+@BOTH
+def test_the_new_loss_types_normalizers(module):
+    """Losses 1, 2, 3 | 4, pad (mask 1, 1, 1 | 1, 0), B = 2, N = 5 (a minibatch's share of the rollout's tokens):
+    sapo as grpo (2 + 4) / 2 = 3; luspo each completion's sum, over B: (6 + 4) / 2 = 5; dppo and vespo as dapo,
+    10 / 5 = 2."""
+    losses, mask = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]]), torch.tensor([[1.0, 1, 1], [1, 0, 0]])
+    expected = {"sapo": 3.0, "luspo": 5.0, "dppo": 2.0, "vespo": 2.0}
+    for loss_type, value in expected.items():
+        assert module.aggregate_loss(losses, mask, loss_type, 2, 5.0, 3).item() == pytest.approx(value), loss_type
+
+
+@BOTH
+def test_high_entropy_mask_keeps_the_top_quantile(module):
+    """Entropies .1 .9 .5 | .7 .3 (pad 5.0, not counted). ρ = 0.2: the 0.8 quantile of the five, .7 + 0.2 · (.9 − .7)
+    = .74, keeps .9 alone; ρ = 0.5: the median .5 keeps .9, .5 and .7; ρ = 1 keeps all five, never the padding."""
+    entropy = torch.tensor([[0.1, 0.9, 0.5], [0.7, 0.3, 5.0]])
+    mask = torch.tensor([[1.0, 1, 1], [1, 1, 0]])
+    assert module.high_entropy_mask(entropy, mask, 0.2).tolist() == [[False, True, False], [False, False, False]]
+    assert module.high_entropy_mask(entropy, mask, 0.5).tolist() == [[False, True, True], [True, False, False]]
+    assert module.high_entropy_mask(entropy, mask, 1.0).tolist() == [[True, True, True], [True, True, False]]
+
+
+@BOTH
+def test_entropy_bonus_and_its_adaptive_coefficient(module):
+    """H̄ over the masked tokens: (1 + 3) / 2. The coefficient: 0.01 + 0.005 when H̄ = 0.1 ≤ 0.2, 0.01 − 0.005 when
+    0.3 > 0.2, held within [0.004, 0.012]. EntropyControl applies no bonus before its first measurement (TRL), then
+    c only while the entropy measured at the last step was at most the target."""
+    entropy, mask = torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    assert module.entropy_bonus(entropy, mask).item() == 2.0
+    assert module.adaptive_entropy_coef(0.01, 0.1, 0.2, 0.005, 0.0, 1.0) == pytest.approx(0.015)
+    assert module.adaptive_entropy_coef(0.01, 0.3, 0.2, 0.005, 0.0, 1.0) == pytest.approx(0.005)
+    assert module.adaptive_entropy_coef(0.01, 0.1, 0.2, 0.005, 0.0, 0.012) == 0.012
+    assert module.adaptive_entropy_coef(0.007, 0.3, 0.2, 0.005, 0.004, 1.0) == 0.004
+    args = pytest.importorskip("types").SimpleNamespace(entropy_coef=0.5, use_adaptive_entropy=True, entropy_target=2.5,
+                                                        entropy_coef_delta=0.1, entropy_coef_min=0.0, entropy_coef_max=1.0,
+                                                        top_entropy_quantile=1.0, gradient_accumulation_steps=1)
+    control = module.EntropyControl(args)
+    assert control.bonus(entropy, mask, {}).item() == 0.0  # not yet measured; H̄ = 2 ≤ 2.5: c → 0.6
+    assert control.bonus(entropy, mask, {}).item() == pytest.approx(0.6 * 2)  # c → 0.7
+    high = torch.tensor([[3.0, 0.0], [4.0, 0.0]])  # H̄ = 3.5 > 2.5: applied (last was 2), then c → 0.6
+    assert control.bonus(high, mask, {}).item() == pytest.approx(0.7 * 3.5)
+    assert control.bonus(entropy, mask, {}).item() == 0.0 and control.coef == pytest.approx(0.7)
+
+
+@BOTH
+def test_token_covariance_and_the_cov_methods_tokens(module):
+    """log π −1, −2 | −3, −0.5 (mean −1.625), Â 1 | −1 per completion (token mean 0): Cov = 0.625, −0.375 |
+    1.375, −1.125. Clip-Cov with bounds (0.5, 1.5) and r·N = 2: both 0.625 and 1.375; with 1.375's token already
+    clipped, 0.625 alone. KL-Cov, k·N = 1: the largest, 1.375; k·N = 2: and 0.625."""
+    logprobs, advantages, mask = torch.tensor([[-1.0, -2.0], [-3.0, -0.5]]), torch.tensor([1.0, -1.0]), torch.ones(2, 2)
+    covariance = module.token_covariance(advantages, logprobs, mask)
+    torch.testing.assert_close(covariance, torch.tensor([[0.625, -0.375], [1.375, -1.125]]))
+    no_cut = torch.zeros(2, 2, dtype=torch.bool)
+    assert module.clip_cov_tokens(covariance, mask, no_cut, 0.5, 0.5, 1.5).tolist() == [[True, False], [True, False]]
+    cut = torch.tensor([[False, False], [True, False]])
+    assert module.clip_cov_tokens(covariance, mask, cut, 0.5, 0.5, 1.5).tolist() == [[True, False], [False, False]]
+    assert module.kl_cov_tokens(covariance, mask, 0.25).tolist() == [[False, False], [True, False]]
+    assert module.kl_cov_tokens(covariance, mask, 0.5).tolist() == [[True, False], [True, False]]
+    # a padded token is never chosen, though its covariance were the largest
+    padded = torch.tensor([[1.0, 1.0], [0.0, 1.0]])
+    assert not module.kl_cov_tokens(module.token_covariance(advantages, logprobs, padded), padded, 0.25)[1, 0]
+
+
+@BOTH
+def test_pass_at_k_is_chen_et_al_s_unbiased_estimator(module):
+    """n = 4, c = 1: pass@1 = 1/4, pass@2 = 1 − C(3, 2)/C(4, 2) = 1/2, pass@4 = 1. n = 5, c = 2: pass@2 = 1 − 3/10.
+    Two prompts of n = 4 with 1 and 2 passes: pass@1 = (1/4 + 1/2) / 2, pass@2 = (1/2 + 5/6) / 2, pass@4 = 1."""
+    assert [module.pass_at_k(4, 1, k) for k in (1, 2, 4)] == pytest.approx([0.25, 0.5, 1.0])
+    assert module.pass_at_k(5, 2, 2) == pytest.approx(0.7) and module.pass_at_k(5, 0, 4) == 0.0
+    passed = [True, False, False, False, True, True, False, False]
+    logs = grpo.pass_at_k_logs(passed, 4)
+    assert logs == pytest.approx({"eval/pass@1": 0.375, "eval/pass@2": (0.5 + 5 / 6) / 2, "eval/pass@4": 1.0})
+    assert grpo.pass_at_k_logs(passed, 1) == {} and grpo.pass_at_k_logs(None, 4) == {}
+    sums = scale_grpo.pass_at_k_logs(passed, 4, [1, 0])  # a rank's sums; the second prompt is shard's padding
+    assert sums == pytest.approx({"eval/pass@1": 0.25, "eval/pass@2": 0.5, "eval/pass@4": 1.0})
+
+
+def test_passes_by_the_target_or_by_every_reward_function_that_applies():
+    """The built-in task: exactly the target. Else each function that applies scores ≥ 1 (NaN: does not apply), one
+    at least; the reward model's column never counts, and with only a reward model there is no pass@k."""
+    rows = [{"target": "12"}, {"target": "3"}]
+    assert grpo.passes(["12", "3 "], rows, None, [], True) == [True, False]
+    table = torch.tensor([[1.0, math.nan, -5.0], [1.0, 0.0, 9.0], [math.nan, math.nan, 9.0]])
+    names = ["exact_match", "format", "reward_model"]
+    assert grpo.passes(["a", "b", "c"], rows + rows[:1], table, names, False) == [True, False, False]
+    assert grpo.passes(["a"], rows[:1], table[:1, 2:], ["reward_model"], False) is None
