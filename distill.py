@@ -116,6 +116,12 @@ class Args:
     eval_size: int = 512
     """eval prompts, 0 for no evaluation: the built-in task's are grpo.py's; a dataset's are its `test` split, or
     else prompts held out from the training ones"""
+    eval_num_samples: int = 1
+    """n: the student's completions sampled per eval prompt; above 1, on the built-in task, eval/pass@k for k = 1,
+    2, 4, ... up to n, unbiased (Chen et al. 2021): the target exactly"""
+    log_completions_every: int = 0
+    """every this many iterations, the batch's first prompts and completions (the student's or the dataset's) under
+    train/completions in TensorBoard's text tab; 0: never (TRL: log_completions)"""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,12 +168,25 @@ def masked_mean(x, mask, num_tokens=None):
     return (x * mask).sum() / (mask.sum() if num_tokens is None else num_tokens)
 
 
+def pass_at_k(n, c, k):
+    """The unbiased estimator of pass@k from n samples of which c pass (Chen et al. 2021, "Evaluating Large Language
+    Models Trained on Code", eq. 1): the chance that k of the n, drawn without replacement, include a pass,
+
+        pass@k = 1 − C(n − c, k) / C(n, k) = 1 − Π_{i = n−c+1}^{n} (1 − k/i)
+
+    (the product form is theirs, stable for large n). Whether any of the n passed, reported as pass@k for k < n,
+    is biased high."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
 def check_args(args):
     """Every flag checked before any work: one line that says what to change."""
     if args.threads is not None and args.threads < 1:
         sys.exit(f"error: --threads {args.threads}: it must be at least 1 (leave it out for the default)")
     for name, least in {"num_iterations": 1, "batch_size": 1, "response_length": 1, "eval_every": 1,
-                        "eval_size": 0}.items():
+                        "eval_size": 0, "eval_num_samples": 1, "log_completions_every": 0}.items():
         if getattr(args, name) < least:
             sys.exit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: it must be at least {least}")
     for name, rule in {"lr": ">= 0", "max_grad_norm": "> 0", "temperature": "> 0"}.items():
@@ -241,6 +260,7 @@ def main(args: Args):
                 sequences, attention_mask, context_length, mask = pad_completions(
                     [train_ids[i] for i in chosen], [dataset_ids[i] for i in chosen], tokenizer.pad_token_id, device)
         mask = mask.float()
+        log_completions(writer, iteration, tokenizer, [train_rows[i] for i in chosen], sequences, context_length, args)
 
         # ---- 2. the teacher's next-token distribution at every completion token (frozen: no gradient) ------------
         with torch.no_grad(), amp():
@@ -286,21 +306,24 @@ def main(args: Args):
 
 @torch.no_grad()
 def evaluate(models, vocab, eval_rows, eval_ids, amp, writer, iteration, args):
-    """The student's completions of the eval prompts at --temperature: their reverse KL to the teacher per token
-    and, on the built-in task, their gold accuracy and score, sampled and greedy, as sft.py logs them (the
-    teacher's too, before the first step: the accuracy distillation aims at)."""
+    """The student's completions of the eval prompts at --temperature (--eval-num-samples of each): their reverse KL
+    to the teacher per token and, on the built-in task, their gold accuracy and score, sampled and greedy, as
+    sft.py logs them (the teacher's too, before the first step: the accuracy distillation aims at), and with
+    several samples pass@k."""
     student, teacher, tokenizer, stop_ids = models
     if not eval_ids:
         return
     student.eval()
-    logs, samples = {}, None
+    logs, samples, k = {}, None, args.eval_num_samples
     for model, prefix in [(student, "")] + [(teacher, "teacher_")] * (iteration == 0):
         for name, greedy in (("", False), ("_greedy", True)):
+            n = k if model is student and not greedy else 1  # the student's samples of a prompt in adjacent rows
             with amp():
                 sequences, attention_mask, context_length, mask, _ = generate(
-                    model, eval_ids, tokenizer.pad_token_id, stop_ids, args.response_length, args.temperature, greedy)
+                    model, [ids for ids in eval_ids for _ in range(n)], tokenizer.pad_token_id, stop_ids,
+                    args.response_length, args.temperature, greedy)
             if model is student and not greedy:
-                samples = tokenizer.batch_decode(sequences[:, context_length:], skip_special_tokens=True)
+                samples = tokenizer.batch_decode(sequences[::n, context_length:], skip_special_tokens=True)
                 divergence = 0.0
                 for i in range(0, len(sequences), args.batch_size):  # a batch at a time: the logits are [B, T, vocab]
                     with amp():
@@ -312,10 +335,12 @@ def evaluate(models, vocab, eval_rows, eval_ids, amp, writer, iteration, args):
                 logs["eval/reverse_kl"] = divergence / mask.sum().item()
             if args.dataset_name is None:  # the built-in task: exactly the target, and the gold score
                 completions = tokenizer.batch_decode(sequences[:, context_length:], skip_special_tokens=True)
-                targets = [row["target"] for row in eval_rows]
+                targets = [row["target"] for row in eval_rows for _ in range(n)]
                 logs[f"eval/{prefix}gold_accuracy{name}"] = (sum(c == t for c, t in zip(completions, targets))
                                                              / len(targets))
                 logs[f"eval/{prefix}gold_score{name}"] = sum(map(gold_score, completions, targets)) / len(targets)
+                if n > 1:
+                    logs.update(pass_at_k_logs([c == t for c, t in zip(completions, targets)], n))
     for tag, value in logs.items():
         writer.add_scalar(tag, value, iteration)
     print(f"iteration {iteration}: " + ", ".join(f"{tag} {value:.3f}" for tag, value in logs.items()))
@@ -323,6 +348,25 @@ def evaluate(models, vocab, eval_rows, eval_ids, amp, writer, iteration, args):
                     iteration)
     student.train()
 
+
+def pass_at_k_logs(passed, n):
+    """{eval/pass@k: the mean over prompts of pass_at_k} for k = 1, 2, 4, ... up to n, from `passed` (passes), the
+    n samples of each prompt in adjacent rows; {} with one sample (eval/gold_accuracy is pass@1) or no passes."""
+    if passed is None or n == 1:
+        return {}
+    counts = torch.tensor(passed).view(-1, n).sum(1).tolist()
+    return {f"eval/pass@{2 ** i}": sum(pass_at_k(n, c, 2 ** i) for c in counts) / len(counts)
+            for i in range(n.bit_length()) if 2 ** i <= n}
+
+
+
+def log_completions(writer, iteration, tokenizer, rows, sequences, context_length, args, n=8):
+    """Every --log-completions-every iterations, the batch's first n prompts and completions (the student's or the
+    dataset's) as text under train/completions, as eval/samples shows the eval prompts'."""
+    if args.log_completions_every and iteration % args.log_completions_every == 0:
+        completions = tokenizer.batch_decode(sequences[:n, context_length:], skip_special_tokens=True)
+        writer.add_text("train/completions", "\n".join(f"    {row['prompt']!r} {c!r}" for row, c in zip(rows, completions)),
+                        iteration)
 
 def completion_logits(model, sequences, attention_mask, context_length, vocab):
     """The logits of the next-token distribution at each completion token, [B, T, vocab], from one forward pass over
@@ -725,7 +769,6 @@ def check_same_vocabulary(tokenizer, reward_tokenizer, stop_ids, message):
 def model_positions(model):
     """The longest sequence the model takes, or None when its config does not say."""
     return getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
-
 
 # ---------------------------------------------------------------------------------------------
 # Forward passes and sampling

@@ -1258,6 +1258,16 @@ def evaluate(models, eval_rows, eval_ids, terms, rewards_of, amp, writer, iterat
     policy.train()
 
 
+def pass_at_k_logs(passed, n):
+    """{eval/pass@k: the mean over prompts of pass_at_k} for k = 1, 2, 4, ... up to n, from `passed` (passes), the
+    n samples of each prompt in adjacent rows; {} with one sample (eval/gold_accuracy is pass@1) or no passes."""
+    if passed is None or n == 1:
+        return {}
+    counts = torch.tensor(passed).view(-1, n).sum(1).tolist()
+    return {f"eval/pass@{2 ** i}": sum(pass_at_k(n, c, 2 ** i) for c in counts) / len(counts)
+            for i in range(n.bit_length()) if 2 ** i <= n}
+
+
 def term_means(table, names, prefix, score_tag):
     """{tag: mean} of each reward term over the completions it applies to (where its value is not NaN), tagged
     prefix + its name, the reward model's `score_tag`; a term that applies to none is left out."""
@@ -1772,17 +1782,6 @@ def passes(completions, rows, table, names, builtin):
     if functions.shape[1] == 0:
         return None
     return ((functions.nan_to_num(math.inf) >= 1).all(1) & ~functions.isnan().all(1)).tolist()
-
-
-def pass_at_k_logs(passed, n):
-    """{eval/pass@k: the mean over prompts of pass_at_k} for k = 1, 2, 4, ... up to n, from `passed` (passes), the
-    n samples of each prompt in adjacent rows; {} with one sample (eval/gold_accuracy is pass@1) or no passes."""
-    if passed is None or n == 1:
-        return {}
-    counts = torch.tensor(passed).view(-1, n).sum(1).tolist()
-    return {f"eval/pass@{2 ** i}": sum(pass_at_k(n, c, 2 ** i) for c in counts) / len(counts)
-            for i in range(n.bit_length()) if 2 ** i <= n}
-
 
 # ---------------------------------------------------------------------------------------------
 # Forward passes and sampling

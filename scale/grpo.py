@@ -1445,6 +1445,17 @@ def evaluate(models, eval_rows, eval_ids, terms, rewards_of, amp, writer, iterat
     policy.train()
 
 
+def pass_at_k_logs(passed, n, weights):
+    """grpo.py's pass_at_k_logs as sums over this rank's prompts, each weighted (0 on shard's padding), for
+    all_reduce_sum: {eval/pass@k: Σ_prompts w · pass_at_k} for k = 1, 2, 4, ... up to n, from `passed` (passes),
+    the n samples of each prompt in adjacent rows; {} with one sample or no passes."""
+    if passed is None or n == 1:
+        return {}
+    counts = torch.tensor(passed).view(-1, n).sum(1).tolist()
+    return {f"eval/pass@{2 ** i}": sum(w * pass_at_k(n, c, 2 ** i) for c, w in zip(counts, weights))
+            for i in range(n.bit_length()) if 2 ** i <= n}
+
+
 def load_models(args, device):
     """(tokenizer, stop_ids, the raw policy, the policy as trained, reference or None, reward model or None). The
     policy in float32 (master weights) whatever the checkpoint's dtype, the reference as the policy, the reward
@@ -2047,18 +2058,6 @@ def passes(completions, rows, table, names, builtin):
         return None
     return ((functions.nan_to_num(math.inf) >= 1).all(1) & ~functions.isnan().all(1)).tolist()
 
-
-
-
-def pass_at_k_logs(passed, n, weights):
-    """grpo.py's pass_at_k_logs as sums over this rank's prompts, each weighted (0 on shard's padding), for
-    all_reduce_sum: {eval/pass@k: Σ_prompts w · pass_at_k} for k = 1, 2, 4, ... up to n, from `passed` (passes),
-    the n samples of each prompt in adjacent rows; {} with one sample or no passes."""
-    if passed is None or n == 1:
-        return {}
-    counts = torch.tensor(passed).view(-1, n).sum(1).tolist()
-    return {f"eval/pass@{2 ** i}": sum(w * pass_at_k(n, c, 2 ** i) for c, w in zip(counts, weights))
-            for i in range(n.bit_length()) if 2 ** i <= n}
 
 # ---------------------------------------------------------------------------------------------
 # Forward passes and sampling

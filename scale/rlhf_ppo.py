@@ -187,6 +187,12 @@ class Args:
     eval_size: int = 512
     """eval prompts, 0 for no evaluation: the built-in task's come from their own random stream; a dataset's are its
     `test` split, or else prompts held out from the training ones"""
+    eval_num_samples: int = 1
+    """n: responses sampled per eval prompt; above 1, eval/pass@k for k = 1, 2, 4, ... up to n, unbiased (Chen et
+    al. 2021), on the built-in task (the target exactly) and with reward functions (each one that applies scores 1)"""
+    log_completions_every: int = 0
+    """every this many iterations, a table of the rollout's first prompts, responses and reward terms under
+    train/completions in TensorBoard's text tab (rank 0's); 0: never (TRL: log_completions)"""
 
     save_every: int = 0
     """write a checkpoint to resume from every this many iterations, to runs/<run>/checkpoint-<iteration> (0: none;
@@ -331,6 +337,19 @@ def adaptive_kl_coef(kl_coef, current_kl, kl_target, horizon, n_steps):
     return kl_coef * (1 + error * n_steps / horizon)
 
 
+def pass_at_k(n, c, k):
+    """The unbiased estimator of pass@k from n samples of which c pass (Chen et al. 2021, "Evaluating Large Language
+    Models Trained on Code", eq. 1): the chance that k of the n, drawn without replacement, include a pass,
+
+        pass@k = 1 − C(n − c, k) / C(n, k) = 1 − Π_{i = n−c+1}^{n} (1 − k/i)
+
+    (the product form is theirs, stable for large n). Whether any of the n passed, reported as pass@k for k < n,
+    is biased high."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
 # ---------------------------------------------------------------------------------------------
 # Rewards as plain Python functions, with TRL's signature: fn(prompts, completions, **columns) returns
 # one float (or None: "does not apply to this completion") per completion. `columns` are the dataset's
@@ -390,7 +409,8 @@ def check_args(args):
     # the least each count can be (--eval-size 0: no evaluation); below it a run would crash deep inside (a
     # modulo by zero, an empty batch) or train nothing
     for name, least in {"num_iterations": 1, "batch_size": 1, "mini_batch_size": 1, "ppo_epochs": 1,
-                        "response_length": 1, "kl_horizon": 1, "eval_every": 1, "eval_size": 0,
+                        "response_length": 1, "kl_horizon": 1, "eval_every": 1, "eval_size": 0, "eval_num_samples": 1,
+                        "log_completions_every": 0,
                         "gradient_accumulation_steps": 1, "generation_batch_size": 1}.items():
         if getattr(args, name) < least:
             sys.exit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: it must be at least {least}")
@@ -598,6 +618,8 @@ class Rollout:
     table: torch.Tensor  # [B, K]: each term of the score, NaN where it does not apply
     names: list  # the table's columns
     has_stop: torch.Tensor  # [B]: the response ended with a stop token
+    prompts: list  # each response's prompt, as the dataset has it
+    completions: list  # the responses' text
     mismatch: tuple  # the sampler's distance from π_old (sampler_mismatch)
     is_weights: torch.Tensor | None  # the sampler correction's weights (sampler_correction); None without it
 
@@ -614,11 +636,12 @@ def score_rollout(models, rows, sampled, scores_of, names, args):
     ref_logprobs, _ = logprobs_of(ref, sequences, attention_mask, context_length)
     values = forward_in_chunks(lambda s, a: critic(s, a)[:, context_length - 1 : -1], micro_batch_size(args),
                                sequences, attention_mask)
-    scores, table, _, has_stop = scores_of(rows, sequences, attention_mask, context_length, mask)
+    scores, table, completions, has_stop = scores_of(rows, sequences, attention_mask, context_length, mask)
     # a response no reward function scores (NaN) has no loss: advantage 0, as TRL 1.16 gives it in GRPO
     train_mask = mask * ~scores.isnan().unsqueeze(1)
     return Rollout(sequences, attention_mask, context_length, mask, train_mask, logprobs, entropy, ref_logprobs,
-                   values, scores, table, names, has_stop, *sampler_correction(logprobs, sampler_logprobs, mask, args))
+                   values, scores, table, names, has_stop, [row["prompt"] for row in rows], completions,
+                   *sampler_correction(logprobs, sampler_logprobs, mask, args))
 
 
 def sampler_correction(old_logprobs, sampler_logprobs, mask, args):
@@ -684,8 +707,8 @@ def accumulate_ppo_stats(stats, pg_loss, vf_loss, ratio, log_ratio, entropy, mas
 
 def log_ppo_iteration(writer, iteration, batch, stats, non_score, returns, kl_coef, lr, start_time, args):
     """An iteration's statistics of the whole batch, each rank's sums added up over the ranks, to TensorBoard
-    (docs/tags.md), and a line every 10 iterations. Returns the batch's KL to the reference (k1), which the
-    adaptive KL controller reads."""
+    (docs/tags.md), and a line every 10 iterations; every --log-completions-every iterations, rank 0's first
+    responses as text. Returns the batch's KL to the reference (k1), which the adaptive KL controller reads."""
     first_ratio_error, logprob_diff_max = stats.pop("first_ratio_max_error"), batch.mismatch[1]
     mask, mismatch, device = batch.mask, batch.mismatch, batch.mask.device
     stats = {name: torch.stack(parts).tolist() for name, parts in stats.items()}
@@ -736,6 +759,9 @@ def log_ppo_iteration(writer, iteration, batch, stats, non_score, returns, kl_co
             logs[tag] = sums[f"rewards/{name}"] / sums[f"rewards/{name}/n"]
     for tag, value in logs.items():
         writer.add_scalar(tag, float(value), iteration)
+    if args.log_completions_every and iteration % args.log_completions_every == 0:
+        writer.add_text("train/completions", samples_markdown(batch.prompts, batch.completions, batch.scores,
+                                                              batch.table, batch.names), iteration)
     if iteration % 10 == 0:
         print(f"iteration {iteration}: reward {logs['objective/reward']:.3f}, kl {logs['objective/kl']:.3f}, "
               f"eos {sums['eos'] / B:.2f}, {time.time() - start_time:.0f} s")
@@ -753,19 +779,20 @@ def term_sums(table, names, prefix, w=None):
 
 @torch.no_grad()
 def evaluate(models, eval_rows, eval_ids, terms, scores_of, amp, writer, iteration, args):
-    """Responses to the eval prompts at --temperature: their score and each of its terms, their KL to the
-    reference (Σ_t log π_θ − log π_ref over a response) and, on the built-in task, their gold reward. Each rank
-    evaluates its shard of the prompts; the sums are added up over the ranks."""
+    """Responses to the eval prompts at --temperature (--eval-num-samples of each): their score and each of its
+    terms, their KL to the reference (Σ_t log π_θ − log π_ref over a response), on the built-in task their gold
+    reward, and with several samples pass@k. Each rank evaluates its shard of the prompts; the sums are added up
+    over the ranks."""
     actor, raw_actor, _, ref, tokenizer, stop_ids, logprobs_of = models
     if not eval_ids:
         return
     actor.eval()
-    mine, weights = shard(list(range(len(eval_ids))), *rank_and_world_size())
-    rows = [eval_rows[j] for j in mine]
+    k, (mine, prompt_weights) = args.eval_num_samples, shard(list(range(len(eval_ids))), *rank_and_world_size())
+    rows, weights = [eval_rows[j] for j in mine for _ in range(k)], [v for v in prompt_weights for _ in range(k)]
     with amp():
         sequences, attention_mask, context_length, response_mask, _ = generate_in_chunks(
-            raw_actor, [eval_ids[j] for j in mine], tokenizer.pad_token_id, stop_ids, args.response_length,
-            args.temperature, args.generation_batch_size)
+            raw_actor, [eval_ids[j] for j in mine for _ in range(k)], tokenizer.pad_token_id, stop_ids,
+            args.response_length, args.temperature, args.generation_batch_size)
         logprobs, _ = logprobs_of(actor, sequences, attention_mask, context_length)
         ref_logprobs, _ = logprobs_of(ref, sequences, attention_mask, context_length)
         scores, table, completions, _ = scores_of(rows, sequences, attention_mask, context_length, response_mask)
@@ -777,6 +804,8 @@ def evaluate(models, eval_rows, eval_ids, terms, scores_of, amp, writer, iterati
         targets = [row["target"] for row in rows]
         sums["correct"] = sum(v * (c == t) for c, t, v in zip(completions, targets, weights))
         sums["gold"] = sum(v * gold_score(c, t) for c, t, v in zip(completions, targets, weights))
+    sums.update(pass_at_k_logs(passes(completions, rows, table, terms.names, args.dataset_name is None), k,
+                               prompt_weights))
     sums = all_reduce_sum(sums, device)
     line = f"iteration {iteration}:"
     for tag, name in (("eval/reward", "reward"), ("eval/kl", "kl"), ("eval/gold_accuracy", "correct"),
@@ -790,10 +819,24 @@ def evaluate(models, eval_rows, eval_ids, terms, scores_of, amp, writer, iterati
             tag = "eval/score" if name == "reward_model" else f"eval/rewards/{name}"
             writer.add_scalar(tag, sums[f"rewards/{name}"] / sums[f"rewards/{name}/n"], iteration)
             line += f" {tag} {sums[f'rewards/{name}'] / sums[f'rewards/{name}/n']:.3f}"
-    writer.add_text("eval/samples", samples_markdown([row["prompt"] for row in rows], completions, scores, table,
-                                                     terms.names), iteration)
+    for tag in [tag for tag in sums if tag.startswith("eval/pass@")]:  # over the prompts: n / k of them
+        writer.add_scalar(tag, sums[tag] / (sums["n"] / k), iteration)
+        line += f" {tag} {sums[tag] / (sums['n'] / k):.3f}"
+    writer.add_text("eval/samples", samples_markdown([row["prompt"] for row in rows[::k]], completions[::k],
+                                                     scores[::k], table[::k], terms.names), iteration)
     print(line)
     actor.train()
+
+
+def pass_at_k_logs(passed, n, weights):
+    """grpo.py's pass_at_k_logs as sums over this rank's prompts, each weighted (0 on shard's padding), for
+    all_reduce_sum: {eval/pass@k: Σ_prompts w · pass_at_k} for k = 1, 2, 4, ... up to n, from `passed` (passes),
+    the n samples of each prompt in adjacent rows; {} with one sample or no passes."""
+    if passed is None or n == 1:
+        return {}
+    counts = torch.tensor(passed).view(-1, n).sum(1).tolist()
+    return {f"eval/pass@{2 ** i}": sum(w * pass_at_k(n, c, 2 ** i) for c, w in zip(counts, weights))
+            for i in range(n.bit_length()) if 2 ** i <= n}
 
 
 def load_models(args, reward_model_path, device):
@@ -1391,6 +1434,17 @@ def samples_markdown(prompts, completions, rewards, table, names, n=8):
                      + " | ".join(terms) + " |")
     return "\n".join(lines)
 
+
+def passes(completions, rows, table, names, builtin):
+    """Whether each completion passes, for pass@k: on the built-in task it is exactly the target; else every reward
+    function that applies to it scores it 1 or more (exact_match, numeric_match, format: a pass), and one does.
+    None where there is no reward function (a reward model's score has no pass)."""
+    if builtin:
+        return [c == row["target"] for c, row in zip(completions, rows)]
+    functions = table[:, [k for k, name in enumerate(names) if name != "reward_model"]]
+    if functions.shape[1] == 0:
+        return None
+    return ((functions.nan_to_num(math.inf) >= 1).all(1) & ~functions.isnan().all(1)).tolist()
 
 # ---------------------------------------------------------------------------------------------
 # Forward passes and sampling

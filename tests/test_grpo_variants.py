@@ -2,10 +2,12 @@
 GDPO's normalize_then_sum (and dynamic sampling by its terms), DPPO's trust region, SAPO's gate, VESPO's weight and
 the loss types' normalizers, the entropy controls (the 80/20 mask, the bonus and its adaptive coefficient),
 Clip-Cov and KL-Cov, and pass@k. Each in both tiers where scale/ has the same function."""
+import json
 import math
 
 import pytest
 import torch
+from conftest import CPU_FLOAT32, only_run_dir, read_scalars, run_in_process
 
 import grpo
 from scale import grpo as scale_grpo
@@ -201,3 +203,36 @@ def test_passes_by_the_target_or_by_every_reward_function_that_applies():
     names = ["exact_match", "format", "reward_model"]
     assert grpo.passes(["a", "b", "c"], rows + rows[:1], table, names, False) == [True, False, False]
     assert grpo.passes(["a"], rows[:1], table[:1, 2:], ["reward_model"], False) is None
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "rlhf_ppo.py", "distill.py"])
+def test_pass_at_k_and_the_training_samples_in_each_script(script, small_checkpoints, tmp_path):
+    """--eval-num-samples 4: eval/pass@1, @2, @4 are logged; pass@1 is the accuracy over all the samples (its
+    unbiased estimate) and pass@k does not fall with k. --log-completions-every 1: the rollout's prompts and
+    completions are in TensorBoard's text tab at each iteration."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    # a dataset task whose pass, four digits (the format reward scores 1), the small model makes some of the time;
+    # distill.py's pass@k is the built-in task's (the target exactly), 0 here at every k
+    rows = [{"prompt": f"sort {n}:", "target": "".join(sorted(str(n)))} for n in range(1000, 1100)]
+    (tmp_path / "sorts.jsonl").write_text("\n".join(json.dumps(row) for row in rows))
+    data = ["--dataset-name", str(tmp_path / "sorts.jsonl"), "--reward-fn", "format", "--format-pattern", "[0-9]{4}",
+            "--mini-batch-size", "8"]
+    sft = str(small_checkpoints["sft"])
+    models = {"grpo.py": ["--model-name-or-path", sft, "--num-generations", "4", *data],
+              "rlhf_ppo.py": ["--model-name-or-path", sft, *data],
+              "distill.py": ["--model-name-or-path", sft, "--teacher-model-name-or-path", sft]}[script]
+    run_in_process(script, *CPU_FLOAT32, *models, "--num-iterations", "2", "--batch-size", "16", "--eval-size", "32",
+                   "--eval-every", "2", "--eval-num-samples", "4", "--log-completions-every", "1", "--output-dir", "out",
+                   cwd=tmp_path)
+    scalars = read_scalars(only_run_dir(tmp_path))
+    accuracy = "eval/gold_accuracy" if script == "distill.py" else "eval/rewards/format"
+    for step in (0, 2):
+        value = {tag: dict(scalars[tag])[step] for tag in (accuracy, "eval/pass@1", "eval/pass@2", "eval/pass@4")}
+        assert value["eval/pass@1"] == pytest.approx(value[accuracy], abs=1e-6)
+        assert value["eval/pass@1"] <= value["eval/pass@2"] <= value["eval/pass@4"]
+        assert script == "distill.py" or value["eval/pass@1"] < value["eval/pass@4"], value
+    events = EventAccumulator(only_run_dir(tmp_path), size_guidance={"tensors": 0})
+    events.Reload()
+    texts = [e for e in events.Tensors("train/completions/text_summary")]
+    assert [e.step for e in texts] == [1, 2] and "sort " in texts[0].tensor_proto.string_val[0].decode()

@@ -116,7 +116,8 @@ def variant_flags(variant, checkpoints, tmp_path):
                            "--reward-weights", "0.5", "0.25", "0", "0", "1", "--kl-target", "1.0", "--kl-horizon",
                            "20", "--missing-eos-penalty", "-2", "--cliprange", "0.1", "--cliprange-value", "0.1",
                            "--vf-coef", "0.3", "--gamma", "0.95", "--lam", "0.9", "--temperature", "0.8",
-                           "--response-length", "7", "--max-prompt-length", "12"],
+                           "--response-length", "7", "--max-prompt-length", "12", "--eval-num-samples", "2",
+                           "--log-completions-every", "1"],
         "grpo-rloo-cispo": ["--advantage", "rloo", "--loss-type", "cispo", "--epsilon-high", "1.001",  # a cap that caps
                             "--mask-truncated-completions", "--soft-overlong-cache", "4", "--beta", "1.0",
                             "--reward-fn", "gold", "--reward-fn", "format", "--format-pattern", "[0-4]*", *partial,
