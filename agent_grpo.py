@@ -200,7 +200,7 @@ class Args:
     clip_cov_ub: float = 5.0
     """clip_cov's upper bound of the covariance"""
     kl_cov_ratio: float = 2e-3
-    """kl_cov: the fraction of tokens penalized (the paper's)"""
+    """kl_cov: the fraction of tokens penalized (the authors' 7B recipe's)"""
     kl_cov_coef: float = 1.0
     """kl_cov: β of the penalty β |log π_θ − log π_old|"""
     max_grad_norm: float = 1.0
@@ -584,11 +584,11 @@ def adaptive_entropy_coef(coef, entropy, target, delta, low, high):
 
 def token_covariance(advantages, logprobs, mask):
     """Each token's term of the covariance between log π_θ and the advantage over the `mask`ed tokens of a minibatch
-    (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs", eq. 11-12), detached,
+    (Cui et al. 2025, "The Entropy Mechanism of RL for LLM Reasoning", arXiv 2505.22617), detached,
 
         Cov_t = (log π_θ(o_t) − mean(log π_θ)) · (Â_t − mean(Â))
 
-    Entropy falls in a step by about the sum of these (their Lemma): a token that is likely and rewarded, or
+    Entropy falls in a step by about the sum of these (their analysis): a token that is likely and rewarded, or
     unlikely and punished, lowers it. Clip-Cov and KL-Cov act on the tokens of largest Cov_t. [B, T]."""
     advantages, logprobs = advantages.unsqueeze(1).expand_as(mask), logprobs.detach()
     n = mask.sum().clamp(min=1)
@@ -596,7 +596,7 @@ def token_covariance(advantages, logprobs, mask):
 
 
 def clip_cov_tokens(covariance, mask, cut, ratio, low, high):
-    """Clip-Cov's tokens (Cui et al. 2025, eq. 13; as verl's clip_cov): r·N of the N `mask`ed tokens, at least one,
+    """Clip-Cov's tokens (Cui et al. 2025; as verl's clip_cov): r·N of the N `mask`ed tokens, at least one,
     drawn at random among those whose Cov_t lies strictly between `low` and `high` and whose gradient the loss does
     not already `cut` (the clip); they get no gradient. True on those chosen. Draws from torch's generator."""
     candidates = ((covariance > low) & (covariance < high) & mask.bool() & ~cut).flatten().nonzero().squeeze(1)
@@ -606,7 +606,7 @@ def clip_cov_tokens(covariance, mask, cut, ratio, low, high):
 
 
 def kl_cov_tokens(covariance, mask, ratio):
-    """KL-Cov's tokens (Cui et al. 2025, eq. 14; as verl's kl_cov): the k·N `mask`ed tokens of largest Cov_t, at
+    """KL-Cov's tokens (Cui et al. 2025; as verl's kl_cov): the k·N `mask`ed tokens of largest Cov_t, at
     least one; each gets the penalty β |log π_θ(o_t) − log π_old(o_t)|. True on those chosen."""
     count = max(int(ratio * mask.sum().item()), 1)
     chosen = covariance.masked_fill(~mask.bool(), -math.inf).flatten().topk(count).indices

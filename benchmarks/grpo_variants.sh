@@ -13,7 +13,10 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=$(mkdir -p "${OUT:-$root/benchmarks/variants}" && cd "${OUT:-$root/benchmarks/variants}" && pwd)
 ALL="grpo dapo_loss dr_grpo rloo reinforce_pp reinforce_pp_baseline clip_higher gspo cispo mask_truncated
-     soft_overlong dynamic_sampling dapo trl_defaults"
+     soft_overlong dynamic_sampling dapo trl_defaults dppo dppo_kl maxrl scale_batch sapo luspo vespo two_terms gdpo
+     entropy_coef adaptive_entropy top_entropy clip_cov kl_cov harsh harsh_entropy_coef harsh_adaptive_entropy
+     harsh_top_entropy harsh_clip_cov harsh_kl_cov"
+HARSH="--lr 1e-3 --beta 0"  # where the entropy collapses: 10x the step, no KL penalty
 
 flags_of() {  # VARIANT RESPONSE_LENGTH: its flags; L_cache a fifth of the response length (DAPO: 4,096 of 20,480)
   local cache=$(( $2 / 5 ))
@@ -32,6 +35,22 @@ flags_of() {  # VARIANT RESPONSE_LENGTH: its flags; L_cache a fifth of the respo
     dynamic_sampling) echo "--dynamic-sampling" ;;
     dapo) echo "--loss-type dapo --epsilon-high 0.28 --dynamic-sampling --soft-overlong-cache $cache --beta 0" ;;
     trl_defaults) echo "--loss-type dapo --beta 0" ;;                 # TRL's GRPOConfig defaults since 2025
+    dppo) echo "--loss-type dppo" ;;                                  # binary TV, δ 0.2 (prime-rl's default)
+    dppo_kl) echo "--loss-type dppo --dppo-divergence binary_kl --epsilon 0.05" ;;
+    maxrl) echo "--advantage maxrl --missing-eos-penalty 0" ;;        # rewards must be ≥ 0
+    scale_batch) echo "--scale-rewards batch" ;;
+    sapo) echo "--loss-type sapo" ;;                                  # TRL's τ_pos 1, τ_neg 1.05
+    luspo) echo "--loss-type luspo --importance-sampling-level sequence --epsilon 3e-4 --epsilon-high 4e-4" ;;
+    vespo) echo "--loss-type vespo" ;;                                # TRL's k and λ
+    two_terms) echo "$TERMS" ;;                                       # two reward terms, summed (GDPO's baseline)
+    gdpo) echo "$TERMS --multi-objective-aggregation normalize_then_sum" ;;
+    entropy_coef) echo "--entropy-coef 0.01" ;;                       # the entropy controls at the defaults,
+    adaptive_entropy) echo "--use-adaptive-entropy" ;;                # where the entropy falls tenfold: TRL's
+    top_entropy) echo "--top-entropy-quantile 0.2" ;;                 # target 0.2, step 0.005, from 0; the 80/20
+    clip_cov) echo "--cov-method clip_cov" ;;                         # rule; the authors' r 2e-4 (bounds 1, 5)
+    kl_cov) echo "--cov-method kl_cov" ;;                             # and k 2e-3 (β 1)
+    harsh) echo "$HARSH" ;;
+    harsh_*) echo "$HARSH $(flags_of "${1#harsh_}" "$2")" ;;          # the same at 10x the step, no KL
     *) echo "unknown variant $1" >&2; exit 1 ;;
   esac
 }
@@ -39,10 +58,12 @@ flags_of() {  # VARIANT RESPONSE_LENGTH: its flags; L_cache a fifth of the respo
 run_one() {  # TASK VARIANT SEED
   local task=$1 variant=$2 seed=$3 start base
   case $task in
-    builtin) base="--model-name-or-path ${SFT_BUILTIN:-$root/models/sft}"; length=12 ;;
+    builtin) base="--model-name-or-path ${SFT_BUILTIN:-$root/models/sft}"; length=12
+             TERMS="--reward-fn gold --reward-fn format --format-pattern \d{4,8}" ;;  # the answer's form: 4-8 digits
     arithmetic|heldout)
       local d=${DATA:-$root/benchmarks}/$task/seed1
       length=24; [ "$task" = heldout ] && length=40
+      TERMS="--reward-fn format --format-pattern .+\n####\s\d+"  # with numeric_match: the GSM8K form too
       base="--model-name-or-path $d/sft --dataset-name $d/rl.jsonl --reward-fn numeric_match --max-prompt-length 96
             --response-length $length" ;;
     *) echo "unknown task $task" >&2; exit 1 ;;
@@ -60,7 +81,7 @@ run_one() {  # TASK VARIANT SEED
   rm -rf "/tmp/grpo_variants/$task/${variant}_s$seed"
 }
 export -f run_one flags_of
-export root out
+export root out HARSH
 
 for task in ${TASKS:-builtin}; do for variant in ${VARIANTS:-$ALL}; do for seed in ${SEEDS:-1}; do
   echo "$task $variant $seed"

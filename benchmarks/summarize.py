@@ -4,7 +4,7 @@ per page's figure; each reads the runs its script wrote and prints the table as 
     python benchmarks/summarize.py ppo benchmarks/runs [--beta-figure docs/ppo_kl_beta.svg]   # ppo_discrete.sh, ppo_continuous.sh
     python benchmarks/summarize.py trust_region benchmarks/trust_region/runs docs/curves/trust_region.svg  # ppo_trust_region.sh
     python benchmarks/summarize.py rlhf runs                                     # rlhf_pipeline.sh
-    python benchmarks/summarize.py variants benchmarks/variants/arithmetic [runs.csv]   # grpo_variants.sh
+    python benchmarks/summarize.py variants benchmarks/variants/arithmetic [runs.csv] [figure.svg]  # grpo_variants.sh
     python benchmarks/summarize.py off_policy benchmarks/off_policy/grpo [docs/curves/grpo_off_policy.svg]  # off_policy.sh
     python benchmarks/summarize.py distill benchmarks/distill [docs/curves/distill.svg]  # distill.sh
 
@@ -26,9 +26,11 @@ reward-model score and KL to the SFT model of completions sampled at temperature
 of the run. The SFT row is rlhf_ppo.py's evaluation before its first update.
 
 variants: docs/grpo.md's variants tables: for each variant, the final evaluation's accuracy (gold accuracy, else
-eval/rewards/numeric_match), its gain over the SFT model, the KL to the SFT model, and the wall time, over the seeds
-found. With 2 or more seeds the interval is the 95% t-interval of the mean over seeds; with one, the 95% binomial
-interval over the eval prompts. With a CSV path, each run's numbers are appended to it too.
+eval/rewards/numeric_match), its gain over the SFT model, the KL to the SFT model, pass@8 (with --eval-num-samples
+8), the rollout's entropy per token, and the wall time, over the seeds found. With 2 or more seeds the interval is the
+95% t-interval of the mean over seeds; with one, the 95% binomial interval over the eval prompts. With a CSV path,
+each run's numbers are appended to it too; with a figure path, the entropy curves of the entropy methods at the
+defaults and in the harsh setting, and the harsh setting's pass@8.
 
 off_policy: docs/grpo.md's off-policy table and figure (and docs/rlhf_ppo.md's table): for each rollout lag K and
 correction, the final gold accuracy over the seeds (mean, 95% t-interval, each seed), the sampler's distance from
@@ -287,7 +289,10 @@ def rlhf(root="runs"):
 
 # ------------------------------------------------------------------------- variants (grpo_variants.sh)
 VARIANTS = ["grpo", "dapo_loss", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "clip_higher", "gspo",
-            "cispo", "mask_truncated", "soft_overlong", "dynamic_sampling", "dapo", "trl_defaults"]  # grpo_variants.sh's
+            "cispo", "mask_truncated", "soft_overlong", "dynamic_sampling", "dapo", "trl_defaults", "dppo", "dppo_kl",
+            "maxrl", "scale_batch", "sapo", "luspo", "vespo", "two_terms", "gdpo", "entropy_coef", "adaptive_entropy",
+            "top_entropy", "clip_cov", "kl_cov", "harsh", "harsh_entropy_coef", "harsh_adaptive_entropy",
+            "harsh_top_entropy", "harsh_clip_cov", "harsh_kl_cov"]  # grpo_variants.sh's
 
 
 def interval(values, n_prompts):
@@ -301,12 +306,18 @@ def run_mean(logs, tag):
     return sum(v for _, v in logs[tag]) / len(logs[tag]) if tag in logs else float("nan")
 
 
-def variants(task_dir, csv=None):
+def last(logs, tag):
+    return logs[tag][-1][1] if tag in logs else float("nan")
+
+
+def variants(task_dir, csv=None, figure=None):
+    """The table; with `figure`, plot_entropy's curves."""
     times = collections.defaultdict(dict)
     for line in open(os.path.join(task_dir, "times.txt")):
         variant, seed, seconds = line.split()
         times[variant][seed] = seconds
-    rows = collections.defaultdict(dict)  # variant -> seed -> (start accuracy, final accuracy, kl, iterations)
+    rows = collections.defaultdict(dict)  # variant -> seed -> (start accuracy, final accuracy, kl, iterations, pass@8,
+    curves = collections.defaultdict(dict)  # entropy per token at the end); variant -> seed -> logs
     for run_dir in sorted(glob.glob(os.path.join(task_dir, "runs", "*"))):
         name = os.path.basename(run_dir).split("__")[0]
         variant, seed = name.rsplit("_s", 1)
@@ -315,7 +326,9 @@ def variants(task_dir, csv=None):
         if tag not in logs or times[variant].get(seed, "failed") == "failed":
             continue
         kl = logs["eval/kl"][-1][1] if "eval/kl" in logs else float("nan")
-        rows[variant][seed] = (logs[tag][0][1], logs[tag][-1][1], kl, logs[tag][-1][0])
+        rows[variant][seed] = (logs[tag][0][1], logs[tag][-1][1], kl, logs[tag][-1][0], last(logs, "eval/pass@8"),
+                               last(logs, "objective/entropy") / last(logs, "objective/completion_length"))
+        curves[variant][seed] = logs
         if csv:
             with open(csv, "a") as f:
                 f.write(",".join(str(x) for x in (
@@ -323,9 +336,10 @@ def variants(task_dir, csv=None):
                     round(logs[tag][-1][1], 4), round(kl, 3), times[variant][seed],
                     round(run_mean(logs, "objective/prompts_sampled"), 1),
                     round(run_mean(logs, "objective/zero_std_fraction_sampled"), 3),
-                    round(run_mean(logs, "objective/zero_std_fraction"), 3))) + "\n")
-    print("| variant | seeds | accuracy (95% interval) | per seed | gain over SFT | KL to SFT | wall time |")
-    print("|-|-|-|-|-|-|-|")
+                    round(run_mean(logs, "objective/zero_std_fraction"), 3), round(last(logs, "eval/pass@8"), 4),
+                    round(rows[variant][seed][5], 4))) + "\n")
+    print("| variant | seeds | accuracy (95% interval) | per seed | gain over SFT | KL to SFT | pass@8 | entropy | wall time |")
+    print("|-|-|-|-|-|-|-|-|-|")
     for variant, by_seed in sorted(rows.items(), key=lambda item: VARIANTS.index(item[0])):
         seeds = sorted(by_seed)
         final = [by_seed[s][1] for s in seeds]
@@ -334,11 +348,49 @@ def variants(task_dir, csv=None):
         kl = sum(by_seed[s][2] for s in seeds) / len(seeds)
         wall = sum(float(times[variant][s]) for s in seeds) / len(seeds)
         kl_text = "—" if math.isnan(kl) else f"{kl:.2f}"  # none: β = 0 loads no reference
+        passes, entropy = (mean([by_seed[s][i] for s in seeds]) for i in (4, 5))
+        pass_text = "—" if math.isnan(passes) else f"{100 * passes:.1f}%"
         print(f"| {variant} | {','.join(seeds)} | {100 * middle:.1f}% ± {100 * half:.1f} | "
-              f"{', '.join(f'{100 * v:.1f}' for v in final)} | {100 * gain:+.1f} | {kl_text} | {wall:.0f} s |")
+              f"{', '.join(f'{100 * v:.1f}' for v in final)} | {100 * gain:+.1f} | {kl_text} | {pass_text} | "
+              f"{entropy:.3f} | {wall:.0f} s |")
     starts = {s: r[0] for by_seed in rows.values() for s, r in by_seed.items()}
     print("\nSFT model (the evaluation before the first update), by seed: "
           + ", ".join(f"{s}: {100 * v:.1f}%" for s, v in sorted(starts.items())))
+    if figure:
+        plot_entropy({v: c for v, c in curves.items() if v in ["grpo", *ENTROPY_METHODS] or v.startswith("harsh")},
+                     figure)
+
+
+ENTROPY_METHODS = ["none", "entropy_coef", "adaptive_entropy", "top_entropy", "clip_cov", "kl_cov"]
+
+
+def plot_entropy(curves, figure):
+    """The mean over seeds of the rollout's entropy per token, at the defaults and in the harsh setting, each entropy
+    method a color; and the harsh setting's eval/pass@8."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for variant in sorted(curves, key=VARIANTS.index):
+        harsh, by_seed = variant.startswith("harsh"), list(curves[variant].values())
+        method = variant.removeprefix("harsh").removeprefix("_") or "none"
+        method = "none" if method == "grpo" else method
+        color = f"C{ENTROPY_METHODS.index(method)}"
+        entropy = [[e / n for (_, e), (_, n) in zip(logs["objective/entropy"], logs["objective/completion_length"])]
+                   for logs in by_seed]
+        steps = [step for step, _ in by_seed[0]["objective/entropy"]]
+        axes[int(harsh)].plot(steps, [mean(c) for c in zip(*entropy)], color=color, label=method, linewidth=1)
+        if harsh:
+            passes = [[100 * v for _, v in logs["eval/pass@8"]] for logs in by_seed]
+            axes[2].plot([step for step, _ in by_seed[0]["eval/pass@8"]], [mean(c) for c in zip(*passes)],
+                         color=color, label=method, linewidth=1)
+    axes[0].set(yscale="log", xlabel="iteration", ylabel="entropy per token (nats)", title="the defaults: entropy")
+    axes[1].set(yscale="log", xlabel="iteration", title="--lr 1e-3 --beta 0: entropy")
+    axes[2].set(xlabel="iteration", ylabel="pass@8, %", title="--lr 1e-3 --beta 0: eval pass@8")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[2].legend(loc="lower right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(figure)
+    print(f"\nwrote {figure}")
 
 
 # ------------------------------------------------------------------------- off_policy (off_policy.sh)

@@ -338,6 +338,12 @@ def test_a_completion_without_a_stop_token_gets_the_penalty_not_its_gold_score(t
     (["--reward-model-path", "models/nope"], ["models/nope", "python reward_model.py"]),
     (["--dynamic-sampling", "--max-sampling-rounds", "0"], ["--max-sampling-rounds 0", "at least 1"]),
     (["--soft-overlong-cache", "12"], ["--soft-overlong-cache 12", "--response-length 12", "to 11"]),
+    (["--advantage", "maxrl"], ["--advantage maxrl", "--missing-eos-penalty 0", "-1.0"]),
+    (["--top-entropy-quantile", "1.5"], ["--top-entropy-quantile 1.5", "[0, 1]"]),
+    (["--loss-type", "vespo", "--importance-sampling-level", "sequence"], ["vespo", "--importance-sampling-level token"]),
+    (["--multi-objective-aggregation", "normalize_then_sum", "--advantage", "rloo"], ["normalize_then_sum",
+                                                                                      "--advantage grpo"]),
+    (["--dppo-divergence", "tv"], ["--dppo-divergence 'tv'", "binary_tv, binary_kl"]),
 ])
 def test_bad_input_is_one_line(tiny_checkpoints, tmp_path, flags, words):
     models = tiny_checkpoints["cwd"] / "models"

@@ -56,10 +56,11 @@ def test_normalize_then_sum_is_gdpo(module):
 def test_dynamic_sampling_keeps_a_group_whose_terms_differ_though_its_sums_are_equal(module):
     """Three terms, groups of G = 3: (2, 0, 0), (0, 1, 1), (0, 1, 1) sum to 2 each, but the terms' stds differ
     (1.154701 and 0.577350), so GDPO gives them Â ≠ 0: the group is kept. A group equal in every term is dropped;
-    judged by its sums, both would be."""
-    table = torch.tensor([[2.0, 0, 0], [0, 1, 1], [0, 1, 1], [1, 1, 0], [1, 1, 0], [1, 1, 0]])
-    assert module.informative_groups(table, 3).tolist() == [True, False]
-    assert module.informative_groups(table.sum(1), 3).tolist() == [False, False]
+    judged by its sums, both would be. (1, .5, 0), (.5, .5, .5), (0, .5, 1): one term equal, two differing: kept."""
+    table = torch.tensor([[2.0, 0, 0], [0, 1, 1], [0, 1, 1], [1, 1, 0], [1, 1, 0], [1, 1, 0],
+                          [1, 0.5, 0], [0.5, 0.5, 0.5], [0, 0.5, 1]])
+    assert module.informative_groups(table, 3).tolist() == [True, False, True]
+    assert module.informative_groups(table.sum(1), 3).tolist() == [False, False, False]
     assert module.compute_advantages(table.sum(1), 3, "grpo", "group", table, (1.0, 1.0, 1.0))[:3].abs().min() > 0.5
 
 
@@ -163,21 +164,67 @@ def test_entropy_bonus_and_its_adaptive_coefficient(module):
 
 @BOTH
 def test_token_covariance_and_the_cov_methods_tokens(module):
-    """log π −1, −2 | −3, −0.5 (mean −1.625), Â 1 | −1 per completion (token mean 0): Cov = 0.625, −0.375 |
-    1.375, −1.125. Clip-Cov with bounds (0.5, 1.5) and r·N = 2: both 0.625 and 1.375; with 1.375's token already
-    clipped, 0.625 alone. KL-Cov, k·N = 1: the largest, 1.375; k·N = 2: and 0.625."""
-    logprobs, advantages, mask = torch.tensor([[-1.0, -2.0], [-3.0, -0.5]]), torch.tensor([1.0, -1.0]), torch.ones(2, 2)
+    """log π −1, −2 | −3, −0.5 (mean −1.625), Â 1 | −0.5 per completion (token mean 0.25): Cov = 0.625 · 0.75,
+    −0.375 · 0.75 | −1.375 · −0.75, 1.125 · −0.75 = 0.46875, −0.28125 | 1.03125, −0.84375. Clip-Cov with bounds
+    (0.4, 1.1) and r·N = 2: both 0.46875 and 1.03125; with 1.03125's token already clipped, 0.46875 alone.
+    KL-Cov, k·N = 1: the largest, 1.03125; k·N = 2: and 0.46875."""
+    logprobs, advantages, mask = torch.tensor([[-1.0, -2.0], [-3.0, -0.5]]), torch.tensor([1.0, -0.5]), torch.ones(2, 2)
     covariance = module.token_covariance(advantages, logprobs, mask)
-    torch.testing.assert_close(covariance, torch.tensor([[0.625, -0.375], [1.375, -1.125]]))
+    torch.testing.assert_close(covariance, torch.tensor([[0.46875, -0.28125], [1.03125, -0.84375]]))
     no_cut = torch.zeros(2, 2, dtype=torch.bool)
-    assert module.clip_cov_tokens(covariance, mask, no_cut, 0.5, 0.5, 1.5).tolist() == [[True, False], [True, False]]
+    assert module.clip_cov_tokens(covariance, mask, no_cut, 0.5, 0.4, 1.1).tolist() == [[True, False], [True, False]]
     cut = torch.tensor([[False, False], [True, False]])
-    assert module.clip_cov_tokens(covariance, mask, cut, 0.5, 0.5, 1.5).tolist() == [[True, False], [False, False]]
+    assert module.clip_cov_tokens(covariance, mask, cut, 0.5, 0.4, 1.1).tolist() == [[True, False], [False, False]]
+    assert module.clip_cov_tokens(covariance, mask, no_cut, 0.5, 0.5, 1.1).tolist() == [[False, False], [True, False]]
     assert module.kl_cov_tokens(covariance, mask, 0.25).tolist() == [[False, False], [True, False]]
     assert module.kl_cov_tokens(covariance, mask, 0.5).tolist() == [[True, False], [True, False]]
     # a padded token is never chosen, though its covariance were the largest
     padded = torch.tensor([[1.0, 1.0], [0.0, 1.0]])
     assert not module.kl_cov_tokens(module.token_covariance(advantages, logprobs, padded), padded, 0.25)[1, 0]
+
+
+def test_dppo_s_mask_in_the_loss():
+    """grpo_token_losses with --loss-type dppo (binary TV, δ 0.1): the sampler's probabilities 0.3 where π_θ's are
+    0.5 (risen by 0.2, Â > 0: out of the region) and 0.45 (by 0.05: in), the other row's fallen by 0.2 with Â < 0
+    (out) and risen (the safe way): the two tokens out get loss 0, the others −ρ Â, and the count is 2."""
+    from types import SimpleNamespace
+
+    logprobs = torch.tensor([[0.5, 0.5], [0.3, 0.6]]).log()
+    sampler = torch.tensor([[0.3, 0.45], [0.5, 0.4]]).log()
+    old = SimpleNamespace(logprobs=logprobs - 0.1, is_weights=None)
+    mask = torch.ones(2, 2)
+    batch = SimpleNamespace(mask=mask, loss_mask=mask, sampler_logprobs=sampler)
+    advantages, mb = torch.tensor([1.0, -2.0]), torch.arange(2)
+    ratio = (logprobs - old.logprobs).exp()
+    args = grpo.Args(loss_type="dppo", epsilon=0.1)
+    losses, counts = grpo.grpo_token_losses(ratio, logprobs, torch.zeros(2, 2), advantages, batch, old, mb, 0.1, args)
+    rho = math.exp(0.1)
+    torch.testing.assert_close(losses, torch.tensor([[0.0, -rho], [0.0, 2 * rho]]))
+    assert counts["dppo_masked"] == 2
+
+
+def test_the_cov_methods_in_the_loss():
+    """grpo_token_losses with --cov-method: Clip-Cov's chosen tokens get loss 0 (no gradient), KL-Cov's get
+    β |log π_θ − log π_old| added (β 0.5; log ρ = ±0.2 here), the others the loss type's own."""
+    from types import SimpleNamespace
+
+    logprobs = torch.tensor([[-1.0, -2.0], [-3.0, -0.5]])
+    old = SimpleNamespace(logprobs=logprobs + torch.tensor([[0.2, 0.0], [-0.2, 0.0]]), is_weights=None)
+    mask = torch.ones(2, 2)
+    batch = SimpleNamespace(mask=mask, loss_mask=mask, sampler_logprobs=old.logprobs)
+    advantages, mb = torch.tensor([1.0, -0.5]), torch.arange(2)
+    ratio = (logprobs - old.logprobs).exp()
+    args = grpo.Args(cov_method="kl_cov", kl_cov_ratio=0.5, kl_cov_coef=0.5)
+    plain = grpo.token_losses(ratio, logprobs, advantages, "grpo", 0.2, 0.2)
+    losses, counts = grpo.grpo_token_losses(ratio, logprobs, torch.zeros(2, 2), advantages, batch, old, mb, 0.2, args)
+    chosen = grpo.kl_cov_tokens(grpo.token_covariance(advantages, logprobs, mask), mask, 0.5)
+    torch.testing.assert_close(losses, plain + 0.5 * 0.2 * chosen)
+    assert counts["cov_selected"] == 2 and chosen[1, 0]  # log ρ = 0.2 there: the penalty is not 0
+    args = grpo.Args(cov_method="clip_cov", clip_cov_ratio=0.5, clip_cov_lb=-5.0, clip_cov_ub=5.0)
+    torch.manual_seed(0)
+    losses, counts = grpo.grpo_token_losses(ratio, logprobs, torch.zeros(2, 2), advantages, batch, old, mb, 0.2, args)
+    assert counts["cov_selected"] == 2 and (losses == 0).sum() == 2
+    torch.testing.assert_close(losses[losses != 0], plain[losses != 0])
 
 
 @BOTH
@@ -207,17 +254,20 @@ def test_passes_by_the_target_or_by_every_reward_function_that_applies():
 
 @pytest.mark.parametrize("script", ["grpo.py", "rlhf_ppo.py", "distill.py"])
 def test_pass_at_k_and_the_training_samples_in_each_script(script, small_checkpoints, tmp_path):
-    """--eval-num-samples 4: eval/pass@1, @2, @4 are logged; pass@1 is the accuracy over all the samples (its
-    unbiased estimate) and pass@k does not fall with k. --log-completions-every 1: the rollout's prompts and
-    completions are in TensorBoard's text tab at each iteration."""
+    """--eval-num-samples 4: eval/pass@1, @2, @4 are logged. grpo.py and rlhf_ppo.py on a dataset whose reward
+    function passes a completion by its prompt alone (an even number): each prompt's 4 samples all pass or all
+    fail, so pass@k is the same at every k, the fraction of even prompts; samples counted with another prompt's
+    would raise pass@4. distill.py on the built-in task: pass@1 is the accuracy over all the samples (its unbiased
+    estimate) and pass@k does not fall with k. --log-completions-every 1: the rollout's prompts and completions are
+    in TensorBoard's text tab at each iteration."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    # a dataset task whose pass, four digits (the format reward scores 1), the small model makes some of the time;
-    # distill.py's pass@k is the built-in task's (the target exactly), 0 here at every k
     rows = [{"prompt": f"sort {n}:", "target": "".join(sorted(str(n)))} for n in range(1000, 1100)]
     (tmp_path / "sorts.jsonl").write_text("\n".join(json.dumps(row) for row in rows))
-    data = ["--dataset-name", str(tmp_path / "sorts.jsonl"), "--reward-fn", "format", "--format-pattern", "[0-9]{4}",
-            "--mini-batch-size", "8"]
+    (tmp_path / "parity.py").write_text("def even(prompts, completions, **columns):\n"
+                                        "    return [float(int(p.split()[1][:-1]) % 2 == 0) for p in prompts]\n")
+    data = ["--dataset-name", str(tmp_path / "sorts.jsonl"), "--reward-fn", f"{tmp_path / 'parity.py'}:even",
+            "--mini-batch-size", "8", "--missing-eos-penalty", "0"]
     sft = str(small_checkpoints["sft"])
     models = {"grpo.py": ["--model-name-or-path", sft, "--num-generations", "4", *data],
               "rlhf_ppo.py": ["--model-name-or-path", sft, *data],
@@ -226,13 +276,32 @@ def test_pass_at_k_and_the_training_samples_in_each_script(script, small_checkpo
                    "--eval-every", "2", "--eval-num-samples", "4", "--log-completions-every", "1", "--output-dir", "out",
                    cwd=tmp_path)
     scalars = read_scalars(only_run_dir(tmp_path))
-    accuracy = "eval/gold_accuracy" if script == "distill.py" else "eval/rewards/format"
     for step in (0, 2):
-        value = {tag: dict(scalars[tag])[step] for tag in (accuracy, "eval/pass@1", "eval/pass@2", "eval/pass@4")}
-        assert value["eval/pass@1"] == pytest.approx(value[accuracy], abs=1e-6)
-        assert value["eval/pass@1"] <= value["eval/pass@2"] <= value["eval/pass@4"]
-        assert script == "distill.py" or value["eval/pass@1"] < value["eval/pass@4"], value
+        value = {tag: dict(scalars[tag])[step] for tag in ("eval/gold_accuracy", "eval/pass@1", "eval/pass@2",
+                                                           "eval/pass@4") if tag in scalars}
+        if script == "distill.py":
+            assert value["eval/pass@1"] == pytest.approx(value["eval/gold_accuracy"], abs=1e-6)
+            assert value["eval/pass@1"] <= value["eval/pass@2"] <= value["eval/pass@4"]
+        else:
+            assert 0.2 < value["eval/pass@1"] == value["eval/pass@2"] == value["eval/pass@4"] < 0.8, value
     events = EventAccumulator(only_run_dir(tmp_path), size_guidance={"tensors": 0})
     events.Reload()
     texts = [e for e in events.Tensors("train/completions/text_summary")]
     assert [e.step for e in texts] == [1, 2] and "sort " in texts[0].tensor_proto.string_val[0].decode()
+
+
+def test_the_entropy_bonus_raises_the_entropy(small_checkpoints, tmp_path):
+    """Two iterations from the same first rollout (the same seed): after one update with a large bonus (c = 1)
+    the second rollout's entropy per token (objective/entropy over objective/completion_length) is higher than
+    after one without. A bonus of the wrong sign lowers it."""
+    per_token = {}
+    for coef in ("0", "1"):
+        run_in_process("grpo.py", *CPU_FLOAT32, "--model-name-or-path", str(small_checkpoints["sft"]), "--num-iterations",
+                       "2", "--batch-size", "32", "--num-generations", "4", "--mini-batch-size", "16", "--beta", "0",
+                       "--lr", "1e-3", "--no-anneal-lr", "--eval-size", "0", "--entropy-coef", coef, "--output-dir",
+                       f"out{coef}", "--exp-name", f"c{coef}", cwd=tmp_path)
+        (run,) = (tmp_path / "runs").glob(f"c{coef}__*")
+        scalars = read_scalars(str(run))
+        per_token[coef] = [e / n for (_, e), (_, n) in zip(scalars["objective/entropy"],
+                                                          scalars["objective/completion_length"])]
+    assert per_token["1"][0] == per_token["0"][0] and per_token["1"][1] > per_token["0"][1] + 0.2, per_token

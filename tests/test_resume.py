@@ -78,8 +78,10 @@ def lm_flags(script, models):
         return ["--model-name-or-path", sft, "--reward-model-path", rm, "--num-iterations", "4", "--batch-size", "16",
                 "--mini-batch-size", "8", "--ppo-epochs", "2", "--eval-size", "8", "--eval-every", "2",
                 "--kl-target", "0.001", "--kl-horizon", "100", "--output-dir", "models/m"], 2
+    # grpo: adaptive entropy control on (a target above any entropy, ln 384 = 5.95): its coefficient is restored
     return ["--model-name-or-path", sft, "--num-iterations", "4", "--batch-size", "16", "--num-generations", "4",
-            "--mini-batch-size", "8", "--eval-size", "8", "--eval-every", "2", "--output-dir", "models/m"], 2
+            "--mini-batch-size", "8", "--eval-size", "8", "--eval-every", "2", "--use-adaptive-entropy",
+            "--entropy-target", "10", "--entropy-coef-delta", "0.05", "--output-dir", "models/m"], 2
 
 
 @pytest.mark.parametrize("script", ["scale/sft.py", "scale/reward_model.py", "scale/dpo.py", "scale/rlhf_ppo.py", "scale/grpo.py"])
