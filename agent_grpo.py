@@ -1335,15 +1335,15 @@ def grpo_token_losses(ratio, logprobs, entropy, advantages, batch, old, mb, epsi
     zero = torch.zeros((), device=losses.device)
     counts = {"off_policy_masked": zero, "dppo_masked": zero, "cov_selected": zero,
               "policy_entropy": (entropy.detach() * loss_mask).sum()}
-    low, high = clipped_tokens(ratio, advantages, a.epsilon, epsilon_high, a.loss_type)
-    cut = low | high  # the tokens the loss already gives no gradient
+    keep = torch.ones_like(losses)
     if a.loss_type == "dppo":
         keep = dppo_trust_region(logprobs, batch.sampler_logprobs[mb], advantages, a.dppo_divergence, a.epsilon,
                                  epsilon_high)
-        losses, counts["dppo_masked"], cut = losses * keep, ((1 - keep) * mask).sum(), cut | (keep == 0)
-    if a.cov_method == "clip_cov":
-        chosen = clip_cov_tokens(token_covariance(advantages, logprobs, loss_mask), loss_mask, cut, a.clip_cov_ratio,
-                                 a.clip_cov_lb, a.clip_cov_ub)
+        losses, counts["dppo_masked"] = losses * keep, ((1 - keep) * mask).sum()
+    if a.cov_method == "clip_cov":  # among the tokens the loss does not already cut (the clip, DPPO's mask)
+        low, high = clipped_tokens(ratio, advantages, a.epsilon, epsilon_high, a.loss_type)
+        chosen = clip_cov_tokens(token_covariance(advantages, logprobs, loss_mask), loss_mask, low | high | (keep == 0),
+                                 a.clip_cov_ratio, a.clip_cov_lb, a.clip_cov_ub)
         losses, counts["cov_selected"] = losses * ~chosen, chosen.sum()
     elif a.cov_method == "kl_cov":
         chosen = kl_cov_tokens(token_covariance(advantages, logprobs, loss_mask), loss_mask, a.kl_cov_ratio)
@@ -1363,16 +1363,15 @@ def grpo_token_losses(ratio, logprobs, entropy, advantages, batch, old, mb, epsi
 class EntropyControl:
     """--entropy-coef and --use-adaptive-entropy: the bonus c·H̄ the loss subtracts (entropy_bonus), over the tokens
     the policy loss sees (with --top-entropy-quantile, the high-entropy ones, as TRL), and with adaptive control its
-    coefficient moved after each optimizer step (adaptive_entropy_coef; TRL applies no bonus before the first
-    measurement). Off (the defaults): no bonus, and the update's entropy carries no gradient."""
+    coefficient moved after each optimizer step, here each minibatch (adaptive_entropy_coef; TRL applies no bonus
+    before the first measurement). Off (the defaults): no bonus, and the update's entropy carries no gradient."""
 
     def __init__(self, args):
-        self.args, self.coef, self.last, self.window = args, args.entropy_coef, math.inf, 0.0
+        self.args, self.coef, self.last = args, args.entropy_coef, math.inf
         self.on = args.entropy_coef != 0 or args.use_adaptive_entropy
 
-    def bonus(self, entropy, loss_mask, counts, step_ends=True):
-        """c·H̄ of a micro-batch (into `counts` for the logs); at a step's end the coefficient moves, by the entropy
-        of the step's micro-batches together (their summed entropy over their summed tokens, as TRL)."""
+    def bonus(self, entropy, loss_mask, counts):
+        """c·H̄ of a minibatch (into `counts` for the logs); then the coefficient moves by this minibatch's H̄."""
         if not self.on:
             return torch.zeros((), device=loss_mask.device)
         a = self.args
@@ -1381,12 +1380,10 @@ class EntropyControl:
         mean = entropy_bonus(entropy, mask)
         coef = self.coef if not a.use_adaptive_entropy or self.last <= a.entropy_target else 0.0
         counts["bonus"] = coef * mean.detach()
-        self.window = self.window + torch.stack([(entropy.detach() * mask).sum(), mask.sum()])
-        if a.use_adaptive_entropy and step_ends:
-            self.last = (self.window[0] / self.window[1].clamp(min=1)).item()
+        if a.use_adaptive_entropy:
+            self.last = mean.item()
             self.coef = adaptive_entropy_coef(self.coef, self.last, a.entropy_target, a.entropy_coef_delta,
                                               a.entropy_coef_min, a.entropy_coef_max)
-        self.window = 0.0 if step_ends else self.window
         return coef * mean
 
 

@@ -1223,15 +1223,15 @@ def grpo_token_losses(ratio, logprobs, entropy, advantages, batch, old, mb, epsi
     zero = torch.zeros((), device=losses.device)
     counts = {"off_policy_masked": zero, "dppo_masked": zero, "cov_selected": zero,
               "policy_entropy": (entropy.detach() * loss_mask).sum()}
-    low, high = clipped_tokens(ratio, advantages, a.epsilon, epsilon_high, a.loss_type)
-    cut = low | high  # the tokens the loss already gives no gradient
+    keep = torch.ones_like(losses)
     if a.loss_type == "dppo":
         keep = dppo_trust_region(logprobs, batch.sampler_logprobs[mb], advantages, a.dppo_divergence, a.epsilon,
                                  epsilon_high)
-        losses, counts["dppo_masked"], cut = losses * keep, ((1 - keep) * mask).sum(), cut | (keep == 0)
-    if a.cov_method == "clip_cov":
-        chosen = clip_cov_tokens(token_covariance(advantages, logprobs, loss_mask), loss_mask, cut, a.clip_cov_ratio,
-                                 a.clip_cov_lb, a.clip_cov_ub)
+        losses, counts["dppo_masked"] = losses * keep, ((1 - keep) * mask).sum()
+    if a.cov_method == "clip_cov":  # among the tokens the loss does not already cut (the clip, DPPO's mask)
+        low, high = clipped_tokens(ratio, advantages, a.epsilon, epsilon_high, a.loss_type)
+        chosen = clip_cov_tokens(token_covariance(advantages, logprobs, loss_mask), loss_mask, low | high | (keep == 0),
+                                 a.clip_cov_ratio, a.clip_cov_lb, a.clip_cov_ub)
         losses, counts["cov_selected"] = losses * ~chosen, chosen.sum()
     elif a.cov_method == "kl_cov":
         chosen = kl_cov_tokens(token_covariance(advantages, logprobs, loss_mask), loss_mask, a.kl_cov_ratio)
