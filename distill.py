@@ -33,6 +33,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import socket
 import sys
@@ -108,6 +109,20 @@ class Args:
     sampled_token: bool = False
     """Lu et al. 2025: train on the reverse KL of the drawn token only, as a per-token reward of a policy gradient
     (sampled_token_loss), not on the divergence over the vocabulary; needs --beta 1 and --lmbda 1"""
+    self_distill: bool = False
+    """self-distillation (OPSD, SDFT, SDPO): the teacher is the student's own starting weights, its prompt with
+    privileged context (--teacher-context), the student's the prompt alone; --teacher-model-name-or-path is not read"""
+    teacher_context: str = "answer"
+    """with --self-distill: `answer`, the row's reference answer (`completion`, else `target`: OPSD, SDFT), or
+    `success`, another of the prompt's --num-generations completions that is exactly that answer (SDPO; a completion
+    with no such sibling has no loss)"""
+    teacher_prompt_template: str = "{prompt}\n\n{privileged_context}"
+    """the teacher's prompt under --self-distill (TRL's SDFT name and default)"""
+    teacher_update_rate: float = 0.0
+    """τ: with --self-distill, after each step θ_T ← (1 − τ) θ_T + τ θ_S (TRL's SDPO: an EMA teacher, 0.05); 0: the
+    starting weights throughout (TRL's SDFT: `base`)"""
+    num_generations: int = 1
+    """completions per prompt, in adjacent rows: a batch holds --batch-size / G prompts"""
     max_grad_norm: float = 1.0
     """clip the global gradient norm to this"""
     eval_every: int = 80
@@ -162,6 +177,31 @@ def sampled_token_loss(logprobs, teacher_logprobs):
     return (logprobs - teacher_logprobs).detach() * logprobs
 
 
+def success_demonstrations(passed, num_generations):
+    """SDPO's privileged context from the student's own successes (Hübotter et al. 2026, arXiv 2601.20802, as TRL
+    1.16's SuccessfulRolloutTeacherContextBuilder with dont_reprompt_on_self_success): for completion i of a group
+    of G adjacent rows, the first other completion j ≠ i of the group that passes,
+
+        d_i = min{ j ∈ group(i), j ≠ i : passed_j },   −1 where there is none (then o_i has no loss)
+
+    so a success is taught by another success, never by itself."""
+    demos = []
+    for i in range(len(passed)):
+        start = i - i % num_generations
+        demos.append(next((j for j in range(start, start + num_generations) if j != i and passed[j]), -1))
+    return demos
+
+
+@torch.no_grad()
+def ema_update(teacher, student, rate):
+    """An exponentially averaged teacher (TRL's SDPO teacher_update_rate): θ_T ← (1 − τ) θ_T + τ θ_S for every
+    parameter; τ = 0 leaves it (nothing computed), τ = 1 copies the student."""
+    if rate == 0:
+        return
+    for t, s in zip(teacher.parameters(), student.parameters()):
+        t.lerp_(s.detach().to(t.dtype), rate)
+
+
 def masked_mean(x, mask, num_tokens=None):
     """Σ x·mask / N, N the number of valid tokens (or `num_tokens`: those of the whole minibatch when it is
     split into micro-batches, so that the micro-batches' losses add up to the minibatch's)."""
@@ -196,6 +236,21 @@ def check_args(args):
     for name in ("beta", "lmbda"):  # `not 0 <= x <= 1` is also true of NaN
         if not 0 <= getattr(args, name) <= 1:
             sys.exit(f"error: --{name} {getattr(args, name)}: it must be between 0 and 1")
+    if args.teacher_context not in ("answer", "success"):
+        sys.exit(f"error: --teacher-context {args.teacher_context!r}: choose answer or success")
+    if not 0 <= args.teacher_update_rate <= 1 or args.teacher_update_rate and not args.self_distill:
+        sys.exit(f"error: --teacher-update-rate {args.teacher_update_rate}: in [0, 1], and it moves the teacher toward "
+                 "the student only under --self-distill (a separate teacher stays frozen)")
+    if args.num_generations < 1 or args.batch_size % args.num_generations:
+        sys.exit(f"error: --batch-size {args.batch_size} does not split into groups of --num-generations "
+                 f"{args.num_generations}")
+    if args.self_distill and args.teacher_context == "success" and (args.num_generations < 2 or args.lmbda < 1):
+        sys.exit("error: --teacher-context success takes the context from another completion of the same prompt: it "
+                 f"needs --num-generations 2 or more and --lmbda 1 (got {args.num_generations}, {args.lmbda})")
+    fields = set(re.findall(r"{\w*}", args.teacher_prompt_template))
+    if args.self_distill and fields != {"{prompt}", "{privileged_context}"}:
+        sys.exit(f"error: --teacher-prompt-template {args.teacher_prompt_template!r} needs {{prompt}} and "
+                 "{privileged_context}")
     if args.sampled_token and (args.beta != 1 or args.lmbda != 1):
         sys.exit(f"error: --sampled-token estimates the reverse KL from the student's own samples: it needs --beta 1 "
                  f"and --lmbda 1 (got --beta {args.beta}, --lmbda {args.lmbda})")
@@ -207,7 +262,7 @@ def main(args: Args):
     note_overwrite(args.output_dir)
     torch.set_num_threads(cpu_threads(args.threads))
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
-    B = args.batch_size
+    B, G = args.batch_size, args.num_generations  # G completions of each prompt
     rng = random.Random(args.seed)  # the prompts drawn, and whose completions each batch trains on
     torch.manual_seed(args.seed)  # the sampling
     transformers.logging.set_verbosity_error()
@@ -215,9 +270,11 @@ def main(args: Args):
     amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
 
     # Prompts (and completions, for the batches that are the dataset's), then the student and the teacher
-    needs = [("prompt", "completion")] if args.lmbda < 1 else [("prompt",)]
+    answer = args.self_distill or args.lmbda < 1  # a reference answer: the teacher's context, or the batches
+    needs = [("prompt", "completion")] + [("prompt", "target")] * args.self_distill if answer else [("prompt",)]
     train_rows, eval_rows = load_data(args, distillation_row, 50_000, needs, "needs a `prompt` column"
-                                      + ", and a `completion` one for --lmbda < 1" * (args.lmbda < 1))
+                                      + ", and a `completion` (or `target`) one for --lmbda < 1 or --self-distill"
+                                      * answer)
     tokenizer, stop_ids, student, teacher, vocab = load_models(args, device)
     save_dtype = save_dtype_of(args, args.model_name_or_path)
     train_rows, train_ids = tokenize_prompts(tokenizer, train_rows, args.max_prompt_length, "train")
@@ -229,6 +286,7 @@ def main(args: Args):
     if max(len(ids) for ids in train_ids + eval_ids) + args.response_length > positions:
         sys.exit(f"error: the longest prompt + --response-length {args.response_length} exceeds the models' "
                  f"{positions} positions; lower --max-prompt-length or --response-length")
+    check_teacher_prompts(tokenizer, train_rows + eval_rows, positions, args)
     # the dataset's completions (GKD's supervised batches), each ending with its stop token, cut to the length
     dataset_ids = [tokenize_pair(tokenizer, row["prompt"], row["completion"], stop_ids)[1][: args.response_length]
                    for row in train_rows] if args.lmbda < 1 else []
@@ -248,7 +306,7 @@ def main(args: Args):
         optimizer.param_groups[0]["lr"] = lr
 
         # ---- 1. completions: the student's own, with probability λ; else the dataset's ---------------------------
-        chosen = rng.sample(range(len(train_ids)), B)
+        chosen = [i for i in rng.sample(range(len(train_ids)), B // G) for _ in range(G)]  # G adjacent rows each
         on_policy = rng.random() < args.lmbda
         student.eval()
         with torch.no_grad(), amp():
@@ -263,8 +321,10 @@ def main(args: Args):
         log_completions(writer, iteration, tokenizer, [train_rows[i] for i in chosen], sequences, context_length, args)
 
         # ---- 2. the teacher's next-token distribution at every completion token (frozen: no gradient) ------------
-        with torch.no_grad(), amp():
-            teacher_logits = completion_logits(teacher, sequences, attention_mask, context_length, vocab)
+        with torch.no_grad(), amp():  # --self-distill: the teacher's prompt holds the privileged context
+            seen, mask = teacher_view(tokenizer, [train_rows[i] for i in chosen], sequences, attention_mask,
+                                      context_length, mask, args)  # and the tokens with a loss
+            teacher_logits = completion_logits(teacher, *seen, vocab)
 
         # ---- 3. one step of the student toward the teacher on these tokens ---------------------------------------
         student.train()
@@ -277,18 +337,21 @@ def main(args: Args):
             per_token = sampled_token_loss(logprobs, teacher_logprobs)
         else:
             per_token = generalized_jsd(logits, teacher_logits, args.beta, args.temperature)
-        loss = masked_mean(per_token, mask)
+        loss = masked_mean(per_token, mask, mask.sum().clamp(min=1))  # 0 where no token has a loss
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), args.max_grad_norm)
         check_finite(iteration, loss=loss, grad_norm=grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        ema_update(teacher, student, args.teacher_update_rate)  # --self-distill --teacher-update-rate τ
 
         # ---- 4. log: the batch's reverse KL over the whole vocabulary, whatever the loss -------------------------
         with torch.no_grad():
-            reverse_kl = masked_mean(generalized_jsd(logits, teacher_logits, 1.0, args.temperature), mask).item()
+            reverse_kl = masked_mean(generalized_jsd(logits, teacher_logits, 1.0, args.temperature), mask,
+                                     mask.sum().clamp(min=1)).item()
         logs = {"losses/loss": loss.item(), "objective/reverse_kl": reverse_kl,
                 "objective/completion_length": mask.sum().item() / B, "train/grad_norm": grad_norm.item(),
+                **({"objective/self_distill_fraction": mask.amax(1).mean().item()} if args.self_distill else {}),
                 "charts/learning_rate": lr, "charts/episodes_per_second": iteration * B / (time.time() - start_time)}
         for tag, value in logs.items():
             writer.add_scalar(tag, value, iteration)
@@ -368,6 +431,61 @@ def log_completions(writer, iteration, tokenizer, rows, sequences, context_lengt
         writer.add_text("train/completions", "\n".join(f"    {row['prompt']!r} {c!r}" for row, c in zip(rows, completions)),
                         iteration)
 
+def teacher_view(tokenizer, rows, sequences, attention_mask, context_length, mask, args):
+    """What the teacher reads, and the tokens with a loss: ((sequences, attention_mask, context_length), mask).
+    Without --self-distill, the student's own sequences and `mask`. With it, each row's prompt with its privileged
+    context (teacher_prompt), left-padded, then the same completion tokens, so that the two models' logits line up
+    token for token; under --teacher-context success the context is a sibling's successful completion
+    (success_demonstrations), and a completion that has none keeps no token in the mask."""
+    if not args.self_distill:
+        return (sequences, attention_mask, context_length), mask
+    answers = [reference_answer(row) for row in rows]
+    contexts, keep = answers, [1.0] * len(rows)
+    if args.teacher_context == "success":  # the student's own completions that are exactly the answer
+        completions = tokenizer.batch_decode(sequences[:, context_length:], skip_special_tokens=True)
+        demos = success_demonstrations([c.strip() == a.strip() for c, a in zip(completions, answers)],
+                                       args.num_generations)
+        contexts, keep = [completions[d] for d in demos], [float(d >= 0) for d in demos]
+    prompt_ids = [encode_prompt(tokenizer, teacher_prompt(row["prompt"], context, args.teacher_prompt_template))
+                  for row, context in zip(rows, contexts)]
+    width, pad, device = max(map(len, prompt_ids)), tokenizer.pad_token_id, sequences.device
+    prompts = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids], device=device)
+    prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=device)
+    seen = (torch.cat([prompts, sequences[:, context_length:]], 1),
+            torch.cat([prompt_mask, attention_mask[:, context_length:]], 1), width)
+    return seen, mask * torch.tensor(keep, device=device).unsqueeze(1)
+
+
+def reference_answer(row):
+    """A row's reference answer as text: its `completion` (the last message's content, if conversational), else its
+    `target`."""
+    answer = row["completion"] if "completion" in row else row["target"]
+    return answer[-1]["content"] if isinstance(answer, list) else str(answer)
+
+
+def teacher_prompt(prompt, context, template):
+    """The teacher's prompt: --teacher-prompt-template with {prompt} and {privileged_context}; in a conversational
+    prompt, the last user message's content is what the template wraps (TRL's)."""
+    if not isinstance(prompt, list):
+        return template.format(prompt=prompt, privileged_context=context)
+    last = max(i for i, message in enumerate(prompt) if message["role"] == "user")
+    wrapped = template.format(prompt=prompt[last]["content"], privileged_context=context)
+    return prompt[:last] + [{**prompt[last], "content": wrapped}] + prompt[last + 1 :]
+
+
+def check_teacher_prompts(tokenizer, rows, positions, args):
+    """With --self-distill, one line before any work where the teacher's longest prompt (with the reference answer as
+    its context) and --response-length exceed the model's positions."""
+    if not args.self_distill or positions == math.inf:
+        return
+    longest = max(len(encode_prompt(tokenizer, teacher_prompt(row["prompt"], reference_answer(row),
+                                                              args.teacher_prompt_template))) for row in rows)
+    if longest + args.response_length > positions:
+        sys.exit(f"error: the teacher's longest prompt with its context ({longest} tokens) + --response-length "
+                 f"{args.response_length} exceeds the model's {positions} positions; lower --max-prompt-length or "
+                 "shorten --teacher-prompt-template")
+
+
 def completion_logits(model, sequences, attention_mask, context_length, vocab):
     """The logits of the next-token distribution at each completion token, [B, T, vocab], from one forward pass over
     prompt + completion; the first `vocab` columns, those the student and the teacher share."""
@@ -402,13 +520,13 @@ def load_models(args, device):
     tokenizer = load_tokenizer(args.model_name_or_path, "run `python sft.py --n-layer 1 --n-embd 64 --output-dir "
                                                         "models/sft_small` first or pass a path")
     stop_ids = stop_token_ids(tokenizer)
-    teacher_tokenizer = load_tokenizer(args.teacher_model_name_or_path, "run `python sft.py && python grpo.py` first "
-                                                                        "or pass a path")
-    check_same_vocabulary(tokenizer, teacher_tokenizer, stop_ids, f"the teacher {args.teacher_model_name_or_path!r} "
+    teacher_path = args.model_name_or_path if args.self_distill else args.teacher_model_name_or_path
+    teacher_tokenizer = load_tokenizer(teacher_path, "run `python sft.py && python grpo.py` first or pass a path")
+    check_same_vocabulary(tokenizer, teacher_tokenizer, stop_ids, f"the teacher {teacher_path!r} "
                           f"has another tokenizer than the student {args.model_name_or_path!r}; distillation compares "
                           "their distributions token for token, so they must share one")
     student = load_no_dropout(args.model_name_or_path, "lm")
-    teacher = load_no_dropout(args.teacher_model_name_or_path, "lm")
+    teacher = load_no_dropout(teacher_path, "lm")
     prepare_models(tokenizer, stop_ids, [student, teacher], [teacher])
     # an output layer may have rows past the tokenizer's, padding that no token maps to (checkpoints of one family pad
     # to different sizes): the divergence compares the columns both have, every token of the shared tokenizer among them
@@ -844,13 +962,18 @@ def generate(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperat
 def settle_defaults(args):
     """The defaults that depend on the run, settled before the argument checks (and logged as settled). --bf16: on
     where CUDA has bfloat16, as in TRL's configs; on the CPU float32 is faster. --vllm-importance-sampling-correction
-    (the RL scripts): TRL corrects by default; here only a stale sampler (--rollout-lag) needs it."""
+    (the RL scripts): TRL corrects by default; here only a stale sampler (--rollout-lag) needs it. rlhf_ppo's
+    --critic-lam and --actor-lam: --lam (the actor's stays unset under --length-adaptive-lam)."""
     if args.bf16 is None:
         args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     if getattr(args, "vllm_importance_sampling_correction", False) is None:
         args.vllm_importance_sampling_correction = args.rollout_lag > 0
     if getattr(args, "no_scale_rewards", False):  # grpo: --no-scale-rewards, the older --scale-rewards none
         args.scale_rewards = "none"
+    if getattr(args, "critic_lam", 0) is None:
+        args.critic_lam = args.lam
+    if getattr(args, "actor_lam", 0) is None and args.length_adaptive_lam is None:
+        args.actor_lam = args.lam
 
 
 def get_lr(step, lr, warmup_steps, max_steps, decay):

@@ -124,9 +124,24 @@ class Args:
     gamma: float = 1.0
     """discount over response tokens"""
     lam: float = 0.95
-    """λ of GAE (CleanRL: gae_lambda)"""
+    """λ of GAE (CleanRL: gae_lambda): the critic's and the actor's, unless --critic-lam or --actor-lam"""
+    critic_lam: float | None = None
+    """λ of the critic's GAE targets (decoupled GAE, VC-PPO and VAPO: 1.0, Monte Carlo returns); default --lam"""
+    actor_lam: float | None = None
+    """λ of the actor's GAE advantages (VC-PPO and VAPO: 0.95); default --lam"""
+    length_adaptive_lam: float | None = None
+    """α of VAPO's length-adaptive GAE: the actor's λ = 1 − 1/(α·l) for a response of l tokens (VAPO: 0.05, for
+    responses of thousands of tokens), instead of --actor-lam"""
+    value_warmup_steps: int = 0
+    """value pretraining (VC-PPO): this many rollouts of the starting policy train the critic alone, towards λ = 1
+    (Monte Carlo) targets, before the actor's first update"""
     cliprange: float = 0.2
-    """ε of the clipped policy loss (CleanRL: clip_coef)"""
+    """ε of the clipped policy loss (CleanRL: clip_coef); the lower clip, 1 − ε, with --cliprange-high"""
+    cliprange_high: float | None = None
+    """ε_high, the upper clip 1 + ε_high (clip-higher, DAPO and VAPO: 0.28); default --cliprange"""
+    positive_lm_coef: float = 0.0
+    """μ of VAPO's positive-example LM loss: μ × the NLL of the responses that pass (exactly the target on the
+    built-in task, every reward function ≥ 1 otherwise) is added to the policy loss (VAPO: 0.1); 0: off"""
     cliprange_value: float = 0.2
     """ε of the clipped value loss (CleanRL: clip_coef, the same ε as the policy's)"""
     vf_coef: float = 0.1
@@ -208,7 +223,8 @@ def masked_gae(rewards, values, mask, gamma, lam):
 
         δ_t = r_t + γ V(s_{t+1}) − V(s_t),   with V = 0 after the last valid token
         Â_t = δ_t + γλ Â_{t+1}
-    Padding has reward and value 0, so it contributes nothing. Returns (advantages, returns = Â + V)."""
+    λ a number, or one per response ([B]). Padding has reward and value 0, so it contributes nothing. Returns
+    (advantages, returns = Â + V)."""
     rewards, values = rewards * mask, values * mask
     advantages = torch.zeros_like(rewards)
     lastgaelam = torch.zeros(len(rewards), device=rewards.device)
@@ -221,12 +237,53 @@ def masked_gae(rewards, values, mask, gamma, lam):
     return advantages, advantages + values
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, num_tokens=None, weights=None):
-    """Clipped surrogate (PPO eq. 7), negated, averaged over valid tokens (see masked_mean for `num_tokens`):
-        L = mean_t w_t max( −Â_t ρ_t, −Â_t clip(ρ_t, 1 − ε, 1 + ε) ),   ρ_t = π_θ(a_t|s_t) / π_old(a_t|s_t)
-    w_t = `weights` where the sampler was not π_old (sampler_importance_weights), else 1. Returns (loss, ratio)."""
+def decoupled_gae(rewards, values, mask, gamma, actor_lam, critic_lam):
+    """Decoupled GAE (VC-PPO, arXiv 2503.01491, section 4.2; VAPO eq. 5): the policy's advantages and the critic's
+    targets from GAE with a λ each,
+
+        Â_t = GAE_{λ_actor}(r, V)_t,        R_t = GAE_{λ_critic}(r, V)_t + V(s_t)
+
+    With λ_critic = 1, R_t = Σ_{t' ≥ t} γ^{t'−t} r_{t'}, the Monte Carlo return: the critic's target carries no bias
+    of the critic's own; a smaller λ_actor trades that bias for lower variance in the policy gradient. `actor_lam`
+    a number or one per response ([B], length_adaptive_lam). One pass where the two are the same number."""
+    advantages, returns = masked_gae(rewards, values, mask, gamma, actor_lam)
+    if isinstance(actor_lam, torch.Tensor) or actor_lam != critic_lam:
+        returns = masked_gae(rewards, values, mask, gamma, critic_lam)[1]
+    return advantages, returns
+
+
+def length_adaptive_lam(mask, alpha):
+    """VAPO's length-adaptive λ for the policy's GAE (arXiv 2504.05118, eq. 7), one per response of l tokens:
+
+        λ_actor = 1 − 1 / (α l),   so that Σ_t λ^t = 1 / (1 − λ) = α l
+
+    the weights on a token's future TD errors sum to a number proportional to the length, where a fixed λ gives
+    a long response's early tokens almost none of its end. 0 where α l ≤ 1 (a response too short for α)."""
+    return (1 - 1 / (alpha * mask.sum(1).clamp(min=1))).clamp(min=0)
+
+
+def positive_lm_loss(logprobs, mask, positive, num_tokens=None):
+    """VAPO's positive-example LM loss (arXiv 2504.05118, eq. 8): the NLL of the responses in T, those that pass,
+    averaged over their tokens, and added to the policy loss as L_PPO + μ L_NLL:
+
+        L_NLL = − 1 / Σ_{o_i ∈ T} |o_i|  ·  Σ_{o_i ∈ T} Σ_t log π_θ(a_t | s_t)
+
+    `positive` [B], True for the responses in T; `num_tokens` their tokens in the whole minibatch when it is
+    split into micro-batches (see masked_mean). 0 where none passes."""
+    positive_mask = mask * positive.unsqueeze(1)
+    return (-logprobs * positive_mask).sum() / (positive_mask.sum().clamp(min=1) if num_tokens is None else num_tokens)
+
+
+def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, num_tokens=None, weights=None,
+                cliprange_high=None):
+    """Clipped surrogate (PPO eq. 7), negated, averaged over every valid token of the minibatch (a token-level
+    loss, as VAPO's; see masked_mean for `num_tokens`):
+        L = mean_t w_t max( −Â_t ρ_t, −Â_t clip(ρ_t, 1 − ε, 1 + ε_high) ),   ρ_t = π_θ(a_t|s_t) / π_old(a_t|s_t)
+    ε_high = `cliprange_high` (clip-higher), ε where None; w_t = `weights` where the sampler was not π_old
+    (sampler_importance_weights), else 1. Returns (loss, ratio)."""
+    high = cliprange if cliprange_high is None else cliprange_high
     ratio = torch.exp(logprobs - old_logprobs)
-    losses = torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange))
+    losses = torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - cliprange, 1 + high))
     return masked_mean(losses if weights is None else losses * weights, mask, num_tokens), ratio
 
 
@@ -349,12 +406,13 @@ def check_args(args):
     # modulo by zero, an empty batch) or train nothing
     for name, least in {"num_iterations": 1, "batch_size": 1, "mini_batch_size": 1, "ppo_epochs": 1,
                         "response_length": 1, "kl_horizon": 1, "eval_every": 1, "eval_size": 0, "eval_num_samples": 1,
-                        "log_completions_every": 0}.items():
+                        "log_completions_every": 0, "value_warmup_steps": 0}.items():
         if getattr(args, name) < least:
             sys.exit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: it must be at least {least}")
     # the real numbers, finite and in range (a gradient clip of 0 trains nothing; below 0, the wrong way)
     for name, rule in {"lr": ">= 0", "max_grad_norm": "> 0", "temperature": "> 0", "kl_coef": ">= 0",
-                       "kl_target": "> 0", "cliprange": "> 0", "cliprange_value": "> 0", "vf_coef": ">= 0"}.items():
+                       "kl_target": "> 0", "cliprange": "> 0", "cliprange_value": "> 0", "vf_coef": ">= 0",
+                       "cliprange_high": "> 0", "length_adaptive_lam": "> 0", "positive_lm_coef": ">= 0"}.items():
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and (value > 0 or rule == ">= 0" and value == 0)):
             sys.exit(f"error: --{name.replace('_', '-')} {value}: it must be a finite number {rule}")
@@ -371,8 +429,18 @@ def check_args(args):
     if low is not None and high is not None and low >= high:
         sys.exit(f"error: --vllm-importance-sampling-clip-min {low} must be below --vllm-importance-sampling-clip-max "
                  f"{high}")
-    if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
-        sys.exit(f"error: --gamma {args.gamma} and --lam {args.lam}: each must be in [0, 1]")
+    for name in ("gamma", "lam", "critic_lam", "actor_lam"):
+        if getattr(args, name) is not None and not 0 <= getattr(args, name) <= 1:
+            sys.exit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: it must be in [0, 1]")
+    if args.length_adaptive_lam is not None and args.actor_lam is not None:
+        sys.exit(f"error: --length-adaptive-lam {args.length_adaptive_lam} sets the actor's λ; leave out --actor-lam")
+    if args.value_warmup_steps and args.vf_coef == 0:
+        sys.exit(f"error: --value-warmup-steps {args.value_warmup_steps} trains the critic alone, which --vf-coef 0 "
+                 "gives no gradient: it would train nothing")
+    needs_pass = args.positive_lm_coef > 0 and args.dataset_name is not None and not args.reward_fn
+    if needs_pass:  # a reward model's score has no pass (see passes)
+        sys.exit(f"error: --positive-lm-coef {args.positive_lm_coef} needs a reward function (--reward-fn) that tells "
+                 "which responses pass; a reward model's score does not")
     if args.batch_size % args.mini_batch_size:
         sys.exit(f"error: --batch-size {args.batch_size} does not split into minibatches of {args.mini_batch_size}")
     terms = len(args.reward_fn) + (args.reward_model_path is not None or not args.reward_fn)
@@ -436,6 +504,7 @@ def main(args: Args):
     models = (actor, critic, ref, tokenizer, stop_ids, logprobs_of)
     evaluate(models, eval_rows, eval_ids, terms, scores_of, amp, writer, 0, args)
     rng, start_time = random.Random(args.seed), time.time()  # rng: the prompts drawn
+    warm_up_critic(models, optimizer, train_rows, train_ids, scores_of, terms.names, rng, amp, writer, args)  # VC-PPO
     progress = Progress(args.num_iterations, "iterations", args.progress)
     for iteration in range(1, args.num_iterations + 1):
         lr = get_lr(iteration - 1, args.lr, 0, args.num_iterations, "linear") if args.anneal_lr else args.lr
@@ -451,12 +520,14 @@ def main(args: Args):
             # ---- 2. advantages: per-token rewards with the KL penalty, GAE, whitened over the batch -----
             rewards, non_score = shaped_rewards(batch.logprobs, batch.ref_logprobs, batch.scores.nan_to_num(0.0),
                                                 batch.mask, kl_coef)
-            advantages, returns = masked_gae(rewards, batch.values, batch.train_mask, args.gamma, args.lam)
+            lam = args.actor_lam if args.length_adaptive_lam is None else length_adaptive_lam(batch.train_mask,
+                                                                                                args.length_adaptive_lam)
+            advantages, returns = decoupled_gae(rewards, batch.values, batch.train_mask, args.gamma, lam, args.critic_lam)
             advantages = masked_whiten(advantages, batch.train_mask)  # over the whole batch
 
         # ---- 3. update: several epochs of shuffled minibatches -------------------------------------
         actor.train(), critic.train()
-        stats = {k: [] for k in ("pg_loss", "vf_loss", "approx_kl", "clipfrac", "ratio", "entropy")}  # per minibatch
+        stats = {k: [] for k in ("pg_loss", "vf_loss", "lm_loss", "approx_kl", "clipfrac", "ratio", "entropy")}
         for epoch in range(args.ppo_epochs):
             # the rollout's prompts are already in random order: epoch 0 takes them as they come, so its
             # first minibatch is exactly the rollout's first chunk; later epochs reshuffle
@@ -471,15 +542,18 @@ def main(args: Args):
                                              batch.attention_mask[mb])[:, batch.context_length - 1 : -1]
                 pg_loss, ratio = policy_loss(new_logprobs, batch.logprobs[mb], advantages[mb], batch.train_mask[mb],
                                              args.cliprange, num_tokens,
-                                             None if batch.is_weights is None else batch.is_weights[mb])
+                                             None if batch.is_weights is None else batch.is_weights[mb], args.cliprange_high)
                 vf_loss = masked_value_loss(new_values, batch.values[mb], returns[mb], batch.train_mask[mb],
                                             args.cliprange_value, num_tokens)
-                (pg_loss + args.vf_coef * vf_loss).backward()
-                accumulate_ppo_stats(stats, pg_loss, vf_loss, ratio, new_logprobs - batch.logprobs[mb], new_entropy,
-                                     batch.train_mask[mb], num_tokens, epoch == start == 0, args.cliprange)
+                lm_loss = (positive_lm_loss(new_logprobs, batch.train_mask[mb], batch.passed[mb])  # VAPO
+                           if args.positive_lm_coef else pg_loss.new_zeros(()))
+                loss = pg_loss + args.vf_coef * vf_loss + args.positive_lm_coef * lm_loss
+                loss.backward()
+                accumulate_ppo_stats(stats, (pg_loss, vf_loss, lm_loss), ratio, new_logprobs - batch.logprobs[mb],
+                                     new_entropy, batch.train_mask[mb], num_tokens, epoch == start == 0, args)
                 grad_norm = torch.nn.utils.clip_grad_norm_(list(actor.parameters()) + list(critic.parameters()),
                                                            args.max_grad_norm)
-                check_finite(iteration, loss=pg_loss + args.vf_coef * vf_loss, grad_norm=grad_norm)
+                check_finite(iteration, loss=loss, grad_norm=grad_norm)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
 
@@ -494,6 +568,50 @@ def main(args: Args):
     save_model(actor, tokenizer, args, args.output_dir, save_dtype)
     print(f"saved to {args.output_dir} after {time.time() - start_time:.0f} s")
     writer.close()
+
+
+def warm_up_critic(models, optimizer, rows, ids, scores_of, names, rng, amp, writer, args):
+    """0. value warm-up (VC-PPO's value pretraining, arXiv 2503.01491, section 4.1): --value-warmup-steps rollouts
+    of the starting policy train the critic alone, in the update's epochs and minibatches, towards λ = 1 (Monte
+    Carlo) returns. The critic starts as the reward model, whose head scores whole responses, not the value of a
+    response's first tokens: without the warm-up the actor's first advantages carry that bias. The actor keeps
+    its weights (it has no gradients, so AdamW leaves it). Logged as val/warmup_value_loss and
+    val/warmup_explained_variance (before each rollout's steps, as val/explained_variance)."""
+    actor, critic, _, tokenizer, stop_ids, _ = models
+    B, mini = args.batch_size, args.mini_batch_size
+    for step in range(1, args.value_warmup_steps + 1):
+        actor.eval(), critic.eval()
+        chosen = rng.sample(range(len(ids)), B)
+        with torch.no_grad(), amp():
+            sampled = generate(actor, [ids[i] for i in chosen], tokenizer.pad_token_id, stop_ids, args.response_length,
+                               args.temperature)
+            batch = score_rollout(models, [rows[i] for i in chosen], sampled, scores_of, names, args)
+            rewards, _ = shaped_rewards(batch.logprobs, batch.ref_logprobs, batch.scores.nan_to_num(0.0), batch.mask,
+                                        args.kl_coef)
+            _, returns = masked_gae(rewards, batch.values, batch.train_mask, args.gamma, 1.0)
+        critic.train()
+        losses = []
+        for epoch in range(args.ppo_epochs):
+            order = torch.randperm(B, device=returns.device) if epoch > 0 else torch.arange(B, device=returns.device)
+            for start in range(0, B, mini):
+                mb = order[start : start + mini]
+                with amp():
+                    new_values = scalar_head(critic, batch.sequences[mb],
+                                             batch.attention_mask[mb])[:, batch.context_length - 1 : -1]
+                vf_loss = masked_value_loss(new_values, batch.values[mb], returns[mb], batch.train_mask[mb],
+                                            args.cliprange_value, max(1.0, batch.train_mask[mb].sum().item()))
+                (args.vf_coef * vf_loss).backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
+                check_finite(f"warm-up {step}", value_loss=vf_loss, grad_norm=grad_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                losses.append(vf_loss.item())
+        valid = batch.mask.bool()
+        var_returns, var_residual = returns.double()[valid].var(), (returns - batch.values).double()[valid].var()
+        writer.add_scalar("val/warmup_value_loss", sum(losses) / len(losses), step)
+        writer.add_scalar("val/warmup_explained_variance",
+                          float(1 - var_residual / var_returns) if var_returns > 0 else float("nan"), step)
+        print(f"value warm-up {step}: value loss {sum(losses) / len(losses):.4f}")
 
 
 @dataclass
@@ -514,6 +632,7 @@ class Rollout:
     has_stop: torch.Tensor  # [B]: the response ended with a stop token
     prompts: list  # each response's prompt, as the dataset has it
     completions: list  # the responses' text
+    passed: torch.Tensor  # [B]: the response passes (passes; False where nothing tells), for --positive-lm-coef
     mismatch: tuple  # the sampler's distance from π_old (sampler_mismatch)
     is_weights: torch.Tensor | None  # the sampler correction's weights (sampler_correction); None without it
 
@@ -535,6 +654,8 @@ def score_rollout(models, rows, sampled, scores_of, names, args):
     train_mask = mask * ~scores.isnan().unsqueeze(1)
     return Rollout(sequences, attention_mask, context_length, mask, train_mask, logprobs, entropy, ref_logprobs,
                    values, scores, table, names, has_stop, [row["prompt"] for row in rows], completions,
+                   torch.tensor(passes(completions, rows, table, names, args.dataset_name is None) or [False] * len(rows),
+                                device=mask.device),
                    *sampler_correction(logprobs, sampler_logprobs, mask, args))
 
 
@@ -585,13 +706,16 @@ def completion_rewards(rows, sequences, attention_mask, context_length, response
 
 
 @torch.no_grad()
-def accumulate_ppo_stats(stats, pg_loss, vf_loss, ratio, log_ratio, entropy, mask, num_tokens, first, cliprange):
-    """Appends a minibatch's losses and statistics to `stats` (log_ratio: log π_θ − log π_old); at the first
-    minibatch of an iteration, before any step, the ratio's largest distance from 1 (it must be exactly 0)."""
-    stats["pg_loss"].append(pg_loss.item())
-    stats["vf_loss"].append(vf_loss.item())
+def accumulate_ppo_stats(stats, losses, ratio, log_ratio, entropy, mask, num_tokens, first, args):
+    """Appends a minibatch's losses (policy, value, positive-example LM) and statistics to `stats` (log_ratio:
+    log π_θ − log π_old; clipfrac: the tokens whose ratio lies outside [1 − ε, 1 + ε_high]); at the first minibatch
+    of an iteration, before any step, the ratio's largest distance from 1 (it must be exactly 0)."""
+    for name, loss in zip(("pg_loss", "vf_loss", "lm_loss"), losses):
+        stats[name].append(loss.item())
+    high = args.cliprange if args.cliprange_high is None else args.cliprange_high
+    clipped = (ratio - 1 > high) | (1 - ratio > args.cliprange)
     stats["approx_kl"].append(masked_mean(0.5 * log_ratio ** 2, mask, num_tokens).item())
-    stats["clipfrac"].append(masked_mean(((ratio - 1).abs() > cliprange).float(), mask, num_tokens).item())
+    stats["clipfrac"].append(masked_mean(clipped.float(), mask, num_tokens).item())
     stats["ratio"].append(masked_mean(ratio, mask, num_tokens).item())
     stats["entropy"].append(masked_mean(entropy, mask, num_tokens).item())
     if first:
@@ -618,6 +742,8 @@ def log_ppo_iteration(writer, iteration, batch, stats, non_score, returns, kl_co
         "policy/approx_kl": mean["approx_kl"], "policy/clipfrac": mean["clipfrac"], "policy/ratio_mean": mean["ratio"],
         "policy/entropy": mean["entropy"], "policy/first_ratio_max_error": first_ratio_error,
         "losses/policy_loss": mean["pg_loss"], "losses/value_loss": mean["vf_loss"],
+        **({"losses/positive_lm_loss": mean["lm_loss"], "policy/positive_fraction": batch.passed.float().mean().item()}
+           if args.positive_lm_coef else {}),
         # 1 − Var(R − V) / Var(R) over the valid tokens (undefined when every return is the same)
         "val/explained_variance": float(1 - var_residual / var_returns) if var_returns > 0 else float("nan"),
         "val/num_eos": batch.has_stop.sum().item(),
@@ -1331,13 +1457,18 @@ def generate(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperat
 def settle_defaults(args):
     """The defaults that depend on the run, settled before the argument checks (and logged as settled). --bf16: on
     where CUDA has bfloat16, as in TRL's configs; on the CPU float32 is faster. --vllm-importance-sampling-correction
-    (the RL scripts): TRL corrects by default; here only a stale sampler (--rollout-lag) needs it."""
+    (the RL scripts): TRL corrects by default; here only a stale sampler (--rollout-lag) needs it. rlhf_ppo's
+    --critic-lam and --actor-lam: --lam (the actor's stays unset under --length-adaptive-lam)."""
     if args.bf16 is None:
         args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     if getattr(args, "vllm_importance_sampling_correction", False) is None:
         args.vllm_importance_sampling_correction = args.rollout_lag > 0
     if getattr(args, "no_scale_rewards", False):  # grpo: --no-scale-rewards, the older --scale-rewards none
         args.scale_rewards = "none"
+    if getattr(args, "critic_lam", 0) is None:
+        args.critic_lam = args.lam
+    if getattr(args, "actor_lam", 0) is None and args.length_adaptive_lam is None:
+        args.actor_lam = args.lam
 
 
 class RolloutLag:

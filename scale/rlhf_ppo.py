@@ -158,9 +158,24 @@ class Args:
     gamma: float = 1.0
     """discount over response tokens"""
     lam: float = 0.95
-    """λ of GAE (CleanRL: gae_lambda)"""
+    """λ of GAE (CleanRL: gae_lambda): the critic's and the actor's, unless --critic-lam or --actor-lam"""
+    critic_lam: float | None = None
+    """λ of the critic's GAE targets (decoupled GAE, VC-PPO and VAPO: 1.0, Monte Carlo returns); default --lam"""
+    actor_lam: float | None = None
+    """λ of the actor's GAE advantages (VC-PPO and VAPO: 0.95); default --lam"""
+    length_adaptive_lam: float | None = None
+    """α of VAPO's length-adaptive GAE: the actor's λ = 1 − 1/(α·l) for a response of l tokens (VAPO: 0.05, for
+    responses of thousands of tokens), instead of --actor-lam"""
+    value_warmup_steps: int = 0
+    """value pretraining (VC-PPO): this many rollouts of the starting policy train the critic alone, towards λ = 1
+    (Monte Carlo) targets, before the actor's first update"""
     cliprange: float = 0.2
-    """ε of the clipped policy loss (CleanRL: clip_coef)"""
+    """ε of the clipped policy loss (CleanRL: clip_coef); the lower clip, 1 − ε, with --cliprange-high"""
+    cliprange_high: float | None = None
+    """ε_high, the upper clip 1 + ε_high (clip-higher, DAPO and VAPO: 0.28); default --cliprange"""
+    positive_lm_coef: float = 0.0
+    """μ of VAPO's positive-example LM loss: μ × the NLL of the responses that pass (exactly the target on the
+    built-in task, every reward function ≥ 1 otherwise) is added to the policy loss (VAPO: 0.1); 0: off"""
     cliprange_value: float = 0.2
     """ε of the clipped value loss (CleanRL: clip_coef, the same ε as the policy's)"""
     vf_coef: float = 0.1
@@ -268,7 +283,8 @@ def masked_gae(rewards, values, mask, gamma, lam):
 
         δ_t = r_t + γ V(s_{t+1}) − V(s_t),   with V = 0 after the last valid token
         Â_t = δ_t + γλ Â_{t+1}
-    Padding has reward and value 0, so it contributes nothing. Returns (advantages, returns = Â + V)."""
+    λ a number, or one per response ([B]). Padding has reward and value 0, so it contributes nothing. Returns
+    (advantages, returns = Â + V)."""
     rewards, values = rewards * mask, values * mask
     advantages = torch.zeros_like(rewards)
     lastgaelam = torch.zeros(len(rewards), device=rewards.device)
@@ -281,12 +297,53 @@ def masked_gae(rewards, values, mask, gamma, lam):
     return advantages, advantages + values
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, num_tokens=None, weights=None):
-    """Clipped surrogate (PPO eq. 7), negated, averaged over valid tokens (see masked_mean for `num_tokens`):
-        L = mean_t w_t max( −Â_t ρ_t, −Â_t clip(ρ_t, 1 − ε, 1 + ε) ),   ρ_t = π_θ(a_t|s_t) / π_old(a_t|s_t)
-    w_t = `weights` where the sampler was not π_old (sampler_importance_weights), else 1. Returns (loss, ratio)."""
+def decoupled_gae(rewards, values, mask, gamma, actor_lam, critic_lam):
+    """Decoupled GAE (VC-PPO, arXiv 2503.01491, section 4.2; VAPO eq. 5): the policy's advantages and the critic's
+    targets from GAE with a λ each,
+
+        Â_t = GAE_{λ_actor}(r, V)_t,        R_t = GAE_{λ_critic}(r, V)_t + V(s_t)
+
+    With λ_critic = 1, R_t = Σ_{t' ≥ t} γ^{t'−t} r_{t'}, the Monte Carlo return: the critic's target carries no bias
+    of the critic's own; a smaller λ_actor trades that bias for lower variance in the policy gradient. `actor_lam`
+    a number or one per response ([B], length_adaptive_lam). One pass where the two are the same number."""
+    advantages, returns = masked_gae(rewards, values, mask, gamma, actor_lam)
+    if isinstance(actor_lam, torch.Tensor) or actor_lam != critic_lam:
+        returns = masked_gae(rewards, values, mask, gamma, critic_lam)[1]
+    return advantages, returns
+
+
+def length_adaptive_lam(mask, alpha):
+    """VAPO's length-adaptive λ for the policy's GAE (arXiv 2504.05118, eq. 7), one per response of l tokens:
+
+        λ_actor = 1 − 1 / (α l),   so that Σ_t λ^t = 1 / (1 − λ) = α l
+
+    the weights on a token's future TD errors sum to a number proportional to the length, where a fixed λ gives
+    a long response's early tokens almost none of its end. 0 where α l ≤ 1 (a response too short for α)."""
+    return (1 - 1 / (alpha * mask.sum(1).clamp(min=1))).clamp(min=0)
+
+
+def positive_lm_loss(logprobs, mask, positive, num_tokens=None):
+    """VAPO's positive-example LM loss (arXiv 2504.05118, eq. 8): the NLL of the responses in T, those that pass,
+    averaged over their tokens, and added to the policy loss as L_PPO + μ L_NLL:
+
+        L_NLL = − 1 / Σ_{o_i ∈ T} |o_i|  ·  Σ_{o_i ∈ T} Σ_t log π_θ(a_t | s_t)
+
+    `positive` [B], True for the responses in T; `num_tokens` their tokens in the whole minibatch when it is
+    split into micro-batches (see masked_mean). 0 where none passes."""
+    positive_mask = mask * positive.unsqueeze(1)
+    return (-logprobs * positive_mask).sum() / (positive_mask.sum().clamp(min=1) if num_tokens is None else num_tokens)
+
+
+def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, num_tokens=None, weights=None,
+                cliprange_high=None):
+    """Clipped surrogate (PPO eq. 7), negated, averaged over every valid token of the minibatch (a token-level
+    loss, as VAPO's; see masked_mean for `num_tokens`):
+        L = mean_t w_t max( −Â_t ρ_t, −Â_t clip(ρ_t, 1 − ε, 1 + ε_high) ),   ρ_t = π_θ(a_t|s_t) / π_old(a_t|s_t)
+    ε_high = `cliprange_high` (clip-higher), ε where None; w_t = `weights` where the sampler was not π_old
+    (sampler_importance_weights), else 1. Returns (loss, ratio)."""
+    high = cliprange if cliprange_high is None else cliprange_high
     ratio = torch.exp(logprobs - old_logprobs)
-    losses = torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange))
+    losses = torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - cliprange, 1 + high))
     return masked_mean(losses if weights is None else losses * weights, mask, num_tokens), ratio
 
 
@@ -410,13 +467,14 @@ def check_args(args):
     # modulo by zero, an empty batch) or train nothing
     for name, least in {"num_iterations": 1, "batch_size": 1, "mini_batch_size": 1, "ppo_epochs": 1,
                         "response_length": 1, "kl_horizon": 1, "eval_every": 1, "eval_size": 0, "eval_num_samples": 1,
-                        "log_completions_every": 0,
+                        "log_completions_every": 0, "value_warmup_steps": 0,
                         "gradient_accumulation_steps": 1, "generation_batch_size": 1}.items():
         if getattr(args, name) < least:
             sys.exit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: it must be at least {least}")
     # the real numbers, finite and in range (a gradient clip of 0 trains nothing; below 0, the wrong way)
     for name, rule in {"lr": ">= 0", "max_grad_norm": "> 0", "temperature": "> 0", "kl_coef": ">= 0",
-                       "kl_target": "> 0", "cliprange": "> 0", "cliprange_value": "> 0", "vf_coef": ">= 0"}.items():
+                       "kl_target": "> 0", "cliprange": "> 0", "cliprange_value": "> 0", "vf_coef": ">= 0",
+                       "cliprange_high": "> 0", "length_adaptive_lam": "> 0", "positive_lm_coef": ">= 0"}.items():
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and (value > 0 or rule == ">= 0" and value == 0)):
             sys.exit(f"error: --{name.replace('_', '-')} {value}: it must be a finite number {rule}")
@@ -436,8 +494,18 @@ def check_args(args):
     if low is not None and high is not None and low >= high:
         sys.exit(f"error: --vllm-importance-sampling-clip-min {low} must be below --vllm-importance-sampling-clip-max "
                  f"{high}")
-    if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
-        sys.exit(f"error: --gamma {args.gamma} and --lam {args.lam}: each must be in [0, 1]")
+    for name in ("gamma", "lam", "critic_lam", "actor_lam"):
+        if getattr(args, name) is not None and not 0 <= getattr(args, name) <= 1:
+            sys.exit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: it must be in [0, 1]")
+    if args.length_adaptive_lam is not None and args.actor_lam is not None:
+        sys.exit(f"error: --length-adaptive-lam {args.length_adaptive_lam} sets the actor's λ; leave out --actor-lam")
+    if args.value_warmup_steps and args.vf_coef == 0:
+        sys.exit(f"error: --value-warmup-steps {args.value_warmup_steps} trains the critic alone, which --vf-coef 0 "
+                 "gives no gradient: it would train nothing")
+    needs_pass = args.positive_lm_coef > 0 and args.dataset_name is not None and not args.reward_fn
+    if needs_pass:  # a reward model's score has no pass (see passes)
+        sys.exit(f"error: --positive-lm-coef {args.positive_lm_coef} needs a reward function (--reward-fn) that tells "
+                 "which responses pass; a reward model's score does not")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if args.batch_size % args.mini_batch_size:
         sys.exit(f"error: --batch-size {args.batch_size} does not split into minibatches of {args.mini_batch_size}")
@@ -522,6 +590,7 @@ def main(args: Args):
     rng, first_iteration, elapsed = random.Random(args.seed), 1, 0.0  # rng: the prompts drawn
     if checkpoint is None:
         evaluate(models, eval_rows, eval_ids, terms, scores_of, amp, writer, 0, args)
+        warm_up_critic(models, optimizer, train_rows, train_ids, scores_of, terms.names, rng, amp, writer, args)  # VC-PPO
     else:  # actor and critic, AdamW, every random stream, the KL coefficient, and where the loop was
         loop = load_checkpoint(checkpoint, trained, optimizer)
         first_iteration, elapsed, kl_coef = loop["step"] + 1, loop["elapsed"], loop["kl_coef"]
@@ -544,12 +613,14 @@ def main(args: Args):
             # ---- 2. advantages: per-token rewards with the KL penalty, GAE, whitened over the batch (all ranks) --
             rewards, non_score = shaped_rewards(batch.logprobs, batch.ref_logprobs, batch.scores.nan_to_num(0.0),
                                                 batch.mask, kl_coef)
-            advantages, returns = masked_gae(rewards, batch.values, batch.train_mask, args.gamma, args.lam)
+            lam = args.actor_lam if args.length_adaptive_lam is None else length_adaptive_lam(batch.train_mask,
+                                                                                                args.length_adaptive_lam)
+            advantages, returns = decoupled_gae(rewards, batch.values, batch.train_mask, args.gamma, lam, args.critic_lam)
             advantages = masked_whiten(advantages, batch.train_mask)  # over the whole batch, all ranks together
 
         # ---- 3. update: several epochs of shuffled minibatches, each in micro-batches ---------------------
         actor.train(), critic.train()
-        stats = {k: [] for k in ("pg_loss", "vf_loss", "approx_kl", "clipfrac", "ratio", "entropy")}  # micro-batch parts
+        stats = {k: [] for k in ("pg_loss", "vf_loss", "lm_loss", "approx_kl", "clipfrac", "ratio", "entropy")}
         for epoch in range(args.ppo_epochs):
             # the rollout's prompts are already in random order: epoch 0 takes them as they come, so its
             # first minibatch is exactly the rollout's first chunk; later epochs reshuffle
@@ -557,7 +628,9 @@ def main(args: Args):
             for start in range(0, per_rank, mini_per_rank):  # each rank takes its share of every minibatch
                 mb = order[start : start + mini_per_rank]
                 # the losses: means over these (1 where every response of the minibatch is unscored: loss 0)
-                num_tokens = max(1.0, all_reduce_sum({"tokens": batch.train_mask[mb].sum()}, device)["tokens"])
+                counts = all_reduce_sum({"tokens": batch.train_mask[mb].sum(),  # and those of the responses that pass
+                                         "positive": (batch.train_mask[mb] * batch.passed[mb, None]).sum()}, device)
+                num_tokens, num_positive = max(1.0, counts["tokens"]), max(1.0, counts["positive"])
                 for micro in range(0, mini_per_rank, micro_size):
                     idx = mb[micro : micro + micro_size]
                     for model in (actor, critic):  # once per step, with the last micro-batch
@@ -568,16 +641,20 @@ def main(args: Args):
                         new_values = critic(batch.sequences[idx], batch.attention_mask[idx])[:, batch.context_length - 1 : -1]
                     pg_loss, ratio = policy_loss(new_logprobs, batch.logprobs[idx], advantages[idx], batch.train_mask[idx],
                                                  args.cliprange, num_tokens,
-                                                 None if batch.is_weights is None else batch.is_weights[idx])
+                                                 None if batch.is_weights is None else batch.is_weights[idx],
+                                                 args.cliprange_high)
                     vf_loss = masked_value_loss(new_values, batch.values[idx], returns[idx], batch.train_mask[idx],
                                                 args.cliprange_value, num_tokens)
+                    lm_loss = (positive_lm_loss(new_logprobs, batch.train_mask[idx], batch.passed[idx], num_positive)
+                               if args.positive_lm_coef else pg_loss.new_zeros(()))  # VAPO
+                    loss = pg_loss + args.vf_coef * vf_loss + args.positive_lm_coef * lm_loss
                     # DDP and FSDP average the ranks' gradients; × world_size turns that into the minibatch's sum
-                    ((pg_loss + args.vf_coef * vf_loss) * world_size).backward()
-                    accumulate_ppo_stats(stats, pg_loss, vf_loss, ratio, new_logprobs - batch.logprobs[idx], new_entropy,
-                                         batch.train_mask[idx], num_tokens, epoch == start == micro == 0, args.cliprange)
+                    (loss * world_size).backward()
+                    accumulate_ppo_stats(stats, (pg_loss, vf_loss, lm_loss), ratio, new_logprobs - batch.logprobs[idx],
+                                         new_entropy, batch.train_mask[idx], num_tokens, epoch == start == micro == 0, args)
                 grad_norm = torch.nn.utils.clip_grad_norm_(list(actor.parameters()) + list(critic.parameters()),
                                                            args.max_grad_norm)
-                check_finite(iteration, loss=pg_loss + args.vf_coef * vf_loss, grad_norm=grad_norm)
+                check_finite(iteration, loss=loss, grad_norm=grad_norm)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)  # no gradients held through the next rollout
 
@@ -602,6 +679,61 @@ def main(args: Args):
     writer.close()
 
 
+def warm_up_critic(models, optimizer, rows, ids, scores_of, names, rng, amp, writer, args):
+    """0. value warm-up (VC-PPO's value pretraining, arXiv 2503.01491, section 4.1): --value-warmup-steps rollouts
+    of the starting policy train the critic alone, in the update's epochs, minibatches and micro-batches, towards
+    λ = 1 (Monte Carlo) returns. The critic starts as the reward model, whose head scores whole responses, not the
+    value of a response's first tokens: without the warm-up the actor's first advantages carry that bias. The actor
+    keeps its weights (it has no gradients, so AdamW leaves it). Each rank takes its share of each rollout, as in
+    the loop. Logged as val/warmup_value_loss and val/warmup_explained_variance (before each rollout's steps, as
+    val/explained_variance). Not on a resume: the checkpoint holds the warmed critic."""
+    actor, raw_actor, critic, _, tokenizer, stop_ids, _ = models
+    rank, world_size = rank_and_world_size()
+    per_rank, mini_per_rank = args.batch_size // world_size, args.mini_batch_size // world_size
+    micro_size = micro_batch_size(args)
+    num_minibatches = args.ppo_epochs * args.batch_size // args.mini_batch_size
+    for step in range(1, args.value_warmup_steps + 1):
+        actor.eval(), critic.eval()
+        chosen = rng.sample(range(len(ids)), args.batch_size)[rank * per_rank : (rank + 1) * per_rank]
+        with torch.no_grad(), amp():
+            sampled = generate_in_chunks(raw_actor, [ids[i] for i in chosen], tokenizer.pad_token_id, stop_ids,
+                                         args.response_length, args.temperature, args.generation_batch_size)
+            batch = score_rollout(models, [rows[i] for i in chosen], sampled, scores_of, names, args)
+            rewards, _ = shaped_rewards(batch.logprobs, batch.ref_logprobs, batch.scores.nan_to_num(0.0), batch.mask,
+                                        args.kl_coef)
+            _, returns = masked_gae(rewards, batch.values, batch.train_mask, args.gamma, 1.0)
+        critic.train()
+        device, losses = returns.device, []
+        for epoch in range(args.ppo_epochs):
+            order = torch.randperm(per_rank, device=device) if epoch > 0 else torch.arange(per_rank, device=device)
+            for start in range(0, per_rank, mini_per_rank):
+                mb = order[start : start + mini_per_rank]
+                num_tokens = max(1.0, all_reduce_sum({"tokens": batch.train_mask[mb].sum()}, device)["tokens"])
+                for micro in range(0, mini_per_rank, micro_size):
+                    idx = mb[micro : micro + micro_size]
+                    gradient_sync(critic, micro + micro_size == mini_per_rank)
+                    with amp():
+                        new_values = critic(batch.sequences[idx], batch.attention_mask[idx])[:, batch.context_length - 1 : -1]
+                    vf_loss = masked_value_loss(new_values, batch.values[idx], returns[idx], batch.train_mask[idx],
+                                                args.cliprange_value, num_tokens)
+                    (args.vf_coef * vf_loss * world_size).backward()
+                    losses.append(vf_loss.detach())
+                grad_norm = torch.nn.utils.clip_grad_norm_(list(critic.parameters()), args.max_grad_norm)
+                check_finite(f"warm-up {step}", value_loss=vf_loss, grad_norm=grad_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        valid, residual = batch.mask.bool(), (returns - batch.values).double()
+        r = returns.double()[valid]
+        sums = all_reduce_sum({"loss": torch.stack(losses).sum(), "n": valid.sum(), "r": r.sum(), "rr": (r * r).sum(),
+                               "e": residual[valid].sum(), "ee": (residual[valid] ** 2).sum()}, device)
+        var_returns, var_residual = sums["rr"] - sums["r"] ** 2 / sums["n"], sums["ee"] - sums["e"] ** 2 / sums["n"]
+        writer.add_scalar("val/warmup_value_loss", sums["loss"] / num_minibatches, step)
+        writer.add_scalar("val/warmup_explained_variance",
+                          1 - var_residual / var_returns if var_returns > 0 else float("nan"), step)
+        if rank == 0:
+            print(f"value warm-up {step}: value loss {sums['loss'] / num_minibatches:.4f}")
+
+
 @dataclass
 class Rollout:
     """B responses and what the four models made of them; token tensors are [B, response_length]."""
@@ -620,6 +752,7 @@ class Rollout:
     has_stop: torch.Tensor  # [B]: the response ended with a stop token
     prompts: list  # each response's prompt, as the dataset has it
     completions: list  # the responses' text
+    passed: torch.Tensor  # [B]: the response passes (passes; False where nothing tells), for --positive-lm-coef
     mismatch: tuple  # the sampler's distance from π_old (sampler_mismatch)
     is_weights: torch.Tensor | None  # the sampler correction's weights (sampler_correction); None without it
 
@@ -641,6 +774,8 @@ def score_rollout(models, rows, sampled, scores_of, names, args):
     train_mask = mask * ~scores.isnan().unsqueeze(1)
     return Rollout(sequences, attention_mask, context_length, mask, train_mask, logprobs, entropy, ref_logprobs,
                    values, scores, table, names, has_stop, [row["prompt"] for row in rows], completions,
+                   torch.tensor(passes(completions, rows, table, names, args.dataset_name is None) or [False] * len(rows),
+                                device=mask.device),
                    *sampler_correction(logprobs, sampler_logprobs, mask, args))
 
 
@@ -691,14 +826,17 @@ def completion_rewards(rows, sequences, attention_mask, context_length, response
 
 
 @torch.no_grad()
-def accumulate_ppo_stats(stats, pg_loss, vf_loss, ratio, log_ratio, entropy, mask, num_tokens, first, cliprange):
-    """Appends a micro-batch's losses and statistics to `stats` (log_ratio: log π_θ − log π_old), kept on the device
-    and read once after the update (no waiting inside a step); at the first micro-batch of an iteration, before any
+def accumulate_ppo_stats(stats, losses, ratio, log_ratio, entropy, mask, num_tokens, first, args):
+    """Appends a micro-batch's losses (policy, value, positive-example LM) and statistics to `stats` (log_ratio:
+    log π_θ − log π_old; clipfrac: the tokens whose ratio lies outside [1 − ε, 1 + ε_high]), kept on the device and
+    read once after the update (no waiting inside a step); at the first micro-batch of an iteration, before any
     step, the ratio's largest distance from 1 (it must be exactly 0)."""
-    stats["pg_loss"].append(pg_loss.detach())
-    stats["vf_loss"].append(vf_loss.detach())
+    for name, loss in zip(("pg_loss", "vf_loss", "lm_loss"), losses):
+        stats[name].append(loss.detach())
+    high = args.cliprange if args.cliprange_high is None else args.cliprange_high
+    clipped = (ratio - 1 > high) | (1 - ratio > args.cliprange)
     stats["approx_kl"].append(masked_mean(0.5 * log_ratio ** 2, mask, num_tokens))
-    stats["clipfrac"].append(masked_mean(((ratio - 1).abs() > cliprange).float(), mask, num_tokens))
+    stats["clipfrac"].append(masked_mean(clipped.float(), mask, num_tokens))
     stats["ratio"].append(masked_mean(ratio, mask, num_tokens))
     stats["entropy"].append(masked_mean(entropy, mask, num_tokens))
     if first:
@@ -721,6 +859,7 @@ def log_ppo_iteration(writer, iteration, batch, stats, non_score, returns, kl_co
                            "logprob_diff": mismatch[0], "kl_k3_sampler": mismatch[2], "outside": mismatch[3],
                            **corrected, "k1": k1.sum(), "k3": k3.sum(), "rollout_entropy": (batch.entropy * mask).sum(),
                            "non_score": non_score.sum(), "eos": batch.has_stop.sum(), "tokens": valid.sum(),
+                           "passed": batch.passed.sum(),
                            "r": r.sum(), "rr": (r * r).sum(), "e": residual[valid].sum(),
                            "ee": (residual[valid] ** 2).sum(),
                            **{name: sum(parts) for name, parts in stats.items()},
@@ -741,6 +880,8 @@ def log_ppo_iteration(writer, iteration, batch, stats, non_score, returns, kl_co
         "policy/ratio_mean": sums["ratio"] / num_minibatches, "policy/entropy": sums["entropy"] / num_minibatches,
         "policy/first_ratio_max_error": first_ratio_error,
         "losses/policy_loss": sums["pg_loss"] / num_minibatches, "losses/value_loss": sums["vf_loss"] / num_minibatches,
+        **({"losses/positive_lm_loss": sums["lm_loss"] / num_minibatches, "policy/positive_fraction": sums["passed"] / B}
+           if args.positive_lm_coef else {}),
         # 1 − Var(R − V) / Var(R) over the valid tokens (undefined when every return is the same)
         "val/explained_variance": 1 - var_residual / var_returns if var_returns > 0 else float("nan"),
         "val/num_eos": sums["eos"],
@@ -2081,7 +2222,8 @@ def settle_defaults(args):
     CPU, where bfloat16 products are slower than float32 on most processors. --gradient-checkpointing: on under
     --fsdp, the runs of models whose every block's activations do not fit beside the weights.
     --vllm-importance-sampling-correction (the RL scripts): TRL corrects by default; here only a stale sampler
-    (--rollout-lag) needs it."""
+    (--rollout-lag) needs it. rlhf_ppo's --critic-lam and --actor-lam: --lam (the actor's stays unset under
+    --length-adaptive-lam)."""
     if args.bf16 is None:
         args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     if args.gradient_checkpointing is None:
@@ -2090,6 +2232,10 @@ def settle_defaults(args):
         args.vllm_importance_sampling_correction = args.rollout_lag > 0
     if getattr(args, "no_scale_rewards", False):  # grpo: --no-scale-rewards, the older --scale-rewards none
         args.scale_rewards = "none"
+    if getattr(args, "critic_lam", 0) is None:
+        args.critic_lam = args.lam
+    if getattr(args, "actor_lam", 0) is None and args.length_adaptive_lam is None:
+        args.actor_lam = args.lam
 
 
 class RolloutLag:

@@ -305,3 +305,125 @@ def test_the_same_seed_gives_the_same_run(models, tmp_path):
         "distill.py", distill_flags(models, "--num-iterations", "4", "--eval-every", "2", "--lmbda", "0.5", "--beta",
                                     "0.5"), tmp_path)
     assert first == second and first_saved == second_saved and len(first["losses/loss"]) == 4
+
+
+# ------------------------------------------------------------------------ self-distillation (OPSD, SDFT, SDPO)
+def test_success_demonstrations_are_another_success_of_the_same_group():
+    # G = 4. Group 1 passes at 1 and 2: 0 and 3 are taught by 1 (the first), 1 by 2, 2 by 1 (never by itself).
+    # Group 2 passes at 6 alone: 4, 5 and 7 are taught by 6; 6 has no other success: −1 (no loss)
+    passed = [False, True, True, False, False, False, True, False]
+    assert distill.success_demonstrations(passed, 4) == [1, 2, 1, 1, 6, 6, -1, 6]
+    assert distill.success_demonstrations([False, False, True, True], 2) == [-1, -1, 3, 2]
+
+
+def test_ema_update_moves_the_teacher_by_tau():
+    # θ_T = 1, θ_S = 3: τ = 0.25 → 0.75 · 1 + 0.25 · 3 = 1.5; τ = 0 → 1; τ = 1 → 3
+    for rate, expected in ((0.25, 1.5), (0.0, 1.0), (1.0, 3.0)):
+        teacher, student = torch.nn.Linear(1, 1, bias=False), torch.nn.Linear(1, 1, bias=False)
+        teacher.weight.data.fill_(1.0), student.weight.data.fill_(3.0)
+        distill.ema_update(teacher, student, rate)
+        assert teacher.weight.item() == pytest.approx(expected) and student.weight.item() == 3.0
+
+
+def test_the_teacher_prompt_wraps_the_prompt_and_its_context():
+    template = "{prompt}\n\n{privileged_context}"
+    assert distill.teacher_prompt("sort 312:", "123", template) == "sort 312:\n\n123"
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "sort 312:"}]
+    assert distill.teacher_prompt(chat, "123", template) == [chat[0], {"role": "user", "content": "sort 312:\n\n123"}]
+    assert distill.reference_answer({"prompt": "p", "target": "123"}) == "123"
+    assert distill.reference_answer({"prompt": chat, "completion": [{"role": "assistant", "content": "9"}]}) == "9"
+
+
+@pytest.mark.parametrize("context", ["answer", "success"])
+def test_self_distillation_the_teacher_reads_the_context_and_the_student_does_not(models, context, tmp_path,
+                                                                                   monkeypatch):
+    """--self-distill: the teacher is the student's starting checkpoint (bitwise), and of each batch's forward passes
+    the student's reads the prompt alone, the teacher's the prompt with its privileged context (the target, or with
+    `success` a sibling's completion that is exactly the target) and then the same completion tokens; `success`
+    keeps the loss of exactly the completions that have such a sibling (the batch's completions 1, 2 and 6 are made
+    the target: group 1 has two successes, group 2 one, which no sibling teaches). --teacher-update-rate reaches
+    ema_update."""
+    from safetensors.torch import load_file
+
+    calls, loaded, rates, kept, masks = [], [], [], [], []
+    real = {name: getattr(distill, name) for name in ("completion_logits", "load_models", "ema_update", "teacher_view",
+                                                      "generate", "masked_mean")}
+
+    def generate_spy(model, prompt_ids, pad_token_id, *rest, **kwargs):
+        sequences, attention_mask, width, mask, _ = real["generate"](model, prompt_ids, pad_token_id, *rest, **kwargs)
+        tokenizer = loaded[0][0]
+        completions = [sequences[i, width:][mask[i].bool()].tolist() for i in range(len(prompt_ids))]
+        for i in (1, 2, 6):
+            prompt = tokenizer.decode(prompt_ids[i], skip_special_tokens=True).strip()
+            completions[i] = tokenizer("".join(sorted(prompt[len("sort ") : -1])),
+                                       add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        return (*distill.pad_completions(prompt_ids, completions, pad_token_id, sequences.device), None)
+
+    def logits_spy(model, sequences, attention_mask, context_length, vocab):
+        calls.append((model, sequences.clone(), attention_mask.clone(), context_length))
+        return real["completion_logits"](model, sequences, attention_mask, context_length, vocab)
+
+    def load_spy(*args):
+        loaded.append(real["load_models"](*args))
+        return loaded[-1]
+
+    def ema_spy(teacher, student, rate):
+        rates.append(rate)
+        return real["ema_update"](teacher, student, rate)
+
+    def view_spy(*args):
+        seen, mask = real["teacher_view"](*args)
+        kept.append((mask.sum(1, keepdim=True) > 0).float())  # a completion always has a token: kept or not
+        return seen, mask
+
+    def mean_spy(x, mask, num_tokens=None):
+        masks.append(mask.clone())
+        return real["masked_mean"](x, mask, num_tokens)
+
+    for name, spy in (("completion_logits", logits_spy), ("load_models", load_spy), ("ema_update", ema_spy),
+                      ("teacher_view", view_spy), ("generate", generate_spy), ("masked_mean", mean_spy)):
+        monkeypatch.setattr(distill, name, spy)
+    sft = models["student"]
+    flags = ["--model-name-or-path", sft, "--teacher-model-name-or-path", str(tmp_path / "never-read"),
+             "--self-distill", "--teacher-context", context, "--num-generations", "4", "--batch-size", "16",
+             "--num-iterations", "1", "--eval-size", "0", "--teacher-update-rate", "0.5", "--seed", "3", *CPU_FLOAT32]
+    run_in_process("distill.py", *flags, cwd=tmp_path)
+    tokenizer, _, student, teacher, _ = loaded[0]
+    ((_, s_seq, _, s_width), (_, t_seq, t_mask, t_width)) = [(m, *rest) for m, *rest in calls if m is student][:1] + \
+        [(m, *rest) for m, *rest in calls if m is teacher][:1]
+    assert torch.equal(s_seq[:, s_width:], t_seq[:, t_width:])  # the same completion tokens
+    prompts = tokenizer.batch_decode(s_seq[:, :s_width], skip_special_tokens=True)
+    teacher_prompts = tokenizer.batch_decode(t_seq[:, :t_width], skip_special_tokens=True)
+    completions = tokenizer.batch_decode(s_seq[:, s_width:], skip_special_tokens=True)
+    targets = ["".join(sorted(p.strip()[len("sort ") : -1])) for p in prompts]
+    assert all(p.strip().startswith("sort ") and "\n" not in p.strip() for p in prompts)  # the student: no context
+    (keep,) = kept
+    for i, (p, t) in enumerate(zip(prompts, teacher_prompts)):
+        head, _, given = t.partition("\n\n")
+        assert head == p.strip()
+        if context == "answer":
+            assert given == targets[i]
+        elif keep[i].item():  # a sibling's completion, exactly the target
+            assert given == targets[i] and any(completions[j] == targets[i] for j in range(i - i % 4, i - i % 4 + 4)
+                                                 if j != i)
+    if context == "success":
+        expected = [float(sum(completions[j] == targets[i] for j in range(i - i % 4, i - i % 4 + 4) if j != i) > 0)
+                    for i in range(16)]
+        assert keep.squeeze(1).tolist() == expected and expected[:8] == [1, 1, 1, 1, 1, 1, 0, 1]
+        assert sum(expected) < 16, (completions, targets)
+        assert masks[0].sum(1).tolist() == [n * k for n, k in zip((t_mask[:, t_width:].sum(1)).tolist(), expected)]
+    on_disk = load_file(f"{sft}/model.safetensors")
+    assert rates == [0.5] and any(not torch.equal(tensor, on_disk[name]) for name, tensor in teacher.state_dict().items()
+                                  if name in on_disk)  # the EMA moved it from the start
+    assert not any(p.requires_grad for p in teacher.parameters())
+
+
+def test_self_distillation_bad_input_is_one_line(models, tmp_path):
+    for flags, words in ((["--self-distill", "--teacher-context", "hint"], "--teacher-context 'hint'"),
+                         (["--teacher-update-rate", "0.1"], "only under --self-distill"),
+                         (["--self-distill", "--teacher-update-rate", "1.5"], "--teacher-update-rate 1.5"),
+                         (["--self-distill", "--teacher-context", "success"], "--num-generations 2 or more"),
+                         (["--num-generations", "3"], "groups of --num-generations 3"),
+                         (["--self-distill", "--teacher-prompt-template", "{prompt} {answer}"], "{privileged_context}")):
+        assert words in one_line_exit("distill.py", *distill_flags(models, *flags), cwd=tmp_path), flags
+    assert not (tmp_path / "models").exists() and not (tmp_path / "runs").exists()

@@ -731,7 +731,7 @@ COUNTS = {"sft": {"max-steps": 1, "batch-size": 1, "warmup-steps": 0, "eval-ever
           "dpo": {"max-steps": 1, "batch-size": 1, "warmup-steps": 0, "eval-every": 1, "eval-size": 0,
                   "response-length": 1, "num-train-pairs": 1},
           "rlhf_ppo": {"num-iterations": 1, "batch-size": 1, "mini-batch-size": 1, "ppo-epochs": 1,
-                       "response-length": 1, "kl-horizon": 1, "eval-every": 1, "eval-size": 0},
+                       "response-length": 1, "kl-horizon": 1, "eval-every": 1, "eval-size": 0, "value-warmup-steps": 0},
           "grpo": {"num-iterations": 1, "num-generations": 2, "batch-size": 1, "mini-batch-size": 1, "ppo-epochs": 1,
                    "max-sampling-rounds": 1, "response-length": 1, "eval-every": 1, "eval-size": 0}}
 ACCUMULATE = {"gradient-accumulation-steps": 1}
@@ -763,7 +763,8 @@ RULES = {"sft": {"lr": ">= 0", "weight-decay": ">= 0", "max-grad-norm": "> 0"},
                           "center-rewards-coefficient": ">= 0"},
          "dpo": {"lr": ">= 0", "max-grad-norm": "> 0", "beta": "> 0", "temperature": "> 0"},
          "rlhf_ppo": {"lr": ">= 0", "max-grad-norm": "> 0", "temperature": "> 0", "kl-coef": ">= 0", "kl-target": "> 0",
-                      "cliprange": "> 0", "cliprange-value": "> 0", "vf-coef": ">= 0"},
+                      "cliprange": "> 0", "cliprange-value": "> 0", "vf-coef": ">= 0", "cliprange-high": "> 0",
+                      "length-adaptive-lam": "> 0", "positive-lm-coef": ">= 0"},
          "grpo": {"lr": ">= 0", "max-grad-norm": "> 0", "temperature": "> 0", "beta": ">= 0", "epsilon": "> 0",
                   "epsilon-high": "> 0"}}
 RULE_CASES = [(f"{tier}{script}.py", flag, rule, value) for tier in ("", "scale/") for script, rules in RULES.items()
@@ -788,9 +789,11 @@ def test_a_number_out_of_its_range_is_one_line_before_any_model_is_loaded(script
 # round). A reward or a score of either sign, finite: the missing-EOS penalty and the reward weights (NaN or inf
 # ran before, and stopped only at the first loss, after the models were loaded, or in dpo.py not at all)
 INTERVAL_CASES = [(f"{tier}{script}.py", flags, message) for tier in ("", "scale/") for script, flags, message in [
-    ("rlhf_ppo", ["--gamma", "-0.5"], "--gamma -0.5 and --lam 0.95: each must be in [0, 1]"),
-    ("rlhf_ppo", ["--lam", "1.5"], "--gamma 1.0 and --lam 1.5: each must be in [0, 1]"),
-    ("rlhf_ppo", ["--gamma", "nan"], "--gamma nan and --lam 0.95: each must be in [0, 1]"),
+    ("rlhf_ppo", ["--gamma", "-0.5"], "--gamma -0.5: it must be in [0, 1]"),
+    ("rlhf_ppo", ["--lam", "1.5"], "--lam 1.5: it must be in [0, 1]"),
+    ("rlhf_ppo", ["--gamma", "nan"], "--gamma nan: it must be in [0, 1]"),
+    ("rlhf_ppo", ["--critic-lam", "1.5"], "--critic-lam 1.5: it must be in [0, 1]"),
+    ("rlhf_ppo", ["--actor-lam", "-0.1"], "--actor-lam -0.1: it must be in [0, 1]"),
     ("dpo", ["--label-smoothing", "-0.1"], "--label-smoothing -0.1: it must be in [0, 0.5]"),
     ("dpo", ["--label-smoothing", "0.6"], "--label-smoothing 0.6: it must be in [0, 0.5]"),
     ("dpo", ["--label-smoothing", "nan"], "--label-smoothing nan: it must be in [0, 0.5]"),

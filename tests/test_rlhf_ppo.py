@@ -1,6 +1,7 @@
 """rlhf_ppo.py: the math against hand-computed values, then the script end to end."""
 import math
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -94,6 +95,80 @@ def test_policy_and_value_losses_average_over_valid_tokens():
     #   ½·(3.24 + .64)/2 = 0.97; the padded token (V = 7, R = 0) does not count
     assert rlhf_ppo.masked_value_loss(T([[2.0, 0.5, 7.0]]), T([[1.0, 1.0, 0.0]]), T([[3.0, 0.0, 0.0]]), mask,
                                0.2).item() == pytest.approx(0.97)
+
+
+BOTH_TIERS = pytest.mark.parametrize("module", [rlhf_ppo, scale_rlhf_ppo], ids=["top", "scale"])
+
+
+@BOTH_TIERS
+def test_decoupled_gae_critic_lambda_for_the_targets_actor_lambda_for_the_advantages(module):
+    # γ = 0.9, r = 1, 2, 3, V = 1, 1, 1 and padding (V = 0 after the last valid token): δ = 0.9, 1.9, 2
+    #   actor λ = 0.5:  Â_2 = 2, Â_1 = 1.9 + .45·2 = 2.8, Â_0 = 0.9 + .45·2.8 = 2.16
+    #   critic λ = 1:   the Monte Carlo returns G_2 = 3, G_1 = 2 + .9·3 = 4.7, G_0 = 1 + .9·4.7 = 5.23
+    rewards, values, mask = T([[1.0, 2.0, 3.0, 5.0]]), T([[1.0, 1.0, 1.0, 7.0]]), T([[1.0, 1.0, 1.0, 0.0]])
+    advantages, returns = module.decoupled_gae(rewards, values, mask, 0.9, 0.5, 1.0)  # actor λ, critic λ
+    torch.testing.assert_close(advantages, T([[2.16, 2.8, 2.0, 0.0]]))
+    torch.testing.assert_close(returns, T([[5.23, 4.7, 3.0, 0.0]]))
+    # one λ: masked_gae's own pair (returns Â + V = 3.16, 3.8, 3)
+    advantages, returns = module.decoupled_gae(rewards, values, mask, 0.9, 0.5, 0.5)
+    torch.testing.assert_close(returns, T([[3.16, 3.8, 3.0, 0.0]]))
+
+
+@BOTH_TIERS
+def test_masked_gae_with_one_lambda_per_response(module):
+    # γ = 1; row 1 r = (0, 0, 1), V = (.5, .5, .5), λ = .5: Â = .125, .25, .5 (test_masked_gae_over_a_padded_response)
+    #        row 2 r = (0, 1, pad), V = (.2, .4, pad), λ = 0: Â = δ = (0 + .4 − .2, 1 + 0 − .4) = .2, .6
+    rewards, values = T([[0.0, 0, 1], [0, 1, 0]]), T([[0.5, 0.5, 0.5], [0.2, 0.4, 9.0]])
+    advantages, returns = module.masked_gae(rewards, values, T([[1.0, 1, 1], [1, 1, 0]]), 1.0, T([0.5, 0.0]))
+    torch.testing.assert_close(advantages, T([[0.125, 0.25, 0.5], [0.2, 0.6, 0.0]]))
+    torch.testing.assert_close(returns, T([[0.625, 0.75, 1.0], [0.4, 1.0, 0.0]]))
+
+
+@BOTH_TIERS
+def test_length_adaptive_lambda(module):
+    # α = 0.5: l = 10: 1 − 1/5 = 0.8;  l = 4: 1 − 1/2 = 0.5;  l = 1: 1 − 2 < 0, so 0;  α = 0.25, l = 10: 1 − 1/2.5 = 0.6
+    mask = T([[1.0] * 10, [1.0] * 4 + [0.0] * 6, [1.0] + [0.0] * 9])
+    torch.testing.assert_close(module.length_adaptive_lam(mask, 0.5), T([0.8, 0.5, 0.0]))
+    torch.testing.assert_close(module.length_adaptive_lam(mask[:1], 0.25), T([0.6]))
+
+
+@BOTH_TIERS
+def test_positive_lm_loss_is_the_nll_of_the_responses_that_pass(module):
+    # rows 1 and 3 pass: −(−1 − 2) − (−3 − 1 − 1) = 8 over their 5 tokens = 1.6 (row 2, which does not pass, would
+    # make it 8.5 / 6; the padding's −9 would count too); over 10 tokens of a whole minibatch 0.8; none passes: 0
+    logprobs = T([[-1.0, -2.0, -9.0], [-0.5, -7.0, -7.0], [-3.0, -1.0, -1.0]])
+    mask, positive = T([[1.0, 1, 0], [1, 0, 0], [1, 1, 1]]), T([True, False, True])
+    assert module.positive_lm_loss(logprobs, mask, positive).item() == pytest.approx(1.6)
+    assert module.positive_lm_loss(logprobs, mask, positive, 10.0).item() == pytest.approx(0.8)
+    assert module.positive_lm_loss(logprobs, mask, T([False, False, False])).item() == 0.0
+
+
+@BOTH_TIERS
+def test_clip_higher_in_the_policy_loss_and_the_clip_fraction(module):
+    # ratios (1.5, 0.5), Â = (1, −1), ε = 0.2, ε_high = 0.28: max(−1.5, −1.28) = −1.28, max(.5, .8) = .8: mean −0.24
+    #   (ε_high = ε: −1.2 and .8, −0.2)
+    args = (T([[math.log(1.5), math.log(0.5)]]), T([[0.0, 0.0]]), T([[1.0, -1.0]]), T([[1.0, 1.0]]), 0.2)
+    assert module.policy_loss(*args, cliprange_high=0.28)[0].item() == pytest.approx(-0.24)
+    assert module.policy_loss(*args)[0].item() == pytest.approx(-0.2)
+    # the clip fraction: ratios 1.25, 0.75, 1.1; 0.75 < 1 − 0.2 only (1.25 ≤ 1.28): 1/3; with ε_high = ε also 1.25
+    stats = {k: [] for k in ("pg_loss", "vf_loss", "lm_loss", "approx_kl", "clipfrac", "ratio", "entropy")}
+    ratio = T([[1.25, 0.75, 1.1]])
+    for high in (0.28, None):
+        module.accumulate_ppo_stats(stats, (T(0.0), T(0.0), T(0.0)), ratio, ratio.log(), torch.zeros(1, 3),
+                                    torch.ones(1, 3), 3.0, False, SimpleNamespace(cliprange=0.2, cliprange_high=high))
+    assert [float(x) for x in stats["clipfrac"]] == pytest.approx([1 / 3, 2 / 3])
+
+
+@pytest.mark.parametrize("script", ["rlhf_ppo.py", "scale/rlhf_ppo.py"])
+@pytest.mark.parametrize("flags,words", [
+    (["--length-adaptive-lam", "0.05", "--actor-lam", "0.9"], ["--length-adaptive-lam 0.05", "leave out --actor-lam"]),
+    (["--value-warmup-steps", "3", "--vf-coef", "0"], ["--value-warmup-steps 3", "--vf-coef 0", "train nothing"]),
+    (["--positive-lm-coef", "0.1", "--dataset-name", "p.jsonl"], ["--positive-lm-coef 0.1", "--reward-fn"]),
+])
+def test_vapo_flags_that_contradict_or_train_nothing_are_one_line(script, flags, words, tmp_path):
+    message = one_line_exit(script, "--model-name-or-path", "models/none", *flags, cwd=tmp_path)
+    assert all(word in message for word in words), message
+    assert not os.listdir(tmp_path)
 
 
 def test_adaptive_kl_controller_step():
@@ -378,9 +453,10 @@ def test_the_ppo_flags_reach_the_losses_and_the_gradient(tiny_checkpoints, tmp_p
         seen["kl_coef"].append(kl_coef)
         return real["shaped_rewards"](logprobs, ref_logprobs, scores, mask, kl_coef)
 
-    def policy_spy(new_logprobs, logprobs, advantages, mask, cliprange, num_tokens, weights=None):
+    def policy_spy(new_logprobs, logprobs, advantages, mask, cliprange, num_tokens, weights=None, cliprange_high=None):
         seen["cliprange"].append(cliprange)
-        pg_loss, ratio = real["policy_loss"](new_logprobs, logprobs, advantages, mask, cliprange, num_tokens, weights)
+        pg_loss, ratio = real["policy_loss"](new_logprobs, logprobs, advantages, mask, cliprange, num_tokens, weights,
+                                             cliprange_high)
         if len(seen["cliprange"]) == 1:  # before any step: the rollout's log-probs, at the same --temperature
             assert torch.equal(ratio * mask, mask)
         return 0 * pg_loss, ratio
@@ -417,3 +493,113 @@ def test_the_ppo_flags_reach_the_losses_and_the_gradient(tiny_checkpoints, tmp_p
     assert seen["kl_coef"] == [0.07] and seen["cliprange"] == [0.3] * 4 and seen["cliprange_value"] == [0.25] * 4
     assert seen["critic_grad"] == [critic_grad] * 4
     assert seen["temperature"] == [0.7] * 3  # the evaluation before training, the rollout, the evaluation after it
+
+
+# ------------------------------------------------------------------------ VC-PPO and VAPO
+def test_the_vapo_flags_reach_the_losses_and_the_lm_term_the_gradient(tiny_checkpoints, tmp_path, monkeypatch):
+    """--critic-lam and --length-adaptive-lam reach decoupled GAE (the critic's λ 1; the actor's one per response,
+    1 − 1/(α l) of its length l, by hand), --cliprange-high the policy loss, and --positive-lm-coef the positive-
+    example loss, with the update's own log-probs (those the policy loss gets) and as its set T exactly the responses
+    every reward function scores 1 (the format here, matched by hand on the rollout's text). With the policy loss
+    zeroed (0 × itself) and --vf-coef 0, the one step left raises the log-likelihood of the responses in T: the term
+    reaches the gradient, with its sign."""
+    import json
+    import re
+
+    seen = {"gae": [], "rollout": [], "policy": [], "lm": []}
+    real = {name: getattr(rlhf_ppo, name) for name in ("decoupled_gae", "score_rollout", "policy_loss", "positive_lm_loss")}
+
+    def gae_spy(rewards, values, mask, gamma, actor_lam, critic_lam):
+        seen["gae"].append((mask.clone(), actor_lam, critic_lam))
+        return real["decoupled_gae"](rewards, values, mask, gamma, actor_lam, critic_lam)
+
+    def rollout_spy(*args):
+        seen["rollout"].append(real["score_rollout"](*args))
+        return seen["rollout"][-1]
+
+    def policy_spy(new_logprobs, *args):
+        seen["policy"].append((new_logprobs, args[-1]))  # args[-1]: cliprange_high
+        pg_loss, ratio = real["policy_loss"](new_logprobs, *args)
+        return 0 * pg_loss, ratio
+
+    def lm_spy(logprobs, mask, positive, *rest):
+        seen["lm"].append((logprobs, positive.clone()))
+        return real["positive_lm_loss"](logprobs, mask, positive, *rest)
+
+    for name, spy in (("decoupled_gae", gae_spy), ("score_rollout", rollout_spy), ("policy_loss", policy_spy),
+                      ("positive_lm_loss", lm_spy)):
+        monkeypatch.setattr(rlhf_ppo, name, spy)
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps({"prompt": f"sort {i % 7}{i % 5}{i % 3}1:"}) for i in range(40)))
+    sft = tiny_checkpoints["sft"]
+    run_in_process("rlhf_ppo.py", *CPU_FLOAT32, "--model-name-or-path", str(sft), "--dataset-name", "p.jsonl",
+                   "--reward-fn", "format", "--format-pattern", ".*[a-z].*", "--num-iterations", "1", "--batch-size", "8",
+                   "--mini-batch-size", "8", "--ppo-epochs", "1", "--lr", "1e-4", "--vf-coef", "0", "--critic-lam", "1.0",
+                   "--length-adaptive-lam", "0.4", "--cliprange-high", "0.28", "--positive-lm-coef", "1.0",
+                   "--eval-size", "4", "--output-dir", "out", cwd=tmp_path)
+    (batch,), ((mask, actor_lam, critic_lam),) = seen["rollout"], seen["gae"]
+    lengths = mask.sum(1).tolist()  # the tokens GAE sees
+    assert critic_lam == 1.0 and actor_lam.tolist() == pytest.approx([max(0.0, 1 - 1 / (0.4 * n)) for n in lengths])
+    passing = [re.fullmatch(".*[a-z].*", c, re.DOTALL) is not None for c in batch.completions]
+    assert 0 < sum(passing) < 8, batch.completions  # both kinds in the rollout
+    ((new_logprobs, high),), ((lm_logprobs, positive),) = seen["policy"], seen["lm"]
+    assert high == 0.28 and lm_logprobs is new_logprobs and positive.tolist() == passing
+
+    def nll_of_passing(path):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        with torch.no_grad():
+            logprobs, _ = real_policy_logprobs(model, batch.sequences, batch.attention_mask, batch.context_length, 1.0)
+        return -(logprobs * batch.mask)[torch.tensor(passing)].sum()
+
+    real_policy_logprobs = rlhf_ppo.policy_logprobs
+    assert nll_of_passing(tmp_path / "out") < nll_of_passing(sft) - 1e-4
+
+
+def test_the_value_warmup_trains_the_critic_alone_towards_monte_carlo_returns(tiny_checkpoints, tmp_path, monkeypatch):
+    """--value-warmup-steps 2: two rollouts before the loop's, at which the value loss gets as its targets the Monte
+    Carlo returns, by hand the response's score at each of its tokens (γ = 1, one reward at the last token, and a KL
+    penalty of exactly 0: the actor is still the reference); the critic moves and the actor does not; then the loop,
+    its GAE at --lam. A warm-up at the loop's λ, or one that moves the actor, fails."""
+    seen = {"rollout": [], "value_targets": [], "lams": []}
+    real = {name: getattr(rlhf_ppo, name) for name in ("score_rollout", "masked_value_loss", "warm_up_critic",
+                                                      "decoupled_gae")}
+    moved = {}
+
+    def rollout_spy(*args):
+        seen["rollout"].append(real["score_rollout"](*args))
+        return seen["rollout"][-1]
+
+    def value_spy(new_values, values, returns, *rest):
+        seen["value_targets"].append((len(seen["rollout"]), returns.clone()))
+        return real["masked_value_loss"](new_values, values, returns, *rest)
+
+    def warm_up_spy(models, *args):
+        before = [{k: v.clone() for k, v in m.state_dict().items()} for m in models[:2]]  # actor, critic
+        real["warm_up_critic"](models, *args)
+        moved.update({name: any(not torch.equal(v, m.state_dict()[k]) for k, v in b.items())
+                      for name, m, b in zip(("actor", "critic"), models[:2], before)})
+
+    def gae_spy(rewards, values, mask, gamma, actor_lam, critic_lam):
+        seen["lams"].append((actor_lam, critic_lam))
+        return real["decoupled_gae"](rewards, values, mask, gamma, actor_lam, critic_lam)
+
+    for name, spy in (("score_rollout", rollout_spy), ("masked_value_loss", value_spy), ("warm_up_critic", warm_up_spy),
+                      ("decoupled_gae", gae_spy)):
+        monkeypatch.setattr(rlhf_ppo, name, spy)
+    run_in_process("rlhf_ppo.py", *CPU_FLOAT32, "--model-name-or-path", str(tiny_checkpoints["sft"]), "--reward-model-path",
+                   str(tiny_checkpoints["reward_model"]), "--value-warmup-steps", "2", "--num-iterations", "1",
+                   "--batch-size", "8", "--mini-batch-size", "4", "--ppo-epochs", "1", "--eval-size", "4",
+                   "--output-dir", "out", cwd=tmp_path)
+    assert moved == {"actor": False, "critic": True}
+    assert len(seen["rollout"]) == 3 and seen["lams"] == [(0.95, 0.95)]  # two warm-up rollouts, then the loop's
+    for step in (1, 2):
+        batch = seen["rollout"][step - 1]
+        # one epoch: its two minibatches are the rollout's rows in order, 0-3 then 4-7
+        targets = torch.cat([returns for rollout, returns in seen["value_targets"] if rollout == step])
+        by_hand = batch.scores.nan_to_num(0.0)[:, None] * batch.mask
+        assert targets.shape == by_hand.shape and batch.mask.sum(1).min() > 1
+        torch.testing.assert_close(targets * batch.mask, by_hand, atol=1e-6, rtol=0)
+    assert {rollout for rollout, _ in seen["value_targets"]} == {1, 2, 3}
+    logs = read_scalars(only_run_dir(tmp_path))
+    assert [step for step, _ in logs["val/warmup_value_loss"]] == [1, 2] and "val/warmup_explained_variance" in logs
