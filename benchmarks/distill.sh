@@ -3,7 +3,8 @@
 # their defaults) and, for each seed, the student (sft.py --n-layer 1 --n-embd 64); then from each student grpo.py
 # at its defaults (120 rollouts of 256 completions) and distill.py with the sampled-token form, β = 1 and β = 0.5
 # (480 batches of 64: as many completions sampled), every other flag at its default, one thread each, JOBS (2) at
-# once. SEEDS ("1 2 3") picks the seeds. Models, logs and TensorBoard runs go to $OUT (default benchmarks/distill),
+# once; and --self-distill with each --teacher-context. SEEDS ("1 2 3") picks the seeds, ROWS (a regular expression)
+# the rows of the second part. Models, logs and TensorBoard runs go to $OUT (default benchmarks/distill),
 # each run's wall time to its times.txt; then
 #   python benchmarks/summarize.py distill benchmarks/distill
 set -euo pipefail
@@ -35,4 +36,7 @@ for seed in ${SEEDS:-1 2 3}; do
   echo "sampled_token_s$seed distill $common --teacher-model-name-or-path $out/teacher --sampled-token"
   echo "beta1_s$seed distill $common --teacher-model-name-or-path $out/teacher --beta 1"
   echo "beta0.5_s$seed distill $common --teacher-model-name-or-path $out/teacher --beta 0.5"
-done | xargs -P "${JOBS:-2}" -L 1 bash -c 'run_one "$@"' _
+  # self-distillation: the student's own starting weights, given the target (OPSD, SDFT) or a sibling's success (SDPO)
+  echo "self_answer_s$seed distill $common --self-distill --teacher-context answer"
+  echo "self_success_s$seed distill $common --self-distill --teacher-context success --num-generations 8"
+done | grep -E "${ROWS:-.}" | xargs -P "${JOBS:-2}" -L 1 bash -c 'run_one "$@"' _

@@ -9,6 +9,9 @@
 # $OUT/<task> (default benchmarks/variants), its wall time to $OUT/<task>/times.txt; then
 #   python benchmarks/summarize.py variants benchmarks/variants/arithmetic
 # e.g. TASKS="builtin" SEEDS="1 2 3" JOBS=2 bash benchmarks/grpo_variants.sh
+# SCRIPT=rlhf_ppo runs rlhf_ppo.py's variants instead (docs/rlhf_ppo.md's VC-PPO and VAPO table; RLHF_VARIANTS):
+#   SCRIPT=rlhf_ppo SEEDS="1 2 3" JOBS=2 bash benchmarks/grpo_variants.sh      # after python reward_model.py
+#   SCRIPT=rlhf_ppo TASKS=arithmetic VARIANTS="ppo_gold vcppo_gold vapo_gold" SEEDS="1 2 3" bash ...
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=$(mkdir -p "${OUT:-$root/benchmarks/variants}" && cd "${OUT:-$root/benchmarks/variants}" && pwd)
@@ -17,6 +20,12 @@ ALL="grpo dapo_loss dr_grpo rloo reinforce_pp reinforce_pp_baseline clip_higher 
      entropy_coef adaptive_entropy top_entropy clip_cov kl_cov harsh harsh_entropy_coef harsh_adaptive_entropy
      harsh_top_entropy harsh_clip_cov harsh_kl_cov"
 HARSH="--lr 1e-3 --beta 0"  # where the entropy collapses: 10x the step, no KL penalty
+RLHF_VARIANTS="ppo_rm vcppo_rm vapo_rm ppo_gold vcppo_gold vapo_gold"
+# VC-PPO: λ 1 for the critic, 0.95 for the actor, the critic warmed up; VAPO adds the length-adaptive λ (α 1: λ = 1 −
+# 1/l, a horizon as long as the response; the paper's α 0.05 is for thousands of tokens and gives λ 0 here),
+# clip-higher and, with a verifiable reward, the positive-example LM loss
+VCPPO="--critic-lam 1.0 --actor-lam 0.95 --value-warmup-steps 5"
+VAPO="--critic-lam 1.0 --length-adaptive-lam 1.0 --value-warmup-steps 5 --cliprange-high 0.28"
 
 flags_of() {  # VARIANT RESPONSE_LENGTH: its flags; L_cache a fifth of the response length (DAPO: 4,096 of 20,480)
   local cache=$(( $2 / 5 ))
@@ -51,6 +60,12 @@ flags_of() {  # VARIANT RESPONSE_LENGTH: its flags; L_cache a fifth of the respo
     kl_cov) echo "--cov-method kl_cov" ;;                             # and k 2e-3 (β 1)
     harsh) echo "$HARSH" ;;
     harsh_*) echo "$HARSH $(flags_of "${1#harsh_}" "$2")" ;;          # the same at 10x the step, no KL
+    ppo_rm) ;;                                                        # rlhf_ppo.py: the reward model's score
+    vcppo_rm) echo "$VCPPO" ;;
+    vapo_rm) echo "$VAPO" ;;                                          # (no pass to learn from: no LM loss)
+    ppo_gold) echo "$GOLD" ;;                                         # the verifiable reward: gold, or
+    vcppo_gold) echo "$GOLD $VCPPO" ;;                                # numeric_match on arithmetic
+    vapo_gold) echo "$GOLD $VAPO --positive-lm-coef 0.1" ;;
     *) echo "unknown variant $1" >&2; exit 1 ;;
   esac
 }
@@ -58,20 +73,21 @@ flags_of() {  # VARIANT RESPONSE_LENGTH: its flags; L_cache a fifth of the respo
 run_one() {  # TASK VARIANT SEED
   local task=$1 variant=$2 seed=$3 start base
   case $task in
-    builtin) base="--model-name-or-path ${SFT_BUILTIN:-$root/models/sft}"; length=12
+    builtin) base="--model-name-or-path ${SFT_BUILTIN:-$root/models/sft}"; length=12; GOLD="--reward-fn gold"
              TERMS="--reward-fn gold --reward-fn format --format-pattern \d{4,8}" ;;  # the answer's form: 4-8 digits
     arithmetic|heldout)
       local d=${DATA:-$root/benchmarks}/$task/seed1
       length=24; [ "$task" = heldout ] && length=40
       TERMS="--reward-fn format --format-pattern .+\n####\s\d+"  # with numeric_match: the GSM8K form too
-      base="--model-name-or-path $d/sft --dataset-name $d/rl.jsonl --reward-fn numeric_match --max-prompt-length 96
-            --response-length $length" ;;
+      base="--model-name-or-path $d/sft --dataset-name $d/rl.jsonl --max-prompt-length 96 --response-length $length"
+      GOLD=; [ "${SCRIPT:-grpo}" = grpo ] && base="$base --reward-fn numeric_match" || GOLD="--reward-fn numeric_match"
+      ;;  # (no reward model here: rlhf_ppo's *_gold variants only)
     *) echo "unknown task $task" >&2; exit 1 ;;
   esac
   mkdir -p "$out/$task"
   cd "$out/$task"
   start=$(date +%s)
-  if OMP_NUM_THREADS=1 python "$root/grpo.py" $base $(flags_of "$variant" $length) --seed "$seed" ${EXTRA:-} \
+  if OMP_NUM_THREADS=1 python "$root/${SCRIPT:-grpo}.py" $base $(flags_of "$variant" $length) --seed "$seed" ${EXTRA:-} \
        --exp-name "${variant}_s$seed" --output-dir "/tmp/grpo_variants/$task/${variant}_s$seed" \
        > "${variant}_s$seed.log" 2>&1; then
     echo "$variant $seed $(( $(date +%s) - start ))" >> times.txt
@@ -81,8 +97,9 @@ run_one() {  # TASK VARIANT SEED
   rm -rf "/tmp/grpo_variants/$task/${variant}_s$seed"
 }
 export -f run_one flags_of
-export root out HARSH
+export root out HARSH VCPPO VAPO
 
+[ "${SCRIPT:-grpo}" = rlhf_ppo ] && ALL=$RLHF_VARIANTS
 for task in ${TASKS:-builtin}; do for variant in ${VARIANTS:-$ALL}; do for seed in ${SEEDS:-1}; do
   echo "$task $variant $seed"
 done; done; done | xargs -P "${JOBS:-1}" -L 1 bash -c 'run_one "$@"' _

@@ -292,7 +292,8 @@ VARIANTS = ["grpo", "dapo_loss", "dr_grpo", "rloo", "reinforce_pp", "reinforce_p
             "cispo", "mask_truncated", "soft_overlong", "dynamic_sampling", "dapo", "trl_defaults", "dppo", "dppo_kl",
             "maxrl", "scale_batch", "sapo", "luspo", "vespo", "two_terms", "gdpo", "entropy_coef", "adaptive_entropy",
             "top_entropy", "clip_cov", "kl_cov", "harsh", "harsh_entropy_coef", "harsh_adaptive_entropy",
-            "harsh_top_entropy", "harsh_clip_cov", "harsh_kl_cov"]  # grpo_variants.sh's
+            "harsh_top_entropy", "harsh_clip_cov", "harsh_kl_cov",
+            "ppo_rm", "vcppo_rm", "vapo_rm", "ppo_gold", "vcppo_gold", "vapo_gold"]  # grpo_variants.sh's
 
 
 def interval(values, n_prompts):
@@ -469,6 +470,8 @@ DISTILL_ROWS = [("student_s{}", "student after SFT (sft.py --n-layer 1 --n-embd 
                 ("sampled_token_s{}", "distill.py --sampled-token (480 × 64)", 64),
                 ("beta1_s{}", "distill.py --beta 1 (reverse KL, 480 × 64)", 64),
                 ("beta0.5_s{}", "distill.py --beta 0.5 (JSD, 480 × 64)", 64),
+                ("self_answer_s{}", "distill.py --self-distill (the target in context, 480 × 64)", 64),
+                ("self_success_s{}", "distill.py --self-distill --teacher-context success (480 × 64)", 64),
                 ("teacher", "teacher (sft.py, then grpo.py, 3 layers, 128 wide)", None)]
 
 
