@@ -238,6 +238,10 @@ def check_args(args):
             sys.exit(f"error: --{name} {getattr(args, name)}: it must be between 0 and 1")
     if args.teacher_context not in ("answer", "success"):
         sys.exit(f"error: --teacher-context {args.teacher_context!r}: choose answer or success")
+    if not args.self_distill and (args.teacher_context, args.teacher_prompt_template) != (Args.teacher_context,
+                                                                                        Args.teacher_prompt_template):
+        sys.exit("error: --teacher-context and --teacher-prompt-template shape the teacher's prompt under --self-distill "
+                 "only; add it (a separate teacher reads the student's prompt)")
     if not 0 <= args.teacher_update_rate <= 1 or args.teacher_update_rate and not args.self_distill:
         sys.exit(f"error: --teacher-update-rate {args.teacher_update_rate}: in [0, 1], and it moves the teacher toward "
                  "the student only under --self-distill (a separate teacher stays frozen)")

@@ -424,6 +424,8 @@ def test_self_distillation_bad_input_is_one_line(models, tmp_path):
                          (["--self-distill", "--teacher-update-rate", "1.5"], "--teacher-update-rate 1.5"),
                          (["--self-distill", "--teacher-context", "success"], "--num-generations 2 or more"),
                          (["--num-generations", "3"], "groups of --num-generations 3"),
+                         (["--teacher-context", "success"], "under --self-distill only"),
+                         (["--teacher-prompt-template", "{prompt} {privileged_context}!"], "under --self-distill only"),
                          (["--self-distill", "--teacher-prompt-template", "{prompt} {answer}"], "{privileged_context}")):
         assert words in one_line_exit("distill.py", *distill_flags(models, *flags), cwd=tmp_path), flags
     assert not (tmp_path / "models").exists() and not (tmp_path / "runs").exists()

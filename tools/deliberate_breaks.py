@@ -170,6 +170,9 @@ BREAKS = {
         ("teacher_update_rate_unchecked", "if not 0 <= args.teacher_update_rate <= 1 or args.teacher_update_rate and "
          "not args.self_distill:", "if False:"),
         ("success_groups_unchecked", "and (args.num_generations < 2 or args.lmbda < 1):", "and False:"),
+        ("context_without_self_distill_unchecked", "    if not args.self_distill and (args.teacher_context, "
+         "args.teacher_prompt_template) != (Args.teacher_context,", "    if False and (args.teacher_context, "
+         "args.teacher_prompt_template) != (Args.teacher_context,"),
         ("template_unchecked", "if args.self_distill and fields != {\"{prompt}\", \"{privileged_context}\"}:", "if False:")]},
     "rlhf_ppo_gamma_lambda_swapped": ('rlhf_ppo.py', 'batch.train_mask, args.gamma, lam, args.critic_lam)',
         'batch.train_mask, lam, args.gamma, args.critic_lam)', "tests/test_rlhf_ppo.py"),
