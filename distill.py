@@ -275,7 +275,7 @@ def main(args: Args):
 
     # Prompts (and completions, for the batches that are the dataset's), then the student and the teacher
     answer = args.self_distill or args.lmbda < 1  # a reference answer: the teacher's context, or the batches
-    needs = [("prompt", "completion")] + [("prompt", "target")] * args.self_distill if answer else [("prompt",)]
+    needs = [("prompt", "completion")] + [("prompt", "target")] * (args.lmbda == 1) if answer else [("prompt",)]
     train_rows, eval_rows = load_data(args, distillation_row, 50_000, needs, "needs a `prompt` column"
                                       + ", and a `completion` (or `target`) one for --lmbda < 1 or --self-distill"
                                       * answer)
