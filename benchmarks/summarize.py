@@ -357,9 +357,39 @@ def variants(task_dir, csv=None, figure=None):
     starts = {s: r[0] for by_seed in rows.values() for s, r in by_seed.items()}
     print("\nSFT model (the evaluation before the first update), by seed: "
           + ", ".join(f"{s}: {100 * v:.1f}%" for s, v in sorted(starts.items())))
-    if figure:
+    if figure and set(curves) & set(RLHF_VARIANTS):
+        plot_value({v: c for v, c in curves.items() if v in RLHF_VARIANTS}, figure)
+    elif figure:
         plot_entropy({v: c for v, c in curves.items() if v in ["grpo", *ENTROPY_METHODS] or v.startswith("harsh")},
                      figure)
+
+
+RLHF_VARIANTS = ["ppo_rm", "vcppo_rm", "vapo_rm", "ppo_gold", "vcppo_gold", "vapo_gold"]
+
+
+def plot_value(curves, figure):
+    """rlhf_ppo.py's PPO, VC-PPO and VAPO rows: the mean over seeds of the critic's explained variance and value
+    loss at each iteration, and of the evaluation's accuracy; the reward model's rows solid, the gold reward's
+    dashed, one color per recipe."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for variant in sorted(curves, key=VARIANTS.index):
+        by_seed, (recipe, reward) = list(curves[variant].values()), variant.split("_")
+        style = {"color": f"C{['ppo', 'vcppo', 'vapo'].index(recipe)}", "linestyle": "-" if reward == "rm" else "--",
+                 "label": variant, "linewidth": 1}
+        accuracy = "eval/gold_accuracy" if "eval/gold_accuracy" in by_seed[0] else "eval/rewards/numeric_match"
+        for ax, tag, scale in zip(axes, ("val/explained_variance", "losses/value_loss", accuracy), (1, 1, 100)):
+            values = [[scale * v for _, v in logs[tag]] for logs in by_seed]
+            ax.plot([step for step, _ in by_seed[0][tag]], [mean(c) for c in zip(*values)], **style)
+    axes[0].set(xlabel="iteration", ylabel="explained variance", title="the critic: explained variance", ylim=(-1, 1))
+    axes[1].set(yscale="log", xlabel="iteration", ylabel="value loss", title="the critic: value loss")
+    axes[2].set(xlabel="iteration", ylabel="accuracy, %", title="evaluation accuracy")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[2].legend(loc="lower right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(figure)
+    print(f"\nwrote {figure}")
 
 
 ENTROPY_METHODS = ["none", "entropy_coef", "adaptive_entropy", "top_entropy", "clip_cov", "kl_cov"]
