@@ -1,5 +1,6 @@
 """On-policy distillation: the student samples its own completions, a frozen teacher scores every token of them,
-and the student is trained toward the teacher on exactly the states it visits.
+and the student is trained toward the teacher on exactly the states it visits. With --self-distill the teacher is
+the student's own starting weights, reading privileged context (the answer, or a sibling's success) in its prompt.
 
 Agarwal et al. 2024, "On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes" (GKD,
 ICLR 2024), with the generalized Jensen-Shannon divergence between the teacher's and the student's next-token
@@ -21,6 +22,7 @@ held-out prompts, sampled and greedy.
     python distill.py --beta 0.5                                           # GKD's JSD
     python distill.py --sampled-token                                      # Lu et al.: the drawn token only
     python distill.py --lmbda 0.5 --beta 0.5                               # GKD: half the batches the dataset's
+    python distill.py --model-name-or-path models/sft --self-distill       # its own teacher, the target in context
     python distill.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct \\
         --teacher-model-name-or-path Qwen/Qwen2.5-7B-Instruct --dataset-name prompts.jsonl --lr 1e-6
 

@@ -15,6 +15,7 @@ a reward model, three models are in memory and the critic starts from the SFT mo
     python rlhf_ppo.py --kl-coef 0                                   # what the KL penalty is for
     python rlhf_ppo.py --reward-fn gold                              # the gold score, no reward model
     python rlhf_ppo.py --rollout-lag 8                               # stale rollouts, corrected (docs/rlhf_ppo.md)
+    python rlhf_ppo.py --reward-fn gold --critic-lam 1 --value-warmup-steps 5 --positive-lm-coef 0.1   # VC-PPO, VAPO
     python rlhf_ppo.py --model-name-or-path my-sft --reward-model-path my-rm --dataset-name prompts.jsonl --lr 1e-6
 
 This is the one-device reference. scale/rlhf_ppo.py computes the same thing and adds what larger runs need:
