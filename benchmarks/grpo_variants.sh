@@ -74,7 +74,8 @@ run_one() {  # TASK VARIANT SEED
   local task=$1 variant=$2 seed=$3 start base
   case $task in
     builtin) base="--model-name-or-path ${SFT_BUILTIN:-$root/models/sft}"; length=12; GOLD="--reward-fn gold"
-             TERMS="--reward-fn gold --reward-fn format --format-pattern \d{4,8}" ;;  # the answer's form: 4-8 digits
+             TERMS="--reward-fn gold --reward-fn format --format-pattern \d{4,8}"  # the answer's form: 4-8 digits
+             [[ $variant == *_rm ]] && base="$base --reward-model-path ${RM_BUILTIN:-$root/models/reward_model}" ;;
     arithmetic|heldout)
       local d=${DATA:-$root/benchmarks}/$task/seed1
       length=24; [ "$task" = heldout ] && length=40
