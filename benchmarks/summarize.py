@@ -30,7 +30,8 @@ eval/rewards/numeric_match), its gain over the SFT model, the KL to the SFT mode
 8), the rollout's entropy per token, and the wall time, over the seeds found. With 2 or more seeds the interval is the
 95% t-interval of the mean over seeds; with one, the 95% binomial interval over the eval prompts. With a CSV path,
 each run's numbers are appended to it too; with a figure path, the entropy curves of the entropy methods at the
-defaults and in the harsh setting, and the harsh setting's pass@8.
+defaults and in the harsh setting, and the harsh setting's pass@8. rlhf_ppo.py's variants (docs/rlhf_ppo.md) add a
+table of the critic's explained variance and value loss, and their figure is plot_value's.
 
 off_policy: docs/grpo.md's off-policy table and figure (and docs/rlhf_ppo.md's table): for each rollout lag K and
 correction, the final gold accuracy over the seeds (mean, 95% t-interval, each seed), the sampler's distance from
@@ -357,6 +358,8 @@ def variants(task_dir, csv=None, figure=None):
     starts = {s: r[0] for by_seed in rows.values() for s, r in by_seed.items()}
     print("\nSFT model (the evaluation before the first update), by seed: "
           + ", ".join(f"{s}: {100 * v:.1f}%" for s, v in sorted(starts.items())))
+    if set(curves) & set(RLHF_VARIANTS):
+        critic_table({v: c for v, c in curves.items() if v in RLHF_VARIANTS})
     if figure and set(curves) & set(RLHF_VARIANTS):
         plot_value({v: c for v, c in curves.items() if v in RLHF_VARIANTS}, figure)
     elif figure:
@@ -365,6 +368,25 @@ def variants(task_dir, csv=None, figure=None):
 
 
 RLHF_VARIANTS = ["ppo_rm", "vcppo_rm", "vapo_rm", "ppo_gold", "vcppo_gold", "vapo_gold"]
+
+
+def critic_table(curves):
+    """rlhf_ppo.py's critic, the mean over seeds: explained variance and value loss over the first 10 iterations and
+    the last 10, and the explained variance at the end of the value warm-up."""
+    def window(logs, tag, part):
+        values = [v for _, v in logs.get(tag, [])]
+        return mean(values[:10] if part == "first" else values[-10:]) if values else float("nan")
+
+    print("\n| variant | explained variance, iterations 1-10 | last 10 | value loss, 1-10 | last 10 | after the warm-up |")
+    print("|-|-|-|-|-|-|")
+    for variant in sorted(curves, key=VARIANTS.index):
+        by_seed = list(curves[variant].values())
+        cells = [mean([window(logs, tag, part) for logs in by_seed]) for tag, part in (
+            ("val/explained_variance", "first"), ("val/explained_variance", "last"), ("losses/value_loss", "first"),
+            ("losses/value_loss", "last"))]
+        warm = mean([last(logs, "val/warmup_explained_variance") for logs in by_seed])
+        print(f"| {variant} | {cells[0]:.2f} | {cells[1]:.2f} | {cells[2]:.3f} | {cells[3]:.4f} | "
+              + ("—" if math.isnan(warm) else f"{warm:.2f}") + " |")
 
 
 def plot_value(curves, figure):
