@@ -313,7 +313,8 @@ def last(logs, tag):
 
 
 def variants(task_dir, csv=None, figure=None):
-    """The table; with `figure`, plot_entropy's curves."""
+    """The table (and for rlhf_ppo.py's variants critic_table's); with `figure`, plot_entropy's curves (rlhf_ppo.py's
+    variants: plot_value's)."""
     times = collections.defaultdict(dict)
     for line in open(os.path.join(task_dir, "times.txt")):
         variant, seed, seconds = line.split()
