@@ -24,7 +24,9 @@ of three takes two calls, the second on the first's result.
     python agent_grpo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --dataset-name my.jsonl \\
         --tools my_tools.py:search,lookup --reward-fn my_rewards.py:correct --lr 1e-6 --max-prompt-length 1024
 
-One process, one device; no scale/ sibling yet (scale/grpo.py holds the systems features for single-turn GRPO).
+GRPO's default recipe around the tool mechanism: --loss-type grpo, dapo or dr_grpo, the KL to the reference,
+clip-higher (--epsilon-high), --mask-truncated-completions. One process, one device; no scale/ sibling yet
+(scale/grpo.py holds the other variants and the systems features, for single-turn GRPO).
 """
 
 import datetime
@@ -127,82 +129,20 @@ class Args:
     """(default: on with CUDA, off on the CPU) compute in bfloat16 (autocast); weights and AdamW state float32"""
     temperature: float = 1.0
     """sampling temperature; the log-probs of training divide the logits by it too"""
-    advantage: str = "grpo"
-    """grpo, rloo, reinforce_pp, reinforce_pp_baseline or maxrl (rewards ≥ 0), as grpo.py's (compute_advantages)"""
-    scale_rewards: str = "group"
-    """divide GRPO's advantages by the group's std (group), the batch's (batch), or not (none, Dr. GRPO)"""
-    no_scale_rewards: Annotated[bool, tyro.conf.FlagCreatePairsOff] = False
-    """the older spelling of --scale-rewards none"""
     loss_type: str = "grpo"
     """grpo: mean over each episode's policy tokens, then over episodes; dapo: mean over all policy tokens of the
-    rollout; dr_grpo: sum / (episodes × --max-completion-length); cispo, dppo, sapo, luspo, vespo: as grpo.py's
-    (TRL: loss_type)"""
-    importance_sampling_level: str = "token"
-    """token: one ratio per token; sequence: GSPO's one ratio per episode, over its policy tokens"""
+    rollout; dr_grpo: sum / (episodes × --max-completion-length) (TRL: loss_type; the other variants are grpo.py's
+    and scale/grpo.py's)"""
     epsilon: float = 0.2
     """ε of the clipped surrogate (the lower bound, and the upper one unless --epsilon-high is set)"""
     epsilon_high: float | None = None
-    """upper clip bound 1 + ε_high (DAPO's clip-higher); with --loss-type cispo the weight's cap (TRL's meaning);
-    with dppo, --epsilon and --epsilon-high are the trust region's δ_low and δ_high"""
-    dppo_divergence: str = "binary_tv"
-    """--loss-type dppo's divergence, binary_tv or binary_kl, as grpo.py's"""
-    sapo_temperature_pos: float = 1.0
-    """τ of --loss-type sapo's gate where Â > 0 (TRL's)"""
-    sapo_temperature_neg: float = 1.05
-    """τ of --loss-type sapo's gate where Â ≤ 0 (TRL's)"""
-    vespo_k_pos: float = 2.0
-    """k of --loss-type vespo's weight where Â ≥ 0 (TRL's)"""
-    vespo_lambda_pos: float = 3.0
-    """λ of --loss-type vespo's weight where Â ≥ 0 (TRL's)"""
-    vespo_k_neg: float = 3.0
-    """k of --loss-type vespo's weight where Â < 0 (TRL's)"""
-    vespo_lambda_neg: float = 2.0
-    """λ of --loss-type vespo's weight where Â < 0 (TRL's)"""
+    """upper clip bound 1 + ε_high (DAPO's clip-higher, e.g. 0.28); None: ε"""
     beta: float = 0.04
     """β of the k3 KL penalty to the reference, on the policy's tokens only; 0 drops the reference model"""
     missing_eos_penalty: float = -1.0
     """the reward of an episode whose last turn was cut at --max-completion-length (no stop token): not scored"""
     mask_truncated_completions: bool = False
     """DAPO's overlong filtering: an episode cut at the limit gets no loss and no KL penalty"""
-    rollout_lag: int = 0
-    """K: sample each rollout with the policy's weights of K iterations before, as an asynchronous trainer does
-    (grpo.py's); 0: on-policy"""
-    vllm_importance_sampling_correction: Annotated[bool | None, tyro.conf.DisallowNone] = None
-    """(default: on when --rollout-lag > 0) weigh each policy token's loss by π_old/π_sampler, as grpo.py"""
-    vllm_importance_sampling_mode: str = "sequence_mask"
-    """token_truncate, token_mask, sequence_truncate or sequence_mask (TRL's default), as grpo.py"""
-    vllm_importance_sampling_clip_max: float | None = 3.0
-    """C_max: the weight's upper bound; None: none (TRL's 3.0)"""
-    vllm_importance_sampling_clip_min: float | None = None
-    """C_min: the weight's lower bound; None: none (TRL's)"""
-    off_policy_mask_threshold: float | None = None
-    """δ of DeepSeek-V3.2's off-policy sequence masking, as grpo.py; None: off"""
-    entropy_coef: float = 0.0
-    """c of the entropy bonus over the policy's tokens, as grpo.py's (TRL's)"""
-    use_adaptive_entropy: bool = False
-    """Skywork-OR1's adaptive entropy control, as grpo.py's (TRL's)"""
-    entropy_target: float = 0.2
-    """the entropy adaptive control holds (TRL's)"""
-    entropy_coef_delta: float = 0.005
-    """adaptive control's step of the coefficient (TRL's)"""
-    entropy_coef_min: float = 0.0
-    """adaptive control's least coefficient (TRL's)"""
-    entropy_coef_max: float = 1.0
-    """adaptive control's largest coefficient (TRL's)"""
-    top_entropy_quantile: float = 1.0
-    """ρ: the policy loss on the ρ fraction of policy tokens of highest entropy only (TRL's)"""
-    cov_method: str | None = None
-    """clip_cov or kl_cov, as grpo.py's; None: off"""
-    clip_cov_ratio: float = 2e-4
-    """clip_cov: the fraction of tokens detached (the paper's)"""
-    clip_cov_lb: float = 1.0
-    """clip_cov's lower bound of the covariance"""
-    clip_cov_ub: float = 5.0
-    """clip_cov's upper bound of the covariance"""
-    kl_cov_ratio: float = 2e-3
-    """kl_cov: the fraction of tokens penalized (the authors' 7B recipe's)"""
-    kl_cov_coef: float = 1.0
-    """kl_cov: β of the penalty β |log π_θ − log π_old|"""
     max_grad_norm: float = 1.0
     """clip the global gradient norm to this"""
     eval_every: int = 20
@@ -212,14 +152,13 @@ class Args:
     held out from the training ones"""
 
 
-
-
 # ---------------------------------------------------------------------------------------------
 # The math: pure functions. Rewards and advantages are [B] with the G episodes of a prompt in adjacent
 # rows; token tensors are [B, T] over each episode's completion (every token after its prompt) with `mask`
 # 1 on the tokens the policy sampled, its turns up to and including each turn's stop token, and 0 on the
-# environment's (tool results, the template's tokens between turns) and on padding. grpo.py's functions,
-# pasted; episode_tokens is this file's. Checked against hand-computed values in tests/test_agent_grpo.py.
+# environment's (tool results, the template's tokens between turns) and on padding. grpo.py's functions of
+# its default recipe, pasted (compute_advantages, clipped_tokens and aggregate_loss with this file's rows only);
+# episode_tokens is this file's. Checked against hand-computed values in tests/test_agent_grpo.py.
 # ---------------------------------------------------------------------------------------------
 def episode_tokens(turns):
     """An episode's completion as the update sees it, from its turns in order, each (ids, sampled, logprobs): an
@@ -243,10 +182,9 @@ def group_advantages(rewards, num_generations, scale_rewards="group", eps=1e-4):
         Â_i = (r_i − mean(r)) / (std(r) + ε)      std over the group, with G − 1 in the denominator (as TRL)
 
     scale_rewards "none" (or False; Dr. GRPO, Liu et al. 2025): Â_i = r_i − mean(r). Dividing by the std gives
-    groups whose rewards barely differ (prompts nearly always or nearly never solved) as much weight as the rest;
-    "batch" divides by the std of all B rewards instead (TRL's scale_rewards="batch"), which does not. A group of
-    equal rewards gets Â = 0: it teaches nothing. An unscored completion (reward NaN) is left out of its group's
-    mean and std, as in TRL 1.16; its own Â is NaN until compute_advantages makes it 0."""
+    groups whose rewards barely differ (prompts nearly always or nearly never solved) as much weight as the rest.
+    A group of equal rewards gets Â = 0: it teaches nothing. An unscored completion (reward NaN) is left out of its
+    group's mean and std, as in TRL 1.16; its own Â is NaN until compute_advantages makes it 0."""
     groups = rewards.view(-1, num_generations)
     advantages = groups - groups.nanmean(1, keepdim=True)
     if scale_rewards in ("group", True):  # the std of the scored rewards (torch.std's own where every one is scored)
@@ -254,150 +192,14 @@ def group_advantages(rewards, num_generations, scale_rewards="group", eps=1e-4):
         std = torch.where(scored == num_generations, groups.std(1, keepdim=True),
                           (advantages.nan_to_num() ** 2).sum(1, keepdim=True).div(scored - 1).sqrt())
         advantages = advantages / (std + eps)
-    elif scale_rewards == "batch":
-        advantages = advantages / (batch_moments(rewards)[1] + eps)
     return advantages.flatten()
 
 
-def nanstd(x, dim):
-    """The standard deviation along `dim` of the values of x that are not NaN, with n − 1 in the denominator (as
-    TRL's nanstd), keeping the dimension."""
-    count = (~x.isnan()).sum(dim, keepdim=True)
-    return (((x - x.nanmean(dim, keepdim=True)) ** 2).nansum(dim, keepdim=True) / (count - 1)).sqrt()
-
-
-def batch_moments(x):
-    """(mean, std) of the values of x that are not NaN, the std with n − 1 in the denominator (TRL's nanstd over the
-    whole batch)."""
-    n = (~x.isnan()).sum().float()
-    mean = x.nansum() / n
-    return mean, (((x - mean) ** 2).nansum() / (n - 1)).sqrt()
-
-
-def maxrl_advantages(rewards, num_generations, eps=1e-6):
-    """MaxRL (Tajwar et al. 2026, "Maximum Likelihood Reinforcement Learning"): the group's mean reward in place of
-    its std,
-
-        Â_i = (r_i − mean(r)) / (mean(r) + ε)
-
-    With 0/1 rewards mean(r) is the pass rate p̂ of the prompt, and Σ_i Â_i ∇log π(o_i) / G = (1/K) Σ_correct ∇log π
-    − (1/G) Σ_all ∇log π for K correct answers: an estimate of ∇log p (maximum likelihood) where GRPO estimates
-    ∇p. A prompt solved 1 time in 8 weighs 7 times one solved 7 times in 8. Rewards must not be negative
-    (check_args). A group of zeros gets Â = 0; unscored completions (NaN) are left out, as in group_advantages."""
-    groups = rewards.view(-1, num_generations)
-    mean = groups.nanmean(1, keepdim=True)
-    return ((groups - mean) / (mean + eps)).flatten()
-
-
-def normalize_then_sum(table, weights, num_generations, eps=1e-4):
-    """GDPO's advantage (arXiv 2601.05242) from K reward terms, as TRL 1.16's multi_objective_aggregation=
-    "normalize_then_sum": each term normalized within its group first, so that a term of small spread is not
-    drowned by one of large spread in the sum, then the weighted sum normalized over the batch,
-
-        A_i = Σ_k w_k (r_ik − mean_g(r_k)) / (std_g(r_k) + ε),    Â_i = (A_i − mean_B(A)) / (std_B(A) + ε)
-
-    `table` is [B, K] with NaN where a term does not apply (left out of its statistics, adding 0 to the sum); a
-    completion no term applies to gets NaN, as in combine_rewards. Stds with n − 1 in the denominator; mean_B and
-    std_B over the whole batch (batch_moments)."""
-    groups = table.view(-1, num_generations, table.shape[1])
-    normalized = (groups - groups.nanmean(1, keepdim=True)) / (nanstd(groups, 1) + eps)
-    summed = (normalized.view_as(table) * torch.as_tensor(weights, dtype=table.dtype, device=table.device)).nansum(1)
-    summed = summed.masked_fill(table.isnan().all(1), math.nan)
-    mean, std = batch_moments(summed)
-    return (summed - mean) / (std + eps)
-
-
-def rloo_advantages(rewards, num_generations):
-    """RLOO's leave-one-out baseline (Ahmadian et al. 2024): each completion against the mean reward of the
-    other G − 1 completions of its prompt, an unbiased baseline because it does not depend on o_i:
-
-        Â_i = r_i − (1/(G − 1)) Σ_{j≠i} r_j  =  G/(G − 1) · (r_i − mean(r))
-
-    the sum and G − 1 over the scored others where a completion is unscored (reward NaN)."""
-    groups = rewards.view(-1, num_generations)
-    baseline = (groups.nansum(1, keepdim=True) - groups) / ((~groups.isnan()).sum(1, keepdim=True) - 1)
-    return (groups - baseline).flatten()
-
-
-def reinforce_pp_advantages(rewards, num_generations, group_baseline, eps=1e-8):
-    """REINFORCE++ (Hu 2025): no group statistics in the scale; the rewards are normalized over the whole batch,
-    which keeps the estimate's scale steady where a group's own std would blow up the advantages of a group that
-    barely differs:
-
-        reinforce_pp            Â_i = (r_i − mean_B(r)) / std_B(r)
-        reinforce_pp_baseline   Â_i = (r'_i − mean_B(r')) / std_B(r'),   r'_i = r_i − mean(r of its group)
-
-    mean_B and std_B (population) over the B completions of the batch, the scored ones (reward not NaN). With the
-    group baseline a group of equal rewards gets Â = 0; without it, its completions are compared with the batch."""
-    x = rewards.view(-1, num_generations)
-    x = (x - x.nanmean(1, keepdim=True) if group_baseline else x).flatten()
-    scored = (~x.isnan()).sum()
-    mean = x.nansum() / scored
-    return (x - mean) * torch.rsqrt(((x - mean) ** 2).nansum() / scored + eps)
-
-
-def compute_advantages(rewards, num_generations, advantage, scale_rewards, table=None, weights=None):
-    """Â_i of each completion by --advantage: grpo (group_advantages, with --scale-rewards none Dr. GRPO's), rloo
-    (rloo_advantages), reinforce_pp and reinforce_pp_baseline (reinforce_pp_advantages, over the whole batch),
-    maxrl (maxrl_advantages); given the reward terms' `table` and `weights`, GDPO's (normalize_then_sum).
-    An unscored completion (reward NaN: no reward function applies to it) gets Â = 0, as in TRL 1.16: it moves
-    nothing, and the others' baselines leave it out."""
-    if table is not None:
-        advantages = normalize_then_sum(table, weights, num_generations)
-    elif advantage == "maxrl":
-        advantages = maxrl_advantages(rewards, num_generations)
-    elif advantage == "rloo":
-        advantages = rloo_advantages(rewards, num_generations)
-    elif advantage.startswith("reinforce_pp"):
-        advantages = reinforce_pp_advantages(rewards, num_generations, advantage == "reinforce_pp_baseline")
-    else:
-        advantages = group_advantages(rewards, num_generations, scale_rewards)
-    return advantages.nan_to_num(0.0)
-
-
-def sampler_importance_weights(old_logprobs, sampler_logprobs, mask, mode, clip_min, clip_max):
-    """The weight of each token's loss that corrects for sampling from π_sampler (weights --rollout-lag iterations
-    old, or another engine's kernels) instead of π_old, the policy the update starts from, [B, T], detached:
-
-        token_truncate     w_t = clip(ρ_t, C_min, C_max)              TIS (Yao et al. 2025)
-        token_mask         w_t = ρ_t · 1[C_min ≤ ρ_t ≤ C_max]          MIS
-        sequence_truncate  w_i = clip(ρ_i, C_min, C_max)              at every token of o_i
-        sequence_mask      w_i = ρ_i · 1[C_min ≤ ρ_i ≤ C_max]
-
-    with ρ_t = π_old(o_t | q, o_<t) / π_sampler(o_t | q, o_<t) and ρ_i = Π_t ρ_t, the whole completion's ratio (a
-    product, not GSPO's geometric mean). As TRL 1.16's vllm_importance_sampling_mode; C_min or C_max None: no bound
-    on that side."""
-    log_ratio = (old_logprobs - sampler_logprobs) * mask
-    if mode.startswith("sequence"):
-        log_ratio = log_ratio.sum(1, keepdim=True).expand_as(mask)
-    ratio = torch.exp(log_ratio)
-    low, high = -math.inf if clip_min is None else clip_min, math.inf if clip_max is None else clip_max
-    if mode.endswith("truncate"):
-        return ratio.clamp(low, high)
-    return ratio * ((ratio >= low) & (ratio <= high))
-
-
-def off_policy_sequence_mask(advantages, logprobs, sampler_logprobs, mask, delta):
-    """DeepSeek-V3.2's off-policy sequence masking (DeepSeek-AI 2025, arXiv 2512.02556, eq. 9): leave out of the loss
-    a completion with a negative advantage that the policy has moved far from, measured from the sampler's tokens,
-
-        M_i = 0  if Â_i < 0 and (1/|o_i|) Σ_t log( π_sampler(o_t | q, o_<t) / π_θ(o_t | q, o_<t) ) > δ;  else 1
-
-    A negative advantage on tokens π_θ already finds unlikely pushes them down further on noise; a positive one
-    is always kept. [B, 1]; π_θ detached. As TRL 1.16's off_policy_mask_threshold (δ)."""
-    kl = ((sampler_logprobs - logprobs.detach()) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
-    return ((advantages.unsqueeze(1) >= 0) | (kl <= delta)).to(mask.dtype)
-
-
-def sampler_mismatch(old_logprobs, sampler_logprobs, mask, bound):
-    """How far the sampler is from the policy the update starts from, over the rollout's tokens, for the rollout/
-    tags: the sum and the max of |log π_sampler − log π_old|, the sum of k3, the per-token estimate of
-    KL[π_sampler ‖ π_old] on the sampler's own tokens (log r = log π_old − log π_sampler, k3 = r − 1 − log r), and
-    the number of tokens whose ratio π_old/π_sampler lies outside [1/C, C], C = `bound`. Sums, not means, so that
-    ranks add up; the tags divide by the tokens."""
-    log_r = (old_logprobs - sampler_logprobs) * mask
-    return (log_r.abs().sum(), log_r.abs().max(), ((log_r.exp() - 1 - log_r) * mask).sum(),
-            ((log_r.abs() > math.log(bound)) * mask).sum())
+def compute_advantages(rewards, num_generations):
+    """Â_i of each episode: GRPO's (group_advantages). An unscored episode (reward NaN: no reward function applies
+    to it) gets Â = 0, as in TRL 1.16: it moves nothing, and the others' baselines leave it out. (grpo.py's has
+    the other advantages; this file's one row computes as its grpo row.)"""
+    return group_advantages(rewards, num_generations).nan_to_num(0.0)
 
 
 def kl_estimators(logprobs, ref_logprobs, mask):
@@ -408,19 +210,6 @@ def kl_estimators(logprobs, ref_logprobs, mask):
     Returns (k1, k3), zero on padding."""
     log_r = ref_logprobs - logprobs
     return -log_r * mask, (log_r.exp() - 1 - log_r) * mask
-
-
-def importance_ratio(logprobs, old_logprobs, mask, level):
-    """The importance ratio of each token, [B, T]: level "token", ρ_t = π_θ(o_t | q, o_<t) / π_old(o_t | q, o_<t);
-    level "sequence", GSPO's ratio of the whole completion (Zheng et al. 2025, eq. 7), the same at each of its tokens,
-
-        s_i = (π_θ(o_i | q) / π_old(o_i | q))^(1/|o_i|) = exp( (1/|o_i|) Σ_t log ρ_it )
-
-    so that one clip decides for the whole completion and its length does not scale the ratio."""
-    log_ratio = logprobs - old_logprobs
-    if level == "sequence":
-        log_ratio = ((log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(log_ratio)
-    return torch.exp(log_ratio)
 
 
 def clipped_surrogate(ratio, advantages, epsilon_low, epsilon_high):
@@ -434,183 +223,31 @@ def clipped_surrogate(ratio, advantages, epsilon_low, epsilon_high):
     return -torch.min(ratio * advantages, torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * advantages)
 
 
-def cispo_loss(ratio, logprobs, advantages, epsilon_high):
-    """CISPO (MiniMax-M1, 2025, eq. 4): clip the importance weight itself and stop its gradient, instead of
-    cutting the gradient of the tokens whose ratio leaves the band, so that every token keeps its REINFORCE
-    gradient Â ∇log π_θ, weighted by at most the cap:
-
-        l_t = −sg( min(ρ_t, ε_high) ) Â log π_θ(o_t | q, o_<t)
-
-    The cap is ε_high itself, as TRL 1.16's epsilon_high (it recommends 5.0); the paper writes it 1 + ε_high^IS,
-    so its ε_high^IS = 4 is this 5.0. No lower bound, as in TRL's and verl's (the paper sets ε_low large). Summed
-    over the tokens and divided by the rollout's tokens per step (aggregate_loss's cispo, the paper's 1/Σ|o_i|)."""
-    return -torch.clamp(ratio, max=epsilon_high).detach() * advantages.unsqueeze(1) * logprobs
-
-
-def dppo_trust_region(logprobs, sampler_logprobs, advantages, divergence, delta_low, delta_high):
-    """DPPO's trust region (arXiv 2602.04879, as prime-rl's and verl's dppo losses): 1 where token t may learn, 0
-    where π_θ has moved past δ from the sampler in the direction its advantage pushes (further would be unsafe),
-
-        M_t = 0  if Â > 0 and p_θ > p_s and D_t > δ_high,   or  Â ≤ 0 and p_θ < p_s and D_t > δ_low;   else 1
-
-    with p = π(o_t | q, o_<t) the sampled token's probability under π_θ (detached) and the sampler, and D_t the
-    divergence of the two Bernoulli(p) distributions of "this token or another": binary_tv |p_θ − p_s|,
-    binary_kl p_s log(p_s/p_θ) + (1 − p_s) log((1 − p_s)/(1 − p_θ)). The ratio's clip judges a rare token by
-    a ratio that moves a lot for a small change of its probability; the divergence, by the probability itself.
-    A token moving back toward the sampler always learns. [B, T]."""
-    p, q = logprobs.detach().exp(), sampler_logprobs.exp()
-    if divergence == "binary_tv":
-        distance = (p - q).abs()
-    else:  # the Bernoulli KL, in log space where p and q are near 1
-        distance = q * (sampler_logprobs - logprobs.detach()) + (1 - q) * (torch.log1p(-q.clamp(max=1 - 1e-7))
-                                                                         - torch.log1p(-p.clamp(max=1 - 1e-7)))
-    advantages = advantages.unsqueeze(1)
-    unsafe = torch.where(advantages > 0, (p > q) & (distance > delta_high), (p < q) & (distance > delta_low))
-    return (~unsafe).to(logprobs.dtype)
-
-
-def sapo_loss(ratio, advantages, temperature_pos, temperature_neg):
-    """SAPO (arXiv 2511.20347, "Soft Adaptive Policy Optimization"), as TRL 1.16's loss_type="sapo": a sigmoid gate
-    of the ratio in place of the hard clip, so a token's gradient fades as its ratio leaves 1 instead of stopping,
-
-        l_t = −(4/τ) σ(τ (ρ_t − 1)) Â,    τ = τ_pos where Â > 0, else τ_neg
-
-    whose gradient at ρ = 1 is −Â ∇ρ, the unclipped surrogate's; a larger τ_neg fades negative tokens sooner."""
-    advantages = advantages.unsqueeze(1)
-    temperature = torch.where(advantages > 0, temperature_pos, temperature_neg)
-    return -torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature * advantages
-
-
-@torch.no_grad()
-def vespo_weights(log_ratio, mask, advantages, is_weights, k_pos, lambda_pos, k_neg, lambda_neg):
-    """VESPO's weight of each completion (arXiv 2602.10693; TRL 1.16's loss_type="vespo"), one smooth function
-    of the completion's whole importance ratio w in place of a clip, detached:
-
-        φ(w) = e^λ w^k e^(−λ w) = exp(λ + k log w − λ w),   w = Π_t ρ_t · Π_t π_old/π_sampler (the sampler correction)
-
-    φ(1) = 1; it peaks at w = k/λ and falls toward 0 far from it on either side. (k, λ) = (k_pos, λ_pos) where
-    Â ≥ 0, else (k_neg, λ_neg). log ρ_t clamped to ±20 and log w to [log 1e-8, 20], as TRL. [B, 1]."""
-    log_w = (log_ratio.clamp(-20.0, 20.0) * mask).sum(1, keepdim=True)
-    if is_weights is not None:  # TRL sums the correction's log-weights over every position (1 on padding)
-        log_w = log_w + is_weights.log().clamp(math.log(1e-8), 20.0).sum(1, keepdim=True)
-    log_w = log_w.clamp(math.log(1e-8), 20.0)
-    positive = advantages.unsqueeze(1) >= 0
-    k, lam = torch.where(positive, k_pos, k_neg), torch.where(positive, lambda_pos, lambda_neg).clamp(min=1e-4)
-    return torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(0.0, 0.0, 0.0)
-
-
-def token_losses(ratio, logprobs, advantages, loss_type, epsilon_low, epsilon_high, weights=None,
-                 temperatures=(1.0, 1.05)):
-    """The per-token loss l_t by --loss-type: CISPO's (cispo_loss) for cispo; −sg(φ_i) Â log π_θ for vespo, with
-    `weights` φ (vespo_weights); SAPO's gate (sapo_loss, `temperatures` τ_pos, τ_neg) for sapo; the plain
-    surrogate −ρ_t Â for dppo (dppo_trust_region's mask drops tokens instead of a clip); else the clipped
-    surrogate (clipped_surrogate: grpo, dapo, dr_grpo, luspo). aggregate_loss then makes them one number."""
-    if loss_type == "cispo":
-        return cispo_loss(ratio, logprobs, advantages, epsilon_high)
-    if loss_type == "vespo":
-        return -weights * advantages.unsqueeze(1) * logprobs
-    if loss_type == "sapo":
-        return sapo_loss(ratio, advantages, *temperatures)
-    if loss_type == "dppo":
-        return -ratio * advantages.unsqueeze(1)
-    return clipped_surrogate(ratio, advantages, epsilon_low, epsilon_high)
-
-
-def clipped_tokens(ratio, advantages, epsilon_low, epsilon_high, loss_type):
+def clipped_tokens(ratio, advantages, epsilon_low, epsilon_high):
     """(low, high): where the clip is active on each side. The clipped surrogate cuts a token's gradient when ρ_t
     falls below 1 − ε_low with Â < 0 (low) or rises above 1 + ε_high with Â > 0 (high); out of the band on the
-    other side, min() keeps the unclipped term. As TRL counts them. CISPO caps the weight above ε_high only; sapo,
-    vespo and dppo have no clip (dppo's dropped tokens are counted apart)."""
-    if loss_type in ("cispo", "sapo", "vespo", "dppo"):
-        return torch.zeros_like(ratio, dtype=torch.bool), ratio > (epsilon_high if loss_type == "cispo" else math.inf)
+    other side, min() keeps the unclipped term. As TRL counts them (grpo.py's clipped surrogate row)."""
     advantages = advantages.unsqueeze(1)
     return (ratio < 1 - epsilon_low) & (advantages < 0), (ratio > 1 + epsilon_high) & (advantages > 0)
 
 
 def aggregate_loss(per_token_loss, mask, loss_type, num_sequences, num_tokens, max_completion_length):
-    """The per-token losses l_it of a (micro-)batch as one number. The normalizers are those of the whole
-    minibatch, so that the losses of its micro-batches (and ranks) add up to its loss:
+    """The per-token losses l_it of a minibatch as one number, over the policy's tokens (`mask`):
 
-        grpo      (1/B) Σ_i (1/|o_i|) Σ_t l_it     mean over each completion, then over completions (eq. 3)
-        dapo      Σ_i Σ_t l_it / N                 every token of the rollout weighs the same (Yu et al. 2025)
+        grpo      (1/B) Σ_i (1/|o_i|) Σ_t l_it     mean over each episode, then over episodes (eq. 3)
+        dapo      Σ_i Σ_t l_it / N                 every policy token of the rollout weighs the same (Yu et al. 2025)
         dr_grpo   Σ_i Σ_t l_it / (B · L_max)       a constant normalizer: no length bias (Liu et al. 2025)
-        cispo     Σ_i Σ_t l_it / N                 as dapo, with CISPO's per-token loss (MiniMax-M1, 2025)
-        dppo      Σ_i Σ_t l_it / N                 as dapo (prime-rl's and verl's token mean)
-        vespo     Σ_i Σ_t l_it / N                 as dapo (TRL 1.16)
-        sapo      (1/B) Σ_i (1/|o_i|) Σ_t l_it     as grpo (TRL 1.16)
-        luspo     (1/B) Σ_i Σ_t l_it               GSPO's loss scaled by each length (LUSPO, arXiv 2602.05261)
 
-    B = `num_sequences` completions in the minibatch; N = `num_tokens`, the rollout's tokens ÷ its minibatches,
-    as TRL 1.16 (a minibatch's own token count would weigh a token of a short minibatch more); L_max =
-    `max_completion_length`. Under grpo a long wrong answer is penalized less per token than a short one."""
+    B = `num_sequences` episodes in the minibatch; N = `num_tokens`, the rollout's tokens ÷ its minibatches,
+    as TRL 1.16; L_max = `max_completion_length`. Each row computes as grpo.py's of the same name."""
     summed = (per_token_loss * mask).sum(1)
-    if loss_type in ("grpo", "sapo"):
+    if loss_type == "grpo":
         return (summed / mask.sum(1).clamp(min=1)).sum() / num_sequences
-    if loss_type in ("dapo", "cispo", "dppo", "vespo"):
+    if loss_type == "dapo":
         return summed.sum() / num_tokens
-    if loss_type == "luspo":
-        return summed.sum() / num_sequences
     if loss_type == "dr_grpo":
         return summed.sum() / (num_sequences * max_completion_length)
     raise ValueError(f"unknown loss type {loss_type!r}")
-
-
-def high_entropy_mask(entropy, mask, quantile):
-    """The 80/20 rule (Wang et al. 2025, "Beyond the 80/20 Rule"), as TRL 1.16's top_entropy_quantile ρ: True on the
-    tokens whose entropy H(π_θ(·|s_t)) is at least the (1 − ρ) quantile of the entropies of the `mask`ed tokens
-    (linear interpolation, torch.quantile's), False elsewhere and on padding. The forking tokens where the policy
-    hesitates carry the gradient; ρ = 0 keeps the highest one only."""
-    values = entropy.detach()[mask.bool()]
-    if values.numel() == 0:
-        return torch.zeros_like(mask, dtype=torch.bool)
-    return (entropy.detach() >= torch.quantile(values.float(), 1 - quantile)) & mask.bool()
-
-
-def entropy_bonus(entropy, mask):
-    """H̄, the mean entropy over the `mask`ed tokens, whose coefficient times it the loss subtracts (TRL 1.16's
-    entropy_coef: the same mean whatever --loss-type's normalizer). A scalar with the gradient of `entropy`."""
-    return (entropy * mask).sum() / mask.sum().clamp(min=1)
-
-
-def adaptive_entropy_coef(coef, entropy, target, delta, low, high):
-    """Skywork-OR1's adaptive entropy control (arXiv 2505.22312), as TRL 1.16's use_adaptive_entropy:
-    after each optimizer step the coefficient moves by δ toward holding the entropy at the target,
-
-        c ← min(c + δ, c_max)  if H̄ ≤ target,   else  max(c − δ, c_min)
-
-    and the next step applies c only while H̄ ≤ target (0 otherwise)."""
-    return min(coef + delta, high) if entropy <= target else max(coef - delta, low)
-
-
-def token_covariance(advantages, logprobs, mask):
-    """Each token's term of the covariance between log π_θ and the advantage over the `mask`ed tokens of a minibatch
-    (Cui et al. 2025, "The Entropy Mechanism of RL for LLM Reasoning", arXiv 2505.22617), detached,
-
-        Cov_t = (log π_θ(o_t) − mean(log π_θ)) · (Â_t − mean(Â))
-
-    Entropy falls in a step by about the sum of these (their analysis): a token that is likely and rewarded, or
-    unlikely and punished, lowers it. Clip-Cov and KL-Cov act on the tokens of largest Cov_t. [B, T]."""
-    advantages, logprobs = advantages.unsqueeze(1).expand_as(mask), logprobs.detach()
-    n = mask.sum().clamp(min=1)
-    return (logprobs - (logprobs * mask).sum() / n) * (advantages - (advantages * mask).sum() / n) * mask
-
-
-def clip_cov_tokens(covariance, mask, cut, ratio, low, high):
-    """Clip-Cov's tokens (Cui et al. 2025; as verl's clip_cov): r·N of the N `mask`ed tokens, at least one,
-    drawn at random among those whose Cov_t lies strictly between `low` and `high` and whose gradient the loss does
-    not already `cut` (the clip); they get no gradient. True on those chosen. Draws from torch's generator."""
-    candidates = ((covariance > low) & (covariance < high) & mask.bool() & ~cut).flatten().nonzero().squeeze(1)
-    count = max(int(ratio * mask.sum().item()), 1)
-    chosen = candidates[torch.randperm(len(candidates), device=mask.device)[:count]]
-    return torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device).index_fill_(0, chosen, True).view_as(mask)
-
-
-def kl_cov_tokens(covariance, mask, ratio):
-    """KL-Cov's tokens (Cui et al. 2025; as verl's kl_cov): the k·N `mask`ed tokens of largest Cov_t, at
-    least one; each gets the penalty β |log π_θ(o_t) − log π_old(o_t)|. True on those chosen."""
-    count = max(int(ratio * mask.sum().item()), 1)
-    chosen = covariance.masked_fill(~mask.bool(), -math.inf).flatten().topk(count).indices
-    return torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device).index_fill_(0, chosen, True).view_as(mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -670,53 +307,19 @@ def check_args(args):
         sys.exit(f"error: --threads {args.threads}: it must be at least 1 (leave it out for the default)")
     for name, least in {"num_iterations": 1, "num_generations": 2, "mini_batch_size": 1, "batch_size": 1,
                         "ppo_epochs": 1, "max_completion_length": 1, "max_prompt_length": 1, "eval_every": 1,
-                        "eval_size": 0, "rollout_lag": 0}.items():
+                        "eval_size": 0}.items():
         if getattr(args, name) < least:
             sys.exit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: it must be at least {least}")
     if args.max_tool_calling_iterations is not None and args.max_tool_calling_iterations < 0:
         sys.exit(f"error: --max-tool-calling-iterations {args.max_tool_calling_iterations}: 0 or more (0: no calls "
                  "run)")
     for name, rule in {"lr": ">= 0", "max_grad_norm": "> 0", "temperature": "> 0", "beta": ">= 0", "epsilon": "> 0",
-                       "epsilon_high": "> 0", "tool_timeout": "> 0", "vllm_importance_sampling_clip_max": ">= 0",
-                       "vllm_importance_sampling_clip_min": ">= 0", "off_policy_mask_threshold": ">= 0",
-                       "sapo_temperature_pos": "> 0", "sapo_temperature_neg": "> 0", "vespo_k_pos": ">= 0",
-                       "vespo_k_neg": ">= 0", "vespo_lambda_pos": "> 0", "vespo_lambda_neg": "> 0",
-                       "entropy_coef": ">= 0", "entropy_target": ">= 0", "entropy_coef_delta": ">= 0",
-                       "entropy_coef_min": ">= 0", "entropy_coef_max": ">= 0", "clip_cov_ratio": "> 0",
-                       "kl_cov_ratio": "> 0", "kl_cov_coef": ">= 0"}.items():
+                       "epsilon_high": "> 0", "tool_timeout": "> 0"}.items():
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and (value > 0 or rule == ">= 0" and value == 0)):
             sys.exit(f"error: --{name.replace('_', '-')} {value}: it must be a finite number {rule}")
-    for flag, value, choices in (("--advantage", args.advantage, ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
-                                                                  "maxrl")),
-                                 ("--loss-type", args.loss_type, ("grpo", "dapo", "dr_grpo", "cispo", "dppo", "sapo",
-                                                                  "luspo", "vespo")),
-                                 ("--importance-sampling-level", args.importance_sampling_level, ("token", "sequence")),
-                                 ("--vllm-importance-sampling-mode", args.vllm_importance_sampling_mode,
-                                  ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")),
-                                 ("--scale-rewards", args.scale_rewards, ("group", "batch", "none", True, False)),
-                                 ("--dppo-divergence", args.dppo_divergence, ("binary_tv", "binary_kl")),
-                                 ("--cov-method", args.cov_method, (None, "clip_cov", "kl_cov"))):
-        if value not in choices:
-            sys.exit(f"error: {flag} {value!r}: choose one of {', '.join(map(str, choices))}")
-    if args.scale_rewards not in ("group", True) and args.advantage != "grpo":
-        sys.exit(f"error: --scale-rewards {args.scale_rewards} changes --advantage grpo only; --advantage "
-                 f"{args.advantage} has its own scale")
-    if args.advantage == "maxrl" and args.missing_eos_penalty < 0:
-        sys.exit(f"error: --advantage maxrl divides by the group's mean reward, a pass rate: rewards must not be "
-                 f"negative; set --missing-eos-penalty 0 (it is {args.missing_eos_penalty})")
-    if not 0 <= args.top_entropy_quantile <= 1 or args.entropy_coef_min > args.entropy_coef_max \
-            or not args.clip_cov_lb < args.clip_cov_ub:
-        sys.exit(f"error: --top-entropy-quantile {args.top_entropy_quantile} must lie in [0, 1], --entropy-coef-min "
-                 "not exceed --entropy-coef-max, and --clip-cov-lb be below --clip-cov-ub")
-    if args.loss_type in ("dppo", "vespo") and args.importance_sampling_level == "sequence" or (
-            args.loss_type == "vespo" and args.vllm_importance_sampling_correction
-            and args.vllm_importance_sampling_mode.startswith("sequence")):
-        sys.exit(f"error: --loss-type {args.loss_type} takes each token's own ratio: use --importance-sampling-level "
-                 "token (and with vespo a token_* --vllm-importance-sampling-mode)")
-    if args.loss_type == "cispo" and (args.epsilon_high is None or args.importance_sampling_level == "sequence"):
-        sys.exit("error: --loss-type cispo caps each token's weight at --epsilon-high (set it, e.g. 5.0) and needs "
-                 "--importance-sampling-level token")
+    if args.loss_type not in ("grpo", "dapo", "dr_grpo"):  # grpo.py's and scale/grpo.py's have the others
+        sys.exit(f"error: --loss-type {args.loss_type!r}: choose one of grpo, dapo, dr_grpo")
     if args.batch_size % args.num_generations or args.batch_size % args.mini_batch_size:
         sys.exit(f"error: --batch-size {args.batch_size} must split into groups of --num-generations "
                  f"{args.num_generations} and into minibatches of --mini-batch-size {args.mini_batch_size}")
@@ -732,7 +335,7 @@ def check_args(args):
 
 
 def main(args: Args):
-    settle_defaults(args)  # --bf16 and --vllm-importance-sampling-correction, where not given
+    settle_defaults(args)  # --bf16, where not given
     check_args(args)
     if args.write_sft_data:
         return write_demonstrations(args.write_sft_data, args.seed)
@@ -767,8 +370,6 @@ def main(args: Args):
         sys.exit(f"error: the longest prompt ({longest} tokens) + --max-completion-length {args.max_completion_length} "
                  f"exceeds the model's {positions} positions; lower --max-prompt-length or --max-completion-length")
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr)
-    lag = RolloutLag(policy, args)  # --rollout-lag K: the weights a rollout samples with
-    control = EntropyControl(args)  # --entropy-coef, --use-adaptive-entropy: the entropy bonus
     writer = SummaryWriter(f"runs/{args.exp_name}__{args.seed}__{int(time.time())}")
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
     print(f"{1 + (ref is not None)} model(s) in memory; tools: {', '.join(tools)}")
@@ -792,41 +393,39 @@ def main(args: Args):
         policy.eval()
         with torch.no_grad(), amp():
             chosen = [i for i in rng.sample(range(len(train_ids)), B // G) for _ in range(G)]
-            with lag:  # --rollout-lag K: sampled with the weights of K iterations before
-                batch = sample_episodes(policy, env, [train_rows[i] for i in chosen], [train_ids[i] for i in chosen],
-                                        terms, args)
+            batch = sample_episodes(policy, env, [train_rows[i] for i in chosen], [train_ids[i] for i in chosen],
+                                    terms, args)
             # ---- 2. advantages within each group, and the policy the update starts from (on every token) ---
-            advantages = compute_advantages(batch.rewards, G, args.advantage, args.scale_rewards)
+            advantages = compute_advantages(batch.rewards, G)
             old = old_policy(policy, ref, batch, logprobs_of, args)
 
         # ---- 3. update: μ passes over the rollout in shuffled minibatches, on the policy's tokens only --------
         policy.train()
-        stats = {k: 0.0 for k in ("policy_loss", "kl_penalty", "clipped_low", "clipped_high", "off_policy_masked",
-                                  "dppo_masked", "cov_selected", "policy_entropy", "bonus")}
+        stats = {k: 0.0 for k in ("policy_loss", "kl_penalty", "clipped_low", "clipped_high", "policy_entropy")}
         for epoch in range(args.ppo_epochs):
             order = torch.randperm(B, device=device) if epoch > 0 else torch.arange(B, device=device)
             for start in range(0, B, args.mini_batch_size):
                 mb = order[start : start + args.mini_batch_size]
                 with amp():
                     logprobs, entropy = policy_logprobs(policy, batch.sequences[mb], batch.attention_mask[mb],
-                                                        batch.context_length, args.temperature, control.on)
-                ratio = importance_ratio(logprobs, old.logprobs[mb], batch.mask[mb], args.importance_sampling_level)
-                per_token, counts = grpo_token_losses(ratio, logprobs, entropy, advantages[mb], batch, old, mb,
-                                                      epsilon_high, args)
+                                                        batch.context_length, args.temperature)
+                ratio = torch.exp(logprobs - old.logprobs[mb])  # ρ_t = π_θ / π_old, per token
+                per_token = clipped_surrogate(ratio, advantages[mb], args.epsilon, epsilon_high)
                 policy_loss = aggregate_loss(per_token, batch.loss_mask[mb], args.loss_type, args.mini_batch_size,
                                              batch.num_tokens, args.max_completion_length)
                 kl_penalty = kl_to_reference(logprobs, old.ref_logprobs, batch.loss_mask, mb, batch.num_tokens,
                                              args.max_completion_length, args)
-                (policy_loss + kl_penalty - control.bonus(entropy, batch.loss_mask[mb], counts)).backward()
-                accumulate_grpo_stats(stats, policy_loss, kl_penalty, ratio, advantages[mb], batch.mask[mb], counts,
-                                      epoch == start == 0, epsilon_high, args)
+                (policy_loss + kl_penalty).backward()
+                accumulate_grpo_stats(stats, policy_loss, kl_penalty, ratio,
+                                      clipped_tokens(ratio, advantages[mb], args.epsilon, epsilon_high), batch.mask[mb],
+                                      (entropy.detach() * batch.loss_mask[mb]).sum(), epoch == start == 0)
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                 check_finite(iteration, loss=policy_loss + kl_penalty, grad_norm=grad_norm)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
 
         # ---- 4. log: statistics of the whole batch, the policy's tokens and the tools' apart ----------------
-        log_agent_iteration(writer, iteration, batch, old, stats, terms.names, lr, start_time, control, args)
+        log_agent_iteration(writer, iteration, batch, old, stats, terms.names, lr, start_time, args)
         progress(iteration, f"reward {float(batch.rewards.nanmean()):.3f}")
         if iteration % args.eval_every == 0 or iteration == args.num_iterations:
             evaluate(policy, env, eval_rows, eval_ids, terms, amp, writer, iteration, args)
@@ -1177,11 +776,12 @@ def episode_text(tokenizer, sequence, attention_mask, mask, context_length):
     return "".join(pieces)
 
 
-def log_agent_iteration(writer, iteration, batch, old, stats, names, lr, start_time, control, args):
+def log_agent_iteration(writer, iteration, batch, old, stats, names, lr, start_time, args):
     """An iteration's statistics of the whole batch, to TensorBoard (docs/tags.md), and a line every 10 iterations:
     the policy's tokens only (entropy, lengths, clipping, KL) and the tools' apart."""
-    B, G, mask, mismatch = args.batch_size, args.num_generations, batch.mask, old.mismatch
+    B, G, mask = args.batch_size, args.num_generations, batch.mask
     groups, tokens = batch.rewards.view(-1, G), mask.sum().item()
+    sampler_diff = ((old.logprobs - batch.sampler_logprobs) * mask).abs()  # token-exact: the sampler's log-probs
     num_minibatches = args.ppo_epochs * B // args.mini_batch_size
     calls, failures, turns, tool_tokens = batch.counts.sum(0).tolist()
     logs = {
@@ -1197,13 +797,9 @@ def log_agent_iteration(writer, iteration, batch, old, stats, names, lr, start_t
         "policy/first_ratio_max_error": stats["first_ratio_max_error"],
         "policy/entropy": stats["policy_entropy"] / (args.ppo_epochs * max(1.0, batch.loss_mask.sum().item())),
         "charts/learning_rate": lr, "charts/episodes_per_second": iteration * B / (time.time() - start_time),
-        "rollout/logprob_diff_mean": mismatch[0].item() / tokens, "rollout/logprob_diff_max": mismatch[1].item(),
+        "rollout/logprob_diff_mean": sampler_diff.sum().item() / tokens,
+        "rollout/logprob_diff_max": sampler_diff.max().item(),
     }
-    for name, on in (("dppo_masked", args.loss_type == "dppo"), ("cov_selected", args.cov_method is not None)):
-        if on:  # as grpo.py's: the tokens out of DPPO's trust region; Clip-Cov's or KL-Cov's tokens
-            logs[f"policy/{name}_fraction"] = stats[name] / (args.ppo_epochs * tokens)
-    if control.on:
-        logs.update({"policy/entropy_coef": control.coef, "losses/entropy_bonus": stats["bonus"] / num_minibatches})
     if args.beta > 0:
         logs.update({"objective/kl": old.k1.sum().item() / B,
                      "losses/kl_penalty": stats["kl_penalty"] / num_minibatches})
@@ -1289,102 +885,16 @@ class OldPolicy:
     ref_logprobs: torch.Tensor | None  # log π_ref; None when β = 0 (no reference)
     k1: torch.Tensor | None  # the KL estimators to π_ref (kl_estimators); None when β = 0
     k3: torch.Tensor | None
-    mismatch: tuple  # the sampler's distance from π_old (sampler_mismatch)
-    is_weights: torch.Tensor | None  # the sampler correction's weights (sampler_correction); None without it
 
 
 def old_policy(policy, ref, batch, logprobs_of, args):
-    """π_old's and π_ref's log-probs of the rollout's tokens, the KL between them (none when β = 0), and the
-    sampler's distance from π_old with the weights that correct for it."""
+    """π_old's and π_ref's log-probs of the rollout's tokens, and the KL between them (none when β = 0)."""
     logprobs, entropy = logprobs_of(policy, batch.sequences, batch.attention_mask, batch.context_length)
     ref_logprobs = k1 = k3 = None
     if args.beta > 0:
         ref_logprobs, _ = logprobs_of(ref, batch.sequences, batch.attention_mask, batch.context_length)
         k1, k3 = kl_estimators(logprobs, ref_logprobs, batch.mask)
-    return OldPolicy(logprobs, entropy, ref_logprobs, k1, k3,
-                     *sampler_correction(logprobs, batch.sampler_logprobs, batch.mask, args))
-
-
-def sampler_correction(old_logprobs, sampler_logprobs, mask, args):
-    """How far the sampler is from π_old (sampler_mismatch, for the rollout/ tags) and, with
-    --vllm-importance-sampling-correction, the weight of each token that corrects for it
-    (sampler_importance_weights; None without)."""
-    mismatch = sampler_mismatch(old_logprobs, sampler_logprobs, mask, args.vllm_importance_sampling_clip_max or 3.0)
-    if not args.vllm_importance_sampling_correction:
-        return mismatch, None
-    return mismatch, sampler_importance_weights(old_logprobs, sampler_logprobs, mask,
-                                                args.vllm_importance_sampling_mode,
-                                                args.vllm_importance_sampling_clip_min,
-                                                args.vllm_importance_sampling_clip_max)
-
-
-def grpo_token_losses(ratio, logprobs, entropy, advantages, batch, old, mb, epsilon_high, args):
-    """Each token's loss of minibatch `mb` (token_losses; vespo's weight from vespo_weights), with --loss-type dppo
-    the tokens out of the trust region dropped (dppo_trust_region), with --cov-method the Clip-Cov or KL-Cov tokens
-    detached or penalized (token_covariance), weighed by the sampler correction (the sampler was not π_old:
-    π_old / π_sampler; vespo's weight has it), with --off-policy-mask-threshold the negative completions the policy
-    left behind dropped (off_policy_sequence_mask), and with --top-entropy-quantile only the high-entropy tokens
-    kept (high_entropy_mask). Returns (the losses, counts for the logs: completions and tokens dropped, tokens
-    chosen by the Cov method, the entropy summed over the loss's tokens)."""
-    mask, loss_mask, a = batch.mask[mb], batch.loss_mask[mb], args
-    is_weights = None if old.is_weights is None else old.is_weights[mb]
-    weights = (vespo_weights(logprobs - old.logprobs[mb], mask, advantages, is_weights, a.vespo_k_pos,
-                             a.vespo_lambda_pos, a.vespo_k_neg, a.vespo_lambda_neg) if a.loss_type == "vespo" else None)
-    losses = token_losses(ratio, logprobs, advantages, a.loss_type, a.epsilon, epsilon_high, weights,
-                          (a.sapo_temperature_pos, a.sapo_temperature_neg))
-    zero = torch.zeros((), device=losses.device)
-    counts = {"off_policy_masked": zero, "dppo_masked": zero, "cov_selected": zero,
-              "policy_entropy": (entropy.detach() * loss_mask).sum()}
-    keep = torch.ones_like(losses)
-    if a.loss_type == "dppo":
-        keep = dppo_trust_region(logprobs, batch.sampler_logprobs[mb], advantages, a.dppo_divergence, a.epsilon,
-                                 epsilon_high)
-        losses, counts["dppo_masked"] = losses * keep, ((1 - keep) * mask).sum()
-    if a.cov_method == "clip_cov":  # among the tokens the loss does not already cut (the clip, DPPO's mask)
-        low, high = clipped_tokens(ratio, advantages, a.epsilon, epsilon_high, a.loss_type)
-        chosen = clip_cov_tokens(token_covariance(advantages, logprobs, loss_mask), loss_mask, low | high | (keep == 0),
-                                 a.clip_cov_ratio, a.clip_cov_lb, a.clip_cov_ub)
-        losses, counts["cov_selected"] = losses * ~chosen, chosen.sum()
-    elif a.cov_method == "kl_cov":
-        chosen = kl_cov_tokens(token_covariance(advantages, logprobs, loss_mask), loss_mask, a.kl_cov_ratio)
-        losses = losses + a.kl_cov_coef * (logprobs - old.logprobs[mb]).abs() * chosen
-        counts["cov_selected"] = chosen.sum()
-    if is_weights is not None and a.loss_type != "vespo":
-        losses = losses * is_weights
-    if a.off_policy_mask_threshold is not None:
-        kept = off_policy_sequence_mask(advantages, logprobs, batch.sampler_logprobs[mb], mask,
-                                        a.off_policy_mask_threshold)
-        losses, counts["off_policy_masked"] = losses * kept, (1 - kept).sum()
-    if a.top_entropy_quantile < 1:
-        losses = losses * high_entropy_mask(entropy, loss_mask, a.top_entropy_quantile)
-    return losses, counts
-
-
-class EntropyControl:
-    """--entropy-coef and --use-adaptive-entropy: the bonus c·H̄ the loss subtracts (entropy_bonus), over the tokens
-    the policy loss sees (with --top-entropy-quantile, the high-entropy ones, as TRL), and with adaptive control its
-    coefficient moved after each optimizer step, here each minibatch (adaptive_entropy_coef; TRL applies no bonus
-    before the first measurement). Off (the defaults): no bonus, and the update's entropy carries no gradient."""
-
-    def __init__(self, args):
-        self.args, self.coef, self.last = args, args.entropy_coef, math.inf
-        self.on = args.entropy_coef != 0 or args.use_adaptive_entropy
-
-    def bonus(self, entropy, loss_mask, counts):
-        """c·H̄ of a minibatch (into `counts` for the logs); then the coefficient moves by this minibatch's H̄."""
-        if not self.on:
-            return torch.zeros((), device=loss_mask.device)
-        a = self.args
-        mask = loss_mask * high_entropy_mask(entropy, loss_mask, a.top_entropy_quantile) if a.top_entropy_quantile < 1 \
-            else loss_mask
-        mean = entropy_bonus(entropy, mask)
-        coef = self.coef if not a.use_adaptive_entropy or self.last <= a.entropy_target else 0.0
-        counts["bonus"] = coef * mean.detach()
-        if a.use_adaptive_entropy:
-            self.last = mean.item()
-            self.coef = adaptive_entropy_coef(self.coef, self.last, a.entropy_target, a.entropy_coef_delta,
-                                              a.entropy_coef_min, a.entropy_coef_max)
-        return coef * mean
+    return OldPolicy(logprobs, entropy, ref_logprobs, k1, k3)
 
 
 def kl_to_reference(logprobs, ref_logprobs, loss_mask, mb, num_tokens, max_completion_length, args):
@@ -1398,16 +908,15 @@ def kl_to_reference(logprobs, ref_logprobs, loss_mask, mb, num_tokens, max_compl
 
 
 @torch.no_grad()
-def accumulate_grpo_stats(stats, policy_loss, kl_penalty, ratio, advantages, mask, counts, first, epsilon_high, args):
-    """Adds a minibatch's losses, clipped-token counts and grpo_token_losses' counts to `stats`; at the first
-    minibatch of an iteration, before any step, the ratio's largest distance from 1 (it must be exactly 0)."""
+def accumulate_grpo_stats(stats, policy_loss, kl_penalty, ratio, clipped, mask, entropy, first):
+    """Adds a minibatch's losses, its clipped tokens (clipped_tokens' low and high) and `entropy` (summed over its
+    loss tokens) to `stats`; at the first minibatch of an iteration, before any step, the ratio's largest distance
+    from 1 (it must be exactly 0)."""
     stats["policy_loss"] += policy_loss.item()
     stats["kl_penalty"] += kl_penalty.item()
-    low, high = clipped_tokens(ratio, advantages, args.epsilon, epsilon_high, args.loss_type)
-    stats["clipped_low"] += (low * mask).sum().item()
-    stats["clipped_high"] += (high * mask).sum().item()
-    for name in ("off_policy_masked", "dppo_masked", "cov_selected", "policy_entropy", "bonus"):
-        stats[name] += float(counts.get(name, 0.0))
+    stats["clipped_low"] += (clipped[0] * mask).sum().item()
+    stats["clipped_high"] += (clipped[1] * mask).sum().item()
+    stats["policy_entropy"] += float(entropy)
     if first:
         stats["first_ratio_max_error"] = (ratio - 1).abs().max()
 
@@ -1924,59 +1433,10 @@ def generate(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperat
 # Training and saving
 # ---------------------------------------------------------------------------------------------
 def settle_defaults(args):
-    """The defaults that depend on the run, settled before the argument checks (and logged as settled). --bf16: on
-    where CUDA has bfloat16, as in TRL's configs; on the CPU float32 is faster. --vllm-importance-sampling-correction
-    (the RL scripts): TRL corrects by default; here only a stale sampler (--rollout-lag) needs it. rlhf_ppo's
-    --critic-lam and --actor-lam: --lam (the actor's stays unset under --length-adaptive-lam)."""
+    """The defaults that depend on the machine, settled before the argument checks (and logged as settled): --bf16
+    on where CUDA has bfloat16, as in TRL's configs; on the CPU float32 is faster."""
     if args.bf16 is None:
         args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    if getattr(args, "vllm_importance_sampling_correction", False) is None:
-        args.vllm_importance_sampling_correction = args.rollout_lag > 0
-    if getattr(args, "no_scale_rewards", False):  # grpo: --no-scale-rewards, the older --scale-rewards none
-        args.scale_rewards = "none"
-    if getattr(args, "critic_lam", 0) is None:
-        args.critic_lam = args.lam
-    if getattr(args, "actor_lam", 0) is None and args.length_adaptive_lam is None:
-        args.actor_lam = args.lam
-
-
-class RolloutLag:
-    """--rollout-lag K: the policy's weights of the last K iterations, oldest first, as an asynchronous trainer's
-    sampler lags behind it. `with lag:` samples with the oldest (in the first K iterations, the start's), then puts
-    the current weights back and keeps them as the newest, in the oldest's memory. K = 0: nothing happens. It says
-    at the start the lag and its correction. (With LoRA only the adapters change; under FSDP each rank keeps its
-    shards.)"""
-
-    def __init__(self, model, args):
-        self.trained = [p for p in model.parameters() if p.requires_grad]
-        self.lagged = [[p.detach().clone() for p in self.trained] for _ in range(args.rollout_lag)]
-        if args.rollout_lag or args.vllm_importance_sampling_correction:  # said at the start, as the run's setting
-            bounds = (args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
-            print(f"note: --rollout-lag {args.rollout_lag}, " + (
-                f"corrected by --vllm-importance-sampling-mode {args.vllm_importance_sampling_mode} (bounds {bounds})"
-                if args.vllm_importance_sampling_correction else "no correction (--vllm-importance-sampling-correction)"))
-
-    def __enter__(self):
-        if self.lagged:
-            swap_weights(self.trained, self.lagged[0])
-
-    @torch.no_grad()
-    def __exit__(self, *exception):
-        if self.lagged:
-            swap_weights(self.trained, self.lagged[0])
-            self.lagged.append(self.lagged.pop(0))
-            for p, w in zip(self.trained, self.lagged[-1]):
-                w.copy_(p)
-
-
-@torch.no_grad()
-def swap_weights(parameters, weights):
-    """Exchange each of `parameters` with its tensor of `weights` in place, one temporary copy at a time: the
-    sampler of --rollout-lag is the policy holding older weights (the copy keeps each tensor where it is)."""
-    for p, w in zip(parameters, weights):
-        current = p.clone()
-        p.copy_(w)
-        w.copy_(current)
 
 
 def get_lr(step, lr, warmup_steps, max_steps, decay):

@@ -704,20 +704,10 @@ def sequence_rewards(model, input_ids, attention_mask):
 # Training and saving
 # ---------------------------------------------------------------------------------------------
 def settle_defaults(args):
-    """The defaults that depend on the run, settled before the argument checks (and logged as settled). --bf16: on
-    where CUDA has bfloat16, as in TRL's configs; on the CPU float32 is faster. --vllm-importance-sampling-correction
-    (the RL scripts): TRL corrects by default; here only a stale sampler (--rollout-lag) needs it. rlhf_ppo's
-    --critic-lam and --actor-lam: --lam (the actor's stays unset under --length-adaptive-lam)."""
+    """The defaults that depend on the machine, settled before the argument checks (and logged as settled): --bf16
+    on where CUDA has bfloat16, as in TRL's configs; on the CPU float32 is faster."""
     if args.bf16 is None:
         args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    if getattr(args, "vllm_importance_sampling_correction", False) is None:
-        args.vllm_importance_sampling_correction = args.rollout_lag > 0
-    if getattr(args, "no_scale_rewards", False):  # grpo: --no-scale-rewards, the older --scale-rewards none
-        args.scale_rewards = "none"
-    if getattr(args, "critic_lam", 0) is None:
-        args.critic_lam = args.lam
-    if getattr(args, "actor_lam", 0) is None and args.length_adaptive_lam is None:
-        args.actor_lam = args.lam
 
 
 def get_lr(step, lr, warmup_steps, max_steps, decay):

@@ -14,13 +14,12 @@ a reward model, three models are in memory and the critic starts from the SFT mo
     python sft.py && python reward_model.py && python rlhf_ppo.py    # built-in task, CPU
     python rlhf_ppo.py --kl-coef 0                                   # what the KL penalty is for
     python rlhf_ppo.py --reward-fn gold                              # the gold score, no reward model
-    python rlhf_ppo.py --rollout-lag 8                               # stale rollouts, corrected (docs/rlhf_ppo.md)
-    python rlhf_ppo.py --reward-fn gold --critic-lam 1 --value-warmup-steps 5 --positive-lm-coef 0.1   # VC-PPO, VAPO
     python rlhf_ppo.py --model-name-or-path my-sft --reward-model-path my-rm --dataset-name prompts.jsonl --lr 1e-6
 
-This is the one-device reference. scale/rlhf_ppo.py computes the same thing and adds what larger runs need:
-torchrun (DDP, FSDP2), LoRA, gradient accumulation and checkpointing, sampling in chunks, checkpoints that
-resume exactly.
+This is the one-device reference. scale/rlhf_ppo.py computes the same thing and adds VC-PPO's and VAPO's knobs
+(decoupled and length-adaptive GAE, value warm-up, clip-higher, the positive-example LM loss), off-policy sampling
+(--rollout-lag and its importance-sampling corrections) and what larger runs need: torchrun (DDP, FSDP2), LoRA,
+gradient accumulation and checkpointing, sampling in chunks, checkpoints that resume exactly.
 """
 
 import datetime
@@ -125,43 +124,13 @@ class Args:
     gamma: float = 1.0
     """discount over response tokens"""
     lam: float = 0.95
-    """λ of GAE (CleanRL: gae_lambda): the critic's and the actor's, unless --critic-lam or --actor-lam"""
-    critic_lam: float | None = None
-    """λ of the critic's GAE targets (decoupled GAE, VC-PPO and VAPO: 1.0, Monte Carlo returns); default --lam"""
-    actor_lam: float | None = None
-    """λ of the actor's GAE advantages (VC-PPO and VAPO: 0.95); default --lam"""
-    length_adaptive_lam: float | None = None
-    """α of VAPO's length-adaptive GAE: the actor's λ = 1 − 1/(α·l) for a response of l tokens (VAPO: 0.05, for
-    responses of thousands of tokens), instead of --actor-lam"""
-    value_warmup_steps: int = 0
-    """value pretraining (VC-PPO): this many rollouts of the starting policy train the critic alone, towards λ = 1
-    (Monte Carlo) targets, before the actor's first update"""
+    """λ of GAE (CleanRL: gae_lambda)"""
     cliprange: float = 0.2
-    """ε of the clipped policy loss (CleanRL: clip_coef); the lower clip, 1 − ε, with --cliprange-high"""
-    cliprange_high: float | None = None
-    """ε_high, the upper clip 1 + ε_high (clip-higher, DAPO and VAPO: 0.28); default --cliprange"""
-    positive_lm_coef: float = 0.0
-    """μ of VAPO's positive-example LM loss: μ × the NLL of the responses that pass (exactly the target on the
-    built-in task, every reward function ≥ 1 otherwise) is added to the policy loss (VAPO: 0.1); 0: off"""
+    """ε of the clipped policy loss (CleanRL: clip_coef)"""
     cliprange_value: float = 0.2
     """ε of the clipped value loss (CleanRL: clip_coef, the same ε as the policy's)"""
     vf_coef: float = 0.1
     """weight of the value loss"""
-    rollout_lag: int = 0
-    """K: sample each rollout with the actor's weights of K iterations before, as an asynchronous trainer with a
-    queue of K rollouts does; the update's ratio stays π_θ/π_old, π_old the current actor's log-probs (decoupled
-    PPO), and the correction below weighs each token by π_old/π_sampler. Memory: K more copies of the actor's
-    weights. 0: on-policy"""
-    vllm_importance_sampling_correction: Annotated[bool | None, tyro.conf.DisallowNone] = None
-    """(default: on when --rollout-lag > 0, off at 0, where the sampler is the actor) weigh each token's loss by
-    the sampler's importance weight (sampler_importance_weights); TRL's name, for completions from vLLM there"""
-    vllm_importance_sampling_mode: str = "sequence_mask"
-    """token_truncate (TIS), token_mask (MIS), sequence_truncate or sequence_mask (TRL's default): see
-    sampler_importance_weights"""
-    vllm_importance_sampling_clip_max: float | None = 3.0
-    """C_max: the weight's upper bound (truncate: clipped to it; mask: above it, 0); None: none (TRL's 3.0)"""
-    vllm_importance_sampling_clip_min: float | None = None
-    """C_min: the weight's lower bound (truncate: clipped to it; mask: below it, 0); None: none (TRL's)"""
     max_grad_norm: float = 1.0
     """clip the global gradient norm (actor and critic together) to this"""
     eval_every: int = 20
@@ -224,8 +193,7 @@ def masked_gae(rewards, values, mask, gamma, lam):
 
         δ_t = r_t + γ V(s_{t+1}) − V(s_t),   with V = 0 after the last valid token
         Â_t = δ_t + γλ Â_{t+1}
-    λ a number, or one per response ([B]). Padding has reward and value 0, so it contributes nothing. Returns
-    (advantages, returns = Â + V)."""
+    Padding has reward and value 0, so it contributes nothing. Returns (advantages, returns = Â + V)."""
     rewards, values = rewards * mask, values * mask
     advantages = torch.zeros_like(rewards)
     lastgaelam = torch.zeros(len(rewards), device=rewards.device)
@@ -238,54 +206,14 @@ def masked_gae(rewards, values, mask, gamma, lam):
     return advantages, advantages + values
 
 
-def decoupled_gae(rewards, values, mask, gamma, actor_lam, critic_lam):
-    """Decoupled GAE (VC-PPO, arXiv 2503.01491, section 4.2; VAPO eq. 5): the policy's advantages and the critic's
-    targets from GAE with a λ each,
-
-        Â_t = GAE_{λ_actor}(r, V)_t,        R_t = GAE_{λ_critic}(r, V)_t + V(s_t)
-
-    With λ_critic = 1, R_t = Σ_{t' ≥ t} γ^{t'−t} r_{t'}, the Monte Carlo return: the critic's target carries no bias
-    of the critic's own; a smaller λ_actor trades that bias for lower variance in the policy gradient. `actor_lam`
-    a number or one per response ([B], length_adaptive_lam). One pass where the two are the same number."""
-    advantages, returns = masked_gae(rewards, values, mask, gamma, actor_lam)
-    if isinstance(actor_lam, torch.Tensor) or actor_lam != critic_lam:
-        returns = masked_gae(rewards, values, mask, gamma, critic_lam)[1]
-    return advantages, returns
-
-
-def length_adaptive_lam(mask, alpha):
-    """VAPO's length-adaptive λ for the policy's GAE (arXiv 2504.05118, eq. 7), one per response of l tokens:
-
-        λ_actor = 1 − 1 / (α l),   so that Σ_t λ^t = 1 / (1 − λ) = α l
-
-    the weights on a token's future TD errors sum to a number proportional to the length, where a fixed λ gives
-    a long response's early tokens almost none of its end. 0 where α l ≤ 1 (a response too short for α)."""
-    return (1 - 1 / (alpha * mask.sum(1).clamp(min=1))).clamp(min=0)
-
-
-def positive_lm_loss(logprobs, mask, positive, num_tokens=None):
-    """VAPO's positive-example LM loss (arXiv 2504.05118, eq. 8): the NLL of the responses in T, those that pass,
-    averaged over their tokens, and added to the policy loss as L_PPO + μ L_NLL:
-
-        L_NLL = − 1 / Σ_{o_i ∈ T} |o_i|  ·  Σ_{o_i ∈ T} Σ_t log π_θ(a_t | s_t)
-
-    `positive` [B], True for the responses in T; `num_tokens` their tokens in the whole minibatch when it is
-    split into micro-batches (see masked_mean). 0 where none passes."""
-    positive_mask = mask * positive.unsqueeze(1)
-    return (-logprobs * positive_mask).sum() / (positive_mask.sum().clamp(min=1) if num_tokens is None else num_tokens)
-
-
-def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, num_tokens=None, weights=None,
-                cliprange_high=None):
-    """Clipped surrogate (PPO eq. 7), negated, averaged over every valid token of the minibatch (a token-level
-    loss, as VAPO's; see masked_mean for `num_tokens`):
-        L = mean_t w_t max( −Â_t ρ_t, −Â_t clip(ρ_t, 1 − ε, 1 + ε_high) ),   ρ_t = π_θ(a_t|s_t) / π_old(a_t|s_t)
-    ε_high = `cliprange_high` (clip-higher), ε where None; w_t = `weights` where the sampler was not π_old
-    (sampler_importance_weights), else 1. Returns (loss, ratio)."""
-    high = cliprange if cliprange_high is None else cliprange_high
+def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, num_tokens=None):
+    """Clipped surrogate (PPO eq. 7), negated, averaged over every valid token of the minibatch (see masked_mean
+    for `num_tokens`):
+        L = mean_t max( −Â_t ρ_t, −Â_t clip(ρ_t, 1 − ε, 1 + ε) ),   ρ_t = π_θ(a_t|s_t) / π_old(a_t|s_t)
+    Returns (loss, ratio)."""
     ratio = torch.exp(logprobs - old_logprobs)
-    losses = torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - cliprange, 1 + high))
-    return masked_mean(losses if weights is None else losses * weights, mask, num_tokens), ratio
+    losses = torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange))
+    return masked_mean(losses, mask, num_tokens), ratio
 
 
 def masked_value_loss(values, old_values, returns, mask, cliprange_value, num_tokens=None):
@@ -293,39 +221,6 @@ def masked_value_loss(values, old_values, returns, mask, cliprange_value, num_to
         L = ½ mean_t max( (V − R)², (V_old + clip(V − V_old, −ε, ε) − R)² )"""
     clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
     return 0.5 * masked_mean(torch.max((values - returns) ** 2, (clipped - returns) ** 2), mask, num_tokens)
-
-
-def sampler_importance_weights(old_logprobs, sampler_logprobs, mask, mode, clip_min, clip_max):
-    """The weight of each token's loss that corrects for sampling from π_sampler (weights --rollout-lag iterations
-    old, or another engine's kernels) instead of π_old, the policy the update starts from, [B, T], detached:
-
-        token_truncate     w_t = clip(ρ_t, C_min, C_max)              TIS (Yao et al. 2025)
-        token_mask         w_t = ρ_t · 1[C_min ≤ ρ_t ≤ C_max]          MIS
-        sequence_truncate  w_i = clip(ρ_i, C_min, C_max)              at every token of o_i
-        sequence_mask      w_i = ρ_i · 1[C_min ≤ ρ_i ≤ C_max]
-
-    with ρ_t = π_old(o_t | q, o_<t) / π_sampler(o_t | q, o_<t) and ρ_i = Π_t ρ_t, the whole completion's ratio (a
-    product, not GSPO's geometric mean). As TRL 1.16's vllm_importance_sampling_mode; C_min or C_max None: no bound
-    on that side."""
-    log_ratio = (old_logprobs - sampler_logprobs) * mask
-    if mode.startswith("sequence"):
-        log_ratio = log_ratio.sum(1, keepdim=True).expand_as(mask)
-    ratio = torch.exp(log_ratio)
-    low, high = -math.inf if clip_min is None else clip_min, math.inf if clip_max is None else clip_max
-    if mode.endswith("truncate"):
-        return ratio.clamp(low, high)
-    return ratio * ((ratio >= low) & (ratio <= high))
-
-
-def sampler_mismatch(old_logprobs, sampler_logprobs, mask, bound):
-    """How far the sampler is from the policy the update starts from, over the rollout's tokens, for the rollout/
-    tags: the sum and the max of |log π_sampler − log π_old|, the sum of k3, the per-token estimate of
-    KL[π_sampler ‖ π_old] on the sampler's own tokens (log r = log π_old − log π_sampler, k3 = r − 1 − log r), and
-    the number of tokens whose ratio π_old/π_sampler lies outside [1/C, C], C = `bound`. Sums, not means, so that
-    ranks add up; the tags divide by the tokens."""
-    log_r = (old_logprobs - sampler_logprobs) * mask
-    return (log_r.abs().sum(), log_r.abs().max(), ((log_r.exp() - 1 - log_r) * mask).sum(),
-            ((log_r.abs() > math.log(bound)) * mask).sum())
 
 
 def adaptive_kl_coef(kl_coef, current_kl, kl_target, horizon, n_steps):
@@ -407,41 +302,18 @@ def check_args(args):
     # modulo by zero, an empty batch) or train nothing
     for name, least in {"num_iterations": 1, "batch_size": 1, "mini_batch_size": 1, "ppo_epochs": 1,
                         "response_length": 1, "kl_horizon": 1, "eval_every": 1, "eval_size": 0, "eval_num_samples": 1,
-                        "log_completions_every": 0, "value_warmup_steps": 0}.items():
+                        "log_completions_every": 0}.items():
         if getattr(args, name) < least:
             sys.exit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: it must be at least {least}")
     # the real numbers, finite and in range (a gradient clip of 0 trains nothing; below 0, the wrong way)
     for name, rule in {"lr": ">= 0", "max_grad_norm": "> 0", "temperature": "> 0", "kl_coef": ">= 0",
-                       "kl_target": "> 0", "cliprange": "> 0", "cliprange_value": "> 0", "vf_coef": ">= 0",
-                       "cliprange_high": "> 0", "length_adaptive_lam": "> 0", "positive_lm_coef": ">= 0"}.items():
+                       "kl_target": "> 0", "cliprange": "> 0", "cliprange_value": "> 0", "vf_coef": ">= 0"}.items():
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and (value > 0 or rule == ">= 0" and value == 0)):
             sys.exit(f"error: --{name.replace('_', '-')} {value}: it must be a finite number {rule}")
-    if args.rollout_lag < 0:
-        sys.exit(f"error: --rollout-lag {args.rollout_lag}: the iterations the sampler's weights lag, 0 or more")
-    modes = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-    if args.vllm_importance_sampling_mode not in modes:
-        sys.exit(f"error: --vllm-importance-sampling-mode {args.vllm_importance_sampling_mode!r}: choose one of "
-                 f"{', '.join(modes)}")
-    low, high = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
-    for flag, value in (("clip-min", low), ("clip-max", high)):
-        if value is not None and not (math.isfinite(value) and value >= 0):
-            sys.exit(f"error: --vllm-importance-sampling-{flag} {value}: it must be a finite number >= 0")
-    if low is not None and high is not None and low >= high:
-        sys.exit(f"error: --vllm-importance-sampling-clip-min {low} must be below --vllm-importance-sampling-clip-max "
-                 f"{high}")
-    for name in ("gamma", "lam", "critic_lam", "actor_lam"):
-        if getattr(args, name) is not None and not 0 <= getattr(args, name) <= 1:
-            sys.exit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: it must be in [0, 1]")
-    if args.length_adaptive_lam is not None and args.actor_lam is not None:
-        sys.exit(f"error: --length-adaptive-lam {args.length_adaptive_lam} sets the actor's λ; leave out --actor-lam")
-    if args.value_warmup_steps and args.vf_coef == 0:
-        sys.exit(f"error: --value-warmup-steps {args.value_warmup_steps} trains the critic alone, which --vf-coef 0 "
-                 "gives no gradient: it would train nothing")
-    needs_pass = args.positive_lm_coef > 0 and args.dataset_name is not None and not args.reward_fn
-    if needs_pass:  # a reward model's score has no pass (see passes)
-        sys.exit(f"error: --positive-lm-coef {args.positive_lm_coef} needs a reward function (--reward-fn) that tells "
-                 "which responses pass; a reward model's score does not")
+    for name in ("gamma", "lam"):
+        if not 0 <= getattr(args, name) <= 1:
+            sys.exit(f"error: --{name} {getattr(args, name)}: it must be in [0, 1]")
     if args.batch_size % args.mini_batch_size:
         sys.exit(f"error: --batch-size {args.batch_size} does not split into minibatches of {args.mini_batch_size}")
     terms = len(args.reward_fn) + (args.reward_model_path is not None or not args.reward_fn)
@@ -454,7 +326,7 @@ def check_args(args):
 
 
 def main(args: Args):
-    settle_defaults(args)  # --bf16 and --vllm-importance-sampling-correction, where not given
+    settle_defaults(args)  # --bf16, where not given
     check_args(args)
     note_overwrite(args.output_dir)
     torch.set_num_threads(cpu_threads(args.threads))
@@ -485,7 +357,6 @@ def main(args: Args):
         sys.exit(f"error: the longest prompt ({longest} tokens) + --response-length {args.response_length} exceeds the "
                  f"model's {positions} positions; lower --max-prompt-length or --response-length")
     optimizer = torch.optim.AdamW(list(actor.parameters()) + list(critic.parameters()), lr=args.lr)
-    lag = RolloutLag(actor, args)  # --rollout-lag K: the weights a rollout samples with
     print(f"{3 + (reward is not None)} model(s) in memory")
     kl_coef = args.kl_coef
     writer = SummaryWriter(f"runs/{args.exp_name}__{args.seed}__{int(time.time())}")
@@ -505,7 +376,6 @@ def main(args: Args):
     models = (actor, critic, ref, tokenizer, stop_ids, logprobs_of)
     evaluate(models, eval_rows, eval_ids, terms, scores_of, amp, writer, 0, args)
     rng, start_time = random.Random(args.seed), time.time()  # rng: the prompts drawn
-    warm_up_critic(models, optimizer, train_rows, train_ids, scores_of, terms.names, rng, amp, writer, args)  # VC-PPO
     progress = Progress(args.num_iterations, "iterations", args.progress)
     for iteration in range(1, args.num_iterations + 1):
         lr = get_lr(iteration - 1, args.lr, 0, args.num_iterations, "linear") if args.anneal_lr else args.lr
@@ -514,21 +384,18 @@ def main(args: Args):
         actor.eval(), critic.eval()
         chosen = rng.sample(range(len(train_ids)), B)
         with torch.no_grad(), amp():
-            with lag:  # --rollout-lag K: sampled with the weights of K iterations before
-                sampled = generate(actor, [train_ids[i] for i in chosen], tokenizer.pad_token_id, stop_ids,
-                                   args.response_length, args.temperature)
+            sampled = generate(actor, [train_ids[i] for i in chosen], tokenizer.pad_token_id, stop_ids,
+                               args.response_length, args.temperature)
             batch = score_rollout(models, [train_rows[i] for i in chosen], sampled, scores_of, terms.names, args)
             # ---- 2. advantages: per-token rewards with the KL penalty, GAE, whitened over the batch -----
             rewards, non_score = shaped_rewards(batch.logprobs, batch.ref_logprobs, batch.scores.nan_to_num(0.0),
                                                 batch.mask, kl_coef)
-            lam = args.actor_lam if args.length_adaptive_lam is None else length_adaptive_lam(batch.train_mask,
-                                                                                                args.length_adaptive_lam)
-            advantages, returns = decoupled_gae(rewards, batch.values, batch.train_mask, args.gamma, lam, args.critic_lam)
+            advantages, returns = masked_gae(rewards, batch.values, batch.train_mask, args.gamma, args.lam)
             advantages = masked_whiten(advantages, batch.train_mask)  # over the whole batch
 
         # ---- 3. update: several epochs of shuffled minibatches -------------------------------------
         actor.train(), critic.train()
-        stats = {k: [] for k in ("pg_loss", "vf_loss", "lm_loss", "approx_kl", "clipfrac", "ratio", "entropy")}
+        stats = {k: [] for k in ("pg_loss", "vf_loss", "approx_kl", "clipfrac", "ratio", "entropy")}
         for epoch in range(args.ppo_epochs):
             # the rollout's prompts are already in random order: epoch 0 takes them as they come, so its
             # first minibatch is exactly the rollout's first chunk; later epochs reshuffle
@@ -542,15 +409,12 @@ def main(args: Args):
                     new_values = scalar_head(critic, batch.sequences[mb],
                                              batch.attention_mask[mb])[:, batch.context_length - 1 : -1]
                 pg_loss, ratio = policy_loss(new_logprobs, batch.logprobs[mb], advantages[mb], batch.train_mask[mb],
-                                             args.cliprange, num_tokens,
-                                             None if batch.is_weights is None else batch.is_weights[mb], args.cliprange_high)
+                                             args.cliprange, num_tokens)
                 vf_loss = masked_value_loss(new_values, batch.values[mb], returns[mb], batch.train_mask[mb],
                                             args.cliprange_value, num_tokens)
-                lm_loss = (positive_lm_loss(new_logprobs, batch.train_mask[mb], batch.passed[mb])  # VAPO
-                           if args.positive_lm_coef else pg_loss.new_zeros(()))
-                loss = pg_loss + args.vf_coef * vf_loss + args.positive_lm_coef * lm_loss
+                loss = pg_loss + args.vf_coef * vf_loss
                 loss.backward()
-                accumulate_ppo_stats(stats, (pg_loss, vf_loss, lm_loss), ratio, new_logprobs - batch.logprobs[mb],
+                accumulate_ppo_stats(stats, (pg_loss, vf_loss), ratio, new_logprobs - batch.logprobs[mb],
                                      new_entropy, batch.train_mask[mb], num_tokens, epoch == start == 0, args)
                 grad_norm = torch.nn.utils.clip_grad_norm_(list(actor.parameters()) + list(critic.parameters()),
                                                            args.max_grad_norm)
@@ -571,50 +435,6 @@ def main(args: Args):
     writer.close()
 
 
-def warm_up_critic(models, optimizer, rows, ids, scores_of, names, rng, amp, writer, args):
-    """0. value warm-up (VC-PPO's value pretraining, arXiv 2503.01491, section 4.1): --value-warmup-steps rollouts
-    of the starting policy train the critic alone, in the update's epochs and minibatches, towards λ = 1 (Monte
-    Carlo) returns. The critic starts as the reward model, whose head scores whole responses, not the value of a
-    response's first tokens: without the warm-up the actor's first advantages carry that bias. The actor keeps
-    its weights (it has no gradients, so AdamW leaves it). Logged as val/warmup_value_loss and
-    val/warmup_explained_variance (before each rollout's steps, as val/explained_variance)."""
-    actor, critic, _, tokenizer, stop_ids, _ = models
-    B, mini = args.batch_size, args.mini_batch_size
-    for step in range(1, args.value_warmup_steps + 1):
-        actor.eval(), critic.eval()
-        chosen = rng.sample(range(len(ids)), B)
-        with torch.no_grad(), amp():
-            sampled = generate(actor, [ids[i] for i in chosen], tokenizer.pad_token_id, stop_ids, args.response_length,
-                               args.temperature)
-            batch = score_rollout(models, [rows[i] for i in chosen], sampled, scores_of, names, args)
-            rewards, _ = shaped_rewards(batch.logprobs, batch.ref_logprobs, batch.scores.nan_to_num(0.0), batch.mask,
-                                        args.kl_coef)
-            _, returns = masked_gae(rewards, batch.values, batch.train_mask, args.gamma, 1.0)
-        critic.train()
-        losses = []
-        for epoch in range(args.ppo_epochs):
-            order = torch.randperm(B, device=returns.device) if epoch > 0 else torch.arange(B, device=returns.device)
-            for start in range(0, B, mini):
-                mb = order[start : start + mini]
-                with amp():
-                    new_values = scalar_head(critic, batch.sequences[mb],
-                                             batch.attention_mask[mb])[:, batch.context_length - 1 : -1]
-                vf_loss = masked_value_loss(new_values, batch.values[mb], returns[mb], batch.train_mask[mb],
-                                            args.cliprange_value, max(1.0, batch.train_mask[mb].sum().item()))
-                (args.vf_coef * vf_loss).backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
-                check_finite(f"warm-up {step}", value_loss=vf_loss, grad_norm=grad_norm)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                losses.append(vf_loss.item())
-        valid = batch.mask.bool()
-        var_returns, var_residual = returns.double()[valid].var(), (returns - batch.values).double()[valid].var()
-        writer.add_scalar("val/warmup_value_loss", sum(losses) / len(losses), step)
-        writer.add_scalar("val/warmup_explained_variance",
-                          float(1 - var_residual / var_returns) if var_returns > 0 else float("nan"), step)
-        print(f"value warm-up {step}: value loss {sum(losses) / len(losses):.4f}")
-
-
 @dataclass
 class Rollout:
     """B responses and what the four models made of them; token tensors are [B, response_length]."""
@@ -633,18 +453,14 @@ class Rollout:
     has_stop: torch.Tensor  # [B]: the response ended with a stop token
     prompts: list  # each response's prompt, as the dataset has it
     completions: list  # the responses' text
-    passed: torch.Tensor  # [B]: the response passes (passes; False where nothing tells), for --positive-lm-coef
-    mismatch: tuple  # the sampler's distance from π_old (sampler_mismatch)
-    is_weights: torch.Tensor | None  # the sampler correction's weights (sampler_correction); None without it
 
 
 def score_rollout(models, rows, sampled, scores_of, names, args):
     """Every token of the sampled responses scored by the four models: π_old's log-probs and entropy, π_ref's
-    log-probs, the critic's values, and the score of each response; and the sampler's distance from π_old with
-    the weights that correct for it. In chunks of the update's minibatches, so that they compute exactly what the
-    update will."""
+    log-probs, the critic's values, and the score of each response. In chunks of the update's minibatches, so that
+    they compute exactly what the update will."""
     actor, critic, ref, _, _, logprobs_of = models
-    sequences, attention_mask, context_length, mask, sampler_logprobs = sampled
+    sequences, attention_mask, context_length, mask, _ = sampled
     mask = mask.float()
     logprobs, entropy = logprobs_of(actor, sequences, attention_mask, context_length)
     ref_logprobs, _ = logprobs_of(ref, sequences, attention_mask, context_length)
@@ -654,23 +470,7 @@ def score_rollout(models, rows, sampled, scores_of, names, args):
     # a response no reward function scores (NaN) has no loss: advantage 0, as TRL 1.16 gives it in GRPO
     train_mask = mask * ~scores.isnan().unsqueeze(1)
     return Rollout(sequences, attention_mask, context_length, mask, train_mask, logprobs, entropy, ref_logprobs,
-                   values, scores, table, names, has_stop, [row["prompt"] for row in rows], completions,
-                   torch.tensor(passes(completions, rows, table, names, args.dataset_name is None) or [False] * len(rows),
-                                device=mask.device),
-                   *sampler_correction(logprobs, sampler_logprobs, mask, args))
-
-
-def sampler_correction(old_logprobs, sampler_logprobs, mask, args):
-    """How far the sampler is from π_old (sampler_mismatch, for the rollout/ tags) and, with
-    --vllm-importance-sampling-correction, the weight of each token that corrects for it
-    (sampler_importance_weights; None without)."""
-    mismatch = sampler_mismatch(old_logprobs, sampler_logprobs, mask, args.vllm_importance_sampling_clip_max or 3.0)
-    if not args.vllm_importance_sampling_correction:
-        return mismatch, None
-    return mismatch, sampler_importance_weights(old_logprobs, sampler_logprobs, mask,
-                                                args.vllm_importance_sampling_mode,
-                                                args.vllm_importance_sampling_clip_min,
-                                                args.vllm_importance_sampling_clip_max)
+                   values, scores, table, names, has_stop, [row["prompt"] for row in rows], completions)
 
 
 @dataclass
@@ -708,13 +508,12 @@ def completion_rewards(rows, sequences, attention_mask, context_length, response
 
 @torch.no_grad()
 def accumulate_ppo_stats(stats, losses, ratio, log_ratio, entropy, mask, num_tokens, first, args):
-    """Appends a minibatch's losses (policy, value, positive-example LM) and statistics to `stats` (log_ratio:
-    log π_θ − log π_old; clipfrac: the tokens whose ratio lies outside [1 − ε, 1 + ε_high]); at the first minibatch
+    """Appends a minibatch's losses (policy, value) and statistics to `stats` (log_ratio: log π_θ − log π_old;
+    clipfrac: the tokens whose ratio lies outside [1 − ε, 1 + ε]); at the first minibatch
     of an iteration, before any step, the ratio's largest distance from 1 (it must be exactly 0)."""
-    for name, loss in zip(("pg_loss", "vf_loss", "lm_loss"), losses):
+    for name, loss in zip(("pg_loss", "vf_loss"), losses):
         stats[name].append(loss.item())
-    high = args.cliprange if args.cliprange_high is None else args.cliprange_high
-    clipped = (ratio - 1 > high) | (1 - ratio > args.cliprange)
+    clipped = (ratio - 1 > args.cliprange) | (1 - ratio > args.cliprange)
     stats["approx_kl"].append(masked_mean(0.5 * log_ratio ** 2, mask, num_tokens).item())
     stats["clipfrac"].append(masked_mean(clipped.float(), mask, num_tokens).item())
     stats["ratio"].append(masked_mean(ratio, mask, num_tokens).item())
@@ -728,11 +527,10 @@ def log_ppo_iteration(writer, iteration, batch, stats, non_score, returns, kl_co
     every --log-completions-every iterations, the rollout's first responses as text. Returns the batch's KL to the
     reference (k1), which the adaptive KL controller reads."""
     B, first_ratio_error = args.batch_size, stats.pop("first_ratio_max_error")
-    mask, mismatch = batch.mask, batch.mismatch
+    mask = batch.mask
     valid, num_minibatches = mask.bool(), args.ppo_epochs * B // args.mini_batch_size
     mean = {k: sum(parts) / num_minibatches for k, parts in stats.items()}  # each: the mean over minibatches
     var_returns, var_residual = returns.double()[valid].var(), (returns - batch.values).double()[valid].var()
-    tokens = mask.sum().item()
     k1, k3 = kl_estimators(batch.logprobs, batch.ref_logprobs, mask)
     reward = batch.scores.nansum().item() / max(1, int((~batch.scores.isnan()).sum()))  # over the scored responses
     logs = {
@@ -743,20 +541,12 @@ def log_ppo_iteration(writer, iteration, batch, stats, non_score, returns, kl_co
         "policy/approx_kl": mean["approx_kl"], "policy/clipfrac": mean["clipfrac"], "policy/ratio_mean": mean["ratio"],
         "policy/entropy": mean["entropy"], "policy/first_ratio_max_error": first_ratio_error,
         "losses/policy_loss": mean["pg_loss"], "losses/value_loss": mean["vf_loss"],
-        **({"losses/positive_lm_loss": mean["lm_loss"], "policy/positive_fraction": batch.passed.float().mean().item()}
-           if args.positive_lm_coef else {}),
         # 1 − Var(R − V) / Var(R) over the valid tokens (undefined when every return is the same)
         "val/explained_variance": float(1 - var_residual / var_returns) if var_returns > 0 else float("nan"),
         "val/num_eos": batch.has_stop.sum().item(),
         "charts/kl_coef": kl_coef, "charts/learning_rate": lr,
         "charts/episodes_per_second": iteration * B / (time.time() - start_time),
-        # the sampler against π_old (sampler_mismatch), over the rollout's tokens
-        "rollout/logprob_diff_mean": mismatch[0].item() / tokens, "rollout/logprob_diff_max": mismatch[1].item(),
-        "rollout/kl_k3": mismatch[2].item() / tokens, "rollout/ratio_outside_fraction": mismatch[3].item() / tokens,
     }
-    if batch.is_weights is not None:  # the correction's weights: their mean, and the tokens they leave out (weight 0)
-        logs["rollout/is_weight_mean"] = (batch.is_weights * mask).sum().item() / tokens
-        logs["rollout/is_masked_fraction"] = ((batch.is_weights == 0) * mask).sum().item() / tokens
     logs.update(term_means(batch.table, batch.names, "rewards/", "objective/score"))  # each term of the score
     for tag, value in logs.items():
         writer.add_scalar(tag, float(value), iteration)
@@ -1456,59 +1246,10 @@ def generate(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperat
 # Training and saving
 # ---------------------------------------------------------------------------------------------
 def settle_defaults(args):
-    """The defaults that depend on the run, settled before the argument checks (and logged as settled). --bf16: on
-    where CUDA has bfloat16, as in TRL's configs; on the CPU float32 is faster. --vllm-importance-sampling-correction
-    (the RL scripts): TRL corrects by default; here only a stale sampler (--rollout-lag) needs it. rlhf_ppo's
-    --critic-lam and --actor-lam: --lam (the actor's stays unset under --length-adaptive-lam)."""
+    """The defaults that depend on the machine, settled before the argument checks (and logged as settled): --bf16
+    on where CUDA has bfloat16, as in TRL's configs; on the CPU float32 is faster."""
     if args.bf16 is None:
         args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    if getattr(args, "vllm_importance_sampling_correction", False) is None:
-        args.vllm_importance_sampling_correction = args.rollout_lag > 0
-    if getattr(args, "no_scale_rewards", False):  # grpo: --no-scale-rewards, the older --scale-rewards none
-        args.scale_rewards = "none"
-    if getattr(args, "critic_lam", 0) is None:
-        args.critic_lam = args.lam
-    if getattr(args, "actor_lam", 0) is None and args.length_adaptive_lam is None:
-        args.actor_lam = args.lam
-
-
-class RolloutLag:
-    """--rollout-lag K: the policy's weights of the last K iterations, oldest first, as an asynchronous trainer's
-    sampler lags behind it. `with lag:` samples with the oldest (in the first K iterations, the start's), then puts
-    the current weights back and keeps them as the newest, in the oldest's memory. K = 0: nothing happens. It says
-    at the start the lag and its correction. (With LoRA only the adapters change; under FSDP each rank keeps its
-    shards.)"""
-
-    def __init__(self, model, args):
-        self.trained = [p for p in model.parameters() if p.requires_grad]
-        self.lagged = [[p.detach().clone() for p in self.trained] for _ in range(args.rollout_lag)]
-        if args.rollout_lag or args.vllm_importance_sampling_correction:  # said at the start, as the run's setting
-            bounds = (args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
-            print(f"note: --rollout-lag {args.rollout_lag}, " + (
-                f"corrected by --vllm-importance-sampling-mode {args.vllm_importance_sampling_mode} (bounds {bounds})"
-                if args.vllm_importance_sampling_correction else "no correction (--vllm-importance-sampling-correction)"))
-
-    def __enter__(self):
-        if self.lagged:
-            swap_weights(self.trained, self.lagged[0])
-
-    @torch.no_grad()
-    def __exit__(self, *exception):
-        if self.lagged:
-            swap_weights(self.trained, self.lagged[0])
-            self.lagged.append(self.lagged.pop(0))
-            for p, w in zip(self.trained, self.lagged[-1]):
-                w.copy_(p)
-
-
-@torch.no_grad()
-def swap_weights(parameters, weights):
-    """Exchange each of `parameters` with its tensor of `weights` in place, one temporary copy at a time: the
-    sampler of --rollout-lag is the policy holding older weights (the copy keeps each tensor where it is)."""
-    for p, w in zip(parameters, weights):
-        current = p.clone()
-        p.copy_(w)
-        w.copy_(current)
 
 
 def get_lr(step, lr, warmup_steps, max_steps, decay):

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# docs/grpo.md's variants tables: grpo.py's variants side by side: each one flag (or one paper's set of flags),
-# everything else at the defaults, every run from the same SFT model. Tasks:
+# docs/grpo.md's variants tables: GRPO's variants side by side: each one flag (or one paper's set of flags),
+# everything else at the defaults, every run from the same SFT model. The reference's variants run grpo.py, the
+# others (the 2026 losses, advantages and entropy controls) scale/grpo.py, which alone has them (script_of). Tasks:
 #   builtin     the sort task, gold reward, from models/sft (`python sft.py` first)
 #   arithmetic  benchmarks/arithmetic/seed1 (`ONLY_SFT=1 bash benchmarks/arithmetic.sh` first), numeric_match
 #   heldout     benchmarks/heldout/seed1 (`TASK=heldout ONLY_SFT=1 bash benchmarks/arithmetic.sh` first)
@@ -9,7 +10,8 @@
 # $OUT/<task> (default benchmarks/variants), its wall time to $OUT/<task>/times.txt; then
 #   python benchmarks/summarize.py variants benchmarks/variants/arithmetic
 # e.g. TASKS="builtin" SEEDS="1 2 3" JOBS=2 bash benchmarks/grpo_variants.sh
-# SCRIPT=rlhf_ppo runs rlhf_ppo.py's variants instead (docs/rlhf_ppo.md's VC-PPO and VAPO table; RLHF_VARIANTS):
+# SCRIPT=rlhf_ppo runs rlhf_ppo.py's variants instead (docs/rlhf_ppo.md's VC-PPO and VAPO table; RLHF_VARIANTS; VC-PPO
+# and VAPO run scale/rlhf_ppo.py):
 #   SCRIPT=rlhf_ppo SEEDS="1 2 3" JOBS=2 bash benchmarks/grpo_variants.sh      # after python reward_model.py
 #   SCRIPT=rlhf_ppo TASKS=arithmetic VARIANTS="ppo_gold vcppo_gold vapo_gold" SEEDS="1 2 3" bash ...
 set -euo pipefail
@@ -32,7 +34,7 @@ flags_of() {  # VARIANT RESPONSE_LENGTH: its flags; L_cache a fifth of the respo
   case $1 in
     grpo) ;;                                                          # the defaults
     dapo_loss) echo "--loss-type dapo" ;;                             # every token weighs the same
-    dr_grpo) echo "--loss-type dr_grpo --no-scale-rewards" ;;         # Dr. GRPO
+    dr_grpo) echo "--loss-type dr_grpo --scale-rewards none" ;;       # Dr. GRPO
     rloo) echo "--advantage rloo" ;;
     reinforce_pp) echo "--advantage reinforce_pp" ;;
     reinforce_pp_baseline) echo "--advantage reinforce_pp_baseline" ;;
@@ -70,6 +72,15 @@ flags_of() {  # VARIANT RESPONSE_LENGTH: its flags; L_cache a fifth of the respo
   esac
 }
 
+script_of() {  # VARIANT: the script that has it: the reference, or its scale/ sibling for the variants it alone has
+  case ${1#harsh_} in
+    dppo|dppo_kl|maxrl|scale_batch|sapo|luspo|vespo|gdpo|entropy_coef|adaptive_entropy|top_entropy|clip_cov|kl_cov)
+      echo "scale/grpo" ;;
+    vcppo_*|vapo_*) echo "scale/rlhf_ppo" ;;
+    *) echo "${SCRIPT:-grpo}" ;;
+  esac
+}
+
 run_one() {  # TASK VARIANT SEED
   local task=$1 variant=$2 seed=$3 start base
   case $task in
@@ -88,7 +99,7 @@ run_one() {  # TASK VARIANT SEED
   mkdir -p "$out/$task"
   cd "$out/$task"
   start=$(date +%s)
-  if OMP_NUM_THREADS=1 python "$root/${SCRIPT:-grpo}.py" $base $(flags_of "$variant" $length) --seed "$seed" ${EXTRA:-} \
+  if OMP_NUM_THREADS=1 python "$root/$(script_of "$variant").py" $base $(flags_of "$variant" $length) --seed "$seed" ${EXTRA:-} \
        --exp-name "${variant}_s$seed" --output-dir "/tmp/grpo_variants/$task/${variant}_s$seed" \
        > "${variant}_s$seed.log" 2>&1; then
     echo "$variant $seed $(( $(date +%s) - start ))" >> times.txt
@@ -97,7 +108,7 @@ run_one() {  # TASK VARIANT SEED
   fi
   rm -rf "/tmp/grpo_variants/$task/${variant}_s$seed"
 }
-export -f run_one flags_of
+export -f run_one flags_of script_of
 export root out HARSH VCPPO VAPO
 
 [ "${SCRIPT:-grpo}" = rlhf_ppo ] && ALL=$RLHF_VARIANTS

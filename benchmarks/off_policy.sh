@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# docs/grpo.md's off-policy table and figure: grpo.py (or rlhf_ppo.py) on the built-in task with rollouts sampled by
+# docs/grpo.md's off-policy table and figure: scale/grpo.py (or scale/rlhf_ppo.py: the off-policy machinery is scale/'s
+# alone) on the built-in task with rollouts sampled by
 # the weights of K iterations before (--rollout-lag K), with no correction, token-level truncation (TIS) or
 # sequence-level masking (TRL's default), each run from models/sft (`python sft.py` first), every other flag at
 # its default, one thread each. SCRIPT (grpo), LAGS ("0 2 8"), CORRECTIONS ("none token_truncate sequence_mask"),
@@ -23,7 +24,7 @@ run_one() {  # LAG CORRECTION SEED
   [ "$script" = rlhf_ppo ] && flags="$flags --reward-model-path $root/models/reward_model"
   cd "$out"
   start=$(date +%s)
-  if OMP_NUM_THREADS=1 python "$root/$script.py" --model-name-or-path "$root/models/sft" --rollout-lag "$lag" $flags \
+  if OMP_NUM_THREADS=1 python "$root/scale/$script.py" --model-name-or-path "$root/models/sft" --rollout-lag "$lag" $flags \
        --seed "$seed" ${EXTRA:-} --exp-name "$name" --output-dir "/tmp/off_policy/$script/$name" > "$name.log" 2>&1; then
     echo "$lag $correction $seed $(( $(date +%s) - start ))" >> times.txt
   else

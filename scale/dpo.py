@@ -1449,22 +1449,11 @@ def settle_defaults(args):
     """The defaults that depend on where the run is, settled before any work (and logged and checkpointed as
     settled). --bf16: on where CUDA computes and has bfloat16, as in TRL's configs (bf16 unless fp16); off on the
     CPU, where bfloat16 products are slower than float32 on most processors. --gradient-checkpointing: on under
-    --fsdp, the runs of models whose every block's activations do not fit beside the weights.
-    --vllm-importance-sampling-correction (the RL scripts): TRL corrects by default; here only a stale sampler
-    (--rollout-lag) needs it. rlhf_ppo's --critic-lam and --actor-lam: --lam (the actor's stays unset under
-    --length-adaptive-lam)."""
+    --fsdp, the runs of models whose every block's activations do not fit beside the weights."""
     if args.bf16 is None:
         args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     if args.gradient_checkpointing is None:
         args.gradient_checkpointing = args.fsdp
-    if getattr(args, "vllm_importance_sampling_correction", False) is None:
-        args.vllm_importance_sampling_correction = args.rollout_lag > 0
-    if getattr(args, "no_scale_rewards", False):  # grpo: --no-scale-rewards, the older --scale-rewards none
-        args.scale_rewards = "none"
-    if getattr(args, "critic_lam", 0) is None:
-        args.critic_lam = args.lam
-    if getattr(args, "actor_lam", 0) is None and args.length_adaptive_lam is None:
-        args.actor_lam = args.lam
 
 
 def get_lr(step, lr, warmup_steps, max_steps, decay):

@@ -348,9 +348,9 @@ def nanstd(x, dim):
 
 
 def batch_moments(x):
-    """grpo.py's batch_moments over the values of every rank (the sums are added up over the ranks; on one process,
-    the same): (mean, std) of the values of x that are not NaN, the std with n − 1 in the denominator (TRL's
-    nanstd over the whole batch)."""
+    """Over the values of every rank (the sums are added up over the ranks; on one process, the same): (mean, std)
+    of the values of x that are not NaN, the std with n − 1 in the denominator (TRL's nanstd over the whole
+    batch)."""
     sums = torch.stack([x.nansum(), (~x.isnan()).sum().float()])
     if dist.is_initialized():
         dist.all_reduce(sums)
@@ -673,12 +673,11 @@ def aggregate_loss(per_token_loss, mask, loss_type, num_sequences, num_tokens, m
 
 
 def high_entropy_mask(entropy, mask, quantile):
-    """grpo.py's high_entropy_mask over the tokens of every rank. The 80/20 rule (Wang et al. 2025, "Beyond the 80/20
-    Rule"), as TRL 1.16's top_entropy_quantile ρ: True on the
-    tokens whose entropy H(π_θ(·|s_t)) is at least the (1 − ρ) quantile of the entropies of the `mask`ed tokens
-    (linear interpolation, torch.quantile's), False elsewhere and on padding. The forking tokens where the policy
-    hesitates carry the gradient; ρ = 0 keeps the highest one only. The quantile of every rank's tokens (TRL's
-    gather; on one process, the same)."""
+    """Over the tokens of every rank, the 80/20 rule (Wang et al. 2025, "Beyond the 80/20 Rule"), as TRL 1.16's
+    top_entropy_quantile ρ: True on the tokens whose entropy H(π_θ(·|s_t)) is at least the (1 − ρ) quantile of the
+    entropies of the `mask`ed tokens (linear interpolation, torch.quantile's), False elsewhere and on padding. The
+    forking tokens where the policy hesitates carry the gradient; ρ = 0 keeps the highest one only. The quantile of
+    every rank's tokens (TRL's gather; on one process, the same)."""
     values = entropy.detach()[mask.bool()]
     if dist.is_initialized():  # padded to the longest rank's count with −1 (an entropy is never negative)
         longest = torch.tensor(values.numel(), device=values.device)
@@ -805,6 +804,12 @@ def combine_rewards(per_function, weights):
 def check_args(args):
     """Every flag checked before any work: one line that says what to change. Under torchrun each rank checks
     the same flags and only rank 0 prints."""
+    # this script's own defaults, settled first: TRL corrects a sampler's tokens by default; here only a stale
+    # sampler (--rollout-lag) needs it; --no-scale-rewards is the older spelling of --scale-rewards none
+    if args.vllm_importance_sampling_correction is None:
+        args.vllm_importance_sampling_correction = args.rollout_lag > 0
+    if args.no_scale_rewards:
+        args.scale_rewards = "none"
     if args.threads is not None and args.threads < 1:
         sys.exit(f"error: --threads {args.threads}: it must be at least 1 (leave it out for the default)")
     # the least each count can be (--eval-size 0: no evaluation; a group needs 2 completions, its own baseline);
@@ -914,7 +919,7 @@ def check_args(args):
 
 
 def main(args: Args):
-    settle_defaults(args)  # --bf16, --gradient-checkpointing and --vllm-importance-sampling-correction, where not given
+    settle_defaults(args)  # --bf16 and --gradient-checkpointing, where not given
     check_args(args)
     note_overwrite(args.output_dir)
     torch.set_num_threads(cpu_threads(args.threads))
@@ -1250,13 +1255,12 @@ def grpo_token_losses(ratio, logprobs, entropy, advantages, batch, old, mb, epsi
 
 
 class EntropyControl:
-    """grpo.py's EntropyControl over micro-batches and ranks: --entropy-coef and --use-adaptive-entropy, the bonus
-    c·H̄ the loss subtracts (entropy_bonus), each micro-batch's mean over the tokens the policy loss sees (with
-    --top-entropy-quantile, the high-entropy ones, as TRL) divided by the step's micro-batches on all ranks, so that
-    the step's bonus is their average (TRL's, under gradient accumulation and DDP); with adaptive control its
-    coefficient moved after each optimizer step by the entropy of the step's tokens on every rank
-    (adaptive_entropy_coef; no bonus before the first measurement, as TRL). Off (the defaults): no bonus, and the
-    update's entropy carries no gradient."""
+    """Over micro-batches and ranks: --entropy-coef and --use-adaptive-entropy, the bonus c·H̄ the loss subtracts
+    (entropy_bonus), each micro-batch's mean over the tokens the policy loss sees (with --top-entropy-quantile, the
+    high-entropy ones, as TRL) divided by the step's micro-batches on all ranks, so that the step's bonus is their
+    average (TRL's, under gradient accumulation and DDP); with adaptive control its coefficient moved after each
+    optimizer step by the entropy of the step's tokens on every rank (adaptive_entropy_coef; no bonus before the
+    first measurement, as TRL). Off (the defaults): no bonus, and the update's entropy carries no gradient."""
 
     def __init__(self, args):
         self.args, self.coef, self.last, self.window = args, args.entropy_coef, math.inf, 0.0
@@ -2694,22 +2698,11 @@ def settle_defaults(args):
     """The defaults that depend on where the run is, settled before any work (and logged and checkpointed as
     settled). --bf16: on where CUDA computes and has bfloat16, as in TRL's configs (bf16 unless fp16); off on the
     CPU, where bfloat16 products are slower than float32 on most processors. --gradient-checkpointing: on under
-    --fsdp, the runs of models whose every block's activations do not fit beside the weights.
-    --vllm-importance-sampling-correction (the RL scripts): TRL corrects by default; here only a stale sampler
-    (--rollout-lag) needs it. rlhf_ppo's --critic-lam and --actor-lam: --lam (the actor's stays unset under
-    --length-adaptive-lam)."""
+    --fsdp, the runs of models whose every block's activations do not fit beside the weights."""
     if args.bf16 is None:
         args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     if args.gradient_checkpointing is None:
         args.gradient_checkpointing = args.fsdp
-    if getattr(args, "vllm_importance_sampling_correction", False) is None:
-        args.vllm_importance_sampling_correction = args.rollout_lag > 0
-    if getattr(args, "no_scale_rewards", False):  # grpo: --no-scale-rewards, the older --scale-rewards none
-        args.scale_rewards = "none"
-    if getattr(args, "critic_lam", 0) is None:
-        args.critic_lam = args.lam
-    if getattr(args, "actor_lam", 0) is None and args.length_adaptive_lam is None:
-        args.actor_lam = args.lam
 
 
 class RolloutLag:

@@ -461,6 +461,15 @@ def combine_rewards(per_function, weights):
 def check_args(args):
     """Every flag checked before any work: one line that says what to change. Under torchrun each rank checks
     the same flags and only rank 0 prints."""
+    # this script's own defaults, settled first: TRL corrects a sampler's tokens by default; here only a stale
+    # sampler (--rollout-lag) needs it; --critic-lam and --actor-lam are --lam where not given (the actor's stays
+    # unset under --length-adaptive-lam)
+    if args.vllm_importance_sampling_correction is None:
+        args.vllm_importance_sampling_correction = args.rollout_lag > 0
+    if args.critic_lam is None:
+        args.critic_lam = args.lam
+    if args.actor_lam is None and args.length_adaptive_lam is None:
+        args.actor_lam = args.lam
     if args.threads is not None and args.threads < 1:
         sys.exit(f"error: --threads {args.threads}: it must be at least 1 (leave it out for the default)")
     # the least each count can be (--eval-size 0: no evaluation); below it a run would crash deep inside (a
@@ -526,7 +535,7 @@ def check_args(args):
 
 
 def main(args: Args):
-    settle_defaults(args)  # --bf16, --gradient-checkpointing and --vllm-importance-sampling-correction, where not given
+    settle_defaults(args)  # --bf16 and --gradient-checkpointing, where not given
     check_args(args)
     note_overwrite(args.output_dir)
     torch.set_num_threads(cpu_threads(args.threads))
@@ -2220,22 +2229,11 @@ def settle_defaults(args):
     """The defaults that depend on where the run is, settled before any work (and logged and checkpointed as
     settled). --bf16: on where CUDA computes and has bfloat16, as in TRL's configs (bf16 unless fp16); off on the
     CPU, where bfloat16 products are slower than float32 on most processors. --gradient-checkpointing: on under
-    --fsdp, the runs of models whose every block's activations do not fit beside the weights.
-    --vllm-importance-sampling-correction (the RL scripts): TRL corrects by default; here only a stale sampler
-    (--rollout-lag) needs it. rlhf_ppo's --critic-lam and --actor-lam: --lam (the actor's stays unset under
-    --length-adaptive-lam)."""
+    --fsdp, the runs of models whose every block's activations do not fit beside the weights."""
     if args.bf16 is None:
         args.bf16 = args.cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     if args.gradient_checkpointing is None:
         args.gradient_checkpointing = args.fsdp
-    if getattr(args, "vllm_importance_sampling_correction", False) is None:
-        args.vllm_importance_sampling_correction = args.rollout_lag > 0
-    if getattr(args, "no_scale_rewards", False):  # grpo: --no-scale-rewards, the older --scale-rewards none
-        args.scale_rewards = "none"
-    if getattr(args, "critic_lam", 0) is None:
-        args.critic_lam = args.lam
-    if getattr(args, "actor_lam", 0) is None and args.length_adaptive_lam is None:
-        args.actor_lam = args.lam
 
 
 class RolloutLag:

@@ -110,7 +110,7 @@ class ScriptedLM(torch.nn.Module):
 def args_of(**overrides):
     fields = {f: getattr(ag.Args, f) for f in ag.Args.__dataclass_fields__ if hasattr(ag.Args, f)}
     return SimpleNamespace(**{**fields, "tools": (), "reward_fn": (), "reward_weights": (), "bf16": False,
-                              "vllm_importance_sampling_correction": False, "num_generations": 2, "batch_size": 2,
+                              "num_generations": 2, "batch_size": 2,
                               "mini_batch_size": 2, **overrides})
 
 
@@ -200,17 +200,16 @@ def test_no_environment_token_reaches_the_loss_the_kl_or_the_statistics(episode)
     batch, args = episode.batch, episode.args
     env_tokens = (batch.attention_mask[:, batch.context_length :] == 1) & ~batch.mask.bool()
     assert env_tokens.any()
-    for loss_type in ("grpo", "dapo", "dr_grpo", "cispo", "dppo", "sapo", "luspo", "vespo"):
-        args = args_of(**{**vars(episode.args), "loss_type": loss_type, "beta": 0.1, "epsilon_high": 5.0})
+    for loss_type in ("grpo", "dapo", "dr_grpo"):
+        args = args_of(**{**vars(episode.args), "loss_type": loss_type, "beta": 0.1, "epsilon_high": 0.28})
         with torch.no_grad():
             old_logprobs, entropy = ag.policy_logprobs(episode.policy, batch.sequences, batch.attention_mask,
                                                        batch.context_length, 1.0)
         ref_logprobs = old_logprobs - 0.3  # a reference that differs at every token
-        old = ag.OldPolicy(old_logprobs, entropy, ref_logprobs, None, None, None, None)
+        old = ag.OldPolicy(old_logprobs, entropy, ref_logprobs, None, None)
         logprobs = (old_logprobs + 0.05).requires_grad_()  # a step away from π_old: ratios are not 1
         advantages, mb = torch.tensor([1.0, -0.5]), torch.arange(2)
-        ratio = ag.importance_ratio(logprobs, old.logprobs, batch.mask, "token")
-        per_token, _ = ag.grpo_token_losses(ratio, logprobs, entropy, advantages, batch, old, mb, 0.2, args)
+        per_token = ag.clipped_surrogate(torch.exp(logprobs - old.logprobs), advantages, 0.2, 0.28)
         loss = ag.aggregate_loss(per_token, batch.loss_mask, loss_type, 2, batch.num_tokens, args.max_completion_length)
         loss = loss + ag.kl_to_reference(logprobs, ref_logprobs, batch.loss_mask, mb, batch.num_tokens,
                                          args.max_completion_length, args)
@@ -231,8 +230,7 @@ def test_no_environment_token_reaches_the_loss_the_kl_or_the_statistics(episode)
     writer = SimpleNamespace(add_scalar=lambda tag, value, step: logged.__setitem__(tag, value))
     stats = dict.fromkeys(("policy_loss", "kl_penalty", "clipped_low", "clipped_high", "first_ratio_max_error",
                            "policy_entropy"), 0.0)
-    ag.log_agent_iteration(writer, 1, batch, old, stats, ["exact_match"], 1e-3, time.time() - 1, ag.EntropyControl(args),
-                           args)
+    ag.log_agent_iteration(writer, 1, batch, old, stats, ["exact_match"], 1e-3, time.time() - 1, args)
     on = batch.mask.bool()
     assert logged["objective/completion_length"] == pytest.approx(on.sum().item() / 2)
     assert logged["objective/entropy"] == pytest.approx(entropy[on].sum().item() / 2)
@@ -300,7 +298,7 @@ def test_one_update_raises_the_rewarded_episodes_and_lowers_the_others(tmp_path,
     ag.main(args)
     batch = batches[0]
     assert 0 < batch.rewards.sum() < len(batch.rewards)  # both kinds of episode
-    advantages = ag.compute_advantages(batch.rewards, 8, "grpo", True)
+    advantages = ag.compute_advantages(batch.rewards, 8)
     with torch.no_grad():
         new, old = (ag.policy_logprobs(model, batch.sequences, batch.attention_mask, batch.context_length, 1.0)[0]
                     for model in (policy, before))

@@ -4,7 +4,9 @@ tier: a name defined in two or more top-level scripts is one text in all of them
 so is a name defined in two or more of scale/'s full programs. Across the tiers, one computation keeps one name
 even where scale/'s text does more (ranks, chunks, a CUDA graph); tests/test_tiers.py checks that the two compute
 the same thing. No script holds a definition that nothing it runs reaches. Each script keeps its own Args, Agent,
-act, evaluate, main, check_args and load_models (the models it trains and scores with)."""
+act, evaluate, main, check_args and load_models (the models it trains and scores with). A math dispatch (DISPATCH:
+advantages, per-token losses, aggregation, the clip's counts) holds only the rows its own file offers, so its text
+differs where the rows do; test_each_row_of_a_dispatch_computes_the_same_wherever_it_stands checks its rows instead."""
 import ast
 import functools
 import os
@@ -19,6 +21,7 @@ LM_SCRIPTS = ["sft", "reward_model", "dpo", "rlhf_ppo", "grpo"]
 DISTILL = ["distill", "agent_grpo"]  # top-level only: no scale/ sibling
 SCALE_SCRIPTS = [f"scale/{script}" for script in LM_SCRIPTS]  # the full programs the top-level LM files are the reference of
 OWN = {"Args", "Agent", "act", "evaluate", "main", "check_args", "load_models"}  # each script's own
+DISPATCH = {"compute_advantages", "token_losses", "clipped_tokens", "aggregate_loss"}  # each file's rows: tested below
 BANNER = "# Plumbing"
 REWARDS = "# Rewards as plain Python functions"
 
@@ -74,14 +77,14 @@ def unreached(text):
 
 
 def differing_names(found):
-    """The names defined in two or more scripts with more than one text, except OWN; `found` is
+    """The names defined in two or more scripts with more than one text, except OWN and DISPATCH; `found` is
     {script: definitions(its text)}."""
     copies = {}
     for script, defs in found.items():
         for name, (source, _) in defs.items():
             copies.setdefault(name, {})[script] = source
     return sorted(name for name, where in copies.items()
-                  if name not in OWN and len(where) >= 2 and len(set(where.values())) > 1)
+                  if name not in OWN | DISPATCH and len(where) >= 2 and len(set(where.values())) > 1)
 
 
 def shared_names(found):
@@ -89,7 +92,7 @@ def shared_names(found):
     for defs in found.values():
         for name in defs:
             counts[name] = counts.get(name, 0) + 1
-    return {name for name, n in counts.items() if n >= 2} - OWN
+    return {name for name, n in counts.items() if n >= 2} - OWN - DISPATCH
 
 
 TIERS = {"top-level": RL_SCRIPTS + LM_SCRIPTS + DISTILL, "scale": SCALE_SCRIPTS}
@@ -255,3 +258,72 @@ def test_the_task_depends_on_the_seed_and_its_splits_differ():
     # every kind of row begins with the same draw of the prompt: the same prompts for every stage of one seed
     prompts = [[row["prompt"] for row in rows] for module in (sft, dpo) for rows in task_data(module, 7)]
     assert len(prompts) == 3 and prompts[0][0] == prompts[1][0] == prompts[2][0]
+
+
+# ------------------------------------------------------------------------- the rows of each math dispatch
+def dispatch_rows():
+    """(name, row, {file: the row's result}) for every row of every DISPATCH function, in each file that has it:
+    grpo.py (the reference's rows), agent_grpo.py (the default recipe's), scale/grpo.py (every row). Inputs with
+    unequal values, ratios on both sides of the clip and an unscored reward (NaN)."""
+    import agent_grpo
+    import grpo
+    from scale import grpo as scale_grpo
+
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(3)
+    ratio = 0.6 + 0.8 * torch.rand(6, 5, generator=g)  # 0.6 to 1.4: clipped below and above at ε = 0.2
+    logprobs, advantages = -torch.rand(6, 5, generator=g) * 3, torch.tensor([1.5, -0.5, 0.25, -2.0, 0.0, 0.75])
+    mask = (torch.rand(6, 5, generator=g) > 0.3).float()
+    rewards = torch.tensor([0.1, 0.9, 0.4, float("nan"), 1.0, 0.2, 0.2, 0.7])
+    files = {"grpo": grpo, "agent_grpo": agent_grpo, "scale/grpo": scale_grpo}
+    rows = []
+    for kind in ("grpo", "dapo", "dr_grpo", "cispo"):
+        losses = scale_grpo.token_losses(ratio, logprobs, advantages, kind, 0.2, 0.28 if kind != "cispo" else 1.3)
+        rows.append(("aggregate_loss", kind, {f: m.aggregate_loss(losses, mask, kind, 6, 17.5, 5)
+                                              for f, m in files.items() if kind != "cispo" or f != "agent_grpo"}))
+    for kind in ("grpo", "cispo"):
+        high = 0.28 if kind == "grpo" else 1.3
+        rows.append(("token_losses", kind, {f: files[f].token_losses(ratio, logprobs, advantages, kind, 0.2, high)
+                                            for f in ("grpo", "scale/grpo")}))
+        results = {f: files[f].clipped_tokens(ratio, advantages, 0.2, high, kind) for f in ("grpo", "scale/grpo")}
+        if kind == "grpo":  # agent_grpo's has the clipped surrogate's row alone, so no loss type
+            results["agent_grpo"] = agent_grpo.clipped_tokens(ratio, advantages, 0.2, high)
+        rows.append(("clipped_tokens", kind, {f: torch.stack(r) for f, r in results.items()}))
+    for advantage in ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"):
+        for scale in ("group", "none") if advantage == "grpo" else ("group",):
+            results = {f: files[f].compute_advantages(rewards, 4, advantage, scale) for f in ("grpo", "scale/grpo")}
+            if (advantage, scale) == ("grpo", "group"):
+                results["agent_grpo"] = agent_grpo.compute_advantages(rewards, 4)
+            rows.append(("compute_advantages", f"{advantage}-{scale}", results))
+    return rows
+
+
+def test_each_row_of_a_dispatch_computes_the_same_wherever_it_stands():
+    """Each row of a dispatch (a loss type, an advantage) in every file that offers it gives the same numbers,
+    bitwise; the reference's rows are in scale/ too, and agent_grpo.py's default recipe's in grpo.py."""
+    import torch
+
+    rows = dispatch_rows()
+    assert {(name, row) for name, row, _ in rows} >= {("aggregate_loss", "dr_grpo"), ("compute_advantages", "rloo-group"),
+                                                      ("token_losses", "cispo"), ("clipped_tokens", "grpo")}
+    for name, row, results in rows:
+        first, *others = results.values()
+        assert len(results) >= 2 and not first.isnan().all(), (name, row)
+        assert all(torch.equal(first, other) for other in others), (name, row, results)
+    assert {f for name, row, results in rows if (name, row) == ("aggregate_loss", "grpo") for f in results} == {
+        "grpo", "agent_grpo", "scale/grpo"}
+
+
+def test_a_row_that_computes_otherwise_is_caught(monkeypatch):
+    """agent_grpo.py's dapo row dividing by the minibatch's own tokens (not the rollout's per minibatch) differs from
+    grpo.py's and scale/'s, and the check says which row."""
+    import agent_grpo
+
+    aggregate = agent_grpo.aggregate_loss
+    monkeypatch.setattr(agent_grpo, "aggregate_loss", lambda losses, mask, kind, *a: (losses * mask).sum() / mask.sum()
+                        if kind == "dapo" else aggregate(losses, mask, kind, *a))
+    import torch
+
+    differing = [(name, row) for name, row, results in dispatch_rows()
+                 if not all(torch.equal(r, next(iter(results.values()))) for r in results.values())]
+    assert differing == [("aggregate_loss", "dapo")]

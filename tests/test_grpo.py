@@ -159,9 +159,10 @@ def _batch_statistics_on_rank(rank, init_file, rewards, table, entropy, out_file
 
 def test_the_batch_statistics_are_over_every_rank(tmp_path):
     """scale/grpo.py on two gloo processes, each with half of the groups (the halves with different spreads):
-    together they give grpo.py's one-process results of the whole batch, not each half's own: REINFORCE++'s
-    normalization, --scale-rewards batch's std, GDPO's batch normalization, and the 80/20 rule's quantile (the
-    high entropies all on rank 1); on one process, the same bitwise."""
+    together they give the one-process results of the whole batch (grpo.py's REINFORCE++; scale/grpo.py's own
+    functions, on one process, for what the reference lacks), not each half's own: REINFORCE++'s normalization,
+    --scale-rewards batch's std, GDPO's batch normalization, and the 80/20 rule's quantile (the high entropies all on
+    rank 1); REINFORCE++ on one process, the same bitwise in both tiers."""
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 3.0, -1.0, 0.2, 0.0])
     table = torch.stack([rewards, torch.tensor([0.1, 0.9, 0.0, 0.0, 5.0, 1.0, 0.4, 0.2])], 1)
     entropy = torch.tensor([[0.1, 0.2], [0.3, 0.4], [0.5, 0.6], [0.7, 0.8], [2.0, 2.1], [2.2, 2.3], [2.4, 2.5], [2.6, 2.7]])
@@ -170,22 +171,20 @@ def test_the_batch_statistics_are_over_every_rank(tmp_path):
     parts = [torch.load(tmp_path / f"out.{rank}") for rank in range(2)]
     ones = torch.ones_like(entropy)
     expected = {"reinforce_pp": grpo.reinforce_pp_advantages(rewards, 2, True),
-                "batch": grpo.compute_advantages(rewards, 2, "grpo", "batch"),
-                "gdpo": grpo.compute_advantages(rewards, 2, "grpo", "group", table, (1.0, 0.5)),
-                "top_entropy": grpo.high_entropy_mask(entropy, ones, 0.25)}
+                "batch": scale_grpo.compute_advantages(rewards, 2, "grpo", "batch"),
+                "gdpo": scale_grpo.compute_advantages(rewards, 2, "grpo", "group", table, (1.0, 0.5)),
+                "top_entropy": scale_grpo.high_entropy_mask(entropy, ones, 0.25)}
     for name, value in expected.items():
         together = torch.cat([part[name] for part in parts])
         torch.testing.assert_close(together, value, atol=1e-6, rtol=0, msg=name)
         alone = {"reinforce_pp": lambda: grpo.reinforce_pp_advantages(rewards[:4], 2, True),
-                 "batch": lambda: grpo.compute_advantages(rewards[:4], 2, "grpo", "batch"),
-                 "gdpo": lambda: grpo.compute_advantages(rewards[:4], 2, "grpo", "group", table[:4], (1.0, 0.5)),
-                 "top_entropy": lambda: grpo.high_entropy_mask(entropy[:4], ones[:4], 0.25)}[name]()
+                 "batch": lambda: scale_grpo.compute_advantages(rewards[:4], 2, "grpo", "batch"),
+                 "gdpo": lambda: scale_grpo.compute_advantages(rewards[:4], 2, "grpo", "group", table[:4], (1.0, 0.5)),
+                 "top_entropy": lambda: scale_grpo.high_entropy_mask(entropy[:4], ones[:4], 0.25)}[name]()
         assert (together[:4].float() - alone.float()).abs().max() > 0.1, name  # rank 0's half alone is another result
     for baseline in (False, True):
         assert torch.equal(scale_grpo.reinforce_pp_advantages(rewards, 2, baseline),
                            grpo.reinforce_pp_advantages(rewards, 2, baseline))
-    assert torch.equal(scale_grpo.compute_advantages(rewards, 2, "grpo", "group", table, (1.0, 0.5)), expected["gdpo"])
-    assert torch.equal(scale_grpo.high_entropy_mask(entropy, ones, 0.25), expected["top_entropy"])
 
 
 def test_tokenize_prompts_drops_the_empty_and_the_too_long(capsys):
@@ -328,26 +327,31 @@ def test_a_completion_without_a_stop_token_gets_the_penalty_not_its_gold_score(t
     assert [v for _, v in logs["objective/reward"]] == pytest.approx([-0.7 * (1 - s) for s in stops])
 
 
+SCALE_ONLY = "scale/grpo.py"  # the variants scale/grpo.py alone has: its checks
+
+
 @pytest.mark.parametrize("flags,words", [
     (["--num-generations", "1"], ["--num-generations 1", "at least 2"]),
     (["--batch-size", "20", "--num-generations", "8"], ["--batch-size 20", "groups of --num-generations 8"]),
     (["--loss-type", "mean"], ["--loss-type 'mean'", "grpo, dapo, dr_grpo, cispo"]),
     (["--loss-type", "cispo", "--importance-sampling-level", "sequence"], ["cispo", "--importance-sampling-level token"]),
     (["--importance-sampling-level", "group"], ["--importance-sampling-level 'group'", "token, sequence"]),
-    (["--advantage", "reinforce_pp", "--no-scale-rewards"], ["--scale-rewards none", "--advantage reinforce_pp"]),
+    (["--advantage", "reinforce_pp", "--scale-rewards", "none"], ["--scale-rewards none", "--advantage reinforce_pp"]),
     (["--reward-model-path", "models/nope"], ["models/nope", "python reward_model.py"]),
     (["--dynamic-sampling", "--max-sampling-rounds", "0"], ["--max-sampling-rounds 0", "at least 1"]),
     (["--soft-overlong-cache", "12"], ["--soft-overlong-cache 12", "--response-length 12", "to 11"]),
-    (["--advantage", "maxrl"], ["--advantage maxrl", "--missing-eos-penalty 0", "-1.0"]),
-    (["--top-entropy-quantile", "1.5"], ["--top-entropy-quantile 1.5", "[0, 1]"]),
-    (["--loss-type", "vespo", "--importance-sampling-level", "sequence"], ["vespo", "--importance-sampling-level token"]),
-    (["--multi-objective-aggregation", "normalize_then_sum", "--advantage", "rloo"], ["normalize_then_sum",
-                                                                                      "--advantage grpo"]),
-    (["--dppo-divergence", "tv"], ["--dppo-divergence 'tv'", "binary_tv, binary_kl"]),
+    ([SCALE_ONLY, "--advantage", "maxrl"], ["--advantage maxrl", "--missing-eos-penalty 0", "-1.0"]),
+    ([SCALE_ONLY, "--top-entropy-quantile", "1.5"], ["--top-entropy-quantile 1.5", "[0, 1]"]),
+    ([SCALE_ONLY, "--loss-type", "vespo", "--importance-sampling-level", "sequence"], ["vespo",
+                                                                                      "--importance-sampling-level token"]),
+    ([SCALE_ONLY, "--multi-objective-aggregation", "normalize_then_sum", "--advantage", "rloo"], ["normalize_then_sum",
+                                                                                                  "--advantage grpo"]),
+    ([SCALE_ONLY, "--dppo-divergence", "tv"], ["--dppo-divergence 'tv'", "binary_tv, binary_kl"]),
 ])
 def test_bad_input_is_one_line(tiny_checkpoints, tmp_path, flags, words):
     models = tiny_checkpoints["cwd"] / "models"
-    message = one_line_exit("grpo.py", "--model-name-or-path", str(models / "sft"), *flags, cwd=tmp_path)
+    script, flags = (flags[0], flags[1:]) if flags[0] == SCALE_ONLY else ("grpo.py", flags)
+    message = one_line_exit(script, "--model-name-or-path", str(models / "sft"), *flags, cwd=tmp_path)
     assert all(word in message for word in words), message
     assert not (tmp_path / "runs").exists() and not (tmp_path / "models").exists()
 
@@ -505,20 +509,21 @@ def test_one_step_raises_the_clipped_surrogate_on_the_sampled_completions(small_
     assert gain > 1e-5, gain
 
 
-@pytest.mark.parametrize("flags,advantage", [
-    ((), "grpo"),
-    (("--advantage", "rloo", "--loss-type", "cispo", "--epsilon-high", "4.0"), "rloo"),
-    (("--no-scale-rewards", "--loss-type", "dr_grpo", "--importance-sampling-level", "sequence",
-      "--epsilon-high", "0.28", "--temperature", "0.7"), "dr_grpo"),
+@pytest.mark.parametrize("script,flags,advantage", [
+    ("grpo.py", (), "grpo"),
+    ("grpo.py", ("--advantage", "rloo", "--loss-type", "cispo", "--epsilon-high", "4.0"), "rloo"),
+    ("grpo.py", ("--scale-rewards", "none", "--loss-type", "dr_grpo", "--importance-sampling-level", "sequence",
+                 "--epsilon-high", "0.28", "--temperature", "0.7"), "dr_grpo"),
     # 7 new tokens: the short answers (6 tokens with the stop) finish and the longer ones are cut, whatever is drawn
-    (("--advantage", "reinforce_pp_baseline", "--mask-truncated-completions", "--response-length", "7"),
+    ("grpo.py", ("--advantage", "reinforce_pp_baseline", "--mask-truncated-completions", "--response-length", "7"),
      "reinforce_pp_baseline"),
     # L_max 10, not the default 12: a penalty that ignores --response-length fails; the std of the whole batch
-    (("--soft-overlong-cache", "5", "--response-length", "10", "--scale-rewards", "batch"), "batch"),
-    (("--advantage", "reinforce_pp", "--epsilon", "0.1"), "reinforce_pp"),
-    (("--advantage", "maxrl", "--missing-eos-penalty", "0", "--loss-type", "dapo"), "maxrl"),
+    ("scale/grpo.py", ("--soft-overlong-cache", "5", "--response-length", "10", "--scale-rewards", "batch"), "batch"),
+    ("grpo.py", ("--advantage", "reinforce_pp", "--epsilon", "0.1"), "reinforce_pp"),
+    ("scale/grpo.py", ("--advantage", "maxrl", "--missing-eos-penalty", "0", "--loss-type", "dapo"), "maxrl"),
+    ("scale/grpo.py", ("--no-scale-rewards", "--loss-type", "dr_grpo"), "dr_grpo"),  # the older spelling, scale/'s
 ])
-def test_the_variant_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypatch, flags, advantage):
+def test_the_variant_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypatch, script, flags, advantage):
     """The advantages the loss receives are, by hand from the gold scores of the recorded completions, GRPO's (r −
     mean) / (std + 1e-4), RLOO's r − mean of the other three, Dr. GRPO's r − mean, or REINFORCE++'s r − mean over
     the batch's root mean square (the centered rewards' batch mean is 0), with no group baseline r − its batch mean
@@ -527,17 +532,21 @@ def test_the_variant_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypat
     loss; --soft-overlong-cache adds DAPO's length penalty to the rewards; --loss-type, --epsilon, --epsilon-high
     and --importance-sampling-level reach the loss's normalization, its clip, the ratio, and CISPO's loss in place
     of the clipped surrogate; and --temperature reaches the sampling (the rollout's and the evaluation's) and the
-    update's log-probs (the ratio of the one minibatch, before any step, exactly 1)."""
+    update's log-probs (the ratio of the one minibatch, before any step, exactly 1). The reference's variants on
+    grpo.py, scale/grpo.py's own (--scale-rewards batch, MaxRL) on it."""
+    import importlib
+
     from transformers import AutoTokenizer
 
-    rollout, seen, temperatures = recorded_rollout(grpo, monkeypatch, 16), [], []
-    recording = grpo.generate
+    module = importlib.import_module(script[:-3].replace("/", "."))
+    rollout, seen, temperatures = recorded_rollout(module, monkeypatch, 16), [], []
+    recording = module.generate
 
     def generate_spy(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature=1.0, **kwargs):
         temperatures.append(temperature)
         return recording(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperature, **kwargs)
 
-    real = {name: getattr(grpo, name) for name in ("importance_ratio", "clipped_surrogate", "cispo_loss", "aggregate_loss")}
+    real = {name: getattr(module, name) for name in ("importance_ratio", "clipped_surrogate", "cispo_loss", "aggregate_loss")}
 
     def ratio_spy(logprobs, old_logprobs, mask, level):
         seen.append(("ratio", level))
@@ -559,8 +568,8 @@ def test_the_variant_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypat
 
     for name, spy in (("importance_ratio", ratio_spy), ("clipped_surrogate", surrogate_spy), ("cispo_loss", cispo_spy),
                       ("aggregate_loss", aggregate_spy), ("generate", generate_spy)):
-        monkeypatch.setattr(grpo, name, spy)
-    run_in_process("grpo.py", *CPU_FLOAT32, "--model-name-or-path", str(small_checkpoints["sft"]), "--num-iterations", "1", "--batch-size", "16",
+        monkeypatch.setattr(module, name, spy)
+    run_in_process(script, *CPU_FLOAT32, "--model-name-or-path", str(small_checkpoints["sft"]), "--num-iterations", "1", "--batch-size", "16",
                    "--num-generations", "4", "--mini-batch-size", "16", "--ppo-epochs", "1", "--beta", "0",
                    "--eval-size", "8", "--output-dir", "out", *flags, cwd=tmp_path)
     sequences, _, width, mask, _ = rollout()
@@ -787,7 +796,7 @@ def test_the_kl_penalty_is_to_the_reference_and_never_negative(small_checkpoints
      "--multi-objective-aggregation", "normalize_then_sum"),
 ])
 def test_the_2026_flags_reach_the_loss_with_the_tensors_of_their_moment(small_checkpoints, tmp_path, monkeypatch, flags):
-    """One iteration, one minibatch: each variant's function receives its flags' values and the tensors of the right
+    """scale/grpo.py's 2026 variants, one iteration, one minibatch: each variant's function receives its flags' values and the tensors of the right
     moment. DPPO's trust region: the sampler's log-probs of the recorded rollout, and the update's own log-probs
     (the first minibatch: π_old's exactly); VESPO's weight: log ρ = 0 (π_θ is π_old before any step) and the
     flags' k and λ; SAPO's temperatures; the 80/20 mask and the entropy bonus: the update's entropies, with a
@@ -796,7 +805,7 @@ def test_the_2026_flags_reach_the_loss_with_the_tensors_of_their_moment(small_ch
     weights."""
     from transformers import AutoTokenizer
 
-    rollout, seen = recorded_rollout(grpo, monkeypatch, 16), {}
+    rollout, seen = recorded_rollout(scale_grpo, monkeypatch, 16), {}
     spied = ("token_losses", "dppo_trust_region", "vespo_weights", "high_entropy_mask", "entropy_bonus", "kl_cov_tokens",
              "clip_cov_tokens", "compute_advantages")
 
@@ -807,8 +816,8 @@ def test_the_2026_flags_reach_the_loss_with_the_tensors_of_their_moment(small_ch
         return recording
 
     for name in spied:
-        monkeypatch.setattr(grpo, name, spy(name, getattr(grpo, name)))
-    run_in_process("grpo.py", *CPU_FLOAT32, "--model-name-or-path", str(small_checkpoints["sft"]), "--num-iterations",
+        monkeypatch.setattr(scale_grpo, name, spy(name, getattr(scale_grpo, name)))
+    run_in_process("scale/grpo.py", *CPU_FLOAT32, "--model-name-or-path", str(small_checkpoints["sft"]), "--num-iterations",
                    "1", "--batch-size", "16", "--num-generations", "4", "--mini-batch-size", "16", "--ppo-epochs", "1",
                    "--beta", "0", "--eval-size", "8", "--output-dir", "out", *flags, cwd=tmp_path)
     sequences, _, width, mask, sampler_logprobs = rollout()

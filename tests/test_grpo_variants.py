@@ -1,7 +1,7 @@
-"""grpo.py's 2026 variants against hand computations, with unequal constants: MaxRL's and batch-scaled advantages,
-GDPO's normalize_then_sum (and dynamic sampling by its terms), DPPO's trust region, SAPO's gate, VESPO's weight and
-the loss types' normalizers, the entropy controls (the 80/20 mask, the bonus and its adaptive coefficient),
-Clip-Cov and KL-Cov, and pass@k. Each in both tiers where scale/ has the same function."""
+"""The 2026 variants, scale/grpo.py's alone, against hand computations, with unequal constants: MaxRL's and
+batch-scaled advantages, GDPO's normalize_then_sum (and dynamic sampling by its terms), DPPO's trust region, SAPO's
+gate, VESPO's weight and the loss types' normalizers, the entropy controls (the 80/20 mask, the bonus and its
+adaptive coefficient), Clip-Cov and KL-Cov; and pass@k, in both tiers."""
 import json
 import math
 
@@ -13,9 +13,10 @@ import grpo
 from scale import grpo as scale_grpo
 
 BOTH = pytest.mark.parametrize("module", [grpo, scale_grpo])
+SCALE = pytest.mark.parametrize("module", [scale_grpo], ids=["scale.grpo"])  # the variants scale/grpo.py alone has
 
 
-@BOTH
+@SCALE
 def test_batch_scaled_and_maxrl_advantages(module):
     """Rewards 1, 0, 0, 0 | 1, 1, 1, 0 in groups of G = 4. Batch scaling: r − the group mean (0.25; 0.75) over the
     std of all 8 rewards (four 1s and four 0s: mean 0.5, variance 8 · 0.25 / 7 → std 0.534522). MaxRL:
@@ -33,7 +34,7 @@ def test_batch_scaled_and_maxrl_advantages(module):
                                module.compute_advantages(rewards, 4, "grpo", True))
 
 
-@BOTH
+@SCALE
 def test_normalize_then_sum_is_gdpo(module):
     """Two terms, weights 1 and 2, groups of G = 2. Term 1: (1, 0) → ±0.5 / (std √0.5 + 1e-4); (1, 1) → 0.
     Term 2: (0.2, 0.6) → ∓0.2 / (std √0.08 + 1e-4); (NaN, 0.4): one value, std NaN, so it adds nothing. The sums
@@ -52,7 +53,7 @@ def test_normalize_then_sum_is_gdpo(module):
     assert got[2] == 0
 
 
-@BOTH
+@SCALE
 def test_dynamic_sampling_keeps_a_group_whose_terms_differ_though_its_sums_are_equal(module):
     """Three terms, groups of G = 3: (2, 0, 0), (0, 1, 1), (0, 1, 1) sum to 2 each, but the terms' stds differ
     (1.154701 and 0.577350), so GDPO gives them Â ≠ 0: the group is kept. A group equal in every term is dropped;
@@ -64,7 +65,7 @@ def test_dynamic_sampling_keeps_a_group_whose_terms_differ_though_its_sums_are_e
     assert module.compute_advantages(table.sum(1), 3, "grpo", "group", table, (1.0, 1.0, 1.0))[:3].abs().min() > 0.5
 
 
-@BOTH
+@SCALE
 def test_dppo_trust_region_drops_the_tokens_that_moved_too_far_the_way_their_advantage_pushes(module):
     """p_θ = 0.5, 0.1 | 0.2, 0.3 against the sampler's 0.1, 0.5 | 0.2, 0.25; Â = 1, −1; δ_low 0.2, δ_high 0.3.
     binary_tv: token (0, 0) rose by 0.4 > δ_high with Â > 0: dropped; (0, 1) fell: kept; row 1 (Â < 0): (1, 0)
@@ -88,7 +89,7 @@ def test_dppo_trust_region_drops_the_tokens_that_moved_too_far_the_way_their_adv
                                torch.tensor([[-1.5, -0.8], [1.0, 1.2]]))
 
 
-@BOTH
+@SCALE
 def test_sapo_gate(module):
     """ρ = 1.2 with Â = 2 (τ_pos 1): −(4/1) σ(0.2) · 2 = −4.398668; ρ = 0.9 with Â = −1 (τ_neg 1.05):
     (4/1.05) σ(−0.105) = 1.804852. At ρ = 1 the gradient is −Â ∂ρ, the unclipped surrogate's."""
@@ -100,7 +101,7 @@ def test_sapo_gate(module):
     torch.testing.assert_close(ratio.grad, torch.tensor([[3.0]]))
 
 
-@BOTH
+@SCALE
 def test_vespo_weight_and_loss(module):
     """Row 0: log ρ 0.1, 0.2 (both counted), Â = 1 ≥ 0 (k 2, λ 3): log w = 0.3, log φ = 3 + 0.6 − 3 e^0.3 =
     −0.449576. Row 1: log ρ −0.3 and a padded 5.0 (not counted), Â = −1 (k 3, λ 2): log φ = 2 − 0.9 − 2 e^−0.3.
@@ -118,7 +119,7 @@ def test_vespo_weight_and_loss(module):
                                -phi * advantages.unsqueeze(1) * logprobs)
 
 
-@BOTH
+@SCALE
 def test_the_new_loss_types_normalizers(module):
     """Losses 1, 2, 3 | 4, pad (mask 1, 1, 1 | 1, 0), B = 2, N = 5 (a minibatch's share of the rollout's tokens):
     sapo as grpo (2 + 4) / 2 = 3; luspo each completion's sum, over B: (6 + 4) / 2 = 5; dppo and vespo as dapo,
@@ -129,7 +130,7 @@ def test_the_new_loss_types_normalizers(module):
         assert module.aggregate_loss(losses, mask, loss_type, 2, 5.0, 3).item() == pytest.approx(value), loss_type
 
 
-@BOTH
+@SCALE
 def test_high_entropy_mask_keeps_the_top_quantile(module):
     """Entropies .1 .9 .5 | .7 .3 (pad 5.0, not counted). ρ = 0.2: the 0.8 quantile of the five, .7 + 0.2 · (.9 − .7)
     = .74, keeps .9 alone; ρ = 0.5: the median .5 keeps .9, .5 and .7; ρ = 1 keeps all five, never the padding."""
@@ -140,7 +141,7 @@ def test_high_entropy_mask_keeps_the_top_quantile(module):
     assert module.high_entropy_mask(entropy, mask, 1.0).tolist() == [[True, True, True], [True, True, False]]
 
 
-@BOTH
+@SCALE
 def test_entropy_bonus_and_its_adaptive_coefficient(module):
     """H̄ over the masked tokens: (1 + 3) / 2. The coefficient: 0.01 + 0.005 when H̄ = 0.1 ≤ 0.2, 0.01 − 0.005 when
     0.3 > 0.2, held within [0.004, 0.012]. EntropyControl applies no bonus before its first measurement (TRL), then
@@ -162,7 +163,7 @@ def test_entropy_bonus_and_its_adaptive_coefficient(module):
     assert control.bonus(entropy, mask, {}).item() == 0.0 and control.coef == pytest.approx(0.7)
 
 
-@BOTH
+@SCALE
 def test_token_covariance_and_the_cov_methods_tokens(module):
     """log π −1, −2 | −3, −0.5 (mean −1.625), Â 1 | −0.5 per completion (token mean 0.25): Cov = 0.625 · 0.75,
     −0.375 · 0.75 | −1.375 · −0.75, 1.125 · −0.75 = 0.46875, −0.28125 | 1.03125, −0.84375. Clip-Cov with bounds
@@ -196,8 +197,8 @@ def test_dppo_s_mask_in_the_loss():
     batch = SimpleNamespace(mask=mask, loss_mask=mask, sampler_logprobs=sampler)
     advantages, mb = torch.tensor([1.0, -2.0]), torch.arange(2)
     ratio = (logprobs - old.logprobs).exp()
-    args = grpo.Args(loss_type="dppo", epsilon=0.1)
-    losses, counts = grpo.grpo_token_losses(ratio, logprobs, torch.zeros(2, 2), advantages, batch, old, mb, 0.1, args)
+    args = scale_grpo.Args(loss_type="dppo", epsilon=0.1)
+    losses, counts = scale_grpo.grpo_token_losses(ratio, logprobs, torch.zeros(2, 2), advantages, batch, old, mb, 0.1, args)
     rho = math.exp(0.1)
     torch.testing.assert_close(losses, torch.tensor([[0.0, -rho], [0.0, 2 * rho]]))
     assert counts["dppo_masked"] == 2
@@ -214,15 +215,15 @@ def test_the_cov_methods_in_the_loss():
     batch = SimpleNamespace(mask=mask, loss_mask=mask, sampler_logprobs=old.logprobs)
     advantages, mb = torch.tensor([1.0, -0.5]), torch.arange(2)
     ratio = (logprobs - old.logprobs).exp()
-    args = grpo.Args(cov_method="kl_cov", kl_cov_ratio=0.5, kl_cov_coef=0.5)
-    plain = grpo.token_losses(ratio, logprobs, advantages, "grpo", 0.2, 0.2)
-    losses, counts = grpo.grpo_token_losses(ratio, logprobs, torch.zeros(2, 2), advantages, batch, old, mb, 0.2, args)
-    chosen = grpo.kl_cov_tokens(grpo.token_covariance(advantages, logprobs, mask), mask, 0.5)
+    args = scale_grpo.Args(cov_method="kl_cov", kl_cov_ratio=0.5, kl_cov_coef=0.5)
+    plain = scale_grpo.token_losses(ratio, logprobs, advantages, "grpo", 0.2, 0.2)
+    losses, counts = scale_grpo.grpo_token_losses(ratio, logprobs, torch.zeros(2, 2), advantages, batch, old, mb, 0.2, args)
+    chosen = scale_grpo.kl_cov_tokens(scale_grpo.token_covariance(advantages, logprobs, mask), mask, 0.5)
     torch.testing.assert_close(losses, plain + 0.5 * 0.2 * chosen)
     assert counts["cov_selected"] == 2 and chosen[1, 0]  # log ρ = 0.2 there: the penalty is not 0
-    args = grpo.Args(cov_method="clip_cov", clip_cov_ratio=0.5, clip_cov_lb=-5.0, clip_cov_ub=5.0)
+    args = scale_grpo.Args(cov_method="clip_cov", clip_cov_ratio=0.5, clip_cov_lb=-5.0, clip_cov_ub=5.0)
     torch.manual_seed(0)
-    losses, counts = grpo.grpo_token_losses(ratio, logprobs, torch.zeros(2, 2), advantages, batch, old, mb, 0.2, args)
+    losses, counts = scale_grpo.grpo_token_losses(ratio, logprobs, torch.zeros(2, 2), advantages, batch, old, mb, 0.2, args)
     assert counts["cov_selected"] == 2 and (losses == 0).sum() == 2
     torch.testing.assert_close(losses[losses != 0], plain[losses != 0])
 
@@ -296,7 +297,7 @@ def test_the_entropy_bonus_raises_the_entropy(small_checkpoints, tmp_path):
     after one without. A bonus of the wrong sign lowers it."""
     per_token = {}
     for coef in ("0", "1"):
-        run_in_process("grpo.py", *CPU_FLOAT32, "--model-name-or-path", str(small_checkpoints["sft"]), "--num-iterations",
+        run_in_process("scale/grpo.py", *CPU_FLOAT32, "--model-name-or-path", str(small_checkpoints["sft"]), "--num-iterations",
                        "2", "--batch-size", "32", "--num-generations", "4", "--mini-batch-size", "16", "--beta", "0",
                        "--lr", "1e-3", "--no-anneal-lr", "--eval-size", "0", "--entropy-coef", coef, "--output-dir",
                        f"out{coef}", "--exp-name", f"c{coef}", cwd=tmp_path)
@@ -305,3 +306,77 @@ def test_the_entropy_bonus_raises_the_entropy(small_checkpoints, tmp_path):
         per_token[coef] = [e / n for (_, e), (_, n) in zip(scalars["objective/entropy"],
                                                           scalars["objective/completion_length"])]
     assert per_token["1"][0] == per_token["0"][0] and per_token["1"][1] > per_token["0"][1] + 0.2, per_token
+
+
+# ------------------------------------------------------------------------ the selection rules at their boundaries
+def test_the_selection_rules_at_their_boundaries():
+    """scale/grpo.py's rules where ≥ and > part, where a count is floored, and where padding could enter a statistic:
+    the 80/20 mask keeps a token whose entropy is the quantile itself (entropies 1, 2, 3, ρ = 0.5: the median 2 is
+    kept; with > it would not be), and a padded token's entropy (9) does not move the quantile; Clip-Cov takes the
+    covariances strictly inside its bounds (1 and 5 themselves are out) and at least one token (r·N = 0.03);
+    KL-Cov at least one, the largest; DPPO keeps a token whose divergence is δ itself (|0.5 − 0.25| = δ_high
+    0.25) and puts Â = 0 on the side of the negative (a fall past δ_low is dropped); VESPO gives Â = 0 the
+    positive constants; the adaptive coefficient rises when the entropy equals the target."""
+    g = scale_grpo
+    entropy, ones = torch.tensor([[1.0, 2.0, 3.0]]), torch.ones(1, 3)
+    assert g.high_entropy_mask(entropy, ones, 0.5).tolist() == [[False, True, True]]
+    padded = torch.tensor([[1.0, 2.0, 3.0, 9.0]])
+    assert g.high_entropy_mask(padded, torch.tensor([[1.0, 1, 1, 0]]), 0.5).tolist() == [[False, True, True, False]]
+    covariance, none_cut = torch.tensor([[1.0, 5.0, 3.0]]), torch.zeros(1, 3, dtype=torch.bool)
+    assert g.clip_cov_tokens(covariance, ones, none_cut, 1.0, 1.0, 5.0).tolist() == [[False, False, True]]
+    torch.manual_seed(0)
+    assert g.clip_cov_tokens(torch.tensor([[2.0, 3.0, 4.0]]), ones, none_cut, 0.01, 1.0, 5.0).sum() == 1
+    assert g.kl_cov_tokens(torch.tensor([[2.0, 4.0, 3.0]]), ones, 1e-6).tolist() == [[False, True, False]]
+    logprobs, sampler = torch.tensor([[0.5, 0.1]]).log(), torch.tensor([[0.25, 0.5]]).log()
+    assert g.dppo_trust_region(logprobs, sampler, torch.tensor([1.0]), "binary_tv", 0.2, 0.25).tolist() == [[1.0, 1.0]]
+    assert g.dppo_trust_region(logprobs, sampler, torch.tensor([0.0]), "binary_tv", 0.2, 0.25).tolist() == [[1.0, 0.0]]
+    log_ratio, mask = torch.tensor([[0.1, 0.2]]), torch.ones(1, 2)
+    zero = g.vespo_weights(log_ratio, mask, torch.tensor([0.0]), None, 2.0, 3.0, 3.0, 2.0)
+    assert zero.item() == pytest.approx(math.exp(3 + 0.6 - 3 * math.exp(0.3)), rel=1e-5)  # k_pos 2, λ_pos 3
+    assert g.adaptive_entropy_coef(0.01, 0.2, 0.2, 0.005, 0.0, 1.0) == pytest.approx(0.015)
+
+
+def test_maxrl_and_batch_scaling_leave_the_unscored_out():
+    """MaxRL over a group with an unscored completion: rewards 1, NaN, 0, 0 have the scored mean 1/3, so Â = 2, 0
+    (unscored), −1, −1; batch scaling's std is over the scored seven of 1, NaN, 0, 0 | 1, 1, 0, 0 (mean 3/7,
+    variance (4 · (4/7)² · ... ) by hand below), not eight with a zero."""
+    rewards = torch.tensor([1.0, math.nan, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0])
+    torch.testing.assert_close(scale_grpo.compute_advantages(rewards, 4, "maxrl", "group")[:4],
+                               torch.tensor([2.0, 0.0, -1.0, -1.0]), rtol=1e-5, atol=1e-5)
+    scored = [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0]
+    mean = sum(scored) / 7
+    std = math.sqrt(sum((x - mean) ** 2 for x in scored) / 6)
+    expected = torch.tensor([1 - 1 / 3, 0.0, -1 / 3, -1 / 3, 0.5, 0.5, -0.5, -0.5]) / (std + 1e-4)
+    torch.testing.assert_close(scale_grpo.compute_advantages(rewards, 4, "grpo", "batch"), expected)
+
+
+def test_each_scale_flag_off_changes_nothing():
+    """grpo_token_losses with every 2026 and off-policy flag at its off value (--top-entropy-quantile 1, no
+    --cov-method, no --off-policy-mask-threshold, no sampler correction) is the loss type's own per-token loss,
+    bitwise, and counts nothing; the entropy control off adds no bonus. At ρ = 1 against each one on, the same
+    inputs give another loss (the test can tell)."""
+    from types import SimpleNamespace
+
+    g = scale_grpo
+    torch.manual_seed(3)
+    logprobs = -torch.rand(4, 3) * 2
+    old = SimpleNamespace(logprobs=logprobs - 0.1 * torch.randn(4, 3), is_weights=None)
+    mask = torch.tensor([[1.0, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]])
+    batch = SimpleNamespace(mask=mask, loss_mask=mask, sampler_logprobs=logprobs + 0.3)  # π_θ below the sampler
+    advantages, mb, entropy = torch.tensor([1.0, -0.5, 2.0, -1.5]), torch.arange(4), torch.rand(4, 3)
+    ratio = (logprobs - old.logprobs).exp()
+    for loss_type in ("grpo", "dapo", "cispo"):
+        args = g.Args(loss_type=loss_type, epsilon_high=5.0 if loss_type == "cispo" else None)
+        losses, counts = g.grpo_token_losses(ratio, logprobs, entropy, advantages, batch, old, mb, args.epsilon_high or 0.2,
+                                             args)
+        assert torch.equal(losses, g.token_losses(ratio, logprobs, advantages, loss_type, 0.2,
+                                                  args.epsilon_high or 0.2)), loss_type
+        assert all(float(counts[k]) == 0 for k in ("off_policy_masked", "dppo_masked", "cov_selected"))
+    control = g.EntropyControl(g.Args())
+    assert not control.on and control.bonus(entropy, mask, {}).item() == 0.0
+    plain = g.grpo_token_losses(ratio, logprobs, entropy, advantages, batch, old, mb, 0.2, g.Args())[0]
+    for on in ({"top_entropy_quantile": 0.5}, {"cov_method": "kl_cov", "kl_cov_ratio": 0.3},
+               {"off_policy_mask_threshold": 0.0}):
+        torch.manual_seed(0)
+        changed = g.grpo_token_losses(ratio, logprobs, entropy, advantages, batch, old, mb, 0.2, g.Args(**on))[0]
+        assert not torch.equal(changed * mask, plain * mask), on

@@ -1,6 +1,7 @@
-"""Off-policy RL in grpo.py and rlhf_ppo.py (both tiers): the sampler's log-probs, the rollout/ tags, --rollout-lag,
-the importance-sampling corrections (TRL 1.16's vllm_importance_sampling_* and off_policy_mask_threshold), and the
-places where the scripts now compute what TRL 1.16 does (unscored completions, dapo's normalizer)."""
+"""Off-policy RL, scale/grpo.py's and scale/rlhf_ppo.py's alone: the sampler's log-probs, the rollout/ tags,
+--rollout-lag, the importance-sampling corrections (TRL 1.16's vllm_importance_sampling_* and
+off_policy_mask_threshold); and in both tiers the places where the scripts compute what TRL 1.16 does (unscored
+completions, dapo's normalizer) and the sampler's log-probs that generate returns."""
 import math
 
 import pytest
@@ -12,14 +13,14 @@ import rlhf_ppo
 from scale import grpo as scale_grpo
 from scale import rlhf_ppo as scale_rlhf_ppo
 
-ALL = [grpo, scale_grpo, rlhf_ppo, scale_rlhf_ppo]
 IDS = ["grpo", "scale.grpo", "rlhf_ppo", "scale.rlhf_ppo"]
+SCALE = [scale_grpo, scale_rlhf_ppo]  # the off-policy machinery is scale/'s alone
 
 
 # ------------------------------------------------------------------------------------------------
 # The math, by hand
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("module", ALL, ids=IDS)
+@pytest.mark.parametrize("module", SCALE, ids=IDS[1::2])
 def test_sampler_importance_weights_by_hand(module):
     """Row 0: π_old = 0.5, 0.2 where the sampler had 0.25, 0.4 (ρ_t = 2, 0.5), then a padding token; row 1:
     π_old 0.5, 0.5 against 0.1, 0.25 (ρ_t = 5, 2). Token modes: clip(ρ_t, 0.6, 1.5) = 1.5, 0.6 | 1.5, 1.5, and the
@@ -38,7 +39,7 @@ def test_sampler_importance_weights_by_hand(module):
     torch.testing.assert_close(weights("sequence_mask", None, None), torch.tensor([[1.0] * 3, [10.0] * 3]))
 
 
-@pytest.mark.parametrize("module", [grpo, scale_grpo], ids=IDS[:2])
+@pytest.mark.parametrize("module", [scale_grpo], ids=IDS[1:2])
 def test_off_policy_sequence_mask_by_hand(module):
     """DeepSeek-V3.2's eq. 9 with δ = 0.5: row 0, Â < 0 and mean log(π_sampler/π_θ) = (0.8 + 0.4) / 2 = 0.6 > δ:
     dropped; row 1, Â < 0 and 0.2 ≤ δ: kept; row 2, 1.0 > δ but Â > 0: kept. The padding token of row 1 (its
@@ -50,7 +51,31 @@ def test_off_policy_sequence_mask_by_hand(module):
     assert kept.tolist() == [[0.0], [1.0], [1.0]] and not kept.requires_grad
 
 
-@pytest.mark.parametrize("module", ALL, ids=IDS)
+@pytest.mark.parametrize("module", SCALE, ids=IDS[1::2])
+def test_the_corrections_at_their_bounds(module):
+    """A weight exactly at C_max or C_min is kept by the mask modes (C_min ≤ ρ ≤ C_max), one a hair outside is not;
+    the truncate modes clip to the bound itself. The off-policy sequence mask keeps Â = 0 (only Â < 0 is dropped)
+    and a divergence exactly δ (only > δ is), computed from log-probs whose mean difference is exactly 0.5."""
+    old, sampler = torch.log(torch.tensor([[0.5, 0.2]])), torch.log(torch.tensor([[0.25, 0.4]]))
+    mask = torch.ones(1, 2)
+    rho = torch.exp((old - sampler) * mask)  # the function's own ρ_t: ≈ 2 and 0.5
+    high, low = float(rho[0, 0]), float(rho[0, 1])
+    assert module.sampler_importance_weights(old, sampler, mask, "token_mask", low, high).tolist() == rho.tolist()
+    assert module.sampler_importance_weights(old, sampler, mask, "token_mask", low, high * 0.999).tolist() == [
+        [0.0, rho[0, 1].item()]]
+    assert module.sampler_importance_weights(old, sampler, mask, "token_mask", low * 1.001, high).tolist() == [
+        [rho[0, 0].item(), 0.0]]
+    torch.testing.assert_close(module.sampler_importance_weights(old, sampler, mask, "token_truncate", 0.6, 1.5),
+                               torch.tensor([[1.5, 0.6]]))
+    if hasattr(module, "off_policy_sequence_mask"):
+        logprobs, sampler = torch.tensor([[-1.5, -2.5], [-1.5, -2.5]]), torch.tensor([[-1.0, -2.0], [-1.0, -2.0]])
+        kept = module.off_policy_sequence_mask(torch.tensor([0.0, -1.0]), logprobs, sampler, torch.ones(2, 2), 0.5)
+        assert kept.tolist() == [[1.0], [1.0]]  # Â = 0 kept; the divergence 0.5 = δ kept
+        kept = module.off_policy_sequence_mask(torch.tensor([0.0, -1.0]), logprobs, sampler, torch.ones(2, 2), 0.49)
+        assert kept.tolist() == [[1.0], [0.0]]
+
+
+@pytest.mark.parametrize("module", SCALE, ids=IDS[1::2])
 def test_sampler_mismatch_by_hand(module):
     """log r = log π_old − log π_sampler = log 2, log 0.25 and a padding token: Σ|log r| = 0.693147 + 1.386294, the
     max 1.386294, Σ k3 = (2 − 1 − 0.693147) + (0.25 − 1 + 1.386294) = 0.943147, and one token (0.25) outside
@@ -109,7 +134,7 @@ def rl_flags(script, checkpoints):
             "--eval-size", "0"]
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "scale/grpo.py", "rlhf_ppo.py", "scale/rlhf_ppo.py"])
+@pytest.mark.parametrize("script", ["scale/grpo.py", "scale/rlhf_ppo.py"])
 def test_the_rollout_lag_samples_with_the_weights_of_k_iterations_before(tiny_checkpoints, tmp_path, monkeypatch,
                                                                          script):
     """--rollout-lag 2 over 5 iterations: the training rollouts sample with θ_0, θ_0, θ_0, θ_1, θ_2 (θ_i: the weights
@@ -147,8 +172,8 @@ def test_the_rollout_lag_samples_with_the_weights_of_k_iterations_before(tiny_ch
     assert "rollout/is_weight_mean" in logs  # on by default with a lag
 
 
-@pytest.mark.parametrize("script,mode", [("grpo.py", "token_truncate"), ("scale/grpo.py", "token_mask"),
-                                         ("rlhf_ppo.py", "sequence_truncate"), ("scale/rlhf_ppo.py", "sequence_mask")])
+@pytest.mark.parametrize("script,mode", [("scale/grpo.py", "token_truncate"), ("scale/grpo.py", "token_mask"),
+                                         ("scale/rlhf_ppo.py", "sequence_truncate"), ("scale/rlhf_ppo.py", "sequence_mask")])
 def test_the_correction_flags_reach_the_loss(small_checkpoints, tmp_path, monkeypatch, capsys, script, mode):
     """Each mode and both bounds reach sampler_importance_weights with the rollout's log-probs, and what it returns
     multiplies every token's policy loss: replaced by zeros, the policy loss is 0 at every step (the value loss of
@@ -183,7 +208,7 @@ def test_the_correction_flags_reach_the_loss(small_checkpoints, tmp_path, monkey
     assert "note: --rollout-lag" not in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "scale/grpo.py"])
+@pytest.mark.parametrize("script", ["scale/grpo.py"])
 def test_the_off_policy_mask_reaches_the_loss(small_checkpoints, tmp_path, monkeypatch, script):
     """--off-policy-mask-threshold δ reaches off_policy_sequence_mask with the update's log-probs, and the mask
     multiplies the policy loss: a mask of zeros leaves a policy loss of 0; the share it drops is logged."""
@@ -283,7 +308,7 @@ def test_whitening_with_no_valid_token_is_zero(module):
     assert module.masked_whiten(torch.tensor([[1.0, 2.0]]), torch.zeros(1, 2)).tolist() == [[0.0, 0.0]]
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "scale/grpo.py", "rlhf_ppo.py", "scale/rlhf_ppo.py"])
+@pytest.mark.parametrize("script", ["scale/grpo.py", "scale/rlhf_ppo.py"])
 @pytest.mark.parametrize("flags,words", [
     (["--rollout-lag", "-1"], ["--rollout-lag -1", "0 or more"]),
     (["--vllm-importance-sampling-mode", "truncate"], ["'truncate'", "token_truncate, token_mask"]),
@@ -300,8 +325,19 @@ def test_cispo_without_its_cap_is_one_line(tmp_path, script):
     """CISPO's cap is --epsilon-high itself (TRL's meaning): left at None it would cap the weight at ε = 0.2."""
     message = one_line_exit(script, *CPU_FLOAT32, "--loss-type", "cispo", cwd=tmp_path)
     assert "--epsilon-high" in message and "5.0" in message, message
-    message = one_line_exit(script, *CPU_FLOAT32, "--off-policy-mask-threshold", "-1", cwd=tmp_path)
-    assert "--off-policy-mask-threshold -1" in message, message
+    if script.startswith("scale/"):
+        message = one_line_exit(script, *CPU_FLOAT32, "--off-policy-mask-threshold", "-1", cwd=tmp_path)
+        assert "--off-policy-mask-threshold -1" in message, message
+
+
+@pytest.mark.parametrize("flags,words", [(["--loss-type", "dppo"], ["'dppo'", "scale/grpo.py's"]),
+                                         (["--advantage", "maxrl"], ["'maxrl'", "scale/grpo.py's"]),
+                                         (["--scale-rewards", "batch"], ["'batch'", "scale/grpo.py's"])])
+def test_a_variant_of_scale_alone_is_one_line_in_the_reference(tmp_path, flags, words):
+    """grpo.py has none of the later variants: a value of the reference's own flags (--loss-type, --advantage,
+    --scale-rewards) that only scale/grpo.py takes stops in one line that says where it is."""
+    message = one_line_exit("grpo.py", *CPU_FLOAT32, *flags, cwd=tmp_path)
+    assert all(word in message for word in words), message
 
 
 @pytest.mark.parametrize("script", ["scale/grpo.py", "scale/rlhf_ppo.py"])

@@ -731,12 +731,13 @@ COUNTS = {"sft": {"max-steps": 1, "batch-size": 1, "warmup-steps": 0, "eval-ever
           "dpo": {"max-steps": 1, "batch-size": 1, "warmup-steps": 0, "eval-every": 1, "eval-size": 0,
                   "response-length": 1, "num-train-pairs": 1},
           "rlhf_ppo": {"num-iterations": 1, "batch-size": 1, "mini-batch-size": 1, "ppo-epochs": 1,
-                       "response-length": 1, "kl-horizon": 1, "eval-every": 1, "eval-size": 0, "value-warmup-steps": 0},
+                       "response-length": 1, "kl-horizon": 1, "eval-every": 1, "eval-size": 0},
           "grpo": {"num-iterations": 1, "num-generations": 2, "batch-size": 1, "mini-batch-size": 1, "ppo-epochs": 1,
                    "max-sampling-rounds": 1, "response-length": 1, "eval-every": 1, "eval-size": 0}}
 ACCUMULATE = {"gradient-accumulation-steps": 1}
 SCALE_COUNTS = {"sft": ACCUMULATE, "reward_model": ACCUMULATE, "dpo": ACCUMULATE,  # and scale/'s own
-                "rlhf_ppo": {**ACCUMULATE, "generation-batch-size": 1}, "grpo": {**ACCUMULATE, "generation-batch-size": 1}}
+                "rlhf_ppo": {**ACCUMULATE, "generation-batch-size": 1, "value-warmup-steps": 0},  # VC-PPO's: scale/'s
+                "grpo": {**ACCUMULATE, "generation-batch-size": 1}}
 COUNT_CASES = [(f"{tier}{script}.py", flag, least) for tier in ("", "scale/") for script in COUNTS
                for flag, least in (COUNTS[script] | (SCALE_COUNTS[script] if tier else {})).items()]
 
@@ -763,12 +764,13 @@ RULES = {"sft": {"lr": ">= 0", "weight-decay": ">= 0", "max-grad-norm": "> 0"},
                           "center-rewards-coefficient": ">= 0"},
          "dpo": {"lr": ">= 0", "max-grad-norm": "> 0", "beta": "> 0", "temperature": "> 0"},
          "rlhf_ppo": {"lr": ">= 0", "max-grad-norm": "> 0", "temperature": "> 0", "kl-coef": ">= 0", "kl-target": "> 0",
-                      "cliprange": "> 0", "cliprange-value": "> 0", "vf-coef": ">= 0", "cliprange-high": "> 0",
-                      "length-adaptive-lam": "> 0", "positive-lm-coef": ">= 0"},
+                      "cliprange": "> 0", "cliprange-value": "> 0", "vf-coef": ">= 0"},
          "grpo": {"lr": ">= 0", "max-grad-norm": "> 0", "temperature": "> 0", "beta": ">= 0", "epsilon": "> 0",
                   "epsilon-high": "> 0"}}
+SCALE_RULES = {"rlhf_ppo": {"cliprange-high": "> 0", "length-adaptive-lam": "> 0", "positive-lm-coef": ">= 0"}}  # VAPO's
 RULE_CASES = [(f"{tier}{script}.py", flag, rule, value) for tier in ("", "scale/") for script, rules in RULES.items()
-              for flag, rule in rules.items() for value in ({"> 0": "0.0", ">= 0": "-0.5"}[rule], "nan")]
+              for flag, rule in (rules | (SCALE_RULES.get(script, {}) if tier else {})).items()
+              for value in ({"> 0": "0.0", ">= 0": "-0.5"}[rule], "nan")]
 
 
 @pytest.mark.parametrize("script,flag,rule,value", RULE_CASES, ids=[f"{s}:{f}={v}" for s, f, _, v in RULE_CASES])
@@ -788,12 +790,12 @@ def test_a_number_out_of_its_range_is_one_line_before_any_model_is_loaded(script
 # term by term); DPO's label smoothing, the chance a label is flipped, in [0, 0.5] (above it the preference turns
 # round). A reward or a score of either sign, finite: the missing-EOS penalty and the reward weights (NaN or inf
 # ran before, and stopped only at the first loss, after the models were loaded, or in dpo.py not at all)
-INTERVAL_CASES = [(f"{tier}{script}.py", flags, message) for tier in ("", "scale/") for script, flags, message in [
+INTERVAL_CASES = [("scale/rlhf_ppo.py", ["--critic-lam", "1.5"], "--critic-lam 1.5: it must be in [0, 1]"),  # VC-PPO's
+                  ("scale/rlhf_ppo.py", ["--actor-lam", "-0.1"], "--actor-lam -0.1: it must be in [0, 1]")] + [
+    (f"{tier}{script}.py", flags, message) for tier in ("", "scale/") for script, flags, message in [
     ("rlhf_ppo", ["--gamma", "-0.5"], "--gamma -0.5: it must be in [0, 1]"),
     ("rlhf_ppo", ["--lam", "1.5"], "--lam 1.5: it must be in [0, 1]"),
     ("rlhf_ppo", ["--gamma", "nan"], "--gamma nan: it must be in [0, 1]"),
-    ("rlhf_ppo", ["--critic-lam", "1.5"], "--critic-lam 1.5: it must be in [0, 1]"),
-    ("rlhf_ppo", ["--actor-lam", "-0.1"], "--actor-lam -0.1: it must be in [0, 1]"),
     ("dpo", ["--label-smoothing", "-0.1"], "--label-smoothing -0.1: it must be in [0, 0.5]"),
     ("dpo", ["--label-smoothing", "0.6"], "--label-smoothing 0.6: it must be in [0, 0.5]"),
     ("dpo", ["--label-smoothing", "nan"], "--label-smoothing nan: it must be in [0, 0.5]"),

@@ -98,9 +98,25 @@ def test_policy_and_value_losses_average_over_valid_tokens():
 
 
 BOTH_TIERS = pytest.mark.parametrize("module", [rlhf_ppo, scale_rlhf_ppo], ids=["top", "scale"])
+SCALE = pytest.mark.parametrize("module", [scale_rlhf_ppo], ids=["scale"])  # VC-PPO's and VAPO's: scale/ alone
 
 
 @BOTH_TIERS
+def test_the_clip_fraction_counts_the_ratios_out_of_the_band_on_either_side(module):
+    # ratios 1.25, 0.75, 1.1 and 0.81 with ε = 0.2: 1.25 > 1.2 and 0.75 < 0.8 are clipped, 1.1 and 0.81 are not: 2/4;
+    # over 8 tokens of a whole minibatch (num_tokens) 2/8. The approximate KL ½ (log ρ)², the ratio's mean, alike
+    stats = {k: [] for k in ("pg_loss", "vf_loss", "lm_loss", "approx_kl", "clipfrac", "ratio", "entropy")}
+    ratio = T([[1.25, 0.75, 1.1, 0.81]])
+    flags = SimpleNamespace(cliprange=0.2, cliprange_high=None)
+    for num_tokens in (4.0, 8.0):
+        module.accumulate_ppo_stats(stats, (T(0.0), T(0.0), T(0.0)), ratio, ratio.log(), torch.ones(1, 4),
+                                    torch.ones(1, 4), num_tokens, False, flags)
+    assert [float(x) for x in stats["clipfrac"]] == pytest.approx([0.5, 0.25])
+    assert float(stats["ratio"][0]) == pytest.approx((1.25 + 0.75 + 1.1 + 0.81) / 4)
+    assert float(stats["approx_kl"][1]) == pytest.approx(sum(0.5 * math.log(r) ** 2 for r in (1.25, 0.75, 1.1, 0.81)) / 8)
+
+
+@SCALE
 def test_decoupled_gae_critic_lambda_for_the_targets_actor_lambda_for_the_advantages(module):
     # γ = 0.9, r = 1, 2, 3, V = 1, 1, 1 and padding (V = 0 after the last valid token): δ = 0.9, 1.9, 2
     #   actor λ = 0.5:  Â_2 = 2, Â_1 = 1.9 + .45·2 = 2.8, Â_0 = 0.9 + .45·2.8 = 2.16
@@ -114,7 +130,7 @@ def test_decoupled_gae_critic_lambda_for_the_targets_actor_lambda_for_the_advant
     torch.testing.assert_close(returns, T([[3.16, 3.8, 3.0, 0.0]]))
 
 
-@BOTH_TIERS
+@SCALE
 def test_masked_gae_with_one_lambda_per_response(module):
     # γ = 1; row 1 r = (0, 0, 1), V = (.5, .5, .5), λ = .5: Â = .125, .25, .5 (test_masked_gae_over_a_padded_response)
     #        row 2 r = (0, 1, pad), V = (.2, .4, pad), λ = 0: Â = δ = (0 + .4 − .2, 1 + 0 − .4) = .2, .6
@@ -124,7 +140,7 @@ def test_masked_gae_with_one_lambda_per_response(module):
     torch.testing.assert_close(returns, T([[0.625, 0.75, 1.0], [0.4, 1.0, 0.0]]))
 
 
-@BOTH_TIERS
+@SCALE
 def test_length_adaptive_lambda(module):
     # α = 0.5: l = 10: 1 − 1/5 = 0.8;  l = 4: 1 − 1/2 = 0.5;  l = 1: 1 − 2 < 0, so 0;  α = 0.25, l = 10: 1 − 1/2.5 = 0.6
     mask = T([[1.0] * 10, [1.0] * 4 + [0.0] * 6, [1.0] + [0.0] * 9])
@@ -132,7 +148,7 @@ def test_length_adaptive_lambda(module):
     torch.testing.assert_close(module.length_adaptive_lam(mask[:1], 0.25), T([0.6]))
 
 
-@BOTH_TIERS
+@SCALE
 def test_positive_lm_loss_is_the_nll_of_the_responses_that_pass(module):
     # rows 1 and 3 pass: −(−1 − 2) − (−3 − 1 − 1) = 8 over their 5 tokens = 1.6 (row 2, which does not pass, would
     # make it 8.5 / 6; the padding's −9 would count too); over 10 tokens of a whole minibatch 0.8; none passes: 0
@@ -143,7 +159,7 @@ def test_positive_lm_loss_is_the_nll_of_the_responses_that_pass(module):
     assert module.positive_lm_loss(logprobs, mask, T([False, False, False])).item() == 0.0
 
 
-@BOTH_TIERS
+@SCALE
 def test_clip_higher_in_the_policy_loss_and_the_clip_fraction(module):
     # ratios (1.5, 0.5), Â = (1, −1), ε = 0.2, ε_high = 0.28: max(−1.5, −1.28) = −1.28, max(.5, .8) = .8: mean −0.24
     #   (ε_high = ε: −1.2 and .8, −0.2)
@@ -159,7 +175,7 @@ def test_clip_higher_in_the_policy_loss_and_the_clip_fraction(module):
     assert [float(x) for x in stats["clipfrac"]] == pytest.approx([1 / 3, 2 / 3])
 
 
-@pytest.mark.parametrize("script", ["rlhf_ppo.py", "scale/rlhf_ppo.py"])
+@pytest.mark.parametrize("script", ["scale/rlhf_ppo.py"])
 @pytest.mark.parametrize("flags,words", [
     (["--length-adaptive-lam", "0.05", "--actor-lam", "0.9"], ["--length-adaptive-lam 0.05", "leave out --actor-lam"]),
     (["--value-warmup-steps", "3", "--vf-coef", "0"], ["--value-warmup-steps 3", "--vf-coef 0", "train nothing"]),
@@ -453,10 +469,9 @@ def test_the_ppo_flags_reach_the_losses_and_the_gradient(tiny_checkpoints, tmp_p
         seen["kl_coef"].append(kl_coef)
         return real["shaped_rewards"](logprobs, ref_logprobs, scores, mask, kl_coef)
 
-    def policy_spy(new_logprobs, logprobs, advantages, mask, cliprange, num_tokens, weights=None, cliprange_high=None):
+    def policy_spy(new_logprobs, logprobs, advantages, mask, cliprange, num_tokens):
         seen["cliprange"].append(cliprange)
-        pg_loss, ratio = real["policy_loss"](new_logprobs, logprobs, advantages, mask, cliprange, num_tokens, weights,
-                                             cliprange_high)
+        pg_loss, ratio = real["policy_loss"](new_logprobs, logprobs, advantages, mask, cliprange, num_tokens)
         if len(seen["cliprange"]) == 1:  # before any step: the rollout's log-probs, at the same --temperature
             assert torch.equal(ratio * mask, mask)
         return 0 * pg_loss, ratio
@@ -495,9 +510,9 @@ def test_the_ppo_flags_reach_the_losses_and_the_gradient(tiny_checkpoints, tmp_p
     assert seen["temperature"] == [0.7] * 3  # the evaluation before training, the rollout, the evaluation after it
 
 
-# ------------------------------------------------------------------------ VC-PPO and VAPO
+# ------------------------------------------------------------------------ VC-PPO and VAPO: scale/rlhf_ppo.py's
 def test_the_vapo_flags_reach_the_losses_and_the_lm_term_the_gradient(tiny_checkpoints, tmp_path, monkeypatch):
-    """--critic-lam and --length-adaptive-lam reach decoupled GAE (the critic's λ 1; the actor's one per response,
+    """scale/rlhf_ppo.py: --critic-lam and --length-adaptive-lam reach decoupled GAE (the critic's λ 1; the actor's one per response,
     1 − 1/(α l) of its length l, by hand), --cliprange-high the policy loss, and --positive-lm-coef the positive-
     example loss, with the update's own log-probs (those the policy loss gets) and as its set T exactly the responses
     every reward function scores 1 (the format here, matched by hand on the rollout's text). With the policy loss
@@ -507,7 +522,7 @@ def test_the_vapo_flags_reach_the_losses_and_the_lm_term_the_gradient(tiny_check
     import re
 
     seen = {"gae": [], "rollout": [], "policy": [], "lm": []}
-    real = {name: getattr(rlhf_ppo, name) for name in ("decoupled_gae", "score_rollout", "policy_loss", "positive_lm_loss")}
+    real = {name: getattr(scale_rlhf_ppo, name) for name in ("decoupled_gae", "score_rollout", "policy_loss", "positive_lm_loss")}
 
     def gae_spy(rewards, values, mask, gamma, actor_lam, critic_lam):
         seen["gae"].append((mask.clone(), actor_lam, critic_lam))
@@ -528,10 +543,10 @@ def test_the_vapo_flags_reach_the_losses_and_the_lm_term_the_gradient(tiny_check
 
     for name, spy in (("decoupled_gae", gae_spy), ("score_rollout", rollout_spy), ("policy_loss", policy_spy),
                       ("positive_lm_loss", lm_spy)):
-        monkeypatch.setattr(rlhf_ppo, name, spy)
+        monkeypatch.setattr(scale_rlhf_ppo, name, spy)
     (tmp_path / "p.jsonl").write_text("\n".join(json.dumps({"prompt": f"sort {i % 7}{i % 5}{i % 3}1:"}) for i in range(40)))
     sft = tiny_checkpoints["sft"]
-    run_in_process("rlhf_ppo.py", *CPU_FLOAT32, "--model-name-or-path", str(sft), "--dataset-name", "p.jsonl",
+    run_in_process("scale/rlhf_ppo.py", *CPU_FLOAT32, "--model-name-or-path", str(sft), "--dataset-name", "p.jsonl",
                    "--reward-fn", "format", "--format-pattern", ".*[a-z].*", "--num-iterations", "1", "--batch-size", "8",
                    "--mini-batch-size", "8", "--ppo-epochs", "1", "--lr", "1e-4", "--vf-coef", "0", "--critic-lam", "1.0",
                    "--length-adaptive-lam", "0.4", "--cliprange-high", "0.28", "--positive-lm-coef", "1.0",
@@ -552,17 +567,17 @@ def test_the_vapo_flags_reach_the_losses_and_the_lm_term_the_gradient(tiny_check
             logprobs, _ = real_policy_logprobs(model, batch.sequences, batch.attention_mask, batch.context_length, 1.0)
         return -(logprobs * batch.mask)[torch.tensor(passing)].sum()
 
-    real_policy_logprobs = rlhf_ppo.policy_logprobs
+    real_policy_logprobs = scale_rlhf_ppo.policy_logprobs
     assert nll_of_passing(tmp_path / "out") < nll_of_passing(sft) - 1e-4
 
 
 def test_the_value_warmup_trains_the_critic_alone_towards_monte_carlo_returns(tiny_checkpoints, tmp_path, monkeypatch):
-    """--value-warmup-steps 2: two rollouts before the loop's, at which the value loss gets as its targets the Monte
+    """scale/rlhf_ppo.py --value-warmup-steps 2: two rollouts before the loop's, at which the value loss gets as its targets the Monte
     Carlo returns, by hand the response's score at each of its tokens (γ = 1, one reward at the last token, and a KL
     penalty of exactly 0: the actor is still the reference); the critic moves and the actor does not; then the loop,
     its GAE at --lam. A warm-up at the loop's λ, or one that moves the actor, fails."""
     seen = {"rollout": [], "value_targets": [], "lams": []}
-    real = {name: getattr(rlhf_ppo, name) for name in ("score_rollout", "masked_value_loss", "warm_up_critic",
+    real = {name: getattr(scale_rlhf_ppo, name) for name in ("score_rollout", "masked_value_loss", "warm_up_critic",
                                                       "decoupled_gae")}
     moved = {}
 
@@ -575,10 +590,11 @@ def test_the_value_warmup_trains_the_critic_alone_towards_monte_carlo_returns(ti
         return real["masked_value_loss"](new_values, values, returns, *rest)
 
     def warm_up_spy(models, *args):
-        before = [{k: v.clone() for k, v in m.state_dict().items()} for m in models[:2]]  # actor, critic
+        pair = (models[0], models[2])  # actor, critic (models[1]: the actor unwrapped)
+        before = [{k: v.clone() for k, v in m.state_dict().items()} for m in pair]
         real["warm_up_critic"](models, *args)
         moved.update({name: any(not torch.equal(v, m.state_dict()[k]) for k, v in b.items())
-                      for name, m, b in zip(("actor", "critic"), models[:2], before)})
+                      for name, m, b in zip(("actor", "critic"), pair, before)})
 
     def gae_spy(rewards, values, mask, gamma, actor_lam, critic_lam):
         seen["lams"].append((actor_lam, critic_lam))
@@ -586,8 +602,8 @@ def test_the_value_warmup_trains_the_critic_alone_towards_monte_carlo_returns(ti
 
     for name, spy in (("score_rollout", rollout_spy), ("masked_value_loss", value_spy), ("warm_up_critic", warm_up_spy),
                       ("decoupled_gae", gae_spy)):
-        monkeypatch.setattr(rlhf_ppo, name, spy)
-    run_in_process("rlhf_ppo.py", *CPU_FLOAT32, "--model-name-or-path", str(tiny_checkpoints["sft"]), "--reward-model-path",
+        monkeypatch.setattr(scale_rlhf_ppo, name, spy)
+    run_in_process("scale/rlhf_ppo.py", *CPU_FLOAT32, "--model-name-or-path", str(tiny_checkpoints["sft"]), "--reward-model-path",
                    str(tiny_checkpoints["reward_model"]), "--value-warmup-steps", "2", "--num-iterations", "1",
                    "--batch-size", "8", "--mini-batch-size", "4", "--ppo-epochs", "1", "--eval-size", "4",
                    "--output-dir", "out", cwd=tmp_path)

@@ -11,6 +11,7 @@ scalar except the wall-clock ones (speeds, time fractions) and the SHA-256 of ev
     python tools/same_results.py . /tmp/after.json
     git worktree add /tmp/before <commit> && python tools/same_results.py /tmp/before /tmp/before.json
     python tools/same_results.py --compare /tmp/before.json /tmp/after.json
+    python tools/same_results.py --compare --dropped rollout/ /tmp/before.json /tmp/after.json  # tags moved away
 
 --flags SCRIPT='...' replaces one run's flags (a flag renamed between the two commits). The LM scripts run from
 ROOT/scale/ where a checkout has it (the full programs; before the split, aee7bdc and earlier, they were the
@@ -32,6 +33,7 @@ import tempfile
 import zipfile
 
 TINY = "--n-layer 1 --n-embd 32 --n-head 2"
+GRPO = "--num-iterations 3 --batch-size 16 --num-generations 4 --mini-batch-size 8 --ppo-epochs 2 --eval-every 2 --eval-size 16"
 RUNS = {  # name: (script, flags, ranks)
     "ppo_clip": ("ppo_clip.py", "--total-timesteps 4096 --save-model --eval-episodes 2", 1),
     "ppo_kl": ("ppo_kl.py", "--total-timesteps 4096 --save-model --eval-episodes 2", 1),
@@ -43,6 +45,19 @@ RUNS = {  # name: (script, flags, ranks)
     "dpo": ("dpo.py", "--max-steps 20 --eval-every 10 --num-train-pairs 400 --eval-size 16", 1),
     "grpo": ("grpo.py", "--num-iterations 3 --batch-size 16 --num-generations 4 --mini-batch-size 8 --ppo-epochs 2 "
              "--eval-every 2 --eval-size 16", 1),
+    # the reference's variants and options off their defaults (both tiers have them)
+    "grpo_rloo_cispo": ("grpo.py", f"{GRPO} --advantage rloo --loss-type cispo --epsilon-high 5 --mask-truncated-completions "
+                        "--soft-overlong-cache 4 --dynamic-sampling --max-sampling-rounds 2 --eval-num-samples 2 "
+                        "--log-completions-every 1 --reward-fn gold --reward-weights 0.5 1", 1),
+    "grpo_gspo": ("grpo.py", f"{GRPO} --advantage reinforce_pp_baseline --loss-type dapo --importance-sampling-level sequence "
+                  "--epsilon 3e-4 --epsilon-high 4e-4 --beta 0 --temperature 0.8", 1),
+    "grpo_dr_grpo": ("grpo.py", f"{GRPO} --scale-rewards none --loss-type dr_grpo --epsilon-high 0.28 --no-anneal-lr", 1),
+    "grpo_reinforce_pp": ("grpo.py", f"{GRPO} --advantage reinforce_pp --missing-eos-penalty -2 --response-length 7", 1),
+    "rlhf_ppo_options": ("rlhf_ppo.py", "--num-iterations 3 --batch-size 16 --mini-batch-size 8 --ppo-epochs 2 "
+                         "--eval-every 2 --eval-size 16 --kl-target 1.0 --kl-horizon 20 --cliprange 0.1 "
+                         "--cliprange-value 0.1 --vf-coef 0.3 --gamma 0.95 --lam 0.9 --missing-eos-penalty -2 "
+                         "--temperature 0.8 --reward-fn gold --reward-weights 0.5 1 --eval-num-samples 2 "
+                         "--log-completions-every 1", 1),
     "rlhf_ppo_2ranks": ("rlhf_ppo.py", "--num-iterations 2 --batch-size 16 --mini-batch-size 8 --eval-every 1 "
                         "--eval-size 10", 2),
     "grpo_2ranks_fsdp": ("grpo.py", "--num-iterations 2 --batch-size 16 --num-generations 4 --mini-batch-size 8 "
@@ -113,7 +128,10 @@ def run_all(root, out, overrides, top_level=False):
         json.dump(result, f, indent=1, sort_keys=True)
 
 
-def compare(a_path, b_path):
+def compare(a_path, b_path, dropped=()):
+    """Whether the runs of two fingerprint files computed the same: every tag and weight file equal. A tag whose name
+    starts with one of `dropped` and that only the first logs (a feature the change moved to scale/) is said, not
+    counted as a difference."""
     a, b = json.load(open(a_path)), json.load(open(b_path))
     same = True
     for name in sorted(set(a) | set(b)):
@@ -121,11 +139,13 @@ def compare(a_path, b_path):
             print(f"{name}: only in {'the first' if name in a else 'the second'}")
             same = False
             continue
+        gone = sorted(tag for tag in set(a[name]["scalars"]) - set(b[name]["scalars"]) if tag.startswith(tuple(dropped)))
         diffs = [tag for tag in set(a[name]["scalars"]) | set(b[name]["scalars"])
-                 if a[name]["scalars"].get(tag) != b[name]["scalars"].get(tag)]
+                 if a[name]["scalars"].get(tag) != b[name]["scalars"].get(tag) and tag not in gone]
         weights = a[name]["weights"] == b[name]["weights"]
         print(f"{name}: {len(a[name]['scalars'])} tags, {'all equal' if not diffs else 'differ: ' + ', '.join(sorted(diffs))}; "
-              f"{len(a[name]['weights'])} weight files {'bitwise equal' if weights else 'DIFFER'}")
+              f"{len(a[name]['weights'])} weight files {'bitwise equal' if weights else 'DIFFER'}"
+              + (f"; no longer logged: {', '.join(gone)}" if gone else ""))
         same &= not diffs and weights
     print("same results" if same else "DIFFERENT results")
     return same
@@ -137,7 +157,9 @@ if __name__ == "__main__":
     parser.add_argument("--compare", action="store_true")
     parser.add_argument("--top-level", action="store_true", help="run the top-level LM files, not scale/'s")
     parser.add_argument("--flags", action="append", default=[], help="NAME='flags' to replace one run's flags")
+    parser.add_argument("--dropped", action="append", default=[], help="with --compare: a tag prefix that the second "
+                        "may no longer log (a feature moved away, e.g. rollout/), said but not a difference")
     args = parser.parse_args()
     if args.compare:
-        sys.exit(0 if compare(*args.paths) else 1)
+        sys.exit(0 if compare(*args.paths, args.dropped) else 1)
     run_all(*args.paths, dict(item.split("=", 1) for item in args.flags), args.top_level)

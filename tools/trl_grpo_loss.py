@@ -1,10 +1,10 @@
-"""grpo.py's 2026 variants against TRL 1.16's GRPOTrainer on identical inputs (docs/grpo.md). It runs in TRL's own
-virtual environment (docs/scaling.md says how to make it), never in this repo's:
+"""scale/grpo.py's 2026 variants (scale/'s alone) against TRL 1.16's GRPOTrainer on identical inputs (docs/grpo.md).
+It runs in TRL's own virtual environment (docs/scaling.md says how to make it), never in this repo's:
 
     TRL_PYTHON tools/trl_grpo_loss.py
 
 The loss: TRL's `GRPOTrainer._compute_loss`, called on a stand-in trainer whose forward pass returns the same
-log-probs and entropies grpo.py's loop gets (one process, one micro-batch per step, num_items_in_batch = the
+log-probs and entropies scale/grpo.py's loop gets (one process, one micro-batch per step, num_items_in_batch = the
 batch's tokens): sapo, luspo (sequence-level ratio), vespo (with a token_truncate sampler correction), the entropy
 bonus, the top-entropy quantile mask, and the adaptive coefficient over four steps, each with β = 0.04's k3 KL;
 the loss and its gradient with respect to the log-probs (and the entropies, for the bonus). The advantages: TRL's
@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from trl.trainer.grpo_trainer import GRPOTrainer, nanstd  # noqa: E402
 
-import grpo  # noqa: E402
+from scale import grpo  # noqa: E402
 
 B, G, T = 6, 3, 5
 torch.manual_seed(0)
@@ -38,7 +38,7 @@ ADVANTAGES = torch.tensor([1.2, -0.4, -0.8, 0.0, 2.0, -2.0])
 
 
 def args_of(**options):
-    """grpo.py's Args with the options, as its loop passes them."""
+    """scale/grpo.py's Args with the options, as its loop passes them."""
     return grpo.Args(**{"beta": 0.04, "mini_batch_size": B, "response_length": T, **options})
 
 
@@ -83,7 +83,8 @@ def trl_loss(trainer, logprobs, entropy):
 
 
 def our_loss(logprobs, entropy, args, control):
-    """grpo.py's loop on one minibatch: grpo_token_losses, aggregate_loss, kl_to_reference and the entropy bonus."""
+    """scale/grpo.py's loop on one minibatch (one micro-batch): grpo_token_losses, aggregate_loss, kl_to_reference
+    and the entropy bonus."""
     mb = torch.arange(B)
     batch = SimpleNamespace(mask=MASK, loss_mask=MASK, sampler_logprobs=SAMPLER)
     weights = (grpo.sampler_importance_weights(OLD, SAMPLER, MASK, "token_truncate", None, 3.0)
@@ -98,7 +99,7 @@ def our_loss(logprobs, entropy, args, control):
 
 
 def compare(name, trl_config, options, entropy_scales=(1.0,)):
-    """(name, the largest relative difference) of TRL's and grpo.py's losses and their gradients with respect to
+    """(name, the largest relative difference) of TRL's and scale/grpo.py's losses and their gradients with respect to
     the log-probs and the entropies, over one step per entropy scale (the adaptive coefficient: the coefficient
     after each step too)."""
     trainer, args = trl_trainer(dict(trl_config)), args_of(**options)
