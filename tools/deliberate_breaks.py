@@ -172,6 +172,9 @@ BREAKS = {
     "scale_grpo_off_policy_mask_delta_exclusive": ("scale/grpo.py", "return ((advantages.unsqueeze(1) >= 0) | (kl <= delta))",
                                                    "return ((advantages.unsqueeze(1) >= 0) | (kl < delta))",
                                                    "tests/test_off_policy.py"),
+    "agent_dapo_row_unlike_grpos": ("agent_grpo.py", "    if loss_type == \"dapo\":\n        return summed.sum() / num_tokens",
+                                    "    if loss_type == \"dapo\":\n        return summed.sum() / mask.sum()",
+                                    "tests/test_copies.py"),
     # distill.py --self-distill (issue 86): the context, whose successes, the teacher's weights, the loss's mask
     **{f"distill_{name}": ("distill.py", old, new, "tests/test_distill.py") for name, old, new in [
         ("teacher_context_shown_to_the_student", "logits = completion_logits(student, sequences, attention_mask, "
