@@ -1335,14 +1335,14 @@ def last_token_index(attention_mask):
     return (positions * attention_mask).argmax(-1)
 
 
-def policy_logprobs(model, sequences, attention_mask, context_length, temperature, entropy_grad=False):
+def policy_logprobs(model, sequences, attention_mask, context_length, temperature):
     """(log π(a_t | s_t) of each response token, the entropy of π(·|s_t)), from one forward pass over prompt +
     response: z = logits / temperature in float32, as `generate` draws tokens, log π = log_softmax(z)."""
     # use_cache=False: a pass that does not sample keeps no KV cache (transformers makes one by default)
     logits = model(input_ids=sequences, attention_mask=attention_mask,
                    position_ids=position_ids_of(attention_mask), use_cache=False).logits[:, context_length - 1 : -1]
     logprobs = torch.log_softmax(logits.float() / temperature, -1)
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):  # for an entropy bonus only
+    with torch.no_grad():  # a statistic: no loss here takes the entropy's gradient
         entropy = -(logprobs.exp() * logprobs).sum(-1)
     return logprobs.gather(-1, sequences[:, context_length:].unsqueeze(-1)).squeeze(-1), entropy
 
