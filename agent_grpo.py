@@ -1,10 +1,12 @@
 """Agent GRPO: multi-turn tool-use RL, GRPO over whole episodes in which the policy calls tools.
 
-The rollout is an episode, as TRL's GRPOTrainer runs one with `tools=`: the policy samples an assistant turn; if the
-turn calls tools (Qwen's <tool_call>{"name": ..., "arguments": ...}</tool_call>), they run as Python functions, their
-results are appended as the chat template renders a tool turn, and the policy samples the next turn, until a turn
-calls none, --max-tool-calling-iterations rounds of calls, or --max-completion-length tokens in all. The G episodes of
-a prompt are a group, and the reward of each (of its last answer) gives one advantage Â_i, as in grpo.py, spread over
+The rollout is an episode, as TRL's GRPOTrainer runs one with `tools=` or `environment_factory=`: the policy samples
+an assistant turn; its calls are parsed as TRL parses them (transformers' parse_response, anchored at the context,
+the arguments typed by the tools' schemas), run as Python functions, their results appended as the chat template
+renders a tool turn, and the policy samples the next turn, until a turn calls none, --max-tool-calling-iterations
+rounds of calls, or --max-completion-length tokens in all. With --environment, each episode has its own instance of
+a class whose methods are the tools and whose state lasts the episode (reset before it, get_reward after). The G
+episodes of a prompt are a group, and the reward of each gives one advantage Â_i, as in grpo.py, spread over
 the tokens the policy sampled and only those: the tool results and the template's tokens between turns, which the
 environment wrote, have m_it = 0 in the policy loss, the KL term, the entropy, the token normalizers and the length
 statistics (Shao et al. 2024, eq. 3, with |o_i| = Σ_t m_it):
@@ -13,9 +15,10 @@ statistics (Shao et al. 2024, eq. 3, with |o_i| = Σ_t m_it):
 
 Token-exact: the ids trained on are the ids the sampler drew, turn after turn (a turn is never decoded and encoded
 again), and a tool turn's ids are the chat template's rendering of that turn alone: the conversation rendered with it
-less the conversation rendered without it, cut after the assistant's end of turn (tool_turn_ids). The built-in task,
-offline: products of two or three numbers, which the tiny model cannot multiply and the tool `multiply` can; a product
-of three takes two calls, the second on the first's result.
+less the conversation rendered without it, cut after the assistant's end of turn (tool_turn_ids). Two built-in tasks,
+offline: products of two or three numbers, which the tiny model cannot multiply and the tool `multiply` can (a product
+of three takes two calls, the second on the first's result); and --environment treasure_hunt, a chain of rooms whose
+notes lead to a chest's code, which only the environment knows.
 
     python agent_grpo.py --write-sft-data data/tools.jsonl    # demonstrations of the built-in task, for sft.py
     python sft.py --dataset-name data/tools.jsonl --max-length 400 --max-steps 400 --batch-size 32 --warmup-steps 40 \\
@@ -23,6 +26,8 @@ of three takes two calls, the second on the first's result.
     python agent_grpo.py                                       # GRPO with the tool, from models/sft_tools
     python agent_grpo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --dataset-name my.jsonl \\
         --tools my_tools.py:search,lookup --reward-fn my_rewards.py:correct --lr 1e-6 --max-prompt-length 1024
+    python agent_grpo.py --model-name-or-path Qwen/Qwen3-0.6B --environment my_env.py:Wordle --lr 1e-6 \\
+        --max-prompt-length 1024                              # a stateful environment, its get_reward the reward
 
 GRPO's default recipe around the tool mechanism: --loss-type grpo, dapo or dr_grpo, the KL to the reference,
 clip-higher (--epsilon-high), --mask-truncated-completions. One process, one device; no scale/ sibling yet
@@ -76,6 +81,12 @@ class Args:
     """the tools, repeatable: MODULE_OR_FILE:NAME[,NAME...], Python functions with type hints and a docstring that
     documents each argument (their JSON schema: transformers.utils.get_json_schema), as TRL's tools=. None given:
     the built-in task's `multiply`"""
+    environment: str | None = None
+    """a stateful environment, as TRL's environment_factory: MODULE_OR_FILE:CLASS, one instance per episode (the G
+    of a prompt never share state), reset(**row) before it (its text, if any, appended to the last user message),
+    its public methods the tools (as --tools, with them), and an optional get_reward() scoring the episode from the
+    state (a reward term of weight 1, named after the class: --reward-fn is then optional). Without --dataset-name,
+    reset makes the prompt (TRL's dataset-free training). The built-in `treasure_hunt`: docs/agent_grpo.md"""
     tool_timeout: float = 10.0
     """seconds a tool call may take; a call that takes longer gets the result {"error": "timed out ..."}"""
     max_tool_calling_iterations: int | None = None
@@ -323,27 +334,54 @@ def check_args(args):
     if args.batch_size % args.num_generations or args.batch_size % args.mini_batch_size:
         sys.exit(f"error: --batch-size {args.batch_size} must split into groups of --num-generations "
                  f"{args.num_generations} and into minibatches of --mini-batch-size {args.mini_batch_size}")
-    if args.dataset_name is not None and not (args.tools and args.reward_fn):
-        sys.exit("error: a dataset needs its tools (--tools my_tools.py:NAME,...) and a reward (--reward-fn "
-                 "exact_match, numeric_match, or my_rewards.py:fn)")
-    if args.reward_weights and len(args.reward_weights) != max(1, len(args.reward_fn)):
-        sys.exit(f"error: --reward-weights has {len(args.reward_weights)} values for {max(1, len(args.reward_fn))} "
-                 "reward functions (one per --reward-fn, in order)")
+    if args.dataset_name is not None and not ((args.tools or args.environment) and (args.reward_fn or args.environment)):
+        sys.exit("error: a dataset needs its tools (--tools my_tools.py:NAME,... or --environment my_env.py:CLASS) and a "
+                 "reward (--reward-fn exact_match, numeric_match, my_rewards.py:fn, or the environment's get_reward)")
+    if args.write_sft_data and args.environment not in (None, *BUILTIN_ENVIRONMENTS):
+        sys.exit(f"error: --write-sft-data writes demonstrations of a built-in task ({', '.join(BUILTIN_ENVIRONMENTS)} "
+                 f"or none), not of --environment {args.environment!r}")
+    functions = len(args.reward_fn) or int(args.environment is None)  # the built-in task's exact_match
+    if args.reward_weights and len(args.reward_weights) != functions:
+        sys.exit(f"error: --reward-weights has {len(args.reward_weights)} values for {functions} reward functions "
+                 "(one per --reward-fn, in order; an environment's get_reward weighs 1)")
     if not all(map(math.isfinite, (args.missing_eos_penalty, *args.reward_weights))):
         sys.exit(f"error: --missing-eos-penalty {args.missing_eos_penalty}, --reward-weights {list(args.reward_weights)}: "
                  "each must be a finite number")
+
+
+def load_episode_setup(args):
+    """(tools, the environment's class and an instance or None, the reward terms (name, fn), their weights, the row
+    maker of data without --dataset-name), each flag checked in one line before any model is loaded. The reward
+    terms are --reward-fn's (exact_match on the built-in task) and, where the environment has get_reward(), TRL's
+    one more of weight 1 named after its class; without a dataset, the rows are a built-in task's or TRL's empty
+    prompts of dataset-free training (reset writes the prompt)."""
+    tools = load_tools(args.tools) if args.tools else {}
+    environment = load_environment(args.environment, tools) if args.environment else None
+    if environment is None and not tools:
+        tools = {"multiply": multiply}  # the built-in task's calculator
+    has_reward = environment is not None and hasattr(environment[1], "get_reward")
+    if environment is not None and not args.reward_fn and not has_reward:
+        sys.exit(f"error: --environment {args.environment!r}: {environment[0].__name__} has no get_reward(), so there "
+                 "is no reward; pass --reward-fn (TRL: a reward source is needed)")
+    functions = load_reward_functions(args.reward_fn or ("exact_match",) * (environment is None), BUILTIN_REWARDS,
+                                      args.format_pattern)
+    weights = args.reward_weights or (1.0,) * len(functions)
+    if has_reward:
+        functions, weights = functions + [(environment[0].__name__, environment_reward)], (*weights, 1.0)
+    task_row = (tool_task_row if environment is None else hunt_task_row if args.environment in BUILTIN_ENVIRONMENTS
+                else lambda rng: {"prompt": [{"role": "user", "content": ""}]})
+    return tools, environment, functions, weights, task_row
 
 
 def main(args: Args):
     settle_defaults(args)  # --bf16, where not given
     check_args(args)
     if args.write_sft_data:
-        return write_demonstrations(args.write_sft_data, args.seed)
+        return write_demonstrations(args.write_sft_data, args.seed, hunt_demonstration if args.environment else
+                                    demonstration)
     note_overwrite(args.output_dir)
     torch.set_num_threads(cpu_threads(args.threads))
-    tools = load_tools(args.tools) if args.tools else {"multiply": multiply}  # the built-in task's calculator
-    functions = load_reward_functions(args.reward_fn or ("exact_match",), BUILTIN_REWARDS, args.format_pattern)
-    weights = args.reward_weights or (1.0,) * len(functions)
+    tools, environment, functions, weights, task_row = load_episode_setup(args)  # the flags of the episodes
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     G, B = args.num_generations, args.batch_size
     epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
@@ -354,9 +392,11 @@ def main(args: Args):
     amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
 
     # Prompts and their columns, the tools' schemas, the models, and a template that can carry an episode
-    train_rows, eval_rows = load_data(args, tool_task_row, 50_000, [("prompt",)], "needs a `prompt` column")
-    check_reward_signatures(functions, sorted(train_rows[0]) if train_rows else [])
-    schemas = tool_schemas(tools)
+    train_rows, eval_rows = load_data(args, task_row, 50_000, [("prompt",)], "needs a `prompt` column")
+    check_reward_signatures(functions, sorted(train_rows[0]) + ["environments"] * bool(environment))
+    if environment:
+        check_environment(environment[1], train_rows[0])
+    schemas = tool_schemas(tools | (environment_tools(environment[1]) if environment else {}))
     tokenizer, stop_ids, policy, ref = load_models(args, device)
     check_tool_template(tokenizer, schemas, stop_ids, args.model_name_or_path)
     save_dtype = save_dtype_of(args, args.model_name_or_path)
@@ -372,9 +412,10 @@ def main(args: Args):
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr)
     writer = SummaryWriter(f"runs/{args.exp_name}__{args.seed}__{int(time.time())}")
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
-    print(f"{1 + (ref is not None)} model(s) in memory; tools: {', '.join(tools)}")
+    print(f"{1 + (ref is not None)} model(s) in memory; tools: {', '.join(s['function']['name'] for s in schemas)}")
     terms = RewardTerms(functions, weights, None, [name for name, _ in functions])
-    env = Environment(tokenizer, tools, schemas, stop_ids)
+    harness = Harness(tokenizer, tools, schemas, stop_ids, positions, *((environment[0], [environment[1]]) if
+                                                                           environment else ()))
 
     def logprobs_of(model, sequences, attention_mask, context_length):
         """(log π(a_t | s_t), entropy) of every completion token, the environment's too (the mask drops them), a
@@ -383,7 +424,7 @@ def main(args: Args):
                                  args.mini_batch_size, sequences, attention_mask)
 
     # ---- the loop: an evaluation before any update, then sample, advantages, update and log each iteration -----
-    evaluate(policy, env, eval_rows, eval_ids, terms, amp, writer, 0, args)
+    evaluate(policy, harness, eval_rows, eval_ids, terms, amp, writer, 0, args)
     rng, start_time = random.Random(args.seed), time.time()  # rng: the prompts drawn
     progress = Progress(args.num_iterations, "iterations", args.progress)
     for iteration in range(1, args.num_iterations + 1):
@@ -393,7 +434,7 @@ def main(args: Args):
         policy.eval()
         with torch.no_grad(), amp():
             chosen = [i for i in rng.sample(range(len(train_ids)), B // G) for _ in range(G)]
-            batch = sample_episodes(policy, env, [train_rows[i] for i in chosen], [train_ids[i] for i in chosen],
+            batch = sample_episodes(policy, harness, [train_rows[i] for i in chosen], [train_ids[i] for i in chosen],
                                     terms, args)
             # ---- 2. advantages within each group, and the policy the update starts from (on every token) ---
             advantages = compute_advantages(batch.rewards, G)
@@ -428,7 +469,7 @@ def main(args: Args):
         log_agent_iteration(writer, iteration, batch, old, stats, terms.names, lr, start_time, args)
         progress(iteration, f"reward {float(batch.rewards.nanmean()):.3f}")
         if iteration % args.eval_every == 0 or iteration == args.num_iterations:
-            evaluate(policy, env, eval_rows, eval_ids, terms, amp, writer, iteration, args)
+            evaluate(policy, harness, eval_rows, eval_ids, terms, amp, writer, iteration, args)
 
     save_model(policy, tokenizer, args, args.output_dir, save_dtype)
     print(f"saved to {args.output_dir} after {time.time() - start_time:.0f} s")
@@ -441,71 +482,82 @@ def main(args: Args):
 # the template's format; each runs with a timeout, and whatever goes wrong becomes its result {"error": ...}, which
 # the policy reads in the next turn, as TRL's. A tool turn's ids are the template's rendering of that turn alone.
 # ---------------------------------------------------------------------------------------------
-CALL = re.compile(r"<tool_call>\s*(.*?)\s*(</tool_call>|$)", re.DOTALL)  # Qwen2.5/Qwen3's; one cut short too
-
-
-def parse_calls(text):
-    """(content, tool calls) of an assistant turn's text in Qwen2.5/Qwen3's format: each <tool_call>{"name": ...,
-    "arguments": {...}}</tool_call>, as TRL's tool_calls ({"type": "function", "function": {"name", "arguments"}}),
-    the text around them the content. A call that is not such JSON (or is never closed) is kept, with an "error"
-    saying why: call_tool answers it with the error, and it counts as a failed call."""
-    calls = []
-    for block, closed in CALL.findall(text):
-        try:
-            if not closed:
-                raise ValueError("never closed")
-            call = json.loads(block)
-            arguments = call.get("arguments", {})
-            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-            if not isinstance(call["name"], str) or not isinstance(arguments, dict):
-                raise TypeError("the name must be text and the arguments an object")
-            calls.append({"type": "function", "function": {"name": call["name"], "arguments": arguments}})
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            why = first_line(e) if closed else "never closed"
-            calls.append({"type": "function", "function": {"name": "", "arguments": {}},
-                          "error": f"not JSON with a name and arguments ({why})"})
-    return CALL.sub("", text).strip(), calls
-
-
-def parse_turn(tokenizer, ids):
-    """The assistant message of a sampled turn's ids, {"role", "content", "tool_calls"}: parsed by transformers'
-    parse_response where the tokenizer has a response template (a parse that fails is text: no calls), else by
-    parse_calls. The ids are decoded here to read the calls, never to be trained on."""
-    text = tokenizer.decode(ids, skip_special_tokens=True)
+def response_template_of(tokenizer, schemas, stop_ids):
+    """The response template that reads this chat template's assistant turns (transformers' response parsing, which
+    TRL's parse_response calls): the tokenizer's own where it has one (TRL's add_response_schema sets one for the
+    templates it knows by their text); else one read off the template's rendering: the start anchor (the assistant's
+    header, less a <think> the generation prompt pre-writes, which the prefix then opens), reasoning in <think> ...
+    </think>, the calls in the format the template writes, Qwen2.5/Qwen3's <tool_call>{json}</tool_call> or
+    Qwen3.5's <tool_call><function=NAME><parameter=KEY>value</parameter>... (as TRL's qwen3_template and
+    qwen3_5_template), and the content up to the end of turn. None where it writes calls in neither format."""
     if getattr(tokenizer, "response_template", None) is not None:
-        try:
-            parsed = tokenizer.parse_response(text, prefix="")
-            return {"role": "assistant", "content": parsed.get("content") or "",
-                    "tool_calls": parsed.get("tool_calls") or []}
-        except Exception:  # noqa: BLE001  what the parser cannot read is the turn's text, without calls
-            return {"role": "assistant", "content": text, "tool_calls": []}
-    content, calls = parse_calls(text)
-    return {"role": "assistant", "content": content, "tool_calls": calls}
+        return tokenizer.response_template
+    user = [{"role": "user", "content": "probe"}]
+    text = lambda messages, **kw: tokenizer.decode(render_chat(tokenizer, messages, tools=schemas, **kw))  # noqa: E731
+    anchor = text(user, add_generation_prompt=True)[len(text(user)) :].split("<think>")[0]
+    call = {"type": "function", "function": {"name": schemas[0]["function"]["name"], "arguments": {"x": 1}}}
+    written = text(user + [{"role": "assistant", "content": "", "tool_calls": [call]}])
+    if "<function=" in written:  # Qwen3.5's: each argument written as text, typed by the tool's schema
+        calls = {"open_pattern": r"<tool_call>\s*<function=(?P<name>[^\n>]+)>", "content": "xml-inline",
+                 "content_args": {"tag_pattern": r"<parameter=(?P<key>[^>\n]+)>\s*(?P<value>.*?)\s*</parameter>",
+                                  "value_parser": {"name": "text"}},
+                 "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}}}
+    elif "<tool_call>" in written:
+        calls = {"open": "<tool_call>", "content": "json", "transform": {"type": "function", "function": "{content}"}}
+    else:
+        return None
+    end_of_turn = "|".join(re.escape(tokenizer.decode([t])) for t in stop_ids)
+    return {"defaults": {"role": "assistant"}, "start_anchor": anchor, "fields": {
+        "reasoning_content": {"open": "<think>", "close_pattern": r"</think>\s*", "content": "text"},
+        "tool_calls": {**calls, "close_pattern": r"</tool_call>\s*", "repeats": True},
+        "content": {"close_pattern": rf"(?:{end_of_turn})\s*", "content": "text"}}}
+
+
+def parse_turn(tokenizer, ids, prefix, schemas):
+    """The assistant message of a sampled turn's ids as TRL's parse_response reads it: transformers' parse_response
+    with the tokenizer's response template (response_template_of), anchored at the context the turn continues
+    (`prefix`: the prompt and the episode so far, so that a <think> the generation prompt pre-wrote opens the
+    turn's reasoning, kept as `reasoning_content`), each call's arguments typed by its tool's schema ("12" is 12
+    for an integer parameter). A turn it cannot parse (a call that is not JSON, or is cut short) is its text with
+    no calls, TRL's fallback: the episode ends with it. The ids are decoded to read the calls, never to train on."""
+    try:
+        message = tokenizer.parse_response(ids, prefix=prefix, tools=schemas)
+        for call in (message or {}).get("tool_calls") or []:  # TRL's checks: a name; no arguments are {}
+            if not isinstance(call, dict) or not isinstance(call.get("function"), dict) \
+                    or not isinstance(call["function"].get("name"), str):
+                raise ValueError("a call without a function's name")
+            call["function"]["arguments"] = call["function"].get("arguments") or {}
+        if message is None:
+            raise ValueError("nothing parsed")
+    except (ValueError, TypeError):
+        return {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
+    content = message.get("content")
+    return {**message, "content": content.removesuffix(tokenizer.eos_token) if isinstance(content, str) else ""}
 
 
 def call_tool(tools, call, timeout):
-    """(the result as a tool turn's content, whether the call failed) of one call: the function's return value as
-    text (a dict or a list as JSON), or {"error": ...} (TRL's) for a call that is not JSON, an unknown tool,
-    arguments the function does not take, an exception it raises, or more than `timeout` seconds (the call is
-    left to finish in a daemon thread: Python cannot stop it)."""
+    """(the result as a tool turn's content, whether the call failed) of one call, as TRL's tool loop writes it:
+    str() of the function's return value; for an unknown tool, arguments the function does not take, or an
+    exception it raises, str({"error": message}) with TRL's message ("Tool NAME not found.", the exception's
+    text). Unlike TRL's, a call also fails after `timeout` seconds (left to finish in a daemon thread: Python
+    cannot stop it), and a list result is text (TRL passes a list on as multimodal content)."""
     function, outcome = call["function"], {}
-    error = call.get("error")
-    if error is None and function["name"] not in tools:
-        error = f"unknown tool {function['name']!r} (the tools: {', '.join(tools)})"
-    if error is None:
+    if function["name"] not in tools:
+        outcome["error"] = f"Tool {function['name']} not found."
+    else:
         def run():
             try:
                 outcome["result"] = tools[function["name"]](**function["arguments"])
             except Exception as e:  # noqa: BLE001  the tool's failure is the policy's to read
-                outcome["error"] = f"{type(e).__name__}: {first_line(e)}"
+                outcome["error"] = str(e)
         thread = threading.Thread(target=run, daemon=True)
         thread.start()
         thread.join(timeout)
-        error = outcome.get("error", None if "result" in outcome else f"timed out after {timeout:g} s")
-    if error is not None:
-        return json.dumps({"error": error}), True
-    result = outcome["result"]
-    return json.dumps(result) if isinstance(result, (dict, list)) else str(result), False
+        if not outcome:
+            outcome["error"] = f"timed out after {timeout:g} s"
+    if "error" in outcome:
+        return str({"error": outcome["error"]}), True
+    return str(outcome["result"]), False
 
 
 def tool_turn_ids(tokenizer, messages, results, schemas, stop_ids):
@@ -526,38 +578,110 @@ def tool_turn_ids(tokenizer, messages, results, schemas, stop_ids):
     return after[ends[-1] + 1 :]
 
 
+def import_source(flag, spec, source):
+    """The namespace of a .py file (by path) or an importable module, for --tools and --environment; what cannot be
+    found or imported is one line."""
+    if source.endswith(".py") and not os.path.isfile(source):
+        sys.exit(f"error: {flag} {spec!r}: the file {source!r} does not exist")
+    if not source.endswith(".py") and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # a module of the directory the run starts in
+    try:
+        return runpy.run_path(source) if source.endswith(".py") else vars(importlib.import_module(source))
+    except Exception as e:  # noqa: BLE001  the user's code: whatever it raises is one line
+        sys.exit(f"error: {flag} {spec!r}: importing {source!r} failed: {type(e).__name__}: {first_line(e)}")
+
+
+def check_schema(flag, spec, name, fn):
+    """One line where a tool has no JSON schema (a type hint or its docstring's description of an argument missing)."""
+    from transformers.utils import get_json_schema
+
+    try:
+        get_json_schema(fn)
+    except Exception as e:  # noqa: BLE001  transformers' own exceptions for a missing hint or docstring
+        sys.exit(f"error: {flag} {spec!r}: {name}: {first_line(e).rstrip('.!')}; a tool needs type hints and a "
+                 "docstring whose Args section describes each argument (its JSON schema), as TRL's tools")
+
+
 def load_tools(specs):
     """{name: function} of --tools MODULE_OR_FILE:NAME[,NAME...], each a function in a .py file (by path) or an
     importable module, as --reward-fn loads them. What cannot be found or imported, or a function without type
     hints or a docstring for its arguments (no JSON schema to render), is one line, before any model is loaded."""
-    from transformers.utils import get_json_schema
-
     tools = {}
     for spec in specs:
         source, _, names = spec.rpartition(":")
         if not source or not names:
             sys.exit(f"error: --tools {spec!r}: name your functions as MODULE_OR_FILE:NAME[,NAME...] (e.g. "
                      "my_tools.py:search,lookup)")
-        if source.endswith(".py") and not os.path.isfile(source):
-            sys.exit(f"error: --tools {spec!r}: the file {source!r} does not exist")
-        if not source.endswith(".py") and os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())  # a module of the directory the run starts in
-        try:
-            namespace = runpy.run_path(source) if source.endswith(".py") else vars(importlib.import_module(source))
-        except Exception as e:  # noqa: BLE001  the user's code: whatever it raises is one line
-            sys.exit(f"error: --tools {spec!r}: importing {source!r} failed: {type(e).__name__}: {first_line(e)}")
+        namespace = import_source("--tools", spec, source)
         for name in names.split(","):
             if not callable(namespace.get(name)):
                 sys.exit(f"error: --tools {spec!r}: {source!r} has no function {name!r}")
-            try:
-                get_json_schema(namespace[name])
-            except Exception as e:  # noqa: BLE001  transformers' own exceptions for a missing hint or docstring
-                sys.exit(f"error: --tools {spec!r}: {first_line(e).rstrip('.!')}; a tool needs type hints and a "
-                         "docstring whose Args section describes each argument (its JSON schema), as TRL's tools")
+            check_schema("--tools", spec, name, namespace[name])
             if name in tools:
                 sys.exit(f"error: --tools: {name!r} is given twice")
             tools[name] = namespace[name]
     return tools
+
+
+def load_environment(spec, tools):
+    """(the class, an instance) of --environment, TRL's environment_factory: a built-in's name (treasure_hunt) or
+    MODULE_OR_FILE:Class. One line, before any work, where it does not load or construct, lacks `reset`, has no
+    tool (a public method), a tool without type hints or a docstring, one named as a --tools function, or a
+    `get_reward` that is not a method."""
+    if spec in BUILTIN_ENVIRONMENTS:
+        cls = BUILTIN_ENVIRONMENTS[spec]
+    else:
+        source, _, name = spec.rpartition(":")
+        if not source or not name:
+            sys.exit(f"error: --environment {spec!r}: name a built-in ({', '.join(BUILTIN_ENVIRONMENTS)}) or a class "
+                     "of yours as MODULE_OR_FILE:CLASS (e.g. my_env.py:Wordle)")
+        cls = import_source("--environment", spec, source).get(name)
+        if not inspect.isclass(cls):
+            sys.exit(f"error: --environment {spec!r}: {source!r} has no class {name!r}")
+    if not inspect.isfunction(getattr(cls, "reset", None)):
+        sys.exit(f"error: --environment {spec!r}: {cls.__name__} has no reset(self, **row) method, which starts each "
+                 "episode (TRL's environment_factory)")
+    if getattr(cls, "get_reward", None) is not None and not inspect.isfunction(cls.get_reward):
+        sys.exit(f"error: --environment {spec!r}: {cls.__name__}.get_reward must be a method get_reward(self) -> float")
+    try:
+        instance = cls()
+    except Exception as e:  # noqa: BLE001  the user's code: whatever it raises is one line
+        sys.exit(f"error: --environment {spec!r}: {cls.__name__}() raised {type(e).__name__}: {first_line(e)}")
+    methods = environment_tools(instance)
+    if not methods:
+        sys.exit(f"error: --environment {spec!r}: {cls.__name__} has no public method, no tool for the policy to call")
+    for name, method in methods.items():
+        check_schema("--environment", spec, name, method)
+        if name in tools:
+            sys.exit(f"error: --environment {spec!r}: its tool {name!r} is also a --tools function; rename one")
+    return cls, instance
+
+
+def environment_tools(instance):
+    """{name: bound method} of an environment's tools: its public methods but reset and get_reward, as TRL's."""
+    return {name: getattr(instance, name) for name, _ in inspect.getmembers(type(instance), inspect.isfunction)
+            if name not in ("reset", "get_reward") and not name.startswith("_")}
+
+
+def check_environment(instance, row):
+    """The environment tried on the first training row before any work, one line for each failure: reset(**row)
+    must run and return None or text, and get_reward(), where there is one, a number."""
+    name = type(instance).__name__
+    try:
+        observation = instance.reset(**row)
+    except Exception as e:  # noqa: BLE001  the user's code: whatever it raises is one line
+        sys.exit(f"error: --environment: {name}.reset(**row) raised {type(e).__name__}: {first_line(e)} (it is given "
+                 f"every column of a row: {sorted(row)})")
+    if observation is not None and not isinstance(observation, str):
+        sys.exit(f"error: --environment: {name}.reset returned {observation!r}: None or text (appended to the last user "
+                 "message), as TRL's")
+    if hasattr(instance, "get_reward"):
+        try:
+            reward = instance.get_reward()
+        except Exception as e:  # noqa: BLE001
+            sys.exit(f"error: --environment: {name}.get_reward() raised {type(e).__name__}: {first_line(e)} after reset")
+        if not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            sys.exit(f"error: --environment: {name}.get_reward() returned {reward!r}: it must return a finite number")
 
 
 def tool_schemas(tools):
@@ -569,8 +693,9 @@ def tool_schemas(tools):
 
 def check_tool_template(tokenizer, schemas, stop_ids, path):
     """One line, before any work, where the chat template of the model at `path` cannot carry an episode: it does
-    not render the tools, a call or a tool's result, or it renders a tool turn so that the turn's ids cannot continue
-    the sampled ones (tool_turn_ids)."""
+    not render the tools, a call or a tool's result, it renders a tool turn so that the turn's ids cannot continue
+    the sampled ones (tool_turn_ids), or it writes calls in a format no response template reads; else the
+    tokenizer gets its response template (response_template_of)."""
     name = schemas[0]["function"]["name"]
     call = {"type": "function", "function": {"name": name, "arguments": {"x": 1}}}
     messages = [{"role": "user", "content": "probe"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
@@ -589,6 +714,10 @@ def check_tool_template(tokenizer, schemas, stop_ids, path):
     if name not in rendered[len(tokenizer.decode(render_chat(tokenizer, messages[:1], tools=schemas))) :] \
             or "probe result 6" not in tokenizer.decode(suffix):
         sys.exit(f"{hint} does not render an assistant's tool calls or a tool's result (a `tool` message)")
+    tokenizer.response_template = response_template_of(tokenizer, schemas, stop_ids)
+    if tokenizer.response_template is None:
+        sys.exit(f"{hint} writes tool calls in neither Qwen2.5's <tool_call>{{json}}</tool_call> nor Qwen3.5's "
+                 "<function=NAME> format; set the tokenizer's response_template (transformers' response parsing)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -620,7 +749,7 @@ def demonstration(rng):
     """A row of sft.py's data for the built-in task, an episode of a sloppy demonstrator in TRL's format (`messages`
     with tool calls and tool turns, `tools`): a call on the first two factors, a call on that result and the next,
     then the product as the answer. It slips as sft.py's sort demonstrator does, so that RL has errors to unlearn:
-    1 call in 10 cut short (its error, then the call again), 1 in 10 with a digit of a factor changed (a wrong
+    1 call in 10 with an argument misnamed (its error, then the call again), 1 in 10 with a digit of a factor changed (a wrong
     product carried to the answer), and 1 episode in 10 answered without the tool (a guess)."""
     row = tool_task_row(rng)
     factors = [int(x) for x in row["prompt"][0]["content"].split("*")]
@@ -631,10 +760,10 @@ def demonstration(rng):
     else:
         result = factors[0]
         for factor in factors[1:]:
-            if rng.random() < 0.1:  # a call cut short: the tool's error, then the call again
-                cut = f'<tool_call>{{"name":"multiply","arguments":{{"a":{result},"b":{factor}}}</tool_call>'
-                error, _ = call_tool({"multiply": multiply}, parse_calls(cut)[1][0], 1.0)
-                messages += [{"role": "assistant", "content": cut},
+            if rng.random() < 0.1:  # an argument misnamed: the tool's error, then the call again
+                slip = {"type": "function", "function": {"name": "multiply", "arguments": {"a": result, "c": factor}}}
+                error, _ = call_tool({"multiply": multiply}, slip, 1.0)
+                messages += [{"role": "assistant", "content": "", "tool_calls": [slip]},
                              {"role": "tool", "name": "multiply", "content": error}]
             a = int(str(result)[::-1]) if rng.random() < 0.1 and str(result)[0] != str(result)[-1] else result
             result = multiply(a, factor)
@@ -645,21 +774,119 @@ def demonstration(rng):
     return {"messages": messages, "tools": tool_schemas({"multiply": multiply})}
 
 
-def write_demonstrations(path, seed, n=20_000):
-    """--write-sft-data: n demonstrations of the built-in task (from a random stream of their own) to a .jsonl file."""
+def write_demonstrations(path, seed, demonstration, n=20_000):
+    """--write-sft-data: n demonstrations of a built-in task (`demonstration` makes one, from a random stream of
+    their own) to a .jsonl file."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(row) + "\n" for row in task_rows(seed, "sft", n, demonstration))
     print(f"wrote {n:,} demonstrations of the built-in tool task to {path}")
 
 
+# ---------------------------------------------------------------------------------------------
+# The built-in stateful task (--environment treasure_hunt): the state is the point. Each episode's instance
+# hides a chain of rooms; the prompt names the first; look(room) reads the note there, which names the next
+# room or the chest's code; unlock(code) opens the chest, once. The policy sees only what its calls reveal, so
+# an episode needs two or three calls, each on the result of the last; without the environment the code is a
+# guess (1 in 9,000). get_reward() is 1 where the chest was opened: the gold reward.
+# ---------------------------------------------------------------------------------------------
+class TreasureHunt:
+    """A chain of rooms with a chest at its end, as an environment_factory class: reset(**row) takes the row's
+    `start` and `rooms` ([name, note] pairs); the public methods are the tools; get_reward() scores the episode."""
+
+    def reset(self, start, rooms, **row):
+        self.notes, self.code = {int(name): note for name, note in rooms}, int(rooms[-1][1].split()[-1])
+        self.calls, self.opened, self.tried = 0, False, False
+        return f" Start in {start}."
+
+    def look(self, room: int) -> str:
+        """Read the note in a room: the next room to go to, or the chest's code.
+
+        Args:
+            room: the room's number
+        """
+        self._count()
+        if room not in self.notes:
+            raise ValueError(f"there is no room {room!r}")
+        return self.notes[room]
+
+    def unlock(self, code: int) -> str:
+        """Try a code on the chest: one try only.
+
+        Args:
+            code: the chest's four-digit code
+        """
+        self._count()
+        if self.tried:
+            raise ValueError("the chest was tried already")
+        self.tried, self.opened = True, code == self.code
+        return "opened" if self.opened else "wrong code: locked"
+
+    def get_reward(self) -> float:
+        return float(self.opened)
+
+    def _count(self):
+        self.calls += 1
+        if self.calls > 6:  # the budget: a policy that wanders is stopped
+            raise ValueError("out of moves")
+
+
+BUILTIN_ENVIRONMENTS = {"treasure_hunt": TreasureHunt}
+
+def hunt_task_row(rng):
+    """A row of the treasure hunt: rooms numbered 10 to 99 from `start`, its note `code NNNN` or `go to ROOM`
+    whose note is the code (two calls or three, with unlock), and its `target`, the code, as text."""
+    names, code = [str(n) for n in rng.sample(range(10, 100), rng.randint(1, 2))], rng.randint(1000, 9999)
+    rooms = [[a, f"go to {b}"] for a, b in zip(names, names[1:])] + [[names[-1], f"code {code}"]]
+    return {"prompt": [{"role": "user", "content": "Open the chest."}], "start": names[0], "rooms": rooms,
+            "target": str(code)}
+
+
+def hunt_demonstration(rng):
+    """A row of sft.py's data for the treasure hunt, a sloppy demonstrator's episode in TRL's format: it looks in
+    each room of the chain and unlocks with the code, slipping as the multiplication demonstrator does: 1 look in
+    10 in a miscopied room (its error, then the right one), 1 code in 10 with a digit changed (locked), 1 episode
+    in 10 a guessed code without a look."""
+    row, env = hunt_task_row(rng), TreasureHunt()
+    messages = [{**row["prompt"][0], "content": row["prompt"][0]["content"] + env.reset(**row)}]
+
+    def step(name, **arguments):
+        content, _ = call_tool(environment_tools(env), {"type": "function", "function": {"name": name,
+                                                                                        "arguments": arguments}}, 1.0)
+        messages.extend([{"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": name, "arguments": arguments}}]},
+            {"role": "tool", "name": name, "content": content}])
+        return content
+
+    note = "code " + str(rng.randint(1000, 9999))  # the guess, where it does not look
+    if rng.random() >= 0.1:
+        room = int(row["start"])
+        while True:
+            if rng.random() < 0.1:  # a room miscopied: its error, then the right one
+                step("look", room=next(n for n in (room + 1, room - 1, room + 2) if n not in env.notes))
+            note = step("look", room=room)
+            if not note.startswith("go to "):
+                break
+            room = int(note.split()[-1])
+    code = note.split()[-1]
+    if rng.random() < 0.1:  # a digit changed
+        code = code[:3] + str((int(code[3]) + rng.randint(1, 9)) % 10)
+    messages.append({"role": "assistant", "content": "done" if step("unlock", code=int(code)) == "opened" else
+                     "locked"})
+    return {"messages": messages, "tools": tool_schemas(environment_tools(env))}
+
+
 @dataclass
-class Environment:
-    """What an episode runs in: the tokenizer and its chat template, the tools by name, their schemas, the stop ids."""
+class Harness:
+    """What an episode runs in: the tokenizer and its chat template, the --tools by name, the schemas of every tool
+    (the environment's too), the stop ids, the model's positions, and --environment's class and its pool of instances."""
     tokenizer: object
     tools: dict
     schemas: list
     stop_ids: list
+    positions: int | None = None
+    environment: type | None = None
+    pool: list = field(default_factory=list)  # the environment's instances, one per episode of a batch
     said: set = field(default_factory=set)  # the notes printed (note_once)
 
 
@@ -679,14 +906,35 @@ class Episodes:
     num_tokens: float  # dapo's and cispo's normalizer: the rollout's loss tokens per minibatch
     conversations: list  # each episode's messages after its prompt, as the reward functions receive them
     counts: torch.Tensor  # [B, 4]: tool calls, failed calls, turns of the policy, tokens of the environment
+    environments: list | None  # each episode's environment instance, in its state at the episode's end
 
 
-def run_episodes(policy, env, prompt_ids, prompts, args, greedy=False):
+def reset_environments(harness, rows, max_prompt_length):
+    """One instance of the environment per episode, from a pool grown as needed ("construct once, reset often", as
+    TRL's), each reset(**row) with its episode's row: the text it returns is appended to the last user message (TRL's
+    rule), so the G episodes of a prompt each have their own state. Returns (prompts, their ids, the instances)."""
+    while len(harness.pool) < len(rows):
+        harness.pool.append(harness.environment())
+    prompts = []
+    for row, instance in zip(rows, harness.pool):
+        observation, prompt = instance.reset(**row), row["prompt"]
+        prompts.append(prompt if observation is None else
+                       prompt[:-1] + [{**prompt[-1], "content": prompt[-1]["content"] + observation}])
+    ids = [render_chat(harness.tokenizer, p, add_generation_prompt=True, tools=harness.schemas) for p in prompts]
+    if max(map(len, ids)) > max_prompt_length:
+        sys.exit(f"error: a prompt with its reset's text is {max(map(len, ids))} tokens, over --max-prompt-length "
+                 f"{max_prompt_length}; raise it. Stopped, nothing saved")
+    return prompts, ids, harness.pool[: len(rows)]
+
+
+def run_episodes(policy, harness, prompt_ids, prompts, tools, args, greedy=False):
     """Each prompt's episode, all at once: sample a turn for every episode still going (`generate`, one batch),
-    parse its calls, run them, append the tool turn's ids (tool_turn_ids) and go on, until a turn calls no tool, has
-    no stop token (cut at --max-completion-length tokens after the prompt), or --max-tool-calling-iterations rounds
-    are done. A tool turn that would leave no room for a next turn is dropped and its episode ends (TRL's rule), as does one the
-    template cannot render so that it continues the sampled ids (refused, said once). Returns per episode its turns
+    parse its calls (parse_turn), run them with the episode's `tools`, append the tool turn's ids (tool_turn_ids)
+    and go on, until a turn calls no tool, has no stop token (cut at --max-completion-length tokens after the
+    prompt), or --max-tool-calling-iterations rounds are done. TRL's rule for the length: a tool turn that would take
+    the episode past --max-completion-length (or the prompt past the model's positions) is dropped and the episode
+    ends; one that fills it exactly is kept, and the episode ends with it. A tool turn the template cannot render so
+    that it continues the sampled ids is refused (said once), ending its episode. Returns per episode its turns
     [(ids, sampled, logprobs)], its messages after the prompt, and its counts (calls, failures, turns, tool tokens)."""
     turns, conversations = [[] for _ in prompt_ids], [[] for _ in prompt_ids]
     counts = [[0, 0, 0, 0] for _ in prompt_ids]  # calls, failed calls, the policy's turns, the environment's tokens
@@ -694,71 +942,88 @@ def run_episodes(policy, env, prompt_ids, prompts, args, greedy=False):
     while going:
         contexts = [prompt_ids[b] + [t for ids, _, _ in turns[b] for t in ids] for b in going]
         room = [args.max_completion_length - used[b] for b in going]
-        sequences, _, width, response_mask, logprobs = generate(policy, contexts, env.tokenizer.pad_token_id,
-                                                                env.stop_ids, max(room), args.temperature, greedy)
+        sequences, _, width, response_mask, logprobs = generate(policy, contexts, harness.tokenizer.pad_token_id,
+                                                                harness.stop_ids, max(room), args.temperature, greedy)
         still = []
         for row, b in enumerate(going):
             n = min(int(response_mask[row].sum()), room[row])  # a turn is cut at the episode's limit
             ids = sequences[row, width : width + n].tolist()
             turns[b].append((ids, True, logprobs[row, :n].tolist()))
             used[b], counts[b][2] = used[b] + n, counts[b][2] + 1
-            message = parse_turn(env.tokenizer, ids)
+            message = parse_turn(harness.tokenizer, ids, contexts[row], harness.schemas)
             conversations[b].append(message)
-            stopped = bool(ids) and ids[-1] in env.stop_ids
-            if not stopped or not message["tool_calls"] or rounds == args.max_tool_calling_iterations:
+            stopped = bool(ids) and ids[-1] in harness.stop_ids
+            if not stopped or not message.get("tool_calls") or rounds == args.max_tool_calling_iterations:
                 continue
-            results = [call_tool(env.tools, call, args.tool_timeout) for call in message["tool_calls"]]
+            results = [call_tool(tools[b], call, args.tool_timeout) for call in message["tool_calls"]]
             counts[b][0] += len(results)
             counts[b][1] += sum(failed for _, failed in results)
             replies = [{"role": "tool", "name": call["function"]["name"], "content": content}
                        for call, (content, _) in zip(message["tool_calls"], results)]
-            suffix = tool_turn_ids(env.tokenizer, prompts[b] + conversations[b], replies, env.schemas, env.stop_ids)
+            suffix = tool_turn_ids(harness.tokenizer, prompts[b] + conversations[b], replies, harness.schemas,
+                                   harness.stop_ids)
             if suffix is None:
-                note_once(env, "refused", "note: a tool turn the chat template renders so that its ids cannot continue "
-                          "the sampled ones was refused: its episode ends there (now and whenever this happens)")
-            elif used[b] + len(suffix) < args.max_completion_length:  # TRL's rule: a result with no room ends it
+                note_once(harness, "refused", "note: a tool turn the chat template renders so that its ids cannot "
+                          "continue the sampled ones was refused: its episode ends there (now and whenever this happens)")
+            elif used[b] + len(suffix) <= args.max_completion_length and (  # TRL's rule: a result past the limit ends it
+                    harness.positions is None or len(contexts[row]) + n + len(suffix) < harness.positions):
                 turns[b].append((suffix, False, None))
                 conversations[b] += replies
                 used[b], counts[b][3] = used[b] + len(suffix), counts[b][3] + len(suffix)
-                still.append(b)
+                if used[b] < args.max_completion_length:  # no room for a turn: it ends with the result
+                    still.append(b)
         going, rounds = still, rounds + 1
     return turns, conversations, counts
 
 
-def note_once(env, key, line):
+def note_once(harness, key, line):
     """Print `line` the first time `key` happens in this run."""
-    if key not in env.said:
+    if key not in harness.said:
         print(line)
-        env.said.add(key)
+        harness.said.add(key)
 
 
-def sample_episodes(policy, env, rows, prompt_ids, terms, args, greedy=False):
-    """The episodes of `prompt_ids` (run_episodes) as the update's tensors (episode_tokens), and their rewards."""
-    turns, conversations, counts = run_episodes(policy, env, prompt_ids, [row["prompt"] for row in rows], args, greedy)
+def sample_episodes(policy, harness, rows, prompt_ids, terms, args, greedy=False):
+    """The episodes of `prompt_ids` (run_episodes), each in its own instance of --environment where there is one
+    (reset_environments: its prompt then has the reset's text), as the update's tensors (episode_tokens), and their
+    rewards."""
+    prompts, environments = [row["prompt"] for row in rows], None
+    if harness.environment is not None:
+        prompts, prompt_ids, environments = reset_environments(harness, rows, args.max_prompt_length)
+    tools = [harness.tools | environment_tools(e) for e in environments] if environments else [harness.tools] * len(rows)
+    turns, conversations, counts = run_episodes(policy, harness, prompt_ids, prompts, tools, args, greedy)
     episodes = [episode_tokens(t) for t in turns]
     width, length, device = max(map(len, prompt_ids)), max(len(ids) for ids, _, _ in episodes), policy.device
-    pad = env.tokenizer.pad_token_id
+    pad = harness.tokenizer.pad_token_id
     sequences = torch.tensor([[pad] * (width - len(p)) + p + ids + [pad] * (length - len(ids))
                               for p, (ids, _, _) in zip(prompt_ids, episodes)], device=device)
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * (len(p) + len(ids)) + [0] * (length - len(ids))
                                    for p, (ids, _, _) in zip(prompt_ids, episodes)], device=device)
     mask, sampler_logprobs = (torch.tensor([e[k] + [0.0] * (length - len(e[k])) for e in episodes], device=device)
                               for k in (1, 2))
-    has_stop = torch.tensor([bool(t[-1][0]) and t[-1][0][-1] in env.stop_ids for t in turns], device=device)
-    rewards, table = episode_rewards(rows, conversations, has_stop, terms, args)
+    has_stop = torch.tensor([bool(t[-1][0]) and t[-1][0][-1] in harness.stop_ids for t in turns], device=device)
+    rewards, table = episode_rewards(rows, prompts, conversations, has_stop, terms, environments, args)
     loss_mask = mask * has_stop.unsqueeze(1) if args.mask_truncated_completions else mask
     num_tokens = max(1.0, loss_mask.sum().item()) * args.mini_batch_size / len(rows)  # each token weighs the same
     return Episodes(sequences, attention_mask, width, mask, rewards, table, has_stop, sampler_logprobs, loss_mask,
-                    num_tokens, conversations, torch.tensor(counts, dtype=torch.float))
+                    num_tokens, conversations, torch.tensor(counts, dtype=torch.float), environments)
 
 
-def episode_rewards(rows, conversations, has_stop, terms, args):
-    """The reward of each episode, r = Σ_k w_k r_k over the reward functions (combine_rewards), each given the
-    prompts and the episodes' messages after them (TRL's completions of a tool run: the answer is the last message),
-    or --missing-eos-penalty for an episode cut at the length limit. Returns (rewards, the [B, K] table)."""
-    table = reward_terms(terms.functions, [row["prompt"] for row in rows], conversations, reward_columns(rows))
+def episode_rewards(rows, prompts, conversations, has_stop, terms, environments, args):
+    """The reward of each episode, r = Σ_k w_k r_k over the reward terms (combine_rewards): the reward functions,
+    each given the prompts and the episodes' messages after them (TRL's completions of a tool run: the answer is the
+    last message) and the rows' columns, with `environments` (the instances, as TRL's) where there are any, and the
+    environment's get_reward() (environment_reward); --missing-eos-penalty for an episode whose last turn was cut at
+    the length limit. Returns (rewards, the [B, K] table)."""
+    columns = reward_columns(rows) | ({"environments": environments} if environments else {})
+    table = reward_terms(terms.functions, prompts, conversations, columns)
     rewards = combine_rewards(table.to(has_stop.device), terms.weights)
     return torch.where(has_stop, rewards, torch.full_like(rewards, args.missing_eos_penalty)), table
+
+
+def environment_reward(prompts, completions, environments, **columns):
+    """The environment's reward term, as TRL's: get_reward() of each episode's instance, from its state at the end."""
+    return [instance.get_reward() for instance in environments]
 
 
 def episode_text(tokenizer, sequence, attention_mask, mask, context_length):
@@ -813,31 +1078,36 @@ def log_agent_iteration(writer, iteration, batch, old, stats, names, lr, start_t
 
 
 @torch.no_grad()
-def evaluate(policy, env, eval_rows, eval_ids, terms, amp, writer, iteration, args):
+def evaluate(policy, harness, eval_rows, eval_ids, terms, amp, writer, iteration, args):
     """Episodes of the eval prompts, sampled at --temperature and greedy: their reward, calls and failures per
-    episode and, on the built-in task, the gold accuracy (the answer is the product). The first episodes go to
-    TensorBoard as text with their masks; the first one is printed at the start and at the end."""
+    episode and, on a built-in task, the gold accuracy (the answer is the product; the treasure hunt's chest is
+    open). The first episodes go to TensorBoard as text with their masks; the first one is printed at the start and
+    at the end, with its environment's state."""
     if not eval_ids:
         return
     policy.eval()
     logs = {}
     for suffix, greedy in (("", False), ("_greedy", True)):
         with amp():
-            batch = sample_episodes(policy, env, eval_rows, eval_ids, terms, args, greedy)
+            batch = sample_episodes(policy, harness, eval_rows, eval_ids, terms, args, greedy)
         if not greedy:
             logs["eval/reward"] = float(batch.rewards.nanmean())
             logs["eval/call_count"], logs["eval/failure_count"] = (float(c) for c in batch.counts[:, :2].mean(0))
-            texts = [episode_text(env.tokenizer, *(t[i] for t in (batch.sequences, batch.attention_mask, batch.mask)),
-                                  batch.context_length) for i in range(min(4, len(eval_ids)))]
-        if args.dataset_name is None:  # the built-in task: the answer is exactly the product
-            targets = [row["target"] for row in eval_rows]
-            logs[f"eval/gold_accuracy{suffix}"] = sum(exact_match(None, batch.conversations, targets)) / len(targets)
+            texts = [episode_text(harness.tokenizer, *(t[i] for t in (batch.sequences, batch.attention_mask,
+                                                                          batch.mask)), batch.context_length)
+                     for i in range(min(4, len(eval_ids)))]
+            state = dict(vars(batch.environments[0])) if batch.environments else None
+        if args.dataset_name is None and args.environment in (None, *BUILTIN_ENVIRONMENTS):  # a built-in task
+            gold = (batch.table[:, -1].tolist() if args.environment else
+                    exact_match(None, batch.conversations, [row["target"] for row in eval_rows]))
+            logs[f"eval/gold_accuracy{suffix}"] = sum(gold) / len(gold)
     for tag, value in logs.items():
         writer.add_scalar(tag, value, iteration)
     writer.add_text("eval/episodes", "\n\n".join(f"    {t!r}" for t in texts), iteration)
     print(f"iteration {iteration}: " + ", ".join(f"{tag} {value:.3f}" for tag, value in logs.items()))
     if iteration in (0, args.num_iterations):
-        print(f"an episode (⟦the environment's tokens⟧, m = 0; the rest the policy's, m = 1):\n    {texts[0]!r}")
+        print(f"an episode (⟦the environment's tokens⟧, m = 0; the rest the policy's, m = 1):\n    {texts[0]!r}"
+              + (f"\n  its environment's state at the end: {state}" if state is not None else ""))
     policy.train()
 
 

@@ -23,6 +23,17 @@ CHATML_TOOLS = (
     "{% for c in m.get('tool_calls') or [] %}<tool_call>\n{\"name\": \"{{ c['function']['name'] }}\", "
     "\"arguments\": {{ c['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# Qwen3.5's tool format, written here: a call as <tool_call><function=NAME><parameter=KEY>value</parameter>..., each
+# argument as text (only the tool's schema types it); a turn's reasoning in <think>, which the generation prompt pre-writes
+CHATML_TOOLS_XML = (
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools>"
+    "<|im_end|>\n{% endif %}{% for m in messages %}{% if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n"
+    "{{ m['content'] }}\n</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m.get('reasoning_content') %}<think>\n{{ m['reasoning_content'] }}\n</think>\n\n{% endif %}"
+    "{{ m['content'] or '' }}{% for c in m.get('tool_calls') or [] %}<tool_call>\n<function={{ c['function']['name'] }}>"
+    "\n{% for k, v in c['function']['arguments'].items() %}<parameter={{ k }}>\n{{ v }}\n</parameter>\n{% endfor %}"
+    "</function>\n</tool_call>{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
 TOKENIZER_KINDS = {
     # GPT-2: EOS, no pad, no BOS prepended, no chat template
     "eos_no_pad": dict(special=["<|endoftext|>"], bos="<|endoftext|>", eos="<|endoftext|>"),
@@ -32,6 +43,9 @@ TOKENIZER_KINDS = {
     # Qwen2.5 instruct: as pad_is_eos, with a template that renders tools, tool calls and tool results
     "tools": dict(special=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], eos="<|endoftext|>",
                   pad="<|endoftext|>", chat_template=CHATML_TOOLS),
+    # Qwen3.5: EOS is <|im_end|>, the calls' arguments are written as text, the generation prompt opens <think>
+    "tools_xml": dict(special=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], eos="<|im_end|>",
+                      pad="<|endoftext|>", chat_template=CHATML_TOOLS_XML),
     # Llama 2 / Mistral: BOS prepended, no pad, a template that ends turns with EOS
     "bos": dict(special=["<s>", "</s>", "<unk>"], bos="<s>", eos="</s>", unk="<unk>", prepend_bos=True,
                 chat_template=LLAMA2_CHAT),
