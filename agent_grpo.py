@@ -786,9 +786,9 @@ def write_demonstrations(path, seed, demonstration, n=20_000):
 # ---------------------------------------------------------------------------------------------
 # The built-in stateful task (--environment treasure_hunt): the state is the point. Each episode's instance
 # hides a chain of rooms; the prompt names the first; look(room) reads the note there, which names the next
-# room or the chest's code; unlock(code) opens the chest, once. The policy sees only what its calls reveal, so
-# an episode needs two or three calls, each on the result of the last; without the environment the code is a
-# guess (1 in 9,000). get_reward() is 1 where the chest was opened: the gold reward.
+# room or the chest's code; unlock(code) tries it, once, and the answer is the code tried. The policy sees only
+# what its calls reveal, so an episode needs two or three calls, each on the result of the last; without the
+# environment the code is a guess (1 in 9,000). get_reward() is 1 where the chest was opened: the gold reward.
 # ---------------------------------------------------------------------------------------------
 class TreasureHunt:
     """A chain of rooms with a chest at its end, as an environment_factory class: reset(**row) takes the row's
@@ -820,7 +820,7 @@ class TreasureHunt:
         if self.tried:
             raise ValueError("the chest was tried already")
         self.tried, self.opened = True, code == self.code
-        return "opened" if self.opened else "wrong code: locked"
+        return f"{'opened' if self.opened else 'locked'} {code}"
 
     def get_reward(self) -> float:
         return float(self.opened)
@@ -871,8 +871,8 @@ def hunt_demonstration(rng):
     code = note.split()[-1]
     if rng.random() < 0.1:  # a digit changed
         code = code[:3] + str((int(code[3]) + rng.randint(1, 9)) % 10)
-    messages.append({"role": "assistant", "content": "done" if step("unlock", code=int(code)) == "opened" else
-                     "locked"})
+    step("unlock", code=int(code))
+    messages.append({"role": "assistant", "content": code})  # the answer: the code tried, copied from the result
     return {"messages": messages, "tools": tool_schemas(environment_tools(env))}
 
 

@@ -831,10 +831,10 @@ def test_the_treasure_hunt_needs_each_calls_result_for_the_next_and_rewards_the_
     assert ag.call_tool(tools, call("look", room=12), 1.0) == ("go to 34", False)
     assert ag.call_tool(tools, call("look", room=35), 1.0) == (str({"error": "there is no room 35"}), True)
     assert ag.call_tool(tools, call("look", room=34), 1.0) == ("code 4721", False)
-    assert ag.call_tool(tools, call("unlock", code=4721), 1.0) == ("opened", False) and hunt.get_reward() == 1.0
+    assert ag.call_tool(tools, call("unlock", code=4721), 1.0) == ("opened 4721", False) and hunt.get_reward() == 1.0
     assert ag.call_tool(tools, call("unlock", code=4721), 1.0)[1]  # one try
     hunt.reset(**row)
-    assert ag.call_tool(tools, call("unlock", code=4722), 1.0) == ("wrong code: locked", False)
+    assert ag.call_tool(tools, call("unlock", code=4722), 1.0) == ("locked 4722", False)
     assert hunt.get_reward() == 0.0 and ag.call_tool(tools, call("unlock", code=4721), 1.0)[1]
     hunt.reset(**row)
     for _ in range(6):
@@ -847,7 +847,8 @@ def test_the_treasure_hunt_needs_each_calls_result_for_the_next_and_rewards_the_
 
 def test_the_hunts_demonstrations_slip_as_documented_and_sft_trains_on_them(tmp_path):
     """--write-sft-data --environment treasure_hunt: episodes in TRL's format whose tool results are the
-    environment's own; about 1 in 10 a guess without a look, and 7 in 10 to 9 in 10 opening the chest."""
+    environment's own; about 1 in 10 a guess without a look, 7 in 10 to 9 in 10 opening the chest, and the answer the
+    code tried."""
     import sft
 
     demos = [ag.hunt_demonstration(random.Random(i)) for i in range(2000)]
@@ -855,8 +856,9 @@ def test_the_hunts_demonstrations_slip_as_documented_and_sft_trains_on_them(tmp_
     guesses = [d for d in demos if [m["tool_calls"][0]["function"]["name"] for m in d["messages"]
                                     if m.get("tool_calls")] == ["unlock"]]
     assert 0.06 < len(guesses) / len(demos) < 0.14
-    opened = [d for d in demos if d["messages"][-2]["content"] == "opened"]
-    assert 0.7 < len(opened) / len(demos) < 0.9 and all(d["messages"][-1]["content"] == "done" for d in opened)
+    opened = [d for d in demos if d["messages"][-2]["content"].startswith("opened")]
+    assert 0.7 < len(opened) / len(demos) < 0.9
+    assert all(d["messages"][-1]["content"] == d["messages"][-2]["content"].split()[-1] for d in demos)  # the code
     ag.write_demonstrations(str(tmp_path / "hunt.jsonl"), 1, ag.hunt_demonstration, n=20)
     data, _ = sft.read_json_rows(str(tmp_path / "hunt.jsonl"))
     assert len(data["train"]) == 20 and all(sft.row_problem(row, ("messages",)) is None for row in data["train"])
