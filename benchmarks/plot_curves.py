@@ -56,8 +56,9 @@ FIGURES = {
                 ("KL to the SFT model", "lm:dpo__*", "eval/kl", "eval/kl (nats per completion)")],
     "grpo.svg": [("gold accuracy", "lm:grpo__*,grpo_rm__*,rloo__*", "eval/gold_accuracy", "eval/gold_accuracy"),
                  ("KL to the SFT model", "lm:grpo__*,grpo_rm__*,rloo__*", "eval/kl", "eval/kl (nats per completion)")],
-    "agent_grpo.svg": [("gold accuracy, with the tool", "lm:agent_grpo__*", "eval/gold_accuracy", "eval/gold_accuracy"),
-                       ("failed calls per episode", "lm:agent_grpo__*", "eval/failure_count", "eval/failure_count")],
+    "agent_grpo.svg": [("treasure hunt: the chest opened", "lm:agent_hunt__*", "eval/gold_accuracy",
+                        "eval/gold_accuracy"),
+                       ("failed calls per episode", "lm:agent_hunt__*", "eval/failure_count", "eval/failure_count")],
 }
 
 def load(run_dir):
