@@ -28,7 +28,7 @@ from scale import dpo as scale_dpo
 
 ARCHS = ["llama", "qwen2", "gpt_neox", "gpt2"]
 DTYPES = ["float32", "bfloat16", "float16"]
-KINDS = [kind for kind in TOKENIZER_KINDS if kind != "tools"]  # the tool template: tests of its own (test_sft.py)
+KINDS = [kind for kind in TOKENIZER_KINDS if not kind.startswith("tools")]  # tool templates: tests of their own
 # The data format each tokenizer kind is run with: conversational formats need a chat template
 FORMATS = {
     "eos_no_pad": dict(sft="prompt_completion", preference="explicit", prompts="text"),
