@@ -478,9 +478,9 @@ def main(args: Args):
 
 # ---------------------------------------------------------------------------------------------
 # Tools: Python functions the policy calls, as TRL's tools=. The chat template renders their JSON schemas (from
-# type hints and the docstring: transformers.utils.get_json_schema) and the calls; a turn's calls are parsed from
-# the template's format; each runs with a timeout, and whatever goes wrong becomes its result {"error": ...}, which
-# the policy reads in the next turn, as TRL's. A tool turn's ids are the template's rendering of that turn alone.
+# type hints and the docstring: transformers.utils.get_json_schema) and the calls; a turn is parsed as TRL's
+# parse_response parses it (typed by the schemas); each call runs with a timeout, and whatever goes wrong becomes
+# its result {"error": ...}, which the policy reads in the next turn. A tool turn's ids are the template's alone.
 # ---------------------------------------------------------------------------------------------
 def response_template_of(tokenizer, schemas, stop_ids):
     """The response template that reads this chat template's assistant turns (transformers' response parsing, which
