@@ -64,7 +64,7 @@ from torch.utils.tensorboard import SummaryWriter
 @dataclass
 class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment, part of the run name runs/<exp>__<seed>__<time>"""
+    """the name of this experiment, part of the run name runs/<exp>__<seed>__<time> (run_name)"""
     seed: int = 1
     """seed of python, torch and the built-in task's data"""
     cuda: bool = True
@@ -130,12 +130,14 @@ class Args:
     """AdamW learning rate (a pretrained model wants ~1e-6)"""
     anneal_lr: bool = True
     """linearly anneal the learning rate to 0 over the iterations"""
-    max_completion_length: int = 256
+    max_completion_length: Annotated[int | None, tyro.conf.DisallowNone] = None
     """the most tokens of an episode after its prompt, the policy's and the tools' together (TRL's rule: a tool
-    result that would leave no room for another turn is dropped and the episode ends; a turn is cut at the limit);
-    L_max of dr_grpo"""
-    max_prompt_length: int = 64
-    """prompts longer than this many tokens (the tools' schemas included) are dropped (and counted), never cut"""
+    result that would leave no room for another turn is dropped and the episode ends; a turn is cut at the
+    limit); L_max of dr_grpo (default: 256 on the built-in task; on a dataset, TRL's max_completion_length 512,
+    cut to what the model's positions leave)"""
+    max_prompt_length: Annotated[int | None, tyro.conf.DisallowNone] = None
+    """prompts longer than this many tokens (the tools' schemas included) are dropped (and counted), never cut
+    (default: 64 on the built-in task, 512 on a dataset)"""
     bf16: Annotated[bool | None, tyro.conf.DisallowNone] = None
     """(default: on with CUDA, off on the CPU) compute in bfloat16 (autocast); weights and AdamW state float32"""
     temperature: float = 1.0
@@ -314,16 +316,19 @@ def combine_rewards(per_function, weights):
 
 def check_args(args):
     """Every flag checked before any work: one line that says what to change."""
+    settle_lengths(args, {"max_completion_length": (256, None), "max_prompt_length": (64, 512)})  # where not given
     if args.threads is not None and args.threads < 1:
         sys.exit(f"error: --threads {args.threads}: it must be at least 1 (leave it out for the default)")
     for name, least in {"num_iterations": 1, "num_generations": 2, "mini_batch_size": 1, "batch_size": 1,
                         "ppo_epochs": 1, "max_completion_length": 1, "max_prompt_length": 1, "eval_every": 1,
                         "eval_size": 0}.items():
-        if getattr(args, name) < least:
+        if getattr(args, name) is not None and getattr(args, name) < least:  # None: settled later
             sys.exit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: it must be at least {least}")
     if args.max_tool_calling_iterations is not None and args.max_tool_calling_iterations < 0:
         sys.exit(f"error: --max-tool-calling-iterations {args.max_tool_calling_iterations}: 0 or more (0: no calls "
                  "run)")
+    if args.max_tool_calling_iterations == 0:  # TRL's meaning, and the baseline without tools: said, not silent
+        print("note: --max-tool-calling-iterations 0: no call runs, so no tool is learned (leave it out for no limit)")
     for name, rule in {"lr": ">= 0", "max_grad_norm": "> 0", "temperature": "> 0", "beta": ">= 0", "epsilon": "> 0",
                        "epsilon_high": "> 0", "tool_timeout": "> 0"}.items():
         value = getattr(args, name)
@@ -334,9 +339,14 @@ def check_args(args):
     if args.batch_size % args.num_generations or args.batch_size % args.mini_batch_size:
         sys.exit(f"error: --batch-size {args.batch_size} must split into groups of --num-generations "
                  f"{args.num_generations} and into minibatches of --mini-batch-size {args.mini_batch_size}")
-    if args.dataset_name is not None and not ((args.tools or args.environment) and (args.reward_fn or args.environment)):
-        sys.exit("error: a dataset needs its tools (--tools my_tools.py:NAME,... or --environment my_env.py:CLASS) and a "
-                 "reward (--reward-fn exact_match, numeric_match, my_rewards.py:fn, or the environment's get_reward)")
+    if args.dataset_name is not None and not (args.tools or args.environment):
+        sys.exit("error: a dataset needs its tools: --tools my_tools.py:NAME,... or --environment my_env.py:CLASS")
+    if args.dataset_name is not None and not (args.reward_fn or args.environment):
+        sys.exit("error: a dataset needs a reward: --reward-fn exact_match, numeric_match or my_rewards.py:fn (or an "
+                 "--environment's get_reward)")
+    if args.tools and args.dataset_name is None and args.environment is None:  # it would train at reward 0
+        sys.exit(f"error: --tools {' '.join(args.tools)} on the built-in task replaces the multiply its answers need; give your "
+                 "tools your data (--dataset-name, --reward-fn) or an --environment")
     if args.write_sft_data and args.environment not in (None, *BUILTIN_ENVIRONMENTS):
         sys.exit(f"error: --write-sft-data writes demonstrations of a built-in task ({', '.join(BUILTIN_ENVIRONMENTS)} "
                  f"or none), not of --environment {args.environment!r}")
@@ -347,6 +357,9 @@ def check_args(args):
     if not all(map(math.isfinite, (args.missing_eos_penalty, *args.reward_weights))):
         sys.exit(f"error: --missing-eos-penalty {args.missing_eos_penalty}, --reward-weights {list(args.reward_weights)}: "
                  "each must be a finite number")
+    if args.reward_weights and not any(args.reward_weights) and not args.missing_eos_penalty and args.environment is None:
+        sys.exit(f"error: --reward-weights {' '.join(map(str, args.reward_weights))}: every term weighs 0, so every "
+                 "reward is 0 and nothing is learned; give a term a weight")
 
 
 def load_episode_setup(args):
@@ -406,11 +419,12 @@ def main(args: Args):
                  f"than the {B // G} of a batch; raise it (the tools' schemas are in every prompt) or lower --batch-size")
     eval_rows, eval_ids = tokenize_tool_prompts(tokenizer, eval_rows, schemas, args.max_prompt_length, "eval")
     positions, longest = model_positions(policy), max(len(ids) for ids in train_ids + eval_ids)
+    settle_room(args, "max_completion_length", 512, "TRL's max_completion_length", (positions or math.inf) - longest)
     if positions is not None and longest + args.max_completion_length > positions:
         sys.exit(f"error: the longest prompt ({longest} tokens) + --max-completion-length {args.max_completion_length} "
                  f"exceeds the model's {positions} positions; lower --max-prompt-length or --max-completion-length")
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr)
-    writer = SummaryWriter(f"runs/{args.exp_name}__{args.seed}__{int(time.time())}")
+    writer = SummaryWriter(run_name(args))
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
     print(f"{1 + (ref is not None)} model(s) in memory; tools: {', '.join(s['function']['name'] for s in schemas)}")
     terms = RewardTerms(functions, weights, None, [name for name, _ in functions])
@@ -1104,6 +1118,10 @@ def evaluate(policy, harness, eval_rows, eval_ids, terms, amp, writer, iteration
     for tag, value in logs.items():
         writer.add_scalar(tag, value, iteration)
     writer.add_text("eval/episodes", "\n\n".join(f"    {t!r}" for t in texts), iteration)
+    if iteration == 0:  # once: what the numbers are
+        print(f"evaluation: {len(eval_ids):,} held-out episodes sampled at --temperature {args.temperature} (_greedy: the "
+              f"argmax); eval/reward is the training reward (--missing-eos-penalty {args.missing_eos_penalty} included)"
+              + ", eval/gold_accuracy the answer alone" * ("eval/gold_accuracy" in logs))
     print(f"iteration {iteration}: " + ", ".join(f"{tag} {value:.3f}" for tag, value in logs.items()))
     if iteration in (0, args.num_iterations):
         print(f"an episode (⟦the environment's tokens⟧, m = 0; the rest the policy's, m = 1):\n    {texts[0]!r}"
@@ -1702,6 +1720,32 @@ def generate(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperat
 # ---------------------------------------------------------------------------------------------
 # Training and saving
 # ---------------------------------------------------------------------------------------------
+def settle_lengths(args, lengths):
+    """The length flags not given (None), before the argument checks: {flag: (on the built-in task, on a
+    dataset)}; a dataset's is TRL's default, or None where settle_room later measures it on the data and the model."""
+    for name, (task, data) in lengths.items():
+        if getattr(args, name) is None:
+            setattr(args, name, task if args.dataset_name is None else data)
+
+
+def settle_room(args, name, value, why, room):
+    """A length flag left to the data (None): `value` (what the data needs, or TRL's default: `why` says which), cut
+    to `room` (what the model's positions leave after the longest prompt) where it would not fit; printed once."""
+    if getattr(args, name) is None:
+        setattr(args, name, max(1, min(value, room)))
+        if os.environ.get("RANK", "0") == "0":
+            print(f"--{name.replace('_', '-')} {getattr(args, name)}: {why}"
+                  + ("" if value <= room else f", cut to the {room} positions the model leaves after the longest prompt"))
+
+
+def run_name(args):
+    """runs/<exp>__<seed>__<time>, with the last part of --output-dir after <exp> where it is given and not <exp>: the
+    runs of one script that train different models tell apart in TensorBoard (runs/sft__reverse-sft__1__<time>)."""
+    output = os.path.basename(os.path.normpath(args.output_dir))
+    given = f"__{output}" if args.output_dir != Args.output_dir and output != args.exp_name else ""
+    return f"runs/{args.exp_name}{given}__{args.seed}__{int(time.time())}"
+
+
 def settle_defaults(args):
     """The defaults that depend on the machine, settled before the argument checks (and logged as settled): --bf16
     on where CUDA has bfloat16, as in TRL's configs; on the CPU float32 is faster."""

@@ -54,7 +54,7 @@ from torch.utils.tensorboard import SummaryWriter
 @dataclass
 class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment, part of the run name runs/<exp>__<seed>__<time>"""
+    """the name of this experiment, part of the run name runs/<exp>__<seed>__<time> (run_name)"""
     seed: int = 1
     """seed of python, torch and the built-in task's data"""
     cuda: bool = True
@@ -93,10 +93,13 @@ class Args:
     """AdamW learning rate (a pretrained model wants ~1e-6, TRL's default; TRL: learning_rate)"""
     anneal_lr: bool = True
     """linearly anneal the learning rate to 0 over the iterations"""
-    response_length: int = 12
-    """new tokens sampled per completion; the dataset's completions are cut to it (TRL: max_completion_length)"""
-    max_prompt_length: int = 64
-    """prompts longer than this many tokens are dropped (and counted), never cut"""
+    response_length: Annotated[int | None, tyro.conf.DisallowNone] = None
+    """new tokens sampled per completion; the dataset's completions are cut to it (TRL: max_completion_length)
+    (default: 12 on the built-in task; on a dataset, TRL GKD's max_new_tokens 128, cut to what the model's
+    positions leave)"""
+    max_prompt_length: Annotated[int | None, tyro.conf.DisallowNone] = None
+    """prompts longer than this many tokens are dropped (and counted), never cut (default: 64 on the built-in task,
+    512 on a dataset)"""
     bf16: Annotated[bool | None, tyro.conf.DisallowNone] = None
     """(default: on with CUDA, off on the CPU) mixed precision: compute in bfloat16 (autocast), the student's weights
     and AdamW state float32; the divergence in float32"""
@@ -225,11 +228,12 @@ def pass_at_k(n, c, k):
 
 def check_args(args):
     """Every flag checked before any work: one line that says what to change."""
+    settle_lengths(args, {"response_length": (12, None), "max_prompt_length": (64, 512)})  # where not given
     if args.threads is not None and args.threads < 1:
         sys.exit(f"error: --threads {args.threads}: it must be at least 1 (leave it out for the default)")
     for name, least in {"num_iterations": 1, "batch_size": 1, "response_length": 1, "eval_every": 1,
                         "eval_size": 0, "eval_num_samples": 1, "log_completions_every": 0}.items():
-        if getattr(args, name) < least:
+        if getattr(args, name) is not None and getattr(args, name) < least:  # None: settled later
             sys.exit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: it must be at least {least}")
     for name, rule in {"lr": ">= 0", "max_grad_norm": "> 0", "temperature": "> 0"}.items():
         value = getattr(args, name)
@@ -289,6 +293,7 @@ def main(args: Args):
                  "lower --batch-size")
     eval_rows, eval_ids = tokenize_prompts(tokenizer, eval_rows, args.max_prompt_length, "eval")
     positions = min(p for p in (model_positions(student), model_positions(teacher), math.inf) if p is not None)
+    settle_room(args, "response_length", 128, "TRL GKD's max_new_tokens", positions - max(len(ids) for ids in train_ids + eval_ids))
     if max(len(ids) for ids in train_ids + eval_ids) + args.response_length > positions:
         sys.exit(f"error: the longest prompt + --response-length {args.response_length} exceeds the models' "
                  f"{positions} positions; lower --max-prompt-length or --response-length")
@@ -297,7 +302,7 @@ def main(args: Args):
     dataset_ids = [tokenize_pair(tokenizer, row["prompt"], row["completion"], stop_ids)[1][: args.response_length]
                    for row in train_rows] if args.lmbda < 1 else []
     optimizer = torch.optim.AdamW(student.parameters(), lr=args.lr)  # the teacher is in no optimizer
-    writer = SummaryWriter(f"runs/{args.exp_name}__{args.seed}__{int(time.time())}")
+    writer = SummaryWriter(run_name(args))
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
     print(f"student {sum(p.numel() for p in student.parameters()):,} parameters, teacher "
           f"{sum(p.numel() for p in teacher.parameters()):,} (frozen); {len(train_ids):,} training prompts")
@@ -384,7 +389,8 @@ def evaluate(models, vocab, eval_rows, eval_ids, amp, writer, iteration, args):
         return
     student.eval()
     logs, samples, k = {}, None, args.eval_num_samples
-    for model, prefix in [(student, "")] + [(teacher, "teacher_")] * (iteration == 0):
+    # the teacher too, before the first step (its weights are the student's under --self-distill: not again)
+    for model, prefix in [(student, "")] + [(teacher, "teacher_")] * (iteration == 0 and not args.self_distill):
         for name, greedy in (("", False), ("_greedy", True)):
             n = k if model is student and not greedy else 1  # the student's samples of a prompt in adjacent rows
             with amp():
@@ -412,7 +418,12 @@ def evaluate(models, vocab, eval_rows, eval_ids, amp, writer, iteration, args):
                     logs.update(pass_at_k_logs([c == t for c, t in zip(completions, targets)], n))
     for tag, value in logs.items():
         writer.add_scalar(tag, value, iteration)
+    if iteration == 0:  # once: what the numbers are
+        print(f"evaluation: {len(eval_ids):,} held-out prompts, {k} completion(s) each sampled at --temperature "
+              f"{args.temperature} (_greedy: the argmax); eval/reverse_kl per token of the student's samples")
     print(f"iteration {iteration}: " + ", ".join(f"{tag} {value:.3f}" for tag, value in logs.items()))
+    if args.dataset_name is not None and iteration == args.num_iterations:  # own data: what it learned
+        print_samples([row["prompt"] for row in eval_rows], samples)
     writer.add_text("eval/samples", "\n".join(f"    {row['prompt']!r} {c!r}" for row, c in zip(eval_rows[:8], samples)),
                     iteration)
     student.train()
@@ -890,6 +901,15 @@ def check_same_vocabulary(tokenizer, reward_tokenizer, stop_ids, message):
         sys.exit(f"error: {message}")
 
 
+def print_samples(prompts, completions):
+    """The last lines of a run on own data, before it saves: 8 held-out prompts (the last 300 characters of each;
+    of a conversation, its last message) and the completion sampled from each, to read beside the numbers."""
+    print("held-out prompts and the completion sampled from each:")
+    for prompt, completion in zip(prompts[:8], completions[:8]):
+        text = prompt[-1]["content"] if isinstance(prompt, list) else prompt
+        print(f"    {text[-300:]!r} {completion!r}")
+
+
 def model_positions(model):
     """The longest sequence the model takes, or None when its config does not say."""
     return getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
@@ -965,6 +985,32 @@ def generate(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperat
 # ---------------------------------------------------------------------------------------------
 # Training and saving
 # ---------------------------------------------------------------------------------------------
+def settle_lengths(args, lengths):
+    """The length flags not given (None), before the argument checks: {flag: (on the built-in task, on a
+    dataset)}; a dataset's is TRL's default, or None where settle_room later measures it on the data and the model."""
+    for name, (task, data) in lengths.items():
+        if getattr(args, name) is None:
+            setattr(args, name, task if args.dataset_name is None else data)
+
+
+def settle_room(args, name, value, why, room):
+    """A length flag left to the data (None): `value` (what the data needs, or TRL's default: `why` says which), cut
+    to `room` (what the model's positions leave after the longest prompt) where it would not fit; printed once."""
+    if getattr(args, name) is None:
+        setattr(args, name, max(1, min(value, room)))
+        if os.environ.get("RANK", "0") == "0":
+            print(f"--{name.replace('_', '-')} {getattr(args, name)}: {why}"
+                  + ("" if value <= room else f", cut to the {room} positions the model leaves after the longest prompt"))
+
+
+def run_name(args):
+    """runs/<exp>__<seed>__<time>, with the last part of --output-dir after <exp> where it is given and not <exp>: the
+    runs of one script that train different models tell apart in TensorBoard (runs/sft__reverse-sft__1__<time>)."""
+    output = os.path.basename(os.path.normpath(args.output_dir))
+    given = f"__{output}" if args.output_dir != Args.output_dir and output != args.exp_name else ""
+    return f"runs/{args.exp_name}{given}__{args.seed}__{int(time.time())}"
+
+
 def settle_defaults(args):
     """The defaults that depend on the machine, settled before the argument checks (and logged as settled): --bf16
     on where CUDA has bfloat16, as in TRL's configs; on the CPU float32 is faster."""

@@ -62,7 +62,7 @@ from torch.utils.tensorboard import SummaryWriter
 @dataclass
 class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment, part of the run name runs/<exp>__<seed>__<time>"""
+    """the name of this experiment, part of the run name runs/<exp>__<seed>__<time> (run_name)"""
     seed: int = 1
     """seed of python, torch and the built-in task's data"""
     cuda: bool = True
@@ -116,10 +116,12 @@ class Args:
     """AdamW learning rate (a pretrained model wants ~1e-6; CleanRL, TRL: learning_rate)"""
     anneal_lr: bool = True
     """linearly anneal the learning rate to 0 over the iterations"""
-    response_length: int = 12
-    """new tokens sampled per completion (L_max of --loss-type dr_grpo)"""
-    max_prompt_length: int = 64
-    """prompts longer than this many tokens are dropped (and counted), never cut"""
+    response_length: Annotated[int | None, tyro.conf.DisallowNone] = None
+    """new tokens sampled per completion (L_max of --loss-type dr_grpo) (default: 12 on the built-in task; on a
+    dataset, TRL's max_completion_length 512, cut to what the model's positions leave)"""
+    max_prompt_length: Annotated[int | None, tyro.conf.DisallowNone] = None
+    """prompts longer than this many tokens are dropped (and counted), never cut (default: 64 on the built-in task,
+    512 on a dataset)"""
     bf16: Annotated[bool | None, tyro.conf.DisallowNone] = None
     """(default: on with CUDA, off on the CPU) mixed precision: compute in bfloat16 (autocast), the policy's weights
     and AdamW state float32. The reference is held and computed exactly as the policy (before the first update the
@@ -427,6 +429,7 @@ def combine_rewards(per_function, weights):
 
 def check_args(args):
     """Every flag checked before any work: one line that says what to change."""
+    settle_lengths(args, {"response_length": (12, None), "max_prompt_length": (64, 512)})  # where not given
     if args.threads is not None and args.threads < 1:
         sys.exit(f"error: --threads {args.threads}: it must be at least 1 (leave it out for the default)")
     # the least each count can be (--eval-size 0: no evaluation; a group needs 2 completions, its own baseline);
@@ -434,7 +437,7 @@ def check_args(args):
     for name, least in {"num_iterations": 1, "num_generations": 2, "mini_batch_size": 1, "max_sampling_rounds": 1,
                         "batch_size": 1, "ppo_epochs": 1, "response_length": 1, "eval_every": 1, "eval_size": 0,
                         "eval_num_samples": 1, "log_completions_every": 0}.items():
-        if getattr(args, name) < least:
+        if getattr(args, name) is not None and getattr(args, name) < least:  # None: settled later
             sys.exit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: it must be at least {least}")
     # the real numbers, finite and in range (a gradient clip of 0 trains nothing; below 0, the wrong way)
     for name, rule in {"lr": ">= 0", "max_grad_norm": "> 0", "temperature": "> 0", "beta": ">= 0", "epsilon": "> 0",
@@ -454,7 +457,7 @@ def check_args(args):
     if args.scale_rewards not in ("group", True) and args.advantage != "grpo":
         sys.exit(f"error: --scale-rewards {args.scale_rewards} changes --advantage grpo only; --advantage "
                  f"{args.advantage} has its own scale")
-    if not 0 <= args.soft_overlong_cache < args.response_length:
+    if not 0 <= args.soft_overlong_cache < (args.response_length or math.inf):  # None: settled later
         sys.exit(f"error: --soft-overlong-cache {args.soft_overlong_cache}: the last tokens before --response-length "
                  f"{args.response_length} where the penalty grows, from 0 (off) to {args.response_length - 1}")
     if args.loss_type == "cispo" and args.importance_sampling_level == "sequence":
@@ -469,13 +472,16 @@ def check_args(args):
     if args.dataset_name is not None and not args.reward_fn and args.reward_model_path is None:
         sys.exit("error: a dataset needs a reward: --reward-fn (numeric_match, exact_match, format, or "
                  "my_rewards.py:fn) and/or --reward-model-path")
-    terms = len(args.reward_fn) + (args.reward_model_path is not None)
+    terms = len(args.reward_fn) + (args.reward_model_path is not None) or 1  # none given: the gold score
     if args.reward_weights and len(args.reward_weights) != terms:
         sys.exit(f"error: --reward-weights has {len(args.reward_weights)} values for {terms} reward terms (one per "
                  "--reward-fn, in order, then one for the reward model)")
     if not all(map(math.isfinite, (args.missing_eos_penalty, *args.reward_weights))):  # rewards: either sign
         sys.exit(f"error: --missing-eos-penalty {args.missing_eos_penalty}, --reward-weights {list(args.reward_weights)}: "
                  "each must be a finite number")
+    if args.reward_weights and not any(args.reward_weights) and not args.missing_eos_penalty:
+        sys.exit(f"error: --reward-weights {' '.join(map(str, args.reward_weights))}: every term weighs 0, so every "
+                 "reward is 0 and nothing is learned; give a term a weight")
 
 
 def main(args: Args):
@@ -510,11 +516,12 @@ def main(args: Args):
                  "batch; lower --batch-size")
     eval_rows, eval_ids = tokenize_prompts(tokenizer, eval_rows, args.max_prompt_length, "eval")
     positions, longest = model_positions(policy), max(len(ids) for ids in train_ids + eval_ids)
+    settle_room(args, "response_length", 512, "TRL's max_completion_length", (positions or math.inf) - longest)
     if positions is not None and longest + args.response_length > positions:
         sys.exit(f"error: the longest prompt ({longest} tokens) + --response-length {args.response_length} exceeds the "
                  f"model's {positions} positions; lower --max-prompt-length or --response-length")
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr)
-    writer = SummaryWriter(f"runs/{args.exp_name}__{args.seed}__{int(time.time())}")
+    writer = SummaryWriter(run_name(args))
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
     print(f"{1 + (ref is not None) + (reward is not None)} model(s) in memory: the policy"
           + (", the reference" if ref is not None else "") + (", the reward model" if reward is not None else ""))
@@ -789,7 +796,13 @@ def evaluate(models, eval_rows, eval_ids, terms, rewards_of, amp, writer, iterat
     logs.update(pass_at_k_logs(passes(completions, eval_rows, table, terms.names, args.dataset_name is None), k))
     for tag, value in logs.items():
         writer.add_scalar(tag, value, iteration)
+    if iteration == 0:  # once: what the numbers are
+        print(f"evaluation: {n // k:,} held-out prompts, {k} completion(s) each sampled at --temperature {args.temperature}; "
+              f"eval/reward is the training reward (--missing-eos-penalty {args.missing_eos_penalty} included)"
+              + ", eval/gold_* the answer alone" * (args.dataset_name is None))
     print(f"iteration {iteration}: " + ", ".join(f"{tag} {value:.3f}" for tag, value in logs.items()))
+    if args.dataset_name is not None and iteration == args.num_iterations:  # own data: what it learned
+        print_samples([row["prompt"] for row in eval_rows[::k]], completions[::k])
     writer.add_text("eval/samples", samples_markdown([row["prompt"] for row in eval_rows[::k]], completions[::k],
                                                      rewards[::k], table[::k], terms.names), iteration)
     policy.train()
@@ -822,6 +835,7 @@ def load_models(args, device):
     stop_ids = stop_token_ids(tokenizer)
     if args.reward_model_path is not None:
         reward_tokenizer = load_tokenizer(args.reward_model_path, "run `python reward_model.py` first or pass a path")
+        check_reward_model_data(args.reward_model_path, args.dataset_name)
         check_same_vocabulary(tokenizer, reward_tokenizer, stop_ids, f"the reward model {args.reward_model_path!r} has "
                               f"another tokenizer than {args.model_name_or_path!r}; train it from the SFT model")
     policy = load_no_dropout(args.model_name_or_path, "lm")
@@ -1171,6 +1185,34 @@ def check_same_vocabulary(tokenizer, reward_tokenizer, stop_ids, message):
         sys.exit(f"error: {message}")
 
 
+def check_reward_model_data(path, dataset_name):
+    """One line before any work where the reward model at `path` was trained on the built-in task (its
+    training_args.json says so) but would score the completions of a dataset, text it has never seen."""
+    if dataset_name is not None and reward_model_data(path) is None:
+        sys.exit(f"error: the reward model {path!r} was trained on the built-in task, not for {dataset_name!r}; pass "
+                 "--reward-model-path of one trained for your data (reward_model.py --dataset-name ...), or None and "
+                 "--reward-fn")
+
+
+def reward_model_data(path):
+    """The --dataset-name the reward model at `path` was trained on (None: the built-in task), from the
+    training_args.json reward_model.py saves beside it; "" where there is none (a hub model: not known)."""
+    try:
+        with open(os.path.join(path, "training_args.json")) as f:
+            return json.load(f).get("dataset_name")
+    except (OSError, ValueError):
+        return ""
+
+
+def print_samples(prompts, completions):
+    """The last lines of a run on own data, before it saves: 8 held-out prompts (the last 300 characters of each;
+    of a conversation, its last message) and the completion sampled from each, to read beside the numbers."""
+    print("held-out prompts and the completion sampled from each:")
+    for prompt, completion in zip(prompts[:8], completions[:8]):
+        text = prompt[-1]["content"] if isinstance(prompt, list) else prompt
+        print(f"    {text[-300:]!r} {completion!r}")
+
+
 def model_positions(model):
     """The longest sequence the model takes, or None when its config does not say."""
     return getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
@@ -1450,6 +1492,32 @@ def join_samples(samples, pad_token_id):
 # ---------------------------------------------------------------------------------------------
 # Training and saving
 # ---------------------------------------------------------------------------------------------
+def settle_lengths(args, lengths):
+    """The length flags not given (None), before the argument checks: {flag: (on the built-in task, on a
+    dataset)}; a dataset's is TRL's default, or None where settle_room later measures it on the data and the model."""
+    for name, (task, data) in lengths.items():
+        if getattr(args, name) is None:
+            setattr(args, name, task if args.dataset_name is None else data)
+
+
+def settle_room(args, name, value, why, room):
+    """A length flag left to the data (None): `value` (what the data needs, or TRL's default: `why` says which), cut
+    to `room` (what the model's positions leave after the longest prompt) where it would not fit; printed once."""
+    if getattr(args, name) is None:
+        setattr(args, name, max(1, min(value, room)))
+        if os.environ.get("RANK", "0") == "0":
+            print(f"--{name.replace('_', '-')} {getattr(args, name)}: {why}"
+                  + ("" if value <= room else f", cut to the {room} positions the model leaves after the longest prompt"))
+
+
+def run_name(args):
+    """runs/<exp>__<seed>__<time>, with the last part of --output-dir after <exp> where it is given and not <exp>: the
+    runs of one script that train different models tell apart in TensorBoard (runs/sft__reverse-sft__1__<time>)."""
+    output = os.path.basename(os.path.normpath(args.output_dir))
+    given = f"__{output}" if args.output_dir != Args.output_dir and output != args.exp_name else ""
+    return f"runs/{args.exp_name}{given}__{args.seed}__{int(time.time())}"
+
+
 def settle_defaults(args):
     """The defaults that depend on the machine, settled before the argument checks (and logged as settled): --bf16
     on where CUDA has bfloat16, as in TRL's configs; on the CPU float32 is faster."""

@@ -434,7 +434,8 @@ def main(args: Args):
         writer.add_scalar("losses/explained_variance", explained_var, global_step)
         writer.add_scalar("charts/SPS", sps, global_step)
         if iteration % 20 == 0 or iteration == num_iterations:
-            print(f"global_step={global_step} SPS={sps}")
+            recent = f" episodic_return={np.mean(envs.return_queue):.1f}" if envs.return_queue else ""  # the last 100
+            print(f"global_step={global_step} SPS={sps}{recent}")
         progress(global_step, f"return {np.mean(envs.return_queue):.1f}" if envs.return_queue else "")
 
         # ---- checkpoint: every --save-every iterations, and at SIGTERM, which then ends the run (exit code 0) ---

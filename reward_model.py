@@ -39,7 +39,7 @@ from torch.utils.tensorboard import SummaryWriter
 @dataclass
 class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment, part of the run name runs/<exp>__<seed>__<time>"""
+    """the name of this experiment, part of the run name runs/<exp>__<seed>__<time> (run_name)"""
     seed: int = 1
     """seed of python, torch and the built-in task's data"""
     cuda: bool = True
@@ -69,14 +69,16 @@ class Args:
     """preference pairs per optimizer step"""
     lr: float = 1e-3
     """peak learning rate of AdamW (a pretrained model wants ~1e-5; TRL: learning_rate)"""
-    warmup_steps: int = 50
-    """linear warmup steps (0: none), then linear decay to 0"""
+    warmup_steps: Annotated[int | None, tyro.conf.DisallowNone] = None
+    """linear warmup steps (0: none), then linear decay to 0 (default: 50, or a tenth of --max-steps where that is
+    fewer)"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """clip the global gradient norm to this"""
-    max_length: int = 64
-    """longest prompt + completion in tokens: pairs with a longer side are dropped (and counted)"""
+    max_length: Annotated[int | None, tyro.conf.DisallowNone] = None
+    """longest prompt + completion in tokens: pairs with a longer side are dropped (and counted) (default: 64 on the
+    built-in task, TRL's 1024 on a dataset)"""
     bf16: Annotated[bool | None, tyro.conf.DisallowNone] = None
     """(default: on with CUDA, off on the CPU) mixed precision: compute in bfloat16 (autocast), weights and AdamW
     state float32; the scalar head computes in float32"""
@@ -112,6 +114,8 @@ def bradley_terry_loss(rewards_chosen, rewards_rejected, margin=None, center_rew
 
 def check_args(args):
     """Every flag checked before any work: one line that says what to change."""
+    settle_warmup(args, 50, "linear")  # --warmup-steps, where not given
+    settle_lengths(args, {"max_length": (64, 1024)})  # where not given
     if args.threads is not None and args.threads < 1:
         sys.exit(f"error: --threads {args.threads}: it must be at least 1 (leave it out for the default)")
     # the least each count can be (--eval-size 0: no evaluation); below it a run would crash deep inside (a
@@ -126,7 +130,6 @@ def check_args(args):
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and (value > 0 or rule == ">= 0" and value == 0)):
             sys.exit(f"error: --{name.replace('_', '-')} {value}: it must be a finite number {rule}")
-    check_warmup(args.warmup_steps, args.max_steps, "linear")
 
 
 def main(args: Args):
@@ -157,7 +160,7 @@ def main(args: Args):
     model = load_no_dropout(args.model_name_or_path, "score")
     prepare_models(tokenizer, stop_ids, [model])
     model = model.to(device)
-    writer = SummaryWriter(f"runs/{args.exp_name}__{args.seed}__{int(time.time())}")
+    writer = SummaryWriter(run_name(args))
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
     print(f"{sum(p.numel() for p in model.parameters()):,} parameters, {len(train):,} training pairs")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
@@ -703,6 +706,22 @@ def sequence_rewards(model, input_ids, attention_mask):
 # ---------------------------------------------------------------------------------------------
 # Training and saving
 # ---------------------------------------------------------------------------------------------
+def settle_lengths(args, lengths):
+    """The length flags not given (None), before the argument checks: {flag: (on the built-in task, on a
+    dataset)}; a dataset's is TRL's default, or None where settle_room later measures it on the data and the model."""
+    for name, (task, data) in lengths.items():
+        if getattr(args, name) is None:
+            setattr(args, name, task if args.dataset_name is None else data)
+
+
+def run_name(args):
+    """runs/<exp>__<seed>__<time>, with the last part of --output-dir after <exp> where it is given and not <exp>: the
+    runs of one script that train different models tell apart in TensorBoard (runs/sft__reverse-sft__1__<time>)."""
+    output = os.path.basename(os.path.normpath(args.output_dir))
+    given = f"__{output}" if args.output_dir != Args.output_dir and output != args.exp_name else ""
+    return f"runs/{args.exp_name}{given}__{args.seed}__{int(time.time())}"
+
+
 def settle_defaults(args):
     """The defaults that depend on the machine, settled before the argument checks (and logged as settled): --bf16
     on where CUDA has bfloat16, as in TRL's configs; on the CPU float32 is faster."""
@@ -720,12 +739,15 @@ def get_lr(step, lr, warmup_steps, max_steps, decay):
     return lr * warmup * 0.5 * (1 + math.cos(math.pi * min(1.0, step / max_steps)))
 
 
-def check_warmup(warmup_steps, max_steps, decay):
-    """One warning line when the warmup lasts the whole run: the learning rate then never reaches --lr."""
-    if warmup_steps >= max_steps and os.environ.get("RANK", "0") == "0":
-        peak = max(get_lr(step, 1.0, warmup_steps, max_steps, decay) for step in range(max_steps))
-        print(f"warning: --warmup-steps {warmup_steps} ≥ --max-steps {max_steps}: the learning rate peaks at "
-              f"{peak:.0%} of --lr; lower --warmup-steps")
+def settle_warmup(args, default, decay):
+    """--warmup-steps where not given: `default`, or a tenth of --max-steps where that is fewer. Given, it must end
+    before the run does: a run that never leaves its warmup never trains at --lr (one line, before any work)."""
+    if args.warmup_steps is None:
+        args.warmup_steps = max(0, min(default, args.max_steps // 10))
+    elif args.warmup_steps >= args.max_steps >= 1:
+        peak = max(get_lr(step, 1.0, args.warmup_steps, args.max_steps, decay) for step in range(args.max_steps))
+        sys.exit(f"error: --warmup-steps {args.warmup_steps} ≥ --max-steps {args.max_steps}: the run would end in its "
+                 f"warmup, the learning rate at most {peak:.0%} of --lr; lower --warmup-steps or raise --max-steps")
 
 
 class Progress:

@@ -13,7 +13,7 @@ a reward model, three models are in memory and the critic starts from the SFT mo
 
     python sft.py && python reward_model.py && python rlhf_ppo.py    # built-in task, CPU
     python rlhf_ppo.py --kl-coef 0                                   # what the KL penalty is for
-    python rlhf_ppo.py --reward-fn gold                              # the gold score, no reward model
+    python rlhf_ppo.py --reward-fn gold --reward-model-path None     # the gold score, no reward model
     python rlhf_ppo.py --model-name-or-path my-sft --reward-model-path my-rm --dataset-name prompts.jsonl --lr 1e-6
 
 This is the one-device reference. scale/rlhf_ppo.py computes the same thing and adds VC-PPO's and VAPO's knobs
@@ -51,7 +51,7 @@ from torch.utils.tensorboard import SummaryWriter
 @dataclass
 class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment, part of the run name runs/<exp>__<seed>__<time>"""
+    """the name of this experiment, part of the run name runs/<exp>__<seed>__<time> (run_name)"""
     seed: int = 1
     """seed of python, torch and the built-in task's prompts"""
     cuda: bool = True
@@ -66,9 +66,9 @@ class Args:
     model_name_or_path: Annotated[str, tyro.conf.arg(aliases=("--sft-model-path",))] = "models/sft"
     """the SFT model, hub id or local directory: the actor's start and the frozen reference (made by sft.py; TRL:
     model_name_or_path; --sft-model-path, its old name here, works in this release)"""
-    reward_model_path: str | None = None
-    """the frozen reward model, also the critic's start (reward_model.py's output); None: models/reward_model,
-    or with --reward-fn no reward model at all (three models in memory; the critic starts from the SFT model)"""
+    reward_model_path: str | None = "models/reward_model"
+    """the frozen reward model, also the critic's start (reward_model.py's output); None: no reward model, the
+    reward is --reward-fn's (three models in memory; the critic starts from the SFT model)"""
     reward_fn: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
     """a rule-based reward, repeatable, instead of or added to the reward model's score (the score is the weighted
     sum): a built-in, gold (the built-in task's gold score), exact_match, numeric_match or format (see below), or
@@ -102,10 +102,12 @@ class Args:
     """AdamW learning rate of the actor and the critic (CleanRL, TRL: learning_rate)"""
     anneal_lr: bool = True
     """linearly anneal the learning rate to 0 over the iterations (the late updates then settle)"""
-    response_length: int = 12
-    """new tokens sampled per response"""
-    max_prompt_length: int = 64
-    """prompts longer than this many tokens are dropped (and counted)"""
+    response_length: Annotated[int | None, tyro.conf.DisallowNone] = None
+    """new tokens sampled per response (default: 12 on the built-in task; on a dataset, TRL's max_completion_length
+    512, cut to what the model's positions leave)"""
+    max_prompt_length: Annotated[int | None, tyro.conf.DisallowNone] = None
+    """prompts longer than this many tokens are dropped (and counted) (default: 64 on the built-in task, 512 on a
+    dataset)"""
     bf16: Annotated[bool | None, tyro.conf.DisallowNone] = None
     """(default: on with CUDA, off on the CPU) mixed precision: compute in bfloat16 (autocast), the trained weights and
     AdamW state float32. The reference is held and computed exactly as the actor (before the first update the KL is
@@ -296,6 +298,7 @@ def combine_rewards(per_function, weights):
 
 def check_args(args):
     """Every flag checked before any work: one line that says what to change."""
+    settle_lengths(args, {"response_length": (12, None), "max_prompt_length": (64, 512)})  # where not given
     if args.threads is not None and args.threads < 1:
         sys.exit(f"error: --threads {args.threads}: it must be at least 1 (leave it out for the default)")
     # the least each count can be (--eval-size 0: no evaluation); below it a run would crash deep inside (a
@@ -303,7 +306,7 @@ def check_args(args):
     for name, least in {"num_iterations": 1, "batch_size": 1, "mini_batch_size": 1, "ppo_epochs": 1,
                         "response_length": 1, "kl_horizon": 1, "eval_every": 1, "eval_size": 0, "eval_num_samples": 1,
                         "log_completions_every": 0}.items():
-        if getattr(args, name) < least:
+        if getattr(args, name) is not None and getattr(args, name) < least:  # None: settled later
             sys.exit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: it must be at least {least}")
     # the real numbers, finite and in range (a gradient clip of 0 trains nothing; below 0, the wrong way)
     for name, rule in {"lr": ">= 0", "max_grad_norm": "> 0", "temperature": "> 0", "kl_coef": ">= 0",
@@ -316,13 +319,18 @@ def check_args(args):
             sys.exit(f"error: --{name} {getattr(args, name)}: it must be in [0, 1]")
     if args.batch_size % args.mini_batch_size:
         sys.exit(f"error: --batch-size {args.batch_size} does not split into minibatches of {args.mini_batch_size}")
-    terms = len(args.reward_fn) + (args.reward_model_path is not None or not args.reward_fn)
+    terms = len(args.reward_fn) + (args.reward_model_path is not None)
+    if not terms:
+        sys.exit("error: --reward-model-path None and no --reward-fn: there is no reward; give one or both")
     if args.reward_weights and len(args.reward_weights) != terms:
         sys.exit(f"error: --reward-weights has {len(args.reward_weights)} values for {terms} reward terms (one per "
                  "--reward-fn, in order, then one for the reward model)")
     if not all(map(math.isfinite, (args.missing_eos_penalty, *args.reward_weights))):  # rewards: either sign
         sys.exit(f"error: --missing-eos-penalty {args.missing_eos_penalty}, --reward-weights {list(args.reward_weights)}: "
                  "each must be a finite number")
+    if args.reward_weights and not any(args.reward_weights) and not args.missing_eos_penalty:
+        sys.exit(f"error: --reward-weights {' '.join(map(str, args.reward_weights))}: every term weighs 0, so every "
+                 "reward is 0 and nothing is learned; give a term a weight")
 
 
 def main(args: Args):
@@ -331,7 +339,7 @@ def main(args: Args):
     note_overwrite(args.output_dir)
     torch.set_num_threads(cpu_threads(args.threads))
     # the score: the reward model's (by default), the reward functions', or their weighted sum
-    reward_model_path = args.reward_model_path or (None if args.reward_fn else "models/reward_model")
+    reward_model_path = args.reward_model_path
     functions = load_reward_functions(args.reward_fn, BUILTIN_REWARDS, args.format_pattern)
     weights = args.reward_weights or (1.0,) * (len(functions) + (reward_model_path is not None))
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
@@ -353,13 +361,14 @@ def main(args: Args):
         sys.exit(f"error: {len(train_ids)} training prompts fit --max-prompt-length, fewer than --batch-size {B}")
     eval_rows, eval_ids = tokenize_prompts(tokenizer, eval_rows, args.max_prompt_length, "eval")
     positions, longest = model_positions(actor), max(len(ids) for ids in train_ids + eval_ids)
+    settle_room(args, "response_length", 512, "TRL's max_completion_length", (positions or math.inf) - longest)
     if positions is not None and longest + args.response_length > positions:
         sys.exit(f"error: the longest prompt ({longest} tokens) + --response-length {args.response_length} exceeds the "
                  f"model's {positions} positions; lower --max-prompt-length or --response-length")
     optimizer = torch.optim.AdamW(list(actor.parameters()) + list(critic.parameters()), lr=args.lr)
     print(f"{3 + (reward is not None)} model(s) in memory")
     kl_coef = args.kl_coef
-    writer = SummaryWriter(f"runs/{args.exp_name}__{args.seed}__{int(time.time())}")
+    writer = SummaryWriter(run_name(args))
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
     terms = RewardTerms(functions, weights, reward,
                         [name for name, _ in functions] + (["reward_model"] if reward is not None else []))
@@ -586,7 +595,13 @@ def evaluate(models, eval_rows, eval_ids, terms, scores_of, amp, writer, iterati
     logs.update(pass_at_k_logs(passes(completions, eval_rows, table, terms.names, args.dataset_name is None), k))
     for tag, value in logs.items():
         writer.add_scalar(tag, value, iteration)
+    if iteration == 0:  # once: what the numbers are
+        print(f"evaluation: {n // k:,} held-out prompts, {k} response(s) each sampled at --temperature {args.temperature}; "
+              f"eval/reward is the training reward (--missing-eos-penalty {args.missing_eos_penalty} included)"
+              + ", eval/gold_* the answer alone" * (args.dataset_name is None))
     print(f"iteration {iteration}: " + ", ".join(f"{tag} {value:.3f}" for tag, value in logs.items()))
+    if args.dataset_name is not None and iteration == args.num_iterations:  # own data: what it learned
+        print_samples([row["prompt"] for row in eval_rows[::k]], completions[::k])
     writer.add_text("eval/samples", samples_markdown([row["prompt"] for row in eval_rows[::k]], completions[::k],
                                                      scores[::k], table[::k], terms.names), iteration)
     actor.train()
@@ -620,7 +635,9 @@ def load_models(args, reward_model_path, device):
     stop_ids = stop_token_ids(tokenizer)
     critic_path = reward_model_path or args.model_name_or_path
     if reward_model_path is not None:
-        reward_tokenizer = load_tokenizer(reward_model_path, "run `python reward_model.py` first or pass a path")
+        reward_tokenizer = load_tokenizer(reward_model_path, "run `python reward_model.py` first, pass a path, or None "
+                                          "with --reward-fn")
+        check_reward_model_data(reward_model_path, args.dataset_name)
         check_same_vocabulary(tokenizer, reward_tokenizer, stop_ids, f"the reward model {reward_model_path!r} has "
                               f"another tokenizer than {args.model_name_or_path!r}; train it from the SFT model")
     actor = load_no_dropout(args.model_name_or_path, "lm")  # π_θ
@@ -976,6 +993,34 @@ def check_same_vocabulary(tokenizer, reward_tokenizer, stop_ids, message):
         sys.exit(f"error: {message}")
 
 
+def check_reward_model_data(path, dataset_name):
+    """One line before any work where the reward model at `path` was trained on the built-in task (its
+    training_args.json says so) but would score the completions of a dataset, text it has never seen."""
+    if dataset_name is not None and reward_model_data(path) is None:
+        sys.exit(f"error: the reward model {path!r} was trained on the built-in task, not for {dataset_name!r}; pass "
+                 "--reward-model-path of one trained for your data (reward_model.py --dataset-name ...), or None and "
+                 "--reward-fn")
+
+
+def reward_model_data(path):
+    """The --dataset-name the reward model at `path` was trained on (None: the built-in task), from the
+    training_args.json reward_model.py saves beside it; "" where there is none (a hub model: not known)."""
+    try:
+        with open(os.path.join(path, "training_args.json")) as f:
+            return json.load(f).get("dataset_name")
+    except (OSError, ValueError):
+        return ""
+
+
+def print_samples(prompts, completions):
+    """The last lines of a run on own data, before it saves: 8 held-out prompts (the last 300 characters of each;
+    of a conversation, its last message) and the completion sampled from each, to read beside the numbers."""
+    print("held-out prompts and the completion sampled from each:")
+    for prompt, completion in zip(prompts[:8], completions[:8]):
+        text = prompt[-1]["content"] if isinstance(prompt, list) else prompt
+        print(f"    {text[-300:]!r} {completion!r}")
+
+
 def model_positions(model):
     """The longest sequence the model takes, or None when its config does not say."""
     return getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
@@ -1245,6 +1290,32 @@ def generate(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperat
 # ---------------------------------------------------------------------------------------------
 # Training and saving
 # ---------------------------------------------------------------------------------------------
+def settle_lengths(args, lengths):
+    """The length flags not given (None), before the argument checks: {flag: (on the built-in task, on a
+    dataset)}; a dataset's is TRL's default, or None where settle_room later measures it on the data and the model."""
+    for name, (task, data) in lengths.items():
+        if getattr(args, name) is None:
+            setattr(args, name, task if args.dataset_name is None else data)
+
+
+def settle_room(args, name, value, why, room):
+    """A length flag left to the data (None): `value` (what the data needs, or TRL's default: `why` says which), cut
+    to `room` (what the model's positions leave after the longest prompt) where it would not fit; printed once."""
+    if getattr(args, name) is None:
+        setattr(args, name, max(1, min(value, room)))
+        if os.environ.get("RANK", "0") == "0":
+            print(f"--{name.replace('_', '-')} {getattr(args, name)}: {why}"
+                  + ("" if value <= room else f", cut to the {room} positions the model leaves after the longest prompt"))
+
+
+def run_name(args):
+    """runs/<exp>__<seed>__<time>, with the last part of --output-dir after <exp> where it is given and not <exp>: the
+    runs of one script that train different models tell apart in TensorBoard (runs/sft__reverse-sft__1__<time>)."""
+    output = os.path.basename(os.path.normpath(args.output_dir))
+    given = f"__{output}" if args.output_dir != Args.output_dir and output != args.exp_name else ""
+    return f"runs/{args.exp_name}{given}__{args.seed}__{int(time.time())}"
+
+
 def settle_defaults(args):
     """The defaults that depend on the machine, settled before the argument checks (and logged as settled): --bf16
     on where CUDA has bfloat16, as in TRL's configs; on the CPU float32 is faster."""

@@ -16,6 +16,7 @@ This is the one-device reference. scale/sft.py computes the same thing and adds 
 torchrun (DDP, FSDP2), LoRA, gradient accumulation and checkpointing, checkpoints that resume exactly.
 """
 import datetime
+import itertools
 import json
 import math
 import os
@@ -38,7 +39,7 @@ from torch.utils.tensorboard import SummaryWriter
 @dataclass
 class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment, part of the run name runs/<exp>__<seed>__<time>"""
+    """the name of this experiment, part of the run name runs/<exp>__<seed>__<time> (run_name)"""
     seed: int = 1
     """seed of python, torch and the built-in task's data"""
     cuda: bool = True
@@ -68,15 +69,16 @@ class Args:
     """sequences per optimizer step"""
     lr: float = 3e-3
     """peak learning rate of AdamW (a pretrained model wants ~1e-5 to 2e-5; TRL: learning_rate)"""
-    warmup_steps: int = 100
-    """linear warmup steps (0: none), times a cosine decay to 0 over the whole run"""
+    warmup_steps: Annotated[int | None, tyro.conf.DisallowNone] = None
+    """linear warmup steps (0: none), times a cosine decay to 0 over the whole run (default: 100, or a tenth of
+    --max-steps where that is fewer)"""
     weight_decay: float = 0.01
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """clip the global gradient norm to this"""
-    max_length: int = 64
-    """longest sequence in tokens: longer prompt/completion and messages examples are dropped (and counted);
-    `text` examples are cut to it"""
+    max_length: Annotated[int | None, tyro.conf.DisallowNone] = None
+    """longest sequence in tokens: longer prompt/completion and messages examples are dropped (and counted); `text`
+    examples are cut to it (default: 64 on the built-in task, TRL's 1024 on a dataset)"""
     bf16: Annotated[bool | None, tyro.conf.DisallowNone] = None
     """(default: on with CUDA, off on the CPU) mixed precision: compute in bfloat16 (autocast), weights and AdamW
     state float32"""
@@ -84,8 +86,9 @@ class Args:
     """evaluate every this many steps (and at the end)"""
     eval_size: int = 512
     """eval prompts / examples, 0 for no evaluation (the built-in task's eval set comes from its own random stream)"""
-    max_new_tokens: int = 12
-    """tokens sampled per completion in evaluation"""
+    max_new_tokens: Annotated[int | None, tyro.conf.DisallowNone] = None
+    """tokens sampled per completion in evaluation (default: 12 on the built-in task; on a dataset, the longest
+    completion of the 8 held-out examples it samples)"""
     num_train_examples: int = 100_000
     """size of the built-in task's training set"""
 
@@ -117,20 +120,21 @@ def sft_loss(logprobs, labels, num_items=None):
 
 def check_args(args):
     """Every flag checked before any work: one line that says what to change."""
+    settle_warmup(args, 100, "cosine")  # --warmup-steps, where not given
+    settle_lengths(args, {"max_length": (64, 1024), "max_new_tokens": (12, None)})  # where not given
     if args.threads is not None and args.threads < 1:
         sys.exit(f"error: --threads {args.threads}: it must be at least 1 (leave it out for the default)")
     # the least each count can be (--eval-size 0: no evaluation); below it a run would crash deep inside (a
     # modulo by zero, an empty batch) or train nothing
     for name, least in {"max_steps": 1, "batch_size": 1, "warmup_steps": 0, "eval_every": 1, "eval_size": 0,
                         "max_new_tokens": 1, "num_train_examples": 1, "n_layer": 1, "n_embd": 1, "n_head": 1}.items():
-        if getattr(args, name) < least:
+        if getattr(args, name) is not None and getattr(args, name) < least:  # None: settled later
             sys.exit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: it must be at least {least}")
     # the real numbers, finite and in range (a gradient clip of 0 trains nothing; below 0, the wrong way)
     for name, rule in {"lr": ">= 0", "weight_decay": ">= 0", "max_grad_norm": "> 0"}.items():
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and (value > 0 or rule == ">= 0" and value == 0)):
             sys.exit(f"error: --{name.replace('_', '-')} {value}: it must be a finite number {rule}")
-    check_warmup(args.warmup_steps, args.max_steps, "cosine")
 
 
 def main(args: Args):
@@ -155,9 +159,13 @@ def main(args: Args):
     train = tokenize_examples(tokenizer, train_examples, stop_ids, args.max_length, "train")
     evals = tokenize_examples(tokenizer, eval_examples, stop_ids, args.max_length, "eval")
     model = make_model(args, tokenizer)
+    sampled = [prompt_length(labels) for _, labels in evals[:8]]  # the prompts of own data's samples
+    longest = max([len(data_completion(labels, n)) for (_, labels), n in zip(evals, sampled)], default=1)
+    settle_room(args, "max_new_tokens", longest, "the longest completion of the 8 held-out examples sampled",
+                (model_positions(model) or math.inf) - max(sampled, default=0))
     prepare_models(tokenizer, stop_ids, [model])
     model = model.to(device)
-    writer = SummaryWriter(f"runs/{args.exp_name}__{args.seed}__{int(time.time())}")
+    writer = SummaryWriter(run_name(args))
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
     print(f"{sum(p.numel() for p in model.parameters()):,} parameters, {len(train):,} training examples")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
@@ -252,6 +260,9 @@ def evaluate(model, tokenizer, stop_ids, evals, task_examples, args, amp, writer
         writer.add_text("eval/samples", samples, step)
     for tag, value in logs.items():
         writer.add_scalar(tag, value, step)
+    if step == min(args.eval_every, args.max_steps):  # once: what the numbers are
+        print(f"evaluation: eval/loss over {len(evals):,} held-out examples" + (f"; eval/gold_* of {len(task_examples):,} "
+              "prompts, one completion each sampled at temperature 1 (_greedy: the argmax)" if task_examples else ""))
     print(f"step {step}: " + ", ".join(f"{tag} {value:.4f}" for tag, value in logs.items()))
     if step == args.max_steps and evals and not task_examples:  # the run's last lines: what it learned
         print(f"held-out prompts, the completion sampled from each and the data's:\n{samples}")
@@ -260,11 +271,17 @@ def evaluate(model, tokenizer, stop_ids, evals, task_examples, args, amp, writer
 
 def samples_text(tokenizer, prompts, completions, labels):
     """eval/samples on own data, and the last lines a run on it prints: each held-out prompt (its last 300
-    characters), the completion sampled from it, and the data's (its labeled tokens after the prompt), one per line."""
-    data = tokenizer.batch_decode([[t for t in label[len(p) :] if t != -100] for p, label in zip(prompts, labels)],
+    characters), the completion sampled from it, and the data's (data_completion), one per line."""
+    data = tokenizer.batch_decode([data_completion(label, len(p)) for p, label in zip(prompts, labels)],
                                   skip_special_tokens=True)
     return "\n".join(f"    {tokenizer.decode(p)[-300:]!r} {c!r} (data: {d!r})"
                      for p, c, d in zip(prompts, completions, data))
+
+
+def data_completion(labels, start):
+    """The data's completion of the prompt of `start` tokens: its labeled tokens from there up to the first
+    unlabeled one (of a conversation, the assistant turn that follows the prompt, not the turns after it)."""
+    return list(itertools.takewhile(lambda t: t != -100, labels[start:]))
 
 
 def prompt_length(labels):
@@ -530,6 +547,11 @@ def tokenize_examples(tokenizer, examples, stop_ids, max_length, split):
 # ---------------------------------------------------------------------------------------------
 # Data and models
 # ---------------------------------------------------------------------------------------------
+def model_positions(model):
+    """The longest sequence the model takes, or None when its config does not say."""
+    return getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+
+
 def first_line(e):
     """An exception's message as one line, for a one-line error: its first line, or the exception's type when
     the message is empty."""
@@ -805,6 +827,32 @@ def generate(model, prompt_ids, pad_token_id, stop_ids, max_new_tokens, temperat
 # ---------------------------------------------------------------------------------------------
 # Training and saving
 # ---------------------------------------------------------------------------------------------
+def settle_lengths(args, lengths):
+    """The length flags not given (None), before the argument checks: {flag: (on the built-in task, on a
+    dataset)}; a dataset's is TRL's default, or None where settle_room later measures it on the data and the model."""
+    for name, (task, data) in lengths.items():
+        if getattr(args, name) is None:
+            setattr(args, name, task if args.dataset_name is None else data)
+
+
+def settle_room(args, name, value, why, room):
+    """A length flag left to the data (None): `value` (what the data needs, or TRL's default: `why` says which), cut
+    to `room` (what the model's positions leave after the longest prompt) where it would not fit; printed once."""
+    if getattr(args, name) is None:
+        setattr(args, name, max(1, min(value, room)))
+        if os.environ.get("RANK", "0") == "0":
+            print(f"--{name.replace('_', '-')} {getattr(args, name)}: {why}"
+                  + ("" if value <= room else f", cut to the {room} positions the model leaves after the longest prompt"))
+
+
+def run_name(args):
+    """runs/<exp>__<seed>__<time>, with the last part of --output-dir after <exp> where it is given and not <exp>: the
+    runs of one script that train different models tell apart in TensorBoard (runs/sft__reverse-sft__1__<time>)."""
+    output = os.path.basename(os.path.normpath(args.output_dir))
+    given = f"__{output}" if args.output_dir != Args.output_dir and output != args.exp_name else ""
+    return f"runs/{args.exp_name}{given}__{args.seed}__{int(time.time())}"
+
+
 def settle_defaults(args):
     """The defaults that depend on the machine, settled before the argument checks (and logged as settled): --bf16
     on where CUDA has bfloat16, as in TRL's configs; on the CPU float32 is faster."""
@@ -822,12 +870,15 @@ def get_lr(step, lr, warmup_steps, max_steps, decay):
     return lr * warmup * 0.5 * (1 + math.cos(math.pi * min(1.0, step / max_steps)))
 
 
-def check_warmup(warmup_steps, max_steps, decay):
-    """One warning line when the warmup lasts the whole run: the learning rate then never reaches --lr."""
-    if warmup_steps >= max_steps and os.environ.get("RANK", "0") == "0":
-        peak = max(get_lr(step, 1.0, warmup_steps, max_steps, decay) for step in range(max_steps))
-        print(f"warning: --warmup-steps {warmup_steps} ≥ --max-steps {max_steps}: the learning rate peaks at "
-              f"{peak:.0%} of --lr; lower --warmup-steps")
+def settle_warmup(args, default, decay):
+    """--warmup-steps where not given: `default`, or a tenth of --max-steps where that is fewer. Given, it must end
+    before the run does: a run that never leaves its warmup never trains at --lr (one line, before any work)."""
+    if args.warmup_steps is None:
+        args.warmup_steps = max(0, min(default, args.max_steps // 10))
+    elif args.warmup_steps >= args.max_steps >= 1:
+        peak = max(get_lr(step, 1.0, args.warmup_steps, args.max_steps, decay) for step in range(args.max_steps))
+        sys.exit(f"error: --warmup-steps {args.warmup_steps} ≥ --max-steps {args.max_steps}: the run would end in its "
+                 f"warmup, the learning rate at most {peak:.0%} of --lr; lower --warmup-steps or raise --max-steps")
 
 
 class Progress:

@@ -62,7 +62,7 @@ from torch.utils.tensorboard import SummaryWriter
 @dataclass
 class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment, part of the run name runs/<exp>__<seed>__<time>"""
+    """the name of this experiment, part of the run name runs/<exp>__<seed>__<time> (run_name)"""
     seed: int = 1
     """seed of python, torch and the built-in task's data"""
     cuda: bool = True
@@ -117,12 +117,14 @@ class Args:
     forward passes run in micro-batches of training's size: what fits with gradients fits without)"""
     lr: float = 1e-4
     """peak learning rate of AdamW (a pretrained model wants ~5e-7 to 1e-6; TRL: learning_rate)"""
-    warmup_steps: int = 30
-    """linear warmup steps (0: none), then linear decay to 0"""
+    warmup_steps: Annotated[int | None, tyro.conf.DisallowNone] = None
+    """linear warmup steps (0: none), then linear decay to 0 (default: 30, or a tenth of --max-steps where that is
+    fewer)"""
     max_grad_norm: float = 1.0
     """clip the global gradient norm to this"""
-    max_length: int = 64
-    """longest prompt + completion in tokens: pairs with a longer side are dropped (and counted)"""
+    max_length: Annotated[int | None, tyro.conf.DisallowNone] = None
+    """longest prompt + completion in tokens: pairs with a longer side are dropped (and counted) (default: 64 on the
+    built-in task, TRL's 1024 on a dataset)"""
     bf16: Annotated[bool | None, tyro.conf.DisallowNone] = None
     """(default: on with CUDA, off on the CPU) mixed precision: compute in bfloat16 (autocast; FSDP2's
     MixedPrecisionPolicy under --fsdp), the policy's weights and AdamW state float32. The reference is held and computed
@@ -136,8 +138,9 @@ class Args:
     """evaluate every this many steps (and before the first and after the last)"""
     eval_size: int = 512
     """eval prompts / pairs, 0 for no evaluation (the built-in task's come from their own random stream)"""
-    response_length: int = 12
-    """new tokens sampled per completion in evaluation"""
+    response_length: Annotated[int | None, tyro.conf.DisallowNone] = None
+    """new tokens sampled per completion in evaluation (default: 12 on the built-in task; on a dataset, the longest
+    chosen completion of the eval pairs)"""
     temperature: float = 1.0
     """sampling temperature in evaluation (1: the trained policy itself)"""
     missing_eos_penalty: float = -3.0
@@ -216,13 +219,15 @@ def response_logps(model, sequences, attention_mask, context_length, temperature
 def check_args(args):
     """Every flag checked before any work: one line that says what to change. Under torchrun each rank checks
     the same flags and only rank 0 prints."""
+    settle_warmup(args, 30, "linear")  # --warmup-steps, where not given
+    settle_lengths(args, {"max_length": (64, 1024), "response_length": (12, None)})  # where not given
     if args.threads is not None and args.threads < 1:
         sys.exit(f"error: --threads {args.threads}: it must be at least 1 (leave it out for the default)")
     # the least each count can be (--eval-size 0: no evaluation); below it a run would crash deep inside (a
     # modulo by zero, an empty batch) or train nothing
     for name, least in {"max_steps": 1, "batch_size": 1, "warmup_steps": 0, "eval_every": 1, "eval_size": 0,
                         "response_length": 1, "num_train_pairs": 1, "gradient_accumulation_steps": 1}.items():
-        if getattr(args, name) < least:
+        if getattr(args, name) is not None and getattr(args, name) < least:  # None: settled later
             sys.exit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: it must be at least {least}")
     # the real numbers, finite and in range (a gradient clip of 0 trains nothing; below 0, the wrong way)
     for name, rule in {"lr": ">= 0", "max_grad_norm": "> 0", "beta": "> 0", "temperature": "> 0"}.items():
@@ -243,7 +248,6 @@ def check_args(args):
     if args.save_every < 0 or args.keep_checkpoints < 1:
         sys.exit("error: --save-every must be ≥ 0 and --keep-checkpoints ≥ 1")
     check_lora(args)
-    check_warmup(args.warmup_steps, args.max_steps, "linear")
 
 
 def main(args: Args):
@@ -296,6 +300,7 @@ def main(args: Args):
                 print(f"note: {args.reward_model_path} (the default --reward-model-path) has another tokenizer than "
                       f"{path!r}: no eval/score; pass a reward model trained from this model to report it")
             has_reward = False
+    has_reward = has_reward and scores_this_data(args)  # a score of the data it was trained for
     # Each model loaded, then placed (on the device, whole or sharded) before the next: rank 0 holds one whole
     # model at a time. The trained policy is data-parallel; the frozen models are whole on every rank, or sharded.
     config = load_config(path, "lm")
@@ -334,10 +339,14 @@ def main(args: Args):
         eval_ids = [list(p) for p in dict.fromkeys(tuple(p) for p in eval_pair_prompts if p)]
         eval_prompts = [tokenizer.decode(p, skip_special_tokens=True) for p in eval_ids]
     positions = model_positions(raw_policy)
-    longest = max([args.max_length] + [len(p) + args.response_length for p in eval_ids])
+    settle_room(args, "response_length", max([sum(t != -100 for t in chosen[1]) for chosen, _ in evals], default=1),
+                "the longest chosen completion of the eval pairs",
+                (model_positions(raw_policy) or math.inf) - max(map(len, eval_ids), default=0))
+    longest = max([len(ids) for pair in train + evals for ids, _ in pair]
+                  + [len(p) + args.response_length for p in eval_ids])
     if positions is not None and longest > positions:
-        sys.exit(f"error: sequences of {longest} tokens (--max-length, or an eval prompt + --response-length) exceed the "
-                 f"model's {positions} positions; lower them")
+        sys.exit(f"error: sequences of {longest} tokens (a pair, or an eval prompt + --response-length) exceed the "
+                 f"model's {positions} positions; lower --max-length or --response-length")
 
     def logprobs_of(model, batch):
         """Summed log-probs of the chosen and the rejected completions, in one forward pass."""
@@ -407,7 +416,12 @@ def main(args: Args):
                     line += f", {tag} {sums[name] / sums['n']:.3f}"
             samples = "\n".join(f"    {eval_prompts[j]} {c!r}" for j, c in zip(mine[:8], completions))
             writer.add_text("eval/samples", samples, step)
+        if step == 0:  # once: what the numbers are
+            print(f"evaluation: eval/loss, eval/accuracy over {len(evals):,} held-out pairs; the rest over "
+                  f"{len(eval_ids):,} prompts, one completion each sampled at --temperature {args.temperature}")
         print(line)
+        if args.dataset_name is not None and step == args.max_steps:  # own data: what it learned
+            print_samples([eval_prompts[j] for j in mine], completions)  # rank 0's shard
         policy.train()
 
     order, position, first_step, elapsed = list(range(len(train))), len(train), 1, 0.0
@@ -948,6 +962,40 @@ def check_same_vocabulary(tokenizer, reward_tokenizer, stop_ids, message):
         sys.exit(f"error: {message}")
 
 
+def scores_this_data(args):
+    """Whether the reward model at --reward-model-path reports eval/score: where it was trained on this run's data
+    (its training_args.json; a hub model is taken as given). Trained on other data, the default is skipped and a
+    path given is kept, each with one line that says so."""
+    trained = reward_model_data(args.reward_model_path)
+    if trained in ("", args.dataset_name):
+        return True
+    default = args.reward_model_path == Args.reward_model_path
+    if os.environ.get("RANK", "0") == "0":
+        print(f"note: the reward model {args.reward_model_path} was trained on {trained or 'the built-in task'}, not "
+              f"on {args.dataset_name or 'the built-in task'}: " + ("no eval/score; pass --reward-model-path of one "
+              "trained for this data to report it" if default else "its eval/score scores text it was not trained on"))
+    return not default
+
+
+def reward_model_data(path):
+    """The --dataset-name the reward model at `path` was trained on (None: the built-in task), from the
+    training_args.json reward_model.py saves beside it; "" where there is none (a hub model: not known)."""
+    try:
+        with open(os.path.join(path, "training_args.json")) as f:
+            return json.load(f).get("dataset_name")
+    except (OSError, ValueError):
+        return ""
+
+
+def print_samples(prompts, completions):
+    """The last lines of a run on own data, before it saves: 8 held-out prompts (the last 300 characters of each;
+    of a conversation, its last message) and the completion sampled from each, to read beside the numbers."""
+    print("held-out prompts and the completion sampled from each:")
+    for prompt, completion in zip(prompts[:8], completions[:8]):
+        text = prompt[-1]["content"] if isinstance(prompt, list) else prompt
+        print(f"    {text[-300:]!r} {completion!r}")
+
+
 def model_positions(model):
     """The longest sequence the model takes, or None when its config does not say."""
     return getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
@@ -1408,13 +1456,12 @@ def make_writer(args, rank, run_dir, start_step=0):
 
 
 def run_directory(args, checkpoint, device):
-    """runs/<exp>__<seed>__<time> (rank 0's clock, on every rank), or the run directory of the checkpoint that
+    """run_name's directory (rank 0's clock, on every rank), or the run directory of the checkpoint that
     --resume continues. Under torchrun every rank must see it: each writes its shard of a checkpoint there (SIGTERM
     writes one even without --save-every) and rank 0 renames the whole. So rank 0 writes a file there that every
     rank reads, and a rank that does not see it (several nodes without a shared filesystem) stops the run on every
     node with one line, before any training."""
-    run_dir = [os.path.dirname(checkpoint["path"]) if checkpoint is not None else
-               f"runs/{args.exp_name}__{args.seed}__{int(time.time())}"]
+    run_dir = [os.path.dirname(checkpoint["path"]) if checkpoint is not None else run_name(args)]
     if not dist.is_initialized():
         return run_dir[0]
     dist.broadcast_object_list(run_dir, src=0)
@@ -1445,6 +1492,32 @@ def run_directory(args, checkpoint, device):
 # ---------------------------------------------------------------------------------------------
 # Training and saving
 # ---------------------------------------------------------------------------------------------
+def settle_lengths(args, lengths):
+    """The length flags not given (None), before the argument checks: {flag: (on the built-in task, on a
+    dataset)}; a dataset's is TRL's default, or None where settle_room later measures it on the data and the model."""
+    for name, (task, data) in lengths.items():
+        if getattr(args, name) is None:
+            setattr(args, name, task if args.dataset_name is None else data)
+
+
+def settle_room(args, name, value, why, room):
+    """A length flag left to the data (None): `value` (what the data needs, or TRL's default: `why` says which), cut
+    to `room` (what the model's positions leave after the longest prompt) where it would not fit; printed once."""
+    if getattr(args, name) is None:
+        setattr(args, name, max(1, min(value, room)))
+        if os.environ.get("RANK", "0") == "0":
+            print(f"--{name.replace('_', '-')} {getattr(args, name)}: {why}"
+                  + ("" if value <= room else f", cut to the {room} positions the model leaves after the longest prompt"))
+
+
+def run_name(args):
+    """runs/<exp>__<seed>__<time>, with the last part of --output-dir after <exp> where it is given and not <exp>: the
+    runs of one script that train different models tell apart in TensorBoard (runs/sft__reverse-sft__1__<time>)."""
+    output = os.path.basename(os.path.normpath(args.output_dir))
+    given = f"__{output}" if args.output_dir != Args.output_dir and output != args.exp_name else ""
+    return f"runs/{args.exp_name}{given}__{args.seed}__{int(time.time())}"
+
+
 def settle_defaults(args):
     """The defaults that depend on where the run is, settled before any work (and logged and checkpointed as
     settled). --bf16: on where CUDA computes and has bfloat16, as in TRL's configs (bf16 unless fp16); off on the
@@ -1466,12 +1539,15 @@ def get_lr(step, lr, warmup_steps, max_steps, decay):
     return lr * warmup * 0.5 * (1 + math.cos(math.pi * min(1.0, step / max_steps)))
 
 
-def check_warmup(warmup_steps, max_steps, decay):
-    """One warning line when the warmup lasts the whole run: the learning rate then never reaches --lr."""
-    if warmup_steps >= max_steps and os.environ.get("RANK", "0") == "0":
-        peak = max(get_lr(step, 1.0, warmup_steps, max_steps, decay) for step in range(max_steps))
-        print(f"warning: --warmup-steps {warmup_steps} ≥ --max-steps {max_steps}: the learning rate peaks at "
-              f"{peak:.0%} of --lr; lower --warmup-steps")
+def settle_warmup(args, default, decay):
+    """--warmup-steps where not given: `default`, or a tenth of --max-steps where that is fewer. Given, it must end
+    before the run does: a run that never leaves its warmup never trains at --lr (one line, before any work)."""
+    if args.warmup_steps is None:
+        args.warmup_steps = max(0, min(default, args.max_steps // 10))
+    elif args.warmup_steps >= args.max_steps >= 1:
+        peak = max(get_lr(step, 1.0, args.warmup_steps, args.max_steps, decay) for step in range(args.max_steps))
+        sys.exit(f"error: --warmup-steps {args.warmup_steps} ≥ --max-steps {args.max_steps}: the run would end in its "
+                 f"warmup, the learning rate at most {peak:.0%} of --lr; lower --warmup-steps or raise --max-steps")
 
 
 class Progress:

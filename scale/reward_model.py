@@ -60,7 +60,7 @@ from torch.utils.tensorboard import SummaryWriter
 @dataclass
 class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment, part of the run name runs/<exp>__<seed>__<time>"""
+    """the name of this experiment, part of the run name runs/<exp>__<seed>__<time> (run_name)"""
     seed: int = 1
     """seed of python, torch and the built-in task's data"""
     cuda: bool = True
@@ -102,14 +102,16 @@ class Args:
     """pairs per forward pass in evaluation, on each rank (None: training's micro-batch size)"""
     lr: float = 1e-3
     """peak learning rate of AdamW (a pretrained model wants ~1e-5; TRL: learning_rate)"""
-    warmup_steps: int = 50
-    """linear warmup steps (0: none), then linear decay to 0"""
+    warmup_steps: Annotated[int | None, tyro.conf.DisallowNone] = None
+    """linear warmup steps (0: none), then linear decay to 0 (default: 50, or a tenth of --max-steps where that is
+    fewer)"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """clip the global gradient norm to this"""
-    max_length: int = 64
-    """longest prompt + completion in tokens: pairs with a longer side are dropped (and counted)"""
+    max_length: Annotated[int | None, tyro.conf.DisallowNone] = None
+    """longest prompt + completion in tokens: pairs with a longer side are dropped (and counted) (default: 64 on the
+    built-in task, TRL's 1024 on a dataset)"""
     bf16: Annotated[bool | None, tyro.conf.DisallowNone] = None
     """(default: on with CUDA, off on the CPU) mixed precision: compute in bfloat16 (autocast; FSDP2's
     MixedPrecisionPolicy under --fsdp), weights and AdamW state float32; the scalar head computes in float32"""
@@ -188,6 +190,8 @@ def collate(batch, pad_token_id):
 def check_args(args):
     """Every flag checked before any work: one line that says what to change. Under torchrun each rank checks
     the same flags and only rank 0 prints."""
+    settle_warmup(args, 50, "linear")  # --warmup-steps, where not given
+    settle_lengths(args, {"max_length": (64, 1024)})  # where not given
     if args.threads is not None and args.threads < 1:
         sys.exit(f"error: --threads {args.threads}: it must be at least 1 (leave it out for the default)")
     # the least each count can be (--eval-size 0: no evaluation); below it a run would crash deep inside (a
@@ -210,7 +214,6 @@ def check_args(args):
     if args.save_every < 0 or args.keep_checkpoints < 1:
         sys.exit("error: --save-every must be ≥ 0 and --keep-checkpoints ≥ 1")
     check_lora(args)
-    check_warmup(args.warmup_steps, args.max_steps, "linear")
 
 
 def main(args: Args):
@@ -1040,13 +1043,12 @@ def make_writer(args, rank, run_dir, start_step=0):
 
 
 def run_directory(args, checkpoint, device):
-    """runs/<exp>__<seed>__<time> (rank 0's clock, on every rank), or the run directory of the checkpoint that
+    """run_name's directory (rank 0's clock, on every rank), or the run directory of the checkpoint that
     --resume continues. Under torchrun every rank must see it: each writes its shard of a checkpoint there (SIGTERM
     writes one even without --save-every) and rank 0 renames the whole. So rank 0 writes a file there that every
     rank reads, and a rank that does not see it (several nodes without a shared filesystem) stops the run on every
     node with one line, before any training."""
-    run_dir = [os.path.dirname(checkpoint["path"]) if checkpoint is not None else
-               f"runs/{args.exp_name}__{args.seed}__{int(time.time())}"]
+    run_dir = [os.path.dirname(checkpoint["path"]) if checkpoint is not None else run_name(args)]
     if not dist.is_initialized():
         return run_dir[0]
     dist.broadcast_object_list(run_dir, src=0)
@@ -1077,6 +1079,22 @@ def run_directory(args, checkpoint, device):
 # ---------------------------------------------------------------------------------------------
 # Training and saving
 # ---------------------------------------------------------------------------------------------
+def settle_lengths(args, lengths):
+    """The length flags not given (None), before the argument checks: {flag: (on the built-in task, on a
+    dataset)}; a dataset's is TRL's default, or None where settle_room later measures it on the data and the model."""
+    for name, (task, data) in lengths.items():
+        if getattr(args, name) is None:
+            setattr(args, name, task if args.dataset_name is None else data)
+
+
+def run_name(args):
+    """runs/<exp>__<seed>__<time>, with the last part of --output-dir after <exp> where it is given and not <exp>: the
+    runs of one script that train different models tell apart in TensorBoard (runs/sft__reverse-sft__1__<time>)."""
+    output = os.path.basename(os.path.normpath(args.output_dir))
+    given = f"__{output}" if args.output_dir != Args.output_dir and output != args.exp_name else ""
+    return f"runs/{args.exp_name}{given}__{args.seed}__{int(time.time())}"
+
+
 def settle_defaults(args):
     """The defaults that depend on where the run is, settled before any work (and logged and checkpointed as
     settled). --bf16: on where CUDA computes and has bfloat16, as in TRL's configs (bf16 unless fp16); off on the
@@ -1098,12 +1116,15 @@ def get_lr(step, lr, warmup_steps, max_steps, decay):
     return lr * warmup * 0.5 * (1 + math.cos(math.pi * min(1.0, step / max_steps)))
 
 
-def check_warmup(warmup_steps, max_steps, decay):
-    """One warning line when the warmup lasts the whole run: the learning rate then never reaches --lr."""
-    if warmup_steps >= max_steps and os.environ.get("RANK", "0") == "0":
-        peak = max(get_lr(step, 1.0, warmup_steps, max_steps, decay) for step in range(max_steps))
-        print(f"warning: --warmup-steps {warmup_steps} ≥ --max-steps {max_steps}: the learning rate peaks at "
-              f"{peak:.0%} of --lr; lower --warmup-steps")
+def settle_warmup(args, default, decay):
+    """--warmup-steps where not given: `default`, or a tenth of --max-steps where that is fewer. Given, it must end
+    before the run does: a run that never leaves its warmup never trains at --lr (one line, before any work)."""
+    if args.warmup_steps is None:
+        args.warmup_steps = max(0, min(default, args.max_steps // 10))
+    elif args.warmup_steps >= args.max_steps >= 1:
+        peak = max(get_lr(step, 1.0, args.warmup_steps, args.max_steps, decay) for step in range(args.max_steps))
+        sys.exit(f"error: --warmup-steps {args.warmup_steps} ≥ --max-steps {args.max_steps}: the run would end in its "
+                 f"warmup, the learning rate at most {peak:.0%} of --lr; lower --warmup-steps or raise --max-steps")
 
 
 class Progress:

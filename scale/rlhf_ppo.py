@@ -13,7 +13,7 @@ a reward model, three models are in memory and the critic starts from the SFT mo
 
     python sft.py && python reward_model.py && python scale/rlhf_ppo.py    # built-in task, CPU
     python scale/rlhf_ppo.py --kl-coef 0                                   # what the KL penalty is for
-    python scale/rlhf_ppo.py --reward-fn gold                              # the gold score, no reward model
+    python scale/rlhf_ppo.py --reward-fn gold --reward-model-path None     # the gold score, no reward model
     python scale/rlhf_ppo.py --model-name-or-path my-sft --reward-model-path my-rm --dataset-name data.jsonl --lr 1e-6
 
 The full program. Take it instead of the top-level rlhf_ppo.py, the one-device reference, for torchrun (DDP, FSDP2),
@@ -68,7 +68,7 @@ from torch.utils.tensorboard import SummaryWriter
 @dataclass
 class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment, part of the run name runs/<exp>__<seed>__<time>"""
+    """the name of this experiment, part of the run name runs/<exp>__<seed>__<time> (run_name)"""
     seed: int = 1
     """seed of python, torch and the built-in task's prompts"""
     cuda: bool = True
@@ -83,9 +83,9 @@ class Args:
     model_name_or_path: Annotated[str, tyro.conf.arg(aliases=("--sft-model-path",))] = "models/sft"
     """the SFT model, hub id or local directory: the actor's start and the frozen reference (made by sft.py; TRL:
     model_name_or_path; --sft-model-path, its old name here, works in this release)"""
-    reward_model_path: str | None = None
-    """the frozen reward model, also the critic's start (reward_model.py's output); None: models/reward_model,
-    or with --reward-fn no reward model at all (three models in memory; the critic starts from the SFT model)"""
+    reward_model_path: str | None = "models/reward_model"
+    """the frozen reward model, also the critic's start (reward_model.py's output); None: no reward model, the
+    reward is --reward-fn's (three models in memory; the critic starts from the SFT model)"""
     reward_fn: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
     """a rule-based reward, repeatable, instead of or added to the reward model's score (the score is the weighted
     sum): a built-in, gold (the built-in task's gold score), exact_match, numeric_match or format (see below), or
@@ -132,10 +132,12 @@ class Args:
     """AdamW learning rate of the actor and the critic (CleanRL, TRL: learning_rate)"""
     anneal_lr: bool = True
     """linearly anneal the learning rate to 0 over the iterations (the late updates then settle)"""
-    response_length: int = 12
-    """new tokens sampled per response"""
-    max_prompt_length: int = 64
-    """prompts longer than this many tokens are dropped (and counted)"""
+    response_length: Annotated[int | None, tyro.conf.DisallowNone] = None
+    """new tokens sampled per response (default: 12 on the built-in task; on a dataset, TRL's max_completion_length
+    512, cut to what the model's positions leave)"""
+    max_prompt_length: Annotated[int | None, tyro.conf.DisallowNone] = None
+    """prompts longer than this many tokens are dropped (and counted) (default: 64 on the built-in task, 512 on a
+    dataset)"""
     bf16: Annotated[bool | None, tyro.conf.DisallowNone] = None
     """(default: on with CUDA, off on the CPU) mixed precision: compute in bfloat16 (autocast; FSDP2's
     MixedPrecisionPolicy under --fsdp), the trained weights and AdamW state float32. The reference is held and computed
@@ -461,6 +463,7 @@ def combine_rewards(per_function, weights):
 def check_args(args):
     """Every flag checked before any work: one line that says what to change. Under torchrun each rank checks
     the same flags and only rank 0 prints."""
+    settle_lengths(args, {"response_length": (12, None), "max_prompt_length": (64, 512)})  # where not given
     # this script's own defaults, settled first: TRL corrects a sampler's tokens by default; here only a stale
     # sampler (--rollout-lag) needs it; --critic-lam and --actor-lam are --lam where not given (the actor's stays
     # unset under --length-adaptive-lam)
@@ -478,7 +481,7 @@ def check_args(args):
                         "response_length": 1, "kl_horizon": 1, "eval_every": 1, "eval_size": 0, "eval_num_samples": 1,
                         "log_completions_every": 0, "value_warmup_steps": 0,
                         "gradient_accumulation_steps": 1, "generation_batch_size": 1}.items():
-        if getattr(args, name) < least:
+        if getattr(args, name) is not None and getattr(args, name) < least:  # None: settled later
             sys.exit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: it must be at least {least}")
     # the real numbers, finite and in range (a gradient clip of 0 trains nothing; below 0, the wrong way)
     for name, rule in {"lr": ">= 0", "max_grad_norm": "> 0", "temperature": "> 0", "kl_coef": ">= 0",
@@ -524,13 +527,18 @@ def check_args(args):
                  f"{world_size * args.gradient_accumulation_steps}")
     if args.save_every < 0 or args.keep_checkpoints < 1:
         sys.exit("error: --save-every must be ≥ 0 and --keep-checkpoints ≥ 1")
-    terms = len(args.reward_fn) + (args.reward_model_path is not None or not args.reward_fn)
+    terms = len(args.reward_fn) + (args.reward_model_path is not None)
+    if not terms:
+        sys.exit("error: --reward-model-path None and no --reward-fn: there is no reward; give one or both")
     if args.reward_weights and len(args.reward_weights) != terms:
         sys.exit(f"error: --reward-weights has {len(args.reward_weights)} values for {terms} reward terms (one per "
                  "--reward-fn, in order, then one for the reward model)")
     if not all(map(math.isfinite, (args.missing_eos_penalty, *args.reward_weights))):  # rewards: either sign
         sys.exit(f"error: --missing-eos-penalty {args.missing_eos_penalty}, --reward-weights {list(args.reward_weights)}: "
                  "each must be a finite number")
+    if args.reward_weights and not any(args.reward_weights) and not args.missing_eos_penalty:
+        sys.exit(f"error: --reward-weights {' '.join(map(str, args.reward_weights))}: every term weighs 0, so every "
+                 "reward is 0 and nothing is learned; give a term a weight")
     check_lora(args)
 
 
@@ -540,7 +548,7 @@ def main(args: Args):
     note_overwrite(args.output_dir)
     torch.set_num_threads(cpu_threads(args.threads))
     # the score: the reward model's (by default), the reward functions', or their weighted sum
-    reward_model_path = args.reward_model_path or (None if args.reward_fn else "models/reward_model")
+    reward_model_path = args.reward_model_path
     functions = load_reward_functions(args.reward_fn, BUILTIN_REWARDS, args.format_pattern)
     weights = args.reward_weights or (1.0,) * (len(functions) + (reward_model_path is not None))
     checkpoint = find_checkpoint(args, int(os.environ.get("WORLD_SIZE", "1")))  # --resume: checked before any work
@@ -566,6 +574,7 @@ def main(args: Args):
         sys.exit(f"error: {len(train_ids)} training prompts fit --max-prompt-length, fewer than --batch-size {args.batch_size}")
     eval_rows, eval_ids = tokenize_prompts(tokenizer, eval_rows, args.max_prompt_length, "eval")
     positions, longest = model_positions(raw_actor), max(len(ids) for ids in train_ids + eval_ids)
+    settle_room(args, "response_length", 512, "TRL's max_completion_length", (positions or math.inf) - longest)
     if positions is not None and longest + args.response_length > positions:
         sys.exit(f"error: the longest prompt ({longest} tokens) + --response-length {args.response_length} exceeds the "
                  f"model's {positions} positions; lower --max-prompt-length or --response-length")
@@ -974,7 +983,13 @@ def evaluate(models, eval_rows, eval_ids, terms, scores_of, amp, writer, iterati
         line += f" {tag} {sums[tag] / (sums['n'] / k):.3f}"
     writer.add_text("eval/samples", samples_markdown([row["prompt"] for row in rows[::k]], completions[::k],
                                                      scores[::k], table[::k], terms.names), iteration)
+    if iteration == 0:  # once: what the numbers are
+        print(f"evaluation: {len(eval_ids):,} held-out prompts, {k} response(s) each sampled at --temperature "
+              f"{args.temperature}; eval/reward is the training reward (--missing-eos-penalty "
+              f"{args.missing_eos_penalty} included)" + ", eval/gold_* the answer alone" * (args.dataset_name is None))
     print(line)
+    if args.dataset_name is not None and iteration == args.num_iterations:  # own data: what it learned
+        print_samples([row["prompt"] for row in rows[::k]], completions[::k])  # rank 0's shard
     actor.train()
 
 
@@ -999,7 +1014,9 @@ def load_models(args, reward_model_path, device):
     or sharded."""
     tokenizer = load_tokenizer(args.model_name_or_path, "run `python sft.py` first or pass a path")
     if reward_model_path is not None:
-        reward_tokenizer = load_tokenizer(reward_model_path, "run `python reward_model.py` first or pass a path")
+        reward_tokenizer = load_tokenizer(reward_model_path, "run `python reward_model.py` first, pass a path, or None "
+                                          "with --reward-fn")
+        check_reward_model_data(reward_model_path, args.dataset_name)
     stop_ids = stop_token_ids(tokenizer)
     critic_path = reward_model_path or args.model_name_or_path  # the reward model, or the SFT model with a new head
     if reward_model_path is not None:
@@ -1414,6 +1431,34 @@ def check_same_vocabulary(tokenizer, reward_tokenizer, stop_ids, message):
     add_pad_token(reward_tokenizer, stop_ids)
     if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
         sys.exit(f"error: {message}")
+
+
+def check_reward_model_data(path, dataset_name):
+    """One line before any work where the reward model at `path` was trained on the built-in task (its
+    training_args.json says so) but would score the completions of a dataset, text it has never seen."""
+    if dataset_name is not None and reward_model_data(path) is None:
+        sys.exit(f"error: the reward model {path!r} was trained on the built-in task, not for {dataset_name!r}; pass "
+                 "--reward-model-path of one trained for your data (reward_model.py --dataset-name ...), or None and "
+                 "--reward-fn")
+
+
+def reward_model_data(path):
+    """The --dataset-name the reward model at `path` was trained on (None: the built-in task), from the
+    training_args.json reward_model.py saves beside it; "" where there is none (a hub model: not known)."""
+    try:
+        with open(os.path.join(path, "training_args.json")) as f:
+            return json.load(f).get("dataset_name")
+    except (OSError, ValueError):
+        return ""
+
+
+def print_samples(prompts, completions):
+    """The last lines of a run on own data, before it saves: 8 held-out prompts (the last 300 characters of each;
+    of a conversation, its last message) and the completion sampled from each, to read beside the numbers."""
+    print("held-out prompts and the completion sampled from each:")
+    for prompt, completion in zip(prompts[:8], completions[:8]):
+        text = prompt[-1]["content"] if isinstance(prompt, list) else prompt
+        print(f"    {text[-300:]!r} {completion!r}")
 
 
 def model_positions(model):
@@ -2188,13 +2233,12 @@ def make_writer(args, rank, run_dir, start_step=0):
 
 
 def run_directory(args, checkpoint, device):
-    """runs/<exp>__<seed>__<time> (rank 0's clock, on every rank), or the run directory of the checkpoint that
+    """run_name's directory (rank 0's clock, on every rank), or the run directory of the checkpoint that
     --resume continues. Under torchrun every rank must see it: each writes its shard of a checkpoint there (SIGTERM
     writes one even without --save-every) and rank 0 renames the whole. So rank 0 writes a file there that every
     rank reads, and a rank that does not see it (several nodes without a shared filesystem) stops the run on every
     node with one line, before any training."""
-    run_dir = [os.path.dirname(checkpoint["path"]) if checkpoint is not None else
-               f"runs/{args.exp_name}__{args.seed}__{int(time.time())}"]
+    run_dir = [os.path.dirname(checkpoint["path"]) if checkpoint is not None else run_name(args)]
     if not dist.is_initialized():
         return run_dir[0]
     dist.broadcast_object_list(run_dir, src=0)
@@ -2225,6 +2269,32 @@ def run_directory(args, checkpoint, device):
 # ---------------------------------------------------------------------------------------------
 # Training and saving
 # ---------------------------------------------------------------------------------------------
+def settle_lengths(args, lengths):
+    """The length flags not given (None), before the argument checks: {flag: (on the built-in task, on a
+    dataset)}; a dataset's is TRL's default, or None where settle_room later measures it on the data and the model."""
+    for name, (task, data) in lengths.items():
+        if getattr(args, name) is None:
+            setattr(args, name, task if args.dataset_name is None else data)
+
+
+def settle_room(args, name, value, why, room):
+    """A length flag left to the data (None): `value` (what the data needs, or TRL's default: `why` says which), cut
+    to `room` (what the model's positions leave after the longest prompt) where it would not fit; printed once."""
+    if getattr(args, name) is None:
+        setattr(args, name, max(1, min(value, room)))
+        if os.environ.get("RANK", "0") == "0":
+            print(f"--{name.replace('_', '-')} {getattr(args, name)}: {why}"
+                  + ("" if value <= room else f", cut to the {room} positions the model leaves after the longest prompt"))
+
+
+def run_name(args):
+    """runs/<exp>__<seed>__<time>, with the last part of --output-dir after <exp> where it is given and not <exp>: the
+    runs of one script that train different models tell apart in TensorBoard (runs/sft__reverse-sft__1__<time>)."""
+    output = os.path.basename(os.path.normpath(args.output_dir))
+    given = f"__{output}" if args.output_dir != Args.output_dir and output != args.exp_name else ""
+    return f"runs/{args.exp_name}{given}__{args.seed}__{int(time.time())}"
+
+
 def settle_defaults(args):
     """The defaults that depend on where the run is, settled before any work (and logged and checkpointed as
     settled). --bf16: on where CUDA computes and has bfloat16, as in TRL's configs (bf16 unless fp16); off on the

@@ -21,6 +21,7 @@ import datetime
 import functools
 import gc
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -61,7 +62,7 @@ from torch.utils.tensorboard import SummaryWriter
 @dataclass
 class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment, part of the run name runs/<exp>__<seed>__<time>"""
+    """the name of this experiment, part of the run name runs/<exp>__<seed>__<time> (run_name)"""
     seed: int = 1
     """seed of python, torch and the built-in task's data"""
     cuda: bool = True
@@ -104,15 +105,16 @@ class Args:
     in micro-batches of training's size: a forward pass that fits with gradients fits without)"""
     lr: float = 3e-3
     """peak learning rate of AdamW (a pretrained model wants ~1e-5 to 2e-5; TRL: learning_rate)"""
-    warmup_steps: int = 100
-    """linear warmup steps (0: none), times a cosine decay to 0 over the whole run"""
+    warmup_steps: Annotated[int | None, tyro.conf.DisallowNone] = None
+    """linear warmup steps (0: none), times a cosine decay to 0 over the whole run (default: 100, or a tenth of
+    --max-steps where that is fewer)"""
     weight_decay: float = 0.01
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """clip the global gradient norm to this"""
-    max_length: int = 64
-    """longest sequence in tokens: longer prompt/completion and messages examples are dropped (and counted);
-    `text` examples are cut to it"""
+    max_length: Annotated[int | None, tyro.conf.DisallowNone] = None
+    """longest sequence in tokens: longer prompt/completion and messages examples are dropped (and counted); `text`
+    examples are cut to it (default: 64 on the built-in task, TRL's 1024 on a dataset)"""
     bf16: Annotated[bool | None, tyro.conf.DisallowNone] = None
     """(default: on with CUDA, off on the CPU) mixed precision: compute in bfloat16 (autocast; FSDP2's
     MixedPrecisionPolicy under --fsdp), weights and AdamW state float32"""
@@ -123,8 +125,9 @@ class Args:
     """evaluate every this many steps (and at the end)"""
     eval_size: int = 512
     """eval prompts / examples, 0 for no evaluation (the built-in task's eval set comes from its own random stream)"""
-    max_new_tokens: int = 12
-    """tokens sampled per completion in evaluation"""
+    max_new_tokens: Annotated[int | None, tyro.conf.DisallowNone] = None
+    """tokens sampled per completion in evaluation (default: 12 on the built-in task; on a dataset, the longest
+    completion of the 8 held-out examples it samples)"""
     num_train_examples: int = 100_000
     """size of the built-in task's training set"""
     save_every: int = 0
@@ -177,6 +180,8 @@ def sft_loss(logprobs, labels, num_items=None):
 def check_args(args):
     """Every flag checked before any work: one line that says what to change. Under torchrun each rank checks
     the same flags and only rank 0 prints."""
+    settle_warmup(args, 100, "cosine")  # --warmup-steps, where not given
+    settle_lengths(args, {"max_length": (64, 1024), "max_new_tokens": (12, None)})  # where not given
     if args.threads is not None and args.threads < 1:
         sys.exit(f"error: --threads {args.threads}: it must be at least 1 (leave it out for the default)")
     # the least each count can be (--eval-size 0: no evaluation); below it a run would crash deep inside (a
@@ -184,7 +189,7 @@ def check_args(args):
     for name, least in {"max_steps": 1, "batch_size": 1, "warmup_steps": 0, "eval_every": 1, "eval_size": 0,
                         "max_new_tokens": 1, "num_train_examples": 1, "n_layer": 1, "n_embd": 1, "n_head": 1,
                         "gradient_accumulation_steps": 1}.items():
-        if getattr(args, name) < least:
+        if getattr(args, name) is not None and getattr(args, name) < least:  # None: settled later
             sys.exit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: it must be at least {least}")
     # the real numbers, finite and in range (a gradient clip of 0 trains nothing; below 0, the wrong way)
     for name, rule in {"lr": ">= 0", "weight_decay": ">= 0", "max_grad_norm": "> 0"}.items():
@@ -199,7 +204,6 @@ def check_args(args):
     if args.save_every < 0 or args.keep_checkpoints < 1:
         sys.exit("error: --save-every must be ≥ 0 and --keep-checkpoints ≥ 1")
     check_lora(args)
-    check_warmup(args.warmup_steps, args.max_steps, "cosine")
 
 
 # The built-in tiny model's chat template, over ByT5's bytes: `role: content</s>` a turn (EOS ends it), the tools'
@@ -255,6 +259,10 @@ def main(args: Args):
     else:
         raw_model = load_no_dropout(args.model_name_or_path, "lm", base_dtype(args))  # dropout as the checkpoint has it
     prepare_models(tokenizer, stop_ids, [raw_model])  # raw_model: to sample and save
+    sampled = [prompt_length(labels) for _, labels in evals[:8]]  # the prompts of own data's samples
+    longest = max([len(data_completion(labels, n)) for (_, labels), n in zip(evals, sampled)], default=1)
+    settle_room(args, "max_new_tokens", longest, "the longest completion of the 8 held-out examples sampled",
+                (model_positions(raw_model) or math.inf) - max(sampled, default=0))
     if args.gradient_checkpointing:
         raw_model.activation_checkpointing_enable({"use_reentrant": False})
     raw_model = add_lora(raw_model, args)  # --lora-r: adapters on the frozen weights
@@ -324,6 +332,10 @@ def main(args: Args):
             writer.add_text("eval/samples", samples, step)
             if step == args.max_steps:  # the run's last lines: what it learned
                 line += f"\nheld-out prompts, the completion sampled from each and the data's:\n{samples}"
+        if step == min(args.eval_every, args.max_steps):  # once: what the numbers are
+            print(f"evaluation: eval/loss over {len(evals):,} held-out examples" + (f"; eval/gold_* of "
+                  f"{len(eval_examples):,} prompts, one completion each sampled at temperature 1 (_greedy: the argmax)"
+                  if builtin and eval_examples else ""))
         print(line)
         model.train()
 
@@ -619,6 +631,11 @@ def tokenize_examples(tokenizer, examples, stop_ids, max_length, split):
 # ---------------------------------------------------------------------------------------------
 # Data and models
 # ---------------------------------------------------------------------------------------------
+def model_positions(model):
+    """The longest sequence the model takes, or None when its config does not say."""
+    return getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+
+
 def first_line(e):
     """An exception's message as one line, for a one-line error: its first line, or the exception's type when
     the message is empty."""
@@ -846,11 +863,17 @@ def next_tokens(labels):
 
 def samples_text(tokenizer, prompts, completions, labels):
     """eval/samples on own data, and the last lines a run on it prints: each held-out prompt (its last 300
-    characters), the completion sampled from it, and the data's (its labeled tokens after the prompt), one per line."""
-    data = tokenizer.batch_decode([[t for t in label[len(p) :] if t != -100] for p, label in zip(prompts, labels)],
+    characters), the completion sampled from it, and the data's (data_completion), one per line."""
+    data = tokenizer.batch_decode([data_completion(label, len(p)) for p, label in zip(prompts, labels)],
                                   skip_special_tokens=True)
     return "\n".join(f"    {tokenizer.decode(p)[-300:]!r} {c!r} (data: {d!r})"
                      for p, c, d in zip(prompts, completions, data))
+
+
+def data_completion(labels, start):
+    """The data's completion of the prompt of `start` tokens: its labeled tokens from there up to the first
+    unlabeled one (of a conversation, the assistant turn that follows the prompt, not the turns after it)."""
+    return list(itertools.takewhile(lambda t: t != -100, labels[start:]))
 
 
 def prompt_length(labels):
@@ -1269,13 +1292,12 @@ def make_writer(args, rank, run_dir, start_step=0):
 
 
 def run_directory(args, checkpoint, device):
-    """runs/<exp>__<seed>__<time> (rank 0's clock, on every rank), or the run directory of the checkpoint that
+    """run_name's directory (rank 0's clock, on every rank), or the run directory of the checkpoint that
     --resume continues. Under torchrun every rank must see it: each writes its shard of a checkpoint there (SIGTERM
     writes one even without --save-every) and rank 0 renames the whole. So rank 0 writes a file there that every
     rank reads, and a rank that does not see it (several nodes without a shared filesystem) stops the run on every
     node with one line, before any training."""
-    run_dir = [os.path.dirname(checkpoint["path"]) if checkpoint is not None else
-               f"runs/{args.exp_name}__{args.seed}__{int(time.time())}"]
+    run_dir = [os.path.dirname(checkpoint["path"]) if checkpoint is not None else run_name(args)]
     if not dist.is_initialized():
         return run_dir[0]
     dist.broadcast_object_list(run_dir, src=0)
@@ -1306,6 +1328,32 @@ def run_directory(args, checkpoint, device):
 # ---------------------------------------------------------------------------------------------
 # Training and saving
 # ---------------------------------------------------------------------------------------------
+def settle_lengths(args, lengths):
+    """The length flags not given (None), before the argument checks: {flag: (on the built-in task, on a
+    dataset)}; a dataset's is TRL's default, or None where settle_room later measures it on the data and the model."""
+    for name, (task, data) in lengths.items():
+        if getattr(args, name) is None:
+            setattr(args, name, task if args.dataset_name is None else data)
+
+
+def settle_room(args, name, value, why, room):
+    """A length flag left to the data (None): `value` (what the data needs, or TRL's default: `why` says which), cut
+    to `room` (what the model's positions leave after the longest prompt) where it would not fit; printed once."""
+    if getattr(args, name) is None:
+        setattr(args, name, max(1, min(value, room)))
+        if os.environ.get("RANK", "0") == "0":
+            print(f"--{name.replace('_', '-')} {getattr(args, name)}: {why}"
+                  + ("" if value <= room else f", cut to the {room} positions the model leaves after the longest prompt"))
+
+
+def run_name(args):
+    """runs/<exp>__<seed>__<time>, with the last part of --output-dir after <exp> where it is given and not <exp>: the
+    runs of one script that train different models tell apart in TensorBoard (runs/sft__reverse-sft__1__<time>)."""
+    output = os.path.basename(os.path.normpath(args.output_dir))
+    given = f"__{output}" if args.output_dir != Args.output_dir and output != args.exp_name else ""
+    return f"runs/{args.exp_name}{given}__{args.seed}__{int(time.time())}"
+
+
 def settle_defaults(args):
     """The defaults that depend on where the run is, settled before any work (and logged and checkpointed as
     settled). --bf16: on where CUDA computes and has bfloat16, as in TRL's configs (bf16 unless fp16); off on the
@@ -1327,12 +1375,15 @@ def get_lr(step, lr, warmup_steps, max_steps, decay):
     return lr * warmup * 0.5 * (1 + math.cos(math.pi * min(1.0, step / max_steps)))
 
 
-def check_warmup(warmup_steps, max_steps, decay):
-    """One warning line when the warmup lasts the whole run: the learning rate then never reaches --lr."""
-    if warmup_steps >= max_steps and os.environ.get("RANK", "0") == "0":
-        peak = max(get_lr(step, 1.0, warmup_steps, max_steps, decay) for step in range(max_steps))
-        print(f"warning: --warmup-steps {warmup_steps} ≥ --max-steps {max_steps}: the learning rate peaks at "
-              f"{peak:.0%} of --lr; lower --warmup-steps")
+def settle_warmup(args, default, decay):
+    """--warmup-steps where not given: `default`, or a tenth of --max-steps where that is fewer. Given, it must end
+    before the run does: a run that never leaves its warmup never trains at --lr (one line, before any work)."""
+    if args.warmup_steps is None:
+        args.warmup_steps = max(0, min(default, args.max_steps // 10))
+    elif args.warmup_steps >= args.max_steps >= 1:
+        peak = max(get_lr(step, 1.0, args.warmup_steps, args.max_steps, decay) for step in range(args.max_steps))
+        sys.exit(f"error: --warmup-steps {args.warmup_steps} ≥ --max-steps {args.max_steps}: the run would end in its "
+                 f"warmup, the learning rate at most {peak:.0%} of --lr; lower --warmup-steps or raise --max-steps")
 
 
 class Progress:

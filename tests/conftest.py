@@ -12,6 +12,21 @@ if "PYTEST_XDIST_WORKER" in os.environ:  # -n N workers on N cores: one thread e
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def reward_model_for(src, dst, dataset_name):
+    """A copy of the reward model at `src`, in `dst`, whose training_args.json says it was trained for
+    `dataset_name`: the tiny reward models of the built-in task standing in for one trained on a dataset (the
+    scripts refuse to score a dataset's completions with a reward model of the built-in task)."""
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, "training_args.json")) as f:
+        flags = json.load(f)
+    with open(os.path.join(dst, "training_args.json"), "w") as f:
+        json.dump({**flags, "dataset_name": dataset_name}, f)
+    return str(dst)
+
+
 def run_script(script, *flags, cwd, check=True, timeout=600):
     """`python <script> <flags>` in `cwd`, through the script's real entry point (tyro.cli -> main)."""
     proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *flags], cwd=cwd,
@@ -86,9 +101,9 @@ def small_checkpoints(tmp_path_factory):
         if not (cwd / "done").exists():
             os.makedirs(cwd, exist_ok=True)
             run_script("sft.py", *TINY_LM, "--max-steps", "300", "--eval-every", "300", "--num-train-examples", "4000",
-                       "--eval-size", "32", "--batch-size", "32", cwd=cwd)
+                       "--eval-size", "32", "--batch-size", "32", "--warmup-steps", "100", cwd=cwd)
             run_script("reward_model.py", "--max-steps", "60", "--eval-every", "60", "--num-train-pairs", "2000",
-                       "--eval-size", "64", "--batch-size", "32", cwd=cwd)
+                       "--eval-size", "64", "--batch-size", "32", "--warmup-steps", "50", cwd=cwd)
             (cwd / "done").touch()
     return {"sft": cwd / "models" / "sft", "reward_model": cwd / "models" / "reward_model"}
 

@@ -137,7 +137,7 @@ class ScriptedLM(torch.nn.Module):
 def args_of(**overrides):
     fields = {f: getattr(ag.Args, f) for f in ag.Args.__dataclass_fields__ if hasattr(ag.Args, f)}
     return SimpleNamespace(**{**fields, "tools": (), "reward_fn": (), "reward_weights": (), "bf16": False,
-                              "num_generations": 2, "batch_size": 2,
+                              "num_generations": 2, "batch_size": 2, "max_completion_length": 256, "max_prompt_length": 64,
                               "mini_batch_size": 2, **overrides})
 
 

@@ -145,7 +145,7 @@ def test_one_step_on_a_fixed_batch_lowers_the_divergence(models, flags):
     else:
         loss = before
     loss.backward()
-    torch.optim.Adam(student.parameters(), lr=3e-3).step()  # each weight moves by about lr, against its gradient
+    torch.optim.Adam(student.parameters(), lr=1e-3).step()  # each weight moves by about lr, against its gradient
     _, after = divergence()
     assert after < 0.995 * before, (before.item(), after.item())  # by 1% to 8% here; a flipped sign raises it
 

@@ -54,13 +54,13 @@ def test_the_default_thread_count_leaves_a_core_free(script, monkeypatch):
 @pytest.mark.parametrize("script", ["sft.py", "scale/sft.py"])
 def test_threads_reaches_torch_and_zero_is_one_line(script, tmp_path, monkeypatch, capsys):
     """--threads 2 sets torch's thread count before any work; --threads 0 stops with one line. (The default
-    warmup of 100 steps in a 1-step run: the warning is the first line.)"""
+    warmup of a 1-step run is none: no warning.)"""
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
     run_in_process(script, "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--max-steps", "1", "--eval-size", "0",
                    "--num-train-examples", "64", "--threads", "2", "--output-dir", "out", cwd=tmp_path)
     assert calls == [2]
-    assert capsys.readouterr().out.startswith("warning: --warmup-steps 100 ≥ --max-steps 1: the learning rate peaks")
+    assert "warmup" not in capsys.readouterr().out
     assert "--threads 0" in one_line_exit(script, "--threads", "0", cwd=tmp_path)
 
 
@@ -262,14 +262,20 @@ def test_examples_longer_than_max_length_name_their_lengths_and_the_flag(tmp_pat
 
 @pytest.mark.parametrize("script, decay", [(sft, "cosine"), (reward_model, "linear"), (scale_dpo, "linear")],
                          ids=lambda v: getattr(v, "__name__", v))
-def test_a_warmup_as_long_as_the_run_is_one_warning(script, decay, capsys):
-    script.check_warmup(100, 20, decay)
-    line = capsys.readouterr().out
+def test_a_warmup_as_long_as_the_run_is_one_line_and_the_default_fits_the_run(script, decay):
+    """--warmup-steps 100 of a 20-step run stops before any work (a run that never leaves its warmup trains at 6%
+    or 20% of --lr at most); 10 of 20 is kept; not given, it is the script's default or a tenth of --max-steps."""
+    from types import SimpleNamespace
+
+    with pytest.raises(SystemExit) as stop:
+        script.settle_warmup(SimpleNamespace(warmup_steps=100, max_steps=20), 100, decay)
     peak = {"cosine": "6%", "linear": "20%"}[decay]  # get_lr's largest value over 20 steps of a 100-step warmup
-    assert line == f"warning: --warmup-steps 100 ≥ --max-steps 20: the learning rate peaks at {peak} of --lr; " \
-                   "lower --warmup-steps\n", line
-    script.check_warmup(10, 20, decay)
-    assert capsys.readouterr().out == ""
+    assert str(stop.value) == (f"error: --warmup-steps 100 ≥ --max-steps 20: the run would end in its warmup, the "
+                               f"learning rate at most {peak} of --lr; lower --warmup-steps or raise --max-steps")
+    for given, max_steps, settled in ((10, 20, 10), (None, 20, 2), (None, 5, 0), (None, 5000, 30)):
+        args = SimpleNamespace(warmup_steps=given, max_steps=max_steps)
+        script.settle_warmup(args, 30, decay)
+        assert args.warmup_steps == settled
 
 
 @pytest.mark.parametrize("script", ["dpo.py", "scale/dpo.py"])
@@ -434,3 +440,123 @@ def test_a_hub_id_with_no_network_is_one_line_at_once(script, flags, monkeypatch
     assert message.endswith(f"; offline (the hub does not answer, or HF_HUB_OFFLINE=1) only the local cache is read, "
                             f"and it lacks {name!r}: pass a local directory, or download it where there is a network")
     assert not os.listdir(tmp_path)
+
+
+# ------------------------------------------------------------------------------------------------
+# A user's own data: lengths that fit it, evaluations that mean something on it, and no silent run
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("script", [sft, dpo, grpo, rlhf_ppo, scale_sft, scale_dpo, scale_grpo, scale_rlhf_ppo],
+                         ids=lambda m: m.__name__)
+def test_the_lengths_are_the_built_in_task_s_or_on_a_dataset_trl_s(script, capsys):
+    """settle_lengths: a flag not given is the built-in task's on it and TRL's on a dataset (SFT, DPO: max_length
+    1024; GRPO: 512 prompt tokens), one given is kept; settle_room: a length left to the data is what it needs or
+    TRL's, cut to what the model's positions leave, and says so in one line."""
+    from types import SimpleNamespace
+
+    builtin, data = SimpleNamespace(dataset_name=None, a=None, b=7), SimpleNamespace(dataset_name="d.jsonl", a=None, b=7)
+    for args, a in ((builtin, 64), (data, 1024)):
+        script.settle_lengths(args, {"a": (64, 1024), "b": (1, 2)})
+        assert (args.a, args.b) == (a, 7)
+    args = SimpleNamespace(dataset_name="d.jsonl", response_length=None)
+    script.settle_room(args, "response_length", 512, "TRL's max_completion_length", 1024 - 900)
+    assert args.response_length == 124 and capsys.readouterr().out == (
+        "--response-length 124: TRL's max_completion_length, cut to the 124 positions the model leaves after the "
+        "longest prompt\n")
+    script.settle_room(args, "response_length", 512, "TRL's", 1000)  # given (or settled): kept, nothing printed
+    assert args.response_length == 124 and capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("script", ["sft.py", "scale/sft.py"])
+def test_sft_on_a_dataset_keeps_long_examples_and_samples_them_whole(script, tmp_path, capsys):
+    """A conversational file whose chats run past the built-in task's 64 tokens: none dropped (TRL's 1024), and the
+    samples of the 4 held-out chats run to the longest first answer of theirs (--max-new-tokens 47, printed), not
+    to the task's 12."""
+    rows = [{"messages": [{"role": "user", "content": f"say {i} " + "x" * (40 + i % 7)},
+                          {"role": "assistant", "content": f"{i} " + "y" * (40 + i % 7)},
+                          {"role": "user", "content": "again"}, {"role": "assistant", "content": "y" * 60}]}
+            for i in range(40)]
+    (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    run_in_process(script, *TINY_LM, "--dataset-name", "chat.jsonl", "--max-steps", "1", "--batch-size", "4",
+                   "--eval-size", "8", "--output-dir", "out", cwd=tmp_path)
+    out = capsys.readouterr().out
+    held_out = split_rows(tmp_path / "chat.jsonl", eval_size=8)[1]
+    longest = max(len(row["messages"][1]["content"]) for row in held_out) + 1  # bytes, and the stop token
+    assert "dropped" not in out and f"--max-new-tokens {longest}: the longest completion of the 8" in out, out
+    assert "36 training examples" in out
+
+
+def test_a_user_s_tools_on_the_built_in_task_and_no_call_allowed_are_said(tmp_path, capsys):
+    """--tools on the built-in task (it needs multiply): one line; --max-tool-calling-iterations 0: a note (TRL's
+    meaning, the baseline without tools); a dataset with tools but no reward: one line that names the reward."""
+    (tmp_path / "my_tools.py").write_text("def add(a: int, b: int) -> int:\n    \"\"\"Add.\n\n    Args:\n"
+                                          "        a: one\n        b: two\n    \"\"\"\n    return a + b\n")
+    message = one_line_exit("agent_grpo.py", "--tools", "my_tools.py:add", cwd=tmp_path)
+    assert message.startswith("error: --tools my_tools.py:add on the built-in task replaces the multiply"), message
+    message = one_line_exit("agent_grpo.py", "--dataset-name", "d.jsonl", "--tools", "my_tools.py:add", cwd=tmp_path)
+    assert message.startswith("error: a dataset needs a reward: --reward-fn"), message
+    one_line_exit("agent_grpo.py", "--max-tool-calling-iterations", "0", "--model-name-or-path", "none", cwd=tmp_path)
+    assert capsys.readouterr().out.startswith("note: --max-tool-calling-iterations 0: no call runs, so no tool is")
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "rlhf_ppo.py", "agent_grpo.py", "scale/grpo.py", "scale/rlhf_ppo.py"])
+def test_a_reward_that_is_always_zero_is_one_line(script, tmp_path):
+    """Every term weighed 0 and no missing-EOS penalty: every reward is 0, nothing is learned; one line. With the
+    penalty a completion that never stops still scores: it runs."""
+    flags = ["--reward-fn", "exact_match", "--reward-weights", "0", "--missing-eos-penalty", "0"]
+    flags += ["--reward-model-path", "None"] if "rlhf" in script else []
+    message = one_line_exit(script, *flags, cwd=tmp_path)
+    assert message.startswith("error: --reward-weights 0.0: every term weighs 0, so every reward is 0"), message
+
+
+def test_rlhf_ppo_reward_model_path_none_is_no_reward_model(tmp_path):
+    """--reward-model-path None means no reward model in every script: rlhf_ppo.py with it and no --reward-fn has
+    no reward at all, one line."""
+    for script in ("rlhf_ppo.py", "scale/rlhf_ppo.py"):
+        message = one_line_exit(script, "--reward-model-path", "None", cwd=tmp_path)
+        assert message == "error: --reward-model-path None and no --reward-fn: there is no reward; give one or both"
+
+
+@pytest.mark.parametrize("script", ["rlhf_ppo.py", "grpo.py", "scale/rlhf_ppo.py", "scale/grpo.py"])
+def test_a_reward_model_of_the_built_in_task_never_scores_a_dataset(script, tiny_checkpoints, tmp_path):
+    """The reward model's training_args.json says it learned the built-in task: on the user's prompts it would score
+    text it has never seen, so the run stops in one line before any work."""
+    data = write_data(tmp_path / "prompts.jsonl", "text_prompts")
+    rm = str(tiny_checkpoints["reward_model"])
+    groups = [] if "rlhf" in script else ["--num-generations", "4"]
+    message = one_line_exit(script, "--model-name-or-path", str(tiny_checkpoints["sft"]), "--reward-model-path", rm,
+                            "--dataset-name", data, "--reward-fn", "format", "--format-pattern", ".*", "--batch-size",
+                            "8", "--mini-batch-size", "8", *groups, cwd=tmp_path)
+    assert message.startswith(f"error: the reward model {rm!r} was trained on the built-in task, not for"), message
+
+
+@pytest.mark.parametrize("script", ["dpo.py", "scale/dpo.py"])
+def test_dpo_on_own_data_reports_no_score_of_another_task_and_prints_its_samples(script, tiny_checkpoints, tmp_path,
+                                                                              capsys):
+    """dpo.py on the user's preference file with the default reward model, trained on the built-in task: a note, no
+    eval/score; every evaluation says what it is; the run ends with its held-out prompts (up to 8) and samples."""
+    shutil.copytree(tiny_checkpoints["cwd"] / "models" / "reward_model", tmp_path / "models" / "reward_model")
+    data = write_data(tmp_path / "prefs.jsonl", "explicit")
+    run_in_process(script, "--model-name-or-path", str(tiny_checkpoints["sft"]), "--dataset-name", data,
+                   "--max-steps", "2", "--batch-size", "4", "--eval-size", "8", "--eval-every", "2",
+                   "--output-dir", "out", cwd=tmp_path)
+    out = capsys.readouterr().out
+    assert "note: the reward model models/reward_model was trained on the built-in task, not on " in out, out
+    assert "eval/score" not in read_scalars(only_run_dir(tmp_path))
+    assert "\nevaluation: eval/loss, eval/accuracy over 4 held-out pairs; the rest over 4 prompts, one " in out
+    lines = out.splitlines()
+    start = lines.index("held-out prompts and the completion sampled from each:")
+    assert len(lines[start + 1 : -1]) >= 4 and all(line.startswith("    '") for line in lines[start + 1 : -1]), lines
+    assert lines[-1].startswith("saved to out")
+
+
+def test_run_names_tell_the_output_apart():
+    """runs/<exp>__<seed>__<time> at the default --output-dir; with another, its last part after <exp> (but where
+    it is <exp>, as the benchmarks name theirs)."""
+    from types import SimpleNamespace
+
+    for script in (sft, dpo, grpo, scale_sft, scale_grpo):
+        default = SimpleNamespace(exp_name="x", seed=3, output_dir=script.Args.output_dir)
+        assert script.run_name(default).startswith("runs/x__3__")
+        assert script.run_name(SimpleNamespace(exp_name="x", seed=3, output_dir="models/chat-sft/")).startswith(
+            "runs/x__chat-sft__3__")
+        assert script.run_name(SimpleNamespace(exp_name="x", seed=3, output_dir="models/x")).startswith("runs/x__3__")

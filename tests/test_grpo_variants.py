@@ -271,7 +271,7 @@ def test_pass_at_k_and_the_training_samples_in_each_script(script, small_checkpo
             "--mini-batch-size", "8", "--missing-eos-penalty", "0"]
     sft = str(small_checkpoints["sft"])
     models = {"grpo.py": ["--model-name-or-path", sft, "--num-generations", "4", *data],
-              "rlhf_ppo.py": ["--model-name-or-path", sft, *data],
+              "rlhf_ppo.py": ["--model-name-or-path", sft, "--reward-model-path", "None", *data],
               "distill.py": ["--model-name-or-path", sft, "--teacher-model-name-or-path", sft]}[script]
     run_in_process(script, *CPU_FLOAT32, *models, "--num-iterations", "2", "--batch-size", "16", "--eval-size", "32",
                    "--eval-every", "2", "--eval-num-samples", "4", "--log-completions-every", "1", "--output-dir", "out",

@@ -292,7 +292,7 @@ def test_a_response_no_reward_function_scores_has_no_loss(small_checkpoints, tmp
     monkeypatch.setattr(module, name, recording)
     monkeypatch.setattr(module, "policy_loss", spy)
     run_in_process(script, *CPU_FLOAT32, "--model-name-or-path", str(small_checkpoints["sft"]), "--reward-fn",
-                   f"{tmp_path / 'rewards.py'}:none", "--batch-size", "16", "--mini-batch-size", "8", "--ppo-epochs",
+                   f"{tmp_path / 'rewards.py'}:none", "--reward-model-path", "None", "--batch-size", "16", "--mini-batch-size", "8", "--ppo-epochs",
                    "1", "--num-iterations", "1", "--eval-size", "0", "--response-length", "7", "--output-dir", "out",
                    cwd=tmp_path)
     (sequences, _, width, mask, _), = rollouts

@@ -76,29 +76,34 @@ def test_help_of_sft_prints_its_docstring():
 @pytest.mark.slow
 def test_the_own_data_example_works_as_written(tmp_path):
     """The README's own-data example, run as written (its `python` this interpreter, sft.py and grpo.py this
-    checkout's): it makes words.jsonl, trains on it, ends by printing 8 held-out prompts with the completion
-    sampled from each and the data's, mostly right (sft.py's last lines before it saves), and grpo.py then trains
-    from the saved model on the `target` column."""
+    checkout's): it makes words.jsonl and chat.jsonl, trains on each, each run ending by printing 8 held-out
+    prompts with the completion sampled from each and the data's (of a chat, the assistant turn after the prompt),
+    mostly right, and grpo.py then trains from the first model on the `target` column."""
     import subprocess
     import sys
 
     from conftest import read_scalars
 
     block = next(b for b in re.findall(r"```bash\n(.*?)```", readme(), re.DOTALL) if "words.jsonl" in b)
-    assert len(block.strip().splitlines()) == 7, block
+    assert len(block.strip().splitlines()) == 10, block
     script = re.sub(r"python (sft|grpo)\.py", lambda m: f"{sys.executable} {os.path.join(ROOT, m.group(1))}.py",
                     block).replace("python -", f"{sys.executable} -")
     proc = subprocess.run(["bash", "-c", "set -e\n" + script], cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "error" not in proc.stdout + proc.stderr and (tmp_path / "models" / "reverse-grpo" / "config.json").exists()
     lines = proc.stdout.splitlines()
-    header = lines.index("held-out prompts, the completion sampled from each and the data's:")
-    samples = [re.fullmatch(r"    '(\w+):' '(\w*)' \(data: '(\w+)'\)", line) for line in lines[header + 1 : header + 9]]
-    assert all(samples) and lines[header + 9] == "saved to models/reverse-sft", lines[header:]
-    assert all(data == prompt[::-1] for prompt, _, data in (m.groups() for m in samples))  # the data's answer
-    assert sum(answer == data for _, answer, data in (m.groups() for m in samples)) >= 6, lines[header:]  # mostly right
-    runs = {run.name.split("__")[0]: str(run) for run in (tmp_path / "runs").iterdir()}  # runs/<exp>__<seed>__<time>
-    logs = read_scalars(runs["sft"])
-    first, last = logs["losses/loss"][0][1], logs["losses/loss"][-1][1]
-    assert 0 < last < first / 2, logs["losses/loss"]  # it learned: a cross-entropy, positive, and halved
-    assert len(read_scalars(runs["grpo"])["rewards/exact_match"]) == 10  # grpo.py read the target column, 10 times
+    header = "held-out prompts, the completion sampled from each and the data's:"
+    starts = [i for i, line in enumerate(lines) if line == header]
+    assert len(starts) == 2, lines
+    for start, prompt, saved in zip(starts, (r"'(\w+):'", r"'user: reverse (\w+)</s>assistant: '"),
+                                    ("reverse-sft", "chat-sft")):
+        samples = [re.fullmatch(rf"    {prompt} '(\w*)' \(data: '(\w+)'\)", line) for line in lines[start + 1 : start + 9]]
+        assert all(samples) and lines[start + 9] == f"saved to models/{saved}", lines[start:]
+        assert all(data == word[::-1] for word, _, data in (m.groups() for m in samples))  # the data's answer
+        assert sum(answer == data for _, answer, data in (m.groups() for m in samples)) >= 6, lines[start:]  # mostly
+    runs = {run.name.split("__")[1]: str(run) for run in (tmp_path / "runs").iterdir()}  # <exp>__<output>__<seed>__<time>
+    for name in ("reverse-sft", "chat-sft"):
+        logs = read_scalars(runs[name])
+        first, last = logs["losses/loss"][0][1], logs["losses/loss"][-1][1]
+        assert 0 < last < first / 2, logs["losses/loss"]  # it learned: a cross-entropy, positive, and halved
+    assert len(read_scalars(runs["reverse-grpo"])["rewards/exact_match"]) == 10  # grpo.py read the target column

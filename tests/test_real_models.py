@@ -898,7 +898,7 @@ def test_the_task_seeds_evaluations_and_run_name_follow_the_flags(script, flags,
     sampling; rank 0's under scale/) and the generator that draws rlhf_ppo.py's and grpo.py's prompts; every call
     to the task's row maker, the two seed functions and random.Random is read. --eval-every sets the steps that
     log eval/ scalars (every 2nd and the last; the policy scripts also step 0, the untrained policy), --exp-name
-    the run directory runs/<exp>__<seed>__<time>, and the evaluation's --max-new-tokens (sft.py),
+    the run directory runs/<exp>__<output>__<seed>__<time>, and the evaluation's --max-new-tokens (sft.py),
     --response-length and --temperature (dpo.py; the rollouts too in rlhf_ppo.py and grpo.py) every call to the
     sampler. A script that takes a default instead (100,000 rows, 512 eval rows, seed 1, 12 tokens, ...) fails."""
     import importlib
@@ -935,7 +935,7 @@ def test_the_task_seeds_evaluations_and_run_name_follow_the_flags(script, flags,
     if n == 50_000:  # the prompts drawn each iteration
         assert ("Random", 3) in seeds and ("Random", 1) not in seeds, seeds
     run_dir = only_run_dir(tmp_path)
-    assert os.path.basename(run_dir).startswith("named__3__"), run_dir
+    assert os.path.basename(run_dir).startswith("named__out__3__"), run_dir  # <exp>__<output>__<seed>__<time>
     scalars = read_scalars(run_dir)
     evaluated = {step for tag, values in scalars.items() if tag.startswith("eval/") for step, _ in values}
     assert evaluated == {2, 3} | ({0} if os.path.basename(script) in ("dpo.py", "rlhf_ppo.py", "grpo.py") else set())

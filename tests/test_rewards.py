@@ -247,9 +247,10 @@ def test_sft_then_grpo_with_the_numeric_reward(arithmetic_sft):
 
 
 def test_sft_then_rlhf_ppo_with_the_numeric_reward_and_no_reward_model(arithmetic_sft, capsys):
-    """rlhf_ppo.py with --reward-fn and no --reward-model-path: three models, the critic from the SFT model."""
+    """rlhf_ppo.py with --reward-fn and --reward-model-path None: three models, the critic from the SFT model."""
     cwd = arithmetic_sft
-    run_in_process("rlhf_ppo.py", *RL, "--reward-fn", "numeric_match", "--num-iterations", "2", "--batch-size", "8",
+    run_in_process("rlhf_ppo.py", *RL, "--reward-fn", "numeric_match", "--reward-model-path", "None",
+                   "--num-iterations", "2", "--batch-size", "8",
                    "--mini-batch-size", "8", "--exp-name", "ppo_numeric", "--output-dir", "models/ppo", cwd=cwd)
     assert "3 model(s) in memory" in capsys.readouterr().out
     logs = read_scalars(last_run(cwd, "ppo_numeric"))
@@ -368,7 +369,8 @@ def test_every_scale_script_checks_the_system_prompt_before_loading_a_model(scri
 @pytest.mark.parametrize("flags,words", [
     (["--reward-fn", "nope"], ["--reward-fn 'nope'", "MODULE_OR_FILE:NAME"]),
     (["--reward-fn", "missing.py:f"], ["'missing.py' does not exist"]),
-    (["--reward-fn", "numeric_match", "--reward-weights", "1", "2"], ["2 values for 1 reward terms"]),
+    (["--reward-fn", "numeric_match", "--reward-model-path", "None", "--reward-weights", "1", "2"],
+     ["2 values for 1 reward terms"]),
     (["--reward-fn", "bad.py:bad"], ["'bad' cannot be called as bad(prompts, completions, target)"]),
 ])
 def test_bad_reward_flags_are_one_line_before_any_model_is_loaded(script, flags, words, tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ from conftest import (
     only_run_dir,
     read_scalars,
     reference_after_training,
+    reward_model_for,
     run_in_process,
     run_script,
     same_seed_scalars,
@@ -255,7 +256,8 @@ def test_real_data_paths_with_local_files(tiny_checkpoints, tmp_path, monkeypatc
     assert sum(len(p.encode()) <= 12 for p in train) >= 16  # batches of 16
     models = tiny_checkpoints["cwd"] / "models"
     run_in_process("rlhf_ppo.py", *PPO_TINY, "--dataset-name", "prompts.jsonl", "--model-name-or-path", str(models / "sft"),
-                   "--reward-model-path", str(models / "reward_model"), "--max-prompt-length", "12",
+                   "--reward-model-path", reward_model_for(models / "reward_model", tmp_path / "rm", "prefs.jsonl"),
+                   "--max-prompt-length", "12",
                    "--output-dir", "ppo", cwd=tmp_path)
     assert len(lengths) > 32 and max(lengths) <= 12, lengths  # two rollouts of 16, and the evaluations
     scalars = read_scalars(str(sorted(tmp_path.glob("runs/rlhf_ppo__*"))[-1]))
@@ -431,7 +433,7 @@ def test_a_response_with_no_stop_token_is_scored_the_missing_eos_penalty(small_c
     monkeypatch.setattr(rlhf_ppo, "generate", recording)
     monkeypatch.setattr(rlhf_ppo, "shaped_rewards", shaped_spy)
     rm_path = small_checkpoints["reward_model"]
-    score = ["--reward-model-path", str(rm_path)] if source == "reward_model" else ["--reward-fn", "gold"]
+    score = ["--reward-model-path", str(rm_path)] if source == "reward_model" else ["--reward-fn", "gold", "--reward-model-path", "None"]
     run_in_process("rlhf_ppo.py", *CPU_FLOAT32, "--model-name-or-path", str(small_checkpoints["sft"]), *score,
                    "--num-iterations", "1", "--batch-size", "16", "--mini-batch-size", "16", "--ppo-epochs", "1",
                    "--response-length", "6", "--missing-eos-penalty", "-7.5", "--eval-size", "4", "--output-dir", "out",
@@ -547,7 +549,8 @@ def test_the_vapo_flags_reach_the_losses_and_the_lm_term_the_gradient(tiny_check
     (tmp_path / "p.jsonl").write_text("\n".join(json.dumps({"prompt": f"sort {i % 7}{i % 5}{i % 3}1:"}) for i in range(40)))
     sft = tiny_checkpoints["sft"]
     run_in_process("scale/rlhf_ppo.py", *CPU_FLOAT32, "--model-name-or-path", str(sft), "--dataset-name", "p.jsonl",
-                   "--reward-fn", "format", "--format-pattern", ".*[a-z].*", "--num-iterations", "1", "--batch-size", "8",
+                   "--reward-fn", "format", "--format-pattern", ".*[a-z].*", "--reward-model-path", "None",
+                   "--response-length", "12", "--num-iterations", "1", "--batch-size", "8",
                    "--mini-batch-size", "8", "--ppo-epochs", "1", "--lr", "1e-4", "--vf-coef", "0", "--critic-lam", "1.0",
                    "--length-adaptive-lam", "0.4", "--cliprange-high", "0.28", "--positive-lm-coef", "1.0",
                    "--eval-size", "4", "--output-dir", "out", cwd=tmp_path)

@@ -189,12 +189,13 @@ def test_an_exception_with_an_empty_message_still_makes_one_line(tmp_path):
 
 
 def test_it_learns_the_built_in_task_in_100_steps(tmp_path):
-    """From scratch, 100 steps of 32: the held-out completion loss falls from 5.6 (uniform over the bytes) to 2.96-
-    3.01 (seeds 1-3), below 3.5 and below its value at step 50; with the loss's sign flipped it climbs to 9.4."""
+    """From scratch, 100 steps of 32 (the default warmup: a tenth of them): the held-out completion loss falls from
+    5.6 (uniform over the bytes) to 1.83 (seed 1), below 2.5 and below its value at step 50 (2.00); with the loss's
+    sign flipped it climbs."""
     run_in_process("sft.py", *TINY_LM, "--max-steps", "100", "--batch-size", "32", "--eval-every", "50",
                    "--eval-size", "32", "--num-train-examples", "2000", "--output-dir", "out", cwd=tmp_path)
     losses = [v for _, v in read_scalars(only_run_dir(tmp_path))["eval/loss"]]
-    assert losses[-1] < 3.5 and losses[-1] < losses[0] - 0.3, losses
+    assert losses[-1] < 2.5 and losses[-1] < losses[0] - 0.1, losses
 
 
 def test_the_logged_loss_is_the_completion_nll_of_the_starting_model(tiny_checkpoints, tmp_path):

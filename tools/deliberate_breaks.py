@@ -1220,6 +1220,31 @@ BREAKS = {
     "scale_grpo_entropy_control_not_resumed": ("scale/grpo.py", "        control.coef, control.last = loop[\"entropy_control\"]",
         "        pass", "tests/test_resume.py"),
     "distill_no_training_samples": ("distill.py", "    if args.log_completions_every and iteration % args.log_completions_every == 0:", "    if False:", "tests/test_grpo_variants.py"),
+    # issue 98: a user's own data; each caught by tests/test_first_hour.py
+    "sft_own_data_length_is_the_task_s": ("sft.py", '"max_length": (64, 1024)', '"max_length": (64, 64)',
+                                          "tests/test_first_hour.py"),
+    "sft_samples_cut_at_twelve": ("sft.py", '"max_new_tokens": (12, None)', '"max_new_tokens": (12, 12)',
+                                  "tests/test_first_hour.py"),
+    "room_never_cuts": ("grpo.py", "setattr(args, name, max(1, min(value, room)))", "setattr(args, name, value)",
+                        "tests/test_first_hour.py"),
+    "warmup_longer_than_the_run_runs": ("sft.py", "    elif args.warmup_steps >= args.max_steps >= 1:",
+                                        "    elif False:", "tests/test_first_hour.py"),
+    "agent_user_tools_on_the_builtin_task": ("agent_grpo.py",
+        "    if args.tools and args.dataset_name is None and args.environment is None:",
+        "    if False:", "tests/test_first_hour.py"),
+    "reward_weights_all_zero_run": ("grpo.py",
+        "    if args.reward_weights and not any(args.reward_weights) and not args.missing_eos_penalty:",
+        "    if False:", "tests/test_first_hour.py"),
+    "builtin_reward_model_scores_a_dataset": ("rlhf_ppo.py",
+        "    if dataset_name is not None and reward_model_data(path) is None:", "    if False:",
+        "tests/test_first_hour.py"),
+    "dpo_scores_with_another_task_s_reward_model": ("dpo.py", '    if trained in ("", args.dataset_name):',
+                                                    "    if True:", "tests/test_first_hour.py"),
+    "dpo_prints_no_samples": ("dpo.py", "        print_samples(eval_prompts, completions)", "        pass",
+                              "tests/test_first_hour.py"),
+    "run_name_ignores_the_output": ("sft.py", 'if args.output_dir != Args.output_dir else ""', 'if False else ""',
+                                    "tests/test_first_hour.py"),
+
 }
 
 
