@@ -458,9 +458,10 @@ def check_args(args):
         sys.exit(f"error: --scale-rewards {args.scale_rewards} changes --advantage grpo only; --advantage "
                  f"{args.advantage} has its own scale")
     if not 0 <= args.soft_overlong_cache < (args.response_length or math.inf):  # None: settled later
-        top = args.response_length - 1 if args.response_length else "--response-length − 1"  # None: not yet settled
-        sys.exit(f"error: --soft-overlong-cache {args.soft_overlong_cache}: the last tokens before --response-length "
-                 f"where the penalty grows, from 0 (off) to {top}")
+        length, top = ((f"--response-length {args.response_length}", args.response_length - 1) if args.response_length
+                       else ("--response-length", "--response-length − 1"))  # None: not settled yet
+        sys.exit(f"error: --soft-overlong-cache {args.soft_overlong_cache}: the last tokens before {length} where the "
+                 f"penalty grows, from 0 (off) to {top}")
     if args.loss_type == "cispo" and args.importance_sampling_level == "sequence":
         sys.exit("error: --loss-type cispo weighs each token by its own ratio: use --importance-sampling-level token")
     if args.loss_type == "cispo" and args.epsilon_high is None:

@@ -870,9 +870,10 @@ def check_args(args):
         sys.exit("error: --loss-type vespo folds the sampler correction into its weight token by token: use "
                  "--vllm-importance-sampling-mode token_truncate or token_mask (as TRL)")
     if not 0 <= args.soft_overlong_cache < (args.response_length or math.inf):  # None: settled later
-        top = args.response_length - 1 if args.response_length else "--response-length − 1"  # None: not yet settled
-        sys.exit(f"error: --soft-overlong-cache {args.soft_overlong_cache}: the last tokens before --response-length "
-                 f"where the penalty grows, from 0 (off) to {top}")
+        length, top = ((f"--response-length {args.response_length}", args.response_length - 1) if args.response_length
+                       else ("--response-length", "--response-length − 1"))  # None: not settled yet
+        sys.exit(f"error: --soft-overlong-cache {args.soft_overlong_cache}: the last tokens before {length} where the "
+                 f"penalty grows, from 0 (off) to {top}")
     if args.rollout_lag < 0:
         sys.exit(f"error: --rollout-lag {args.rollout_lag}: the iterations the sampler's weights lag, 0 or more")
     if args.rollout_lag and args.resume is not None:  # the K older weights are not in a checkpoint
