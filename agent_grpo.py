@@ -34,6 +34,8 @@ clip-higher (--epsilon-high), --mask-truncated-completions. One process, one dev
 (scale/grpo.py holds the other variants and the systems features, for single-turn GRPO).
 """
 
+import collections
+import ctypes
 import datetime
 import decimal
 import functools
@@ -41,13 +43,19 @@ import importlib
 import inspect
 import json
 import math
+import multiprocessing
 import os
 import random
 import re
+import resource
 import runpy
+import secrets
 import shutil
+import signal
 import socket
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.parse
@@ -104,6 +112,16 @@ class Args:
     """one weight per --reward-fn, in order; none given: all 1"""
     format_pattern: str | None = None
     """the regular expression of --reward-fn format, which the whole last answer must match"""
+    reward_timeout: float = 120.0
+    """seconds one reward function may take on one batch (each worker's part of it); its completions then get None
+    (not scored), counted in rewards/<name>_timeouts, and the run goes on"""
+    reward_num_workers: int = 0
+    """worker processes that call the reward functions, the batch split among them (forked: each holds the functions
+    as loaded; a call past --reward-timeout is killed with its worker, which is replaced). 0: in the trainer, where
+    the timeout stops Python code (SIGALRM), not a C call that never returns"""
+    max_reward_failures: int = 3
+    """a reward function that fails (times out or raises) on every completion of this many calls in a row stops the
+    run, before it saves; one that fails on some is counted (rewards/<name>_errors) and the run goes on"""
     dataset_name: str | None = None
     """hub id, local dataset directory, or .json/.jsonl/.parquet file with a `prompt` column (conversational, or
     text: one user turn); its other columns reach the reward functions by name; None: the built-in task"""
@@ -299,7 +317,30 @@ def format_match(prompts, completions, pattern, **columns):
     return [float(re.fullmatch(pattern, completion_text(c), re.DOTALL) is not None) for c in completions]
 
 
-BUILTIN_REWARDS = {"gold": gold, "exact_match": exact_match, "numeric_match": numeric_match, "format": format_match}
+def code_execution(prompts, completions, tests, python=sys.executable, **columns):
+    """open-r1's code reward, sandboxed: the completion's last fenced Python block (last_python_block), run with each
+    assert of the row's `tests` column (a list of strings, as MBPP's test_list) after it, in a fresh sandboxed
+    process (run_sandboxed: what it stops and what it does not are said there and in docs/grpo.md):
+
+        r = (asserts that pass) / (asserts)       0 where there is no block or it does not run
+
+    None where the row has no test (nothing to check). `python`: the interpreter of the sandbox (sandbox_python)."""
+    rewards = []
+    for completion, asserts in zip(completions, tests):
+        program = last_python_block(completion_text(completion))
+        passed = run_sandboxed(python, program, list(asserts)) if program is not None and asserts else 0
+        rewards.append(passed / len(asserts) if asserts else None)
+    return rewards
+
+
+def last_python_block(text):
+    """The code of the last fenced block of `text` (```python, ```py or a bare ```), or None where there is none."""
+    blocks = re.findall(r"```(?:python|py)?[ \t]*\n(.*?)```", text, re.DOTALL)
+    return blocks[-1] if blocks else None
+
+
+BUILTIN_REWARDS = {"gold": gold, "exact_match": exact_match, "numeric_match": numeric_match, "format": format_match,
+                   "code_execution": code_execution}
 
 
 def combine_rewards(per_function, weights):
@@ -316,6 +357,7 @@ def combine_rewards(per_function, weights):
 
 def check_args(args):
     """Every flag checked before any work: one line that says what to change."""
+    check_reward_flags(args)
     settle_lengths(args, {"max_completion_length": (256, None), "max_prompt_length": (64, 512)})  # where not given
     if args.threads is not None and args.threads < 1:
         sys.exit(f"error: --threads {args.threads}: it must be at least 1 (leave it out for the default)")
@@ -347,6 +389,9 @@ def check_args(args):
     if args.tools and args.dataset_name is None and args.environment is None:  # it would train at reward 0
         sys.exit(f"error: --tools {' '.join(args.tools)} on the built-in task replaces the multiply its answers need; give your "
                  "tools your data (--dataset-name, --reward-fn) or an --environment")
+    if args.environment and args.reward_num_workers:
+        sys.exit(f"error: --reward-num-workers {args.reward_num_workers} with --environment: the reward functions read the "
+                 "episodes' environment instances, which live in the trainer; leave it 0")
     if args.write_sft_data and args.environment not in (None, *BUILTIN_ENVIRONMENTS):
         sys.exit(f"error: --write-sft-data writes demonstrations of a built-in task ({', '.join(BUILTIN_ENVIRONMENTS)} "
                  f"or none), not of --environment {args.environment!r}")
@@ -395,6 +440,7 @@ def main(args: Args):
     note_overwrite(args.output_dir)
     torch.set_num_threads(cpu_threads(args.threads))
     tools, environment, functions, weights, task_row = load_episode_setup(args)  # the flags of the episodes
+    guard, tool_worker = reward_guard(functions, args), Worker(tools, TOOL_MEMORY)  # forked before any model loads
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     G, B = args.num_generations, args.batch_size
     epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
@@ -427,9 +473,9 @@ def main(args: Args):
     writer = SummaryWriter(run_name(args))
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
     print(f"{1 + (ref is not None)} model(s) in memory; tools: {', '.join(s['function']['name'] for s in schemas)}")
-    terms = RewardTerms(functions, weights, None, [name for name, _ in functions])
-    harness = Harness(tokenizer, tools, schemas, stop_ids, positions, *((environment[0], [environment[1]]) if
-                                                                           environment else ()))
+    terms = RewardTerms(functions, weights, None, [name for name, _ in functions], guard)
+    harness = Harness(tokenizer, tools, schemas, stop_ids, positions,
+                      *((environment[0], [environment[1]]) if environment else ()), worker=tool_worker)
 
     def logprobs_of(model, sequences, attention_mask, context_length):
         """(log π(a_t | s_t), entropy) of every completion token, the environment's too (the mask drops them), a
@@ -480,7 +526,7 @@ def main(args: Args):
                 optimizer.zero_grad(set_to_none=True)
 
         # ---- 4. log: statistics of the whole batch, the policy's tokens and the tools' apart ----------------
-        log_agent_iteration(writer, iteration, batch, old, stats, terms.names, lr, start_time, args)
+        log_agent_iteration(writer, iteration, batch, old, stats, terms, lr, start_time, args)
         progress(iteration, f"reward {float(batch.rewards.nanmean()):.3f}")
         if iteration % args.eval_every == 0 or iteration == args.num_iterations:
             evaluate(policy, harness, eval_rows, eval_ids, terms, amp, writer, iteration, args)
@@ -549,15 +595,26 @@ def parse_turn(tokenizer, ids, prefix, schemas):
     return {**message, "content": content.removesuffix(tokenizer.eos_token) if isinstance(content, str) else ""}
 
 
-def call_tool(tools, call, timeout):
+def call_tool(tools, call, timeout, worker=None):
     """(the result as a tool turn's content, whether the call failed) of one call, as TRL's tool loop writes it:
     str() of the function's return value; for an unknown tool, arguments the function does not take, or an
     exception it raises, str({"error": message}) with TRL's message ("Tool NAME not found.", the exception's
-    text). Unlike TRL's, a call also fails after `timeout` seconds (left to finish in a daemon thread: Python
-    cannot stop it), and a list result is text (TRL passes a list on as multimodal content)."""
+    text). Unlike TRL's, a --tools function runs in `worker`, a process of its own: a call that takes longer than
+    `timeout` seconds, dies, or allocates past TOOL_MEMORY fails, the worker killed (what it started too) and
+    replaced. An environment's methods hold its episode's state, so they run in the trainer: one past `timeout` fails
+    and is left to finish in a daemon thread (Python cannot stop it). A list result is text (TRL passes a list on as
+    multimodal content)."""
     function, outcome = call["function"], {}
     if function["name"] not in tools:
         outcome["error"] = f"Tool {function['name']} not found."
+    elif worker is not None and tools[function["name"]] is worker.table.get(function["name"]):
+        worker.send(function["name"], function["arguments"])
+        status, value = worker.result(time.monotonic() + timeout)
+        if status == "ok":
+            outcome["result"] = value
+        else:  # TRL's message where it raised: the exception's text
+            outcome["error"] = (value[1] or value[0]) if status == "raised" else f"timed out after {timeout:g} s" if value is None \
+                else value
     else:
         def run():
             try:
@@ -902,6 +959,7 @@ class Harness:
     environment: type | None = None
     pool: list = field(default_factory=list)  # the environment's instances, one per episode of a batch
     said: set = field(default_factory=set)  # the notes printed (note_once)
+    worker: "Worker | None" = None  # the process the --tools functions run in (call_tool); None: in the trainer
 
 
 @dataclass
@@ -969,7 +1027,7 @@ def run_episodes(policy, harness, prompt_ids, prompts, tools, args, greedy=False
             stopped = bool(ids) and ids[-1] in harness.stop_ids
             if not stopped or not message.get("tool_calls") or rounds == args.max_tool_calling_iterations:
                 continue
-            results = [call_tool(tools[b], call, args.tool_timeout) for call in message["tool_calls"]]
+            results = [call_tool(tools[b], call, args.tool_timeout, harness.worker) for call in message["tool_calls"]]
             counts[b][0] += len(results)
             counts[b][1] += sum(failed for _, failed in results)
             replies = [{"role": "tool", "name": call["function"]["name"], "content": content}
@@ -1030,7 +1088,7 @@ def episode_rewards(rows, prompts, conversations, has_stop, terms, environments,
     environment's get_reward() (environment_reward); --missing-eos-penalty for an episode whose last turn was cut at
     the length limit. Returns (rewards, the [B, K] table)."""
     columns = reward_columns(rows) | ({"environments": environments} if environments else {})
-    table = reward_terms(terms.functions, prompts, conversations, columns)
+    table = reward_terms(terms.functions, prompts, conversations, columns, terms.guard)
     rewards = combine_rewards(table.to(has_stop.device), terms.weights)
     return torch.where(has_stop, rewards, torch.full_like(rewards, args.missing_eos_penalty)), table
 
@@ -1055,7 +1113,7 @@ def episode_text(tokenizer, sequence, attention_mask, mask, context_length):
     return "".join(pieces)
 
 
-def log_agent_iteration(writer, iteration, batch, old, stats, names, lr, start_time, args):
+def log_agent_iteration(writer, iteration, batch, old, stats, terms, lr, start_time, args):
     """An iteration's statistics of the whole batch, to TensorBoard (docs/tags.md), and a line every 10 iterations:
     the policy's tokens only (entropy, lengths, clipping, KL) and the tools' apart."""
     B, G, mask = args.batch_size, args.num_generations, batch.mask
@@ -1082,7 +1140,8 @@ def log_agent_iteration(writer, iteration, batch, old, stats, names, lr, start_t
     if args.beta > 0:
         logs.update({"objective/kl": old.k1.sum().item() / B,
                      "losses/kl_penalty": stats["kl_penalty"] / num_minibatches})
-    logs.update(term_means(batch.table, names, "rewards/", "objective/score"))
+    logs.update(term_means(batch.table, terms.names, "rewards/", "objective/score"))
+    logs.update(terms.guard.counts())  # the completions whose reward call failed since the last log
     for tag, value in logs.items():
         writer.add_scalar(tag, float(value), iteration)
     if iteration % 10 == 0:
@@ -1158,11 +1217,12 @@ def load_models(args, device):
 @dataclass
 class RewardTerms:
     """What a completion's reward is made of: the reward functions (name, fn) and the reward model (or None),
-    their weights, and the name of each term (the reward model's "reward_model")."""
+    their weights, the name of each term (the reward model's "reward_model"), and the functions' RewardGuard."""
     functions: list
     weights: tuple
     reward: torch.nn.Module | None
     names: list
+    guard: "RewardGuard"  # how the reward functions are called, and their failures
 
 
 @dataclass
@@ -1568,6 +1628,8 @@ def load_reward_functions(specs, builtins, format_pattern):
                     sys.exit("error: --reward-fn format needs --format-pattern REGEX, which the whole completion "
                              "must match")
                 fn = functools.partial(fn, pattern=format_pattern)
+            if spec == "code_execution":  # its sandbox tried once and its isolation said, before any model is loaded
+                fn = functools.partial(fn, python=sandbox_python())
         elif not source or not name:
             sys.exit(f"error: --reward-fn {spec!r}: name a built-in ({', '.join(builtins)}) or a function of "
                      "yours as MODULE_OR_FILE:NAME (e.g. my_rewards.py:correctness)")
@@ -1614,24 +1676,324 @@ def reward_columns(rows):
     return {name: [row[name] for row in rows] for name in rows[0] if name != "prompt"} if rows else {}
 
 
-def reward_terms(functions, prompts, completions, columns):
-    """[B, K] float32: reward function k on completion i, NaN where it returned None ("does not apply"). A
-    function that raises, or returns a value that is not a finite number or None, or not one value per
-    completion, stops the run with one line naming it; nothing is saved."""
+def reward_terms(functions, prompts, completions, columns, guard):
+    """[B, K] float32: reward function k on completion i (call_reward: timed, and in the guard's workers where it has
+    any), NaN where it returned None ("does not apply") or its call failed (counted)."""
     table = torch.full((len(completions), len(functions)), float("nan"))
     for k, (name, fn) in enumerate(functions):
-        try:
-            values = list(fn(prompts=prompts, completions=completions, **columns))
-        except Exception as e:  # noqa: BLE001  the user's code: whatever it raises is one line
-            sys.exit(f"error: reward function {name!r} raised {type(e).__name__}: {first_line(e)}; stopped, nothing saved")
-        if len(values) != len(completions):
-            sys.exit(f"error: reward function {name!r} returned {len(values)} values for {len(completions)} completions")
-        bad = [v for v in values if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v))]
-        if bad:
-            sys.exit(f"error: reward function {name!r} returned {bad[0]!r} (a finite number or None is needed); "
-                     "stopped, nothing saved")
+        values = call_reward(guard, name, fn, prompts, completions, columns)
         table[:, k] = torch.tensor([float("nan") if v is None else float(v) for v in values])
     return table
+
+
+def check_reward_flags(args):
+    """One line before any work for --reward-timeout, --reward-num-workers or --max-reward-failures out of range."""
+    for flag, value, rule, ok in (
+            ("--reward-timeout", args.reward_timeout, "a finite number of seconds > 0",
+             math.isfinite(args.reward_timeout) and args.reward_timeout > 0),
+            ("--reward-num-workers", args.reward_num_workers, "0 or more", args.reward_num_workers >= 0),
+            ("--max-reward-failures", args.max_reward_failures, "1 or more", args.max_reward_failures >= 1)):
+        if not ok:
+            sys.exit(f"error: {flag} {value}: it must be {rule}")
+
+
+class RewardTimeout(BaseException):
+    """Raised in the trainer at --reward-timeout by SIGALRM (a BaseException: the function's `except Exception` does
+    not swallow it)."""
+
+
+@dataclass
+class RewardGuard:
+    """How the reward functions are called (--reward-timeout, --reward-num-workers, --max-reward-failures) and what
+    became of the calls: per function, the completions whose call timed out or raised since the last log, the calls
+    in a row that failed on every completion, and each function's first failure (said once)."""
+    names: list  # the reward functions'
+    timeout: float
+    max_failures: int
+    workers: list  # Worker processes that hold the functions; [] = called in the trainer
+    timeouts: collections.Counter = field(default_factory=collections.Counter)
+    errors: collections.Counter = field(default_factory=collections.Counter)
+    in_a_row: collections.Counter = field(default_factory=collections.Counter)
+    first: dict = field(default_factory=dict)
+
+    def counts(self):
+        """{rewards/<name>_timeouts, rewards/<name>_errors: completions since the last log} of each function, reset."""
+        logs = {f"rewards/{name}_{kind}": float(counter[name]) for name in self.names
+                for kind, counter in (("timeouts", self.timeouts), ("errors", self.errors))}
+        self.timeouts.clear()
+        self.errors.clear()
+        return logs
+
+
+def reward_guard(functions, args):
+    """The RewardGuard of a run: with --reward-num-workers N, N worker processes forked now, each holding every
+    reward function; 0: the functions are called in the trainer."""
+    workers = [Worker(dict(functions)) for _ in range(args.reward_num_workers)]
+    return RewardGuard([name for name, _ in functions], args.reward_timeout, args.max_reward_failures, workers)
+
+
+def call_reward(guard, name, fn, prompts, completions, columns):
+    """One reward function's values on a batch, guarded: the batch split among the guard's workers (in the trainer
+    where it has none), each part a call that must end within --reward-timeout. A part that times out, raises, or
+    returns anything but one finite number or None per completion gets None ("does not apply"), counted in
+    rewards/<name>_timeouts or _errors, its function's first failure said once; the run goes on. A function that fails
+    on every completion of --max-reward-failures calls in a row stops the run with one line, before it saves."""
+    n, parts = len(completions), max(1, min(len(guard.workers), len(completions)))
+    bounds = [(n * i // parts, n * (i + 1) // parts) for i in range(parts)]
+    jobs = [{"prompts": prompts[a:b], "completions": completions[a:b], **{c: v[a:b] for c, v in columns.items()}}
+            for a, b in bounds]
+    if guard.workers:
+        deadline = time.monotonic() + guard.timeout
+        for worker, job in zip(guard.workers, jobs):
+            worker.send(name, job)
+        outcomes = [worker.result(deadline) for worker, _ in zip(guard.workers, jobs)]
+    else:
+        outcomes = [call_in_process(fn, jobs[0], guard.timeout)]
+    values, failures = [], 0
+    for (a, b), outcome in zip(bounds, outcomes):
+        status, result = reward_outcome(*outcome, b - a)
+        if status == "ok":
+            values += result
+            continue
+        values, failures = values + [None] * (b - a), failures + b - a
+        (guard.timeouts if status == "timeout" else guard.errors)[name] += b - a
+        what = f"timed out after --reward-timeout {guard.timeout:g} s" if status == "timeout" else result
+        if name not in guard.first:
+            guard.first[name] = what
+            print(f"note: reward function {name!r} {what} on {b - a} completion(s): None (not scored), counted in "
+                  f"rewards/{name}_{'timeouts' if status == 'timeout' else 'errors'}; the run goes on (said once)")
+    guard.in_a_row[name] = guard.in_a_row[name] + 1 if n and failures == n else 0
+    if guard.in_a_row[name] >= guard.max_failures:
+        sys.exit(f"error: reward function {name!r} failed on every completion of {guard.in_a_row[name]} calls in a row "
+                 f"(--max-reward-failures {guard.max_failures}; its first failure: {guard.first[name]}); stopped, "
+                 "nothing saved")
+    return values
+
+
+def reward_outcome(status, result, n):
+    """(status, the values or the failure's text) of one call's outcome on n completions: what it raised as one line,
+    and an error where it returned anything but n values, each a finite number or None."""
+    if status == "raised":
+        return "error", f"raised {result[0]}: {(result[1].splitlines() or [result[0]])[0]}"
+    if status != "ok":
+        return status, result
+    values = (result.tolist() if hasattr(result, "tolist") else list(result)  # a numpy array, a generator
+              if hasattr(result, "__iter__") and not isinstance(result, (str, bytes, dict)) else result)
+    if not isinstance(values, list):
+        return "error", f"returned {values!r}, not a list of one value per completion"
+    if len(values) != n:
+        return "error", f"returned {len(values)} values for {n} completions"
+    bad = [v for v in values if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v))]
+    return ("error", f"returned {bad[0]!r} (a finite number or None is needed)") if bad else ("ok", values)
+
+
+def call_in_process(fn, job, timeout):
+    """("ok", fn(**job)), or ("timeout", None) after `timeout` seconds (SIGALRM, in the main thread: it stops Python
+    code and sleeps, not a C call that never returns; --reward-num-workers does), or ("raised", (its type, message))."""
+    def expire(signum, frame):
+        raise RewardTimeout
+
+    alarm = threading.current_thread() is threading.main_thread()
+    if alarm:
+        previous = signal.signal(signal.SIGALRM, expire)
+        signal.setitimer(signal.ITIMER_REAL, timeout)
+    try:
+        return "ok", fn(**job)
+    except RewardTimeout:
+        return "timeout", None
+    except Exception as e:  # noqa: BLE001  the user's code: whatever it raises is counted, and the run goes on
+        return "raised", (type(e).__name__, str(e))
+    finally:
+        if alarm:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+
+class Worker:
+    """A worker process forked from the trainer, so that it holds the trainer's functions (`table`, name: fn) as they
+    were loaded, in a process group of its own and killed with the trainer. It runs one call at a time: send(name,
+    kwargs), then result(deadline): ("ok", the value), ("raised", (the exception's type, message)), ("error", what
+    else went wrong) or ("timeout", None). At the deadline, or
+    where it died, the worker is killed with its group (whatever the call started) and replaced by a fresh fork.
+    `memory`: bytes of address space a call may add to what the worker forked with (RLIMIT_AS), None: no bound."""
+
+    def __init__(self, table, memory=None):
+        self.table, self.memory = table, memory
+        self.start()
+
+    def start(self):
+        context = multiprocessing.get_context("fork")  # the functions are inherited, not pickled (as DataLoader's)
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=worker_loop, args=(child, self.table, self.memory), daemon=True)
+        self.process.start()
+        child.close()
+
+    def send(self, name, kwargs):
+        self.conn.send((name, kwargs))
+
+    def result(self, deadline):
+        if not self.conn.poll(max(0.0, deadline - time.monotonic())):
+            self.restart()
+            return "timeout", None
+        try:
+            return self.conn.recv()
+        except (EOFError, OSError):
+            self.process.join(1)
+            code = self.process.exitcode
+            self.restart()
+            return "error", f"killed its worker process (exit code {code})"
+
+    def restart(self):
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.process.join()
+        self.conn.close()
+        self.start()
+
+
+def worker_loop(conn, table, memory):
+    """A Worker's process: in a session of its own (killed whole), SIGKILLed if the trainer dies (PR_SET_PDEATHSIG),
+    with `memory` more bytes of address space than it forked with, it runs each call it is sent and sends back the
+    outcome: ("raised", (type, message)) for whatever the call raises, ("error", ...) for a value that cannot be sent."""
+    os.setsid()
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if memory is not None:
+        with open("/proc/self/statm") as f:
+            size = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        resource.setrlimit(resource.RLIMIT_AS, (size + memory, size + memory))
+    while True:
+        try:
+            name, kwargs = conn.recv()
+        except (EOFError, OSError):
+            os._exit(0)
+        try:
+            outcome = "ok", table[name](**kwargs)
+        except BaseException as e:  # noqa: BLE001  the user's code: whatever it raises is the caller's to read
+            outcome = "raised", (type(e).__name__, str(e))
+        try:
+            conn.send(outcome)
+        except Exception as e:  # noqa: BLE001  a value pickle cannot send
+            conn.send(("error", f"returned a value that cannot be sent back ({type(e).__name__}: {first_line(e)})"))
+
+
+# ---- the sandbox of code_execution ---------------------------------------------------------
+SANDBOX_LIMITS = {"RLIMIT_CPU": 5, "RLIMIT_AS": 1 << 30, "RLIMIT_FSIZE": 16 << 20, "RLIMIT_NPROC": 16,
+                  "RLIMIT_NOFILE": 64, "RLIMIT_CORE": 0}  # CPU s, address space, file size, processes, files, core
+SANDBOX_WALL_SECONDS = 10  # the whole program and its asserts; past it the sandbox is killed
+NOBODY = 65534  # the unprivileged user the model's code runs as where the trainer is root
+TOOL_MEMORY = 4 << 30  # bytes of address space a --tools call may add to its worker's (call_tool)
+
+
+@functools.cache
+def sandbox_python():
+    """The interpreter code_execution's sandbox runs: the trainer's, or where the trainer is root and its Python is
+    one nobody cannot read (a Python under /root), the system's python3. Tried once on a program that imports the
+    standard library; the sandbox's isolation is said in one line, and no Python that runs is one line."""
+    candidates = [sys.executable] + (["/usr/bin/python3", "/usr/local/bin/python3"] if os.getuid() == 0 else [])
+    for python in dict.fromkeys(candidates):
+        setup = []
+        if os.path.exists(python) and run_sandboxed(python, "import collections, math, re", ["pass"], setup) == 1:
+            uid, isolated = setup[0]
+            print(f"code_execution: the model's code runs in {python} as uid {uid}, "
+                  + ("in network and PID namespaces of its own" if isolated == "True" else
+                     "WITH the network (no namespace could be made: unshare needs root or user namespaces)")
+                  + f", limits {SANDBOX_LIMITS} and {SANDBOX_WALL_SECONDS} s (docs/grpo.md)")
+            return python
+    sys.exit(f"error: --reward-fn code_execution: no Python among {candidates} runs in the sandbox (as uid {NOBODY} "
+             "where the trainer is root, who cannot read a Python under /root)")
+
+
+def run_sandboxed(python, program, asserts, setup=None):
+    """How many of `asserts` pass after `program`, run in a sandbox: a fresh `python -I -S` (no site-packages, no
+    PYTHON* variables) in its own session and an empty temporary directory, with no environment variables, its
+    output discarded, and sandbox_main's isolation: SANDBOX_LIMITS (CPU time, address space, file size, processes,
+    open files), uid nobody where the trainer is root, network and PID namespaces where the OS allows (no network;
+    every process it starts dies with it); killed with its session after SANDBOX_WALL_SECONDS. The count comes back
+    on a pipe of its own, each line tagged with a secret, so text the program prints is not read. It does NOT stop:
+    reading what every user may read (world-readable files), writing files of up to 16 MiB where every user may
+    (/tmp, /dev/shm; its own directory is removed), or a program written against this harness forging its count
+    (it runs in the process that counts). `setup`, a list: gets (uid, isolated) of the run."""
+    nonce, (read, write) = secrets.token_hex(16), os.pipe()
+    job = json.dumps({"nonce": nonce, "program": program, "asserts": asserts, "limits": SANDBOX_LIMITS,
+                      "nobody": NOBODY}).encode()
+    with tempfile.TemporaryDirectory(prefix="sandbox-", ignore_cleanup_errors=True) as directory:
+        if os.getuid() == 0:
+            os.chown(directory, NOBODY, NOBODY)
+        try:
+            process = subprocess.Popen(
+                [python, "-I", "-S", "-c", inspect.getsource(sandbox_main) + "\nsandbox_main()\n", str(write)],
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=directory, env={},
+                start_new_session=True, pass_fds=(write,))
+        finally:
+            os.close(write)
+        try:
+            process.stdin.write(job)
+            process.stdin.close()
+            process.wait(SANDBOX_WALL_SECONDS)
+        except (subprocess.TimeoutExpired, BrokenPipeError):
+            pass
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # the session: whatever it started and left behind
+        except (ProcessLookupError, PermissionError):
+            pass
+        process.wait()
+        os.set_blocking(read, False)
+        output = b""
+        try:
+            while chunk := os.read(read, 1 << 16):
+                output += chunk
+        except BlockingIOError:
+            pass
+        os.close(read)
+    lines = [line.split()[1:] for line in output.decode(errors="replace").splitlines() if line.startswith(nonce + " ")]
+    if setup is not None:
+        setup += [words[1:] for words in lines if words[:1] == ["setup"]]
+    return len({words[1] for words in lines if words[:1] == ["pass"] and len(words) == 2})
+
+
+def sandbox_main():
+    """The sandbox itself, run by run_sandboxed as the source of a fresh interpreter (it imports nothing of the
+    trainer): it reads its job, makes network and PID namespaces where it may (unshare), forks the program's process
+    (PID 1 of the new namespace: when it ends, every process it started is killed), which sets the limits, becomes
+    nobody where it is root, dies with its parent, then runs the program and each assert, reporting `setup` and
+    each `pass` on the pipe."""
+    import ctypes
+    import json
+    import os
+    import resource
+    import signal
+    import sys
+
+    job, out = json.loads(sys.stdin.buffer.read()), int(sys.argv[1])
+    libc = ctypes.CDLL(None, use_errno=True)
+    flags = 0x40000000 | 0x20000000  # CLONE_NEWNET | CLONE_NEWPID
+    isolated = libc.unshare(flags) == 0 or os.getuid() != 0 and libc.unshare(flags | 0x10000000) == 0  # | NEWUSER
+    if os.fork():
+        os.wait()
+        os._exit(0)
+    for name, value in job["limits"].items():
+        resource.setrlimit(getattr(resource, name), (value, value))
+    if os.getuid() == 0:
+        os.setgroups([])
+        os.setgid(job["nobody"])
+        os.setuid(job["nobody"])
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: killed with the process that waits for it
+    nonce, asserts, program = job.pop("nonce"), job.pop("asserts"), job.pop("program")
+    os.write(out, f"{nonce} setup {os.getuid()} {isolated}\n".encode())
+    scope = {"__name__": "__main__"}
+    try:
+        exec(compile(program, "<completion>", "exec"), scope)
+    except BaseException:  # noqa: BLE001  it does not run (sys.exit included): no assert is tried
+        os._exit(1)
+    for i, test in enumerate(asserts):
+        try:
+            exec(compile(test, "<test>", "exec"), scope)
+            os.write(out, f"{nonce} pass {i}\n".encode())
+        except BaseException:  # noqa: BLE001, S110  a failed assert, or anything else it raises
+            pass
+    os._exit(0)
 
 
 # ---------------------------------------------------------------------------------------------

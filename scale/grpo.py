@@ -30,6 +30,8 @@ LoRA, gradient accumulation and checkpointing, or checkpoints that resume exactl
 grpo.py computes (tests/test_tiers.py). On one GPU it samples with the token step replayed as a CUDA graph
 (`sample_tokens_graphed`; its speed against the eager loop and TRL: docs/scaling.md).
 """
+import collections
+import ctypes
 import datetime
 import decimal
 import functools
@@ -38,19 +40,25 @@ import importlib.util
 import inspect
 import json
 import math
+import multiprocessing
 import os
 import random
 import re
+import resource
 import runpy
+import secrets
 import shlex
 import shutil
 import signal
 import socket
+import subprocess
 import sys
+import tempfile
+import threading
 import time
 import urllib.parse
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 import numpy as np
@@ -101,6 +109,16 @@ class Args:
     """one weight per --reward-fn, in order, then one for the reward model if there is one; none given: all 1"""
     format_pattern: str | None = None
     """the regular expression of --reward-fn format, which the whole completion must match"""
+    reward_timeout: float = 120.0
+    """seconds one reward function may take on one batch (each worker's part of it); its completions then get None
+    (not scored), counted in rewards/<name>_timeouts, and the run goes on"""
+    reward_num_workers: int = 0
+    """worker processes that call the reward functions, the batch split among them (forked: each holds the functions
+    as loaded; a call past --reward-timeout is killed with its worker, which is replaced). 0: in the trainer, where
+    the timeout stops Python code (SIGALRM), not a C call that never returns"""
+    max_reward_failures: int = 3
+    """a reward function that fails (times out or raises) on every completion of this many calls in a row stops the
+    run, before it saves; one that fails on some is counted (rewards/<name>_errors) and the run goes on"""
     reward_model_path: str | None = None
     """a frozen reward model (reward_model.py's: models/reward_model) whose score is one more reward term;
     None: no reward model"""
@@ -788,7 +806,30 @@ def format_match(prompts, completions, pattern, **columns):
     return [float(re.fullmatch(pattern, completion_text(c), re.DOTALL) is not None) for c in completions]
 
 
-BUILTIN_REWARDS = {"gold": gold, "exact_match": exact_match, "numeric_match": numeric_match, "format": format_match}
+def code_execution(prompts, completions, tests, python=sys.executable, **columns):
+    """open-r1's code reward, sandboxed: the completion's last fenced Python block (last_python_block), run with each
+    assert of the row's `tests` column (a list of strings, as MBPP's test_list) after it, in a fresh sandboxed
+    process (run_sandboxed: what it stops and what it does not are said there and in docs/grpo.md):
+
+        r = (asserts that pass) / (asserts)       0 where there is no block or it does not run
+
+    None where the row has no test (nothing to check). `python`: the interpreter of the sandbox (sandbox_python)."""
+    rewards = []
+    for completion, asserts in zip(completions, tests):
+        program = last_python_block(completion_text(completion))
+        passed = run_sandboxed(python, program, list(asserts)) if program is not None and asserts else 0
+        rewards.append(passed / len(asserts) if asserts else None)
+    return rewards
+
+
+def last_python_block(text):
+    """The code of the last fenced block of `text` (```python, ```py or a bare ```), or None where there is none."""
+    blocks = re.findall(r"```(?:python|py)?[ \t]*\n(.*?)```", text, re.DOTALL)
+    return blocks[-1] if blocks else None
+
+
+BUILTIN_REWARDS = {"gold": gold, "exact_match": exact_match, "numeric_match": numeric_match, "format": format_match,
+                   "code_execution": code_execution}
 
 
 def combine_rewards(per_function, weights):
@@ -806,6 +847,7 @@ def combine_rewards(per_function, weights):
 def check_args(args):
     """Every flag checked before any work: one line that says what to change. Under torchrun each rank checks
     the same flags and only rank 0 prints."""
+    check_reward_flags(args)
     settle_lengths(args, {"response_length": (12, None), "max_prompt_length": (64, 512)})  # where not given
     # this script's own defaults, settled first: TRL corrects a sampler's tokens by default; here only a stale
     # sampler (--rollout-lag) needs it; --no-scale-rewards is the older spelling of --scale-rewards none
@@ -934,6 +976,7 @@ def main(args: Args):
     # the reward functions: the built-in task's gold score unless others (or only a reward model) are given
     functions = load_reward_functions(args.reward_fn or (() if args.reward_model_path else ("gold",)),
                                       BUILTIN_REWARDS, args.format_pattern)
+    guard = reward_guard(functions, args)  # --reward-num-workers: forked now, before any model is loaded
     weights = args.reward_weights or (1.0,) * (len(functions) + (args.reward_model_path is not None))
     checkpoint = find_checkpoint(args, int(os.environ.get("WORLD_SIZE", "1")))  # --resume: checked before any work
     rank, world_size, device = setup_distributed(args.cuda)
@@ -981,7 +1024,7 @@ def main(args: Args):
     print(f"{1 + (ref is not None) + (reward is not None)} model(s) in memory: the policy"
           + (", the reference" if ref is not None else "") + (", the reward model" if reward is not None else ""))
     terms = RewardTerms(functions, weights, reward,
-                        [name for name, _ in functions] + (["reward_model"] if reward is not None else []))
+                        [name for name, _ in functions] + (["reward_model"] if reward is not None else []), guard)
 
     def rewards_of(rows, sequences, attention_mask, context_length, response_mask):
         """The reward of each completion, Σ_k w_k r_k over the reward terms (completion_rewards), and with
@@ -1060,7 +1103,7 @@ def main(args: Args):
                 optimizer.zero_grad(set_to_none=True)  # no gradients held through the next rollout
 
         # ---- 4. log: statistics of the whole batch, sums added up over the ranks; evaluate ----------------
-        log_grpo_iteration(writer, iteration, batch, old, stats, terms.names, lr, start_time, control, args)
+        log_grpo_iteration(writer, iteration, batch, old, stats, terms, lr, start_time, control, args)
         progress(iteration, f"reward {float(batch.rewards.nanmean()):.3f}")
         if iteration % args.eval_every == 0 or iteration == args.num_iterations:
             evaluate(models, eval_rows, eval_ids, terms, rewards_of, amp, writer, iteration, args)
@@ -1153,11 +1196,12 @@ def sample_groups(policy, rows, prompt_ids, rng, rewards_of, pad_token_id, stop_
 @dataclass
 class RewardTerms:
     """What a completion's reward is made of: the reward functions (name, fn) and the reward model (or None),
-    their weights, and the name of each term (the reward model's "reward_model")."""
+    their weights, the name of each term (the reward model's "reward_model"), and the functions' RewardGuard."""
     functions: list
     weights: tuple
     reward: torch.nn.Module | None
     names: list
+    guard: "RewardGuard"  # how the reward functions are called, and their failures
 
 
 def completion_rewards(rows, sequences, attention_mask, context_length, response_mask, terms, tokenizer, stop_ids,
@@ -1170,7 +1214,7 @@ def completion_rewards(rows, sequences, attention_mask, context_length, response
     completions = tokenizer.batch_decode(sequences[:, context_length:], skip_special_tokens=True)
     as_passed = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c  # as TRL passes them
                  for p, c in zip(prompts, completions)]
-    table = reward_terms(terms.functions, prompts, as_passed, reward_columns(rows)).to(sequences.device)
+    table = reward_terms(terms.functions, prompts, as_passed, reward_columns(rows), terms.guard).to(sequences.device)
     if terms.reward is not None:
         scores, _ = forward_in_chunks(
             lambda s, a, m: response_scores(terms.reward, s, a, m, stop_ids, args.missing_eos_penalty),
@@ -1324,7 +1368,7 @@ def accumulate_grpo_stats(stats, policy_loss, kl_penalty, ratio, advantages, mas
         stats["first_ratio_max_error"] = (ratio - 1).abs().max()
 
 
-def log_grpo_iteration(writer, iteration, batch, old, stats, names, lr, start_time, control, args):
+def log_grpo_iteration(writer, iteration, batch, old, stats, terms, lr, start_time, control, args):
     """An iteration's statistics of the whole batch, each rank's sums added up over the ranks, to TensorBoard
     (docs/tags.md), and a line every 10 iterations; every --log-completions-every iterations, rank 0's first
     completions as text."""
@@ -1343,7 +1387,7 @@ def log_grpo_iteration(writer, iteration, batch, old, stats, names, lr, start_ti
                            "prompts_sampled": len(batch.informative), "tokens": mask.sum(),
                            "loss_tokens": batch.loss_mask.sum(),
                            "entropy": (old.entropy * mask).sum(), "stops": batch.has_stop.sum(), **stats,
-                           **term_sums(batch.table, names, "rewards/")}, device)
+                           **term_sums(batch.table, terms.names, "rewards/"), **(failures := terms.guard.counts())}, device)
     if dist.is_initialized():
         dist.all_reduce(first_ratio_error, op=dist.ReduceOp.MAX)  # the largest on any rank
         dist.all_reduce(logprob_diff_max, op=dist.ReduceOp.MAX)
@@ -1381,7 +1425,8 @@ def log_grpo_iteration(writer, iteration, batch, old, stats, names, lr, start_ti
         logs["policy/cov_selected_fraction"] = sums["cov_selected"] / (args.ppo_epochs * sums["tokens"])
     if control.on:  # the coefficient the next step applies, and the bonus c·H̄ per minibatch (its parts added up)
         logs.update({"policy/entropy_coef": control.coef, "losses/entropy_bonus": sums["bonus"] / num_minibatches})
-    for name in names:  # each reward term's mean over the completions it applies to (the reward model's: score)
+    logs.update({tag: sums[tag] for tag in failures})  # completions whose reward call failed, on every rank
+    for name in terms.names:  # each reward term's mean over the completions it applies to (the reward model's: score)
         if sums[f"rewards/{name}/n"] > 0:
             tag = "objective/score" if name == "reward_model" else f"rewards/{name}"
             logs[tag] = sums[f"rewards/{name}"] / sums[f"rewards/{name}/n"]
@@ -1389,7 +1434,7 @@ def log_grpo_iteration(writer, iteration, batch, old, stats, names, lr, start_ti
         writer.add_scalar(tag, float(value), iteration)
     if args.log_completions_every and iteration % args.log_completions_every == 0:
         writer.add_text("train/completions", samples_markdown(batch.prompts, batch.completions, batch.rewards,
-                                                              batch.table, names), iteration)
+                                                              batch.table, terms.names), iteration)
     if iteration % 10 == 0:
         print(f"iteration {iteration}: reward {logs['objective/reward']:.3f}, reward std "
               f"{logs['objective/reward_std']:.3f}, kl {logs.get('objective/kl', 0.0):.3f}, "
@@ -1985,6 +2030,8 @@ def load_reward_functions(specs, builtins, format_pattern):
                     sys.exit("error: --reward-fn format needs --format-pattern REGEX, which the whole completion "
                              "must match")
                 fn = functools.partial(fn, pattern=format_pattern)
+            if spec == "code_execution":  # its sandbox tried once and its isolation said, before any model is loaded
+                fn = functools.partial(fn, python=sandbox_python())
         elif not source or not name:
             sys.exit(f"error: --reward-fn {spec!r}: name a built-in ({', '.join(builtins)}) or a function of "
                      "yours as MODULE_OR_FILE:NAME (e.g. my_rewards.py:correctness)")
@@ -2031,31 +2078,19 @@ def reward_columns(rows):
     return {name: [row[name] for row in rows] for name in rows[0] if name != "prompt"} if rows else {}
 
 
-def reward_terms(functions, prompts, completions, columns):
-    """[B, K] float32: reward function k on completion i, NaN where it returned None ("does not apply"). A
-    function that raises, or returns a value that is not a finite number or None, or not one value per
-    completion, stops the run with one line naming it and the sample; nothing is saved. Under torchrun every
-    rank learns of another's failure (and stops) before the next collective."""
+def reward_terms(functions, prompts, completions, columns, guard):
+    """[B, K] float32: reward function k on completion i (call_reward: timed, and in the guard's workers where it has
+    any), NaN where it returned None ("does not apply") or its call failed (counted). A function that failed on every
+    completion of --max-reward-failures calls in a row stops the run with one line; under torchrun every rank learns
+    of it on any (and stops) before the next collective."""
     table, error = torch.full((len(completions), len(functions)), float("nan")), None
     if not functions:  # the reward model alone
         return table
     for k, (name, fn) in enumerate(functions):
         try:
-            values = list(fn(prompts=prompts, completions=completions, **columns))
-        except Exception as e:  # noqa: BLE001  find the first sample it raises on alone, to name it
-            failing = next((i for i in range(len(completions))
-                            if reward_call_fails(fn, prompts, completions, columns, i)), None)
-            where = reward_sample(prompts, completions, failing) if failing is not None else f"a batch of {len(completions)}"
-            error = f"reward function {name!r} raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}, on {where}"
-            break
-        if len(values) != len(completions):
-            error = f"reward function {name!r} returned {len(values)} values for {len(completions)} completions"
-            break
-        bad = next((i for i, v in enumerate(values)
-                    if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v))), None)
-        if bad is not None:
-            error = (f"reward function {name!r} returned {values[bad]!r} (a finite number or None is needed), on "
-                     f"{reward_sample(prompts, completions, bad)}")
+            values = call_reward(guard, name, fn, prompts, completions, columns)
+        except SystemExit as e:  # its failures in a row: every rank stops
+            error = str(e.code)
             break
         table[:, k] = torch.tensor([float("nan") if v is None else float(v) for v in values])
     if dist.is_initialized():
@@ -2063,23 +2098,317 @@ def reward_terms(functions, prompts, completions, columns):
         dist.all_gather_object(errors, error)
         error = next((e for e in errors if e is not None), None)
     if error is not None:
-        sys.exit(f"error: {error}; stopped, nothing saved")
+        sys.exit(error)
     return table
 
 
-def reward_call_fails(fn, prompts, completions, columns, i):
-    """Whether a reward function raises on sample i alone."""
+def check_reward_flags(args):
+    """One line before any work for --reward-timeout, --reward-num-workers or --max-reward-failures out of range."""
+    for flag, value, rule, ok in (
+            ("--reward-timeout", args.reward_timeout, "a finite number of seconds > 0",
+             math.isfinite(args.reward_timeout) and args.reward_timeout > 0),
+            ("--reward-num-workers", args.reward_num_workers, "0 or more", args.reward_num_workers >= 0),
+            ("--max-reward-failures", args.max_reward_failures, "1 or more", args.max_reward_failures >= 1)):
+        if not ok:
+            sys.exit(f"error: {flag} {value}: it must be {rule}")
+
+
+class RewardTimeout(BaseException):
+    """Raised in the trainer at --reward-timeout by SIGALRM (a BaseException: the function's `except Exception` does
+    not swallow it)."""
+
+
+@dataclass
+class RewardGuard:
+    """How the reward functions are called (--reward-timeout, --reward-num-workers, --max-reward-failures) and what
+    became of the calls: per function, the completions whose call timed out or raised since the last log, the calls
+    in a row that failed on every completion, and each function's first failure (said once)."""
+    names: list  # the reward functions'
+    timeout: float
+    max_failures: int
+    workers: list  # Worker processes that hold the functions; [] = called in the trainer
+    timeouts: collections.Counter = field(default_factory=collections.Counter)
+    errors: collections.Counter = field(default_factory=collections.Counter)
+    in_a_row: collections.Counter = field(default_factory=collections.Counter)
+    first: dict = field(default_factory=dict)
+
+    def counts(self):
+        """{rewards/<name>_timeouts, rewards/<name>_errors: completions since the last log} of each function, reset."""
+        logs = {f"rewards/{name}_{kind}": float(counter[name]) for name in self.names
+                for kind, counter in (("timeouts", self.timeouts), ("errors", self.errors))}
+        self.timeouts.clear()
+        self.errors.clear()
+        return logs
+
+
+def reward_guard(functions, args):
+    """The RewardGuard of a run: with --reward-num-workers N, N worker processes forked now, each holding every
+    reward function; 0: the functions are called in the trainer."""
+    workers = [Worker(dict(functions)) for _ in range(args.reward_num_workers)]
+    return RewardGuard([name for name, _ in functions], args.reward_timeout, args.max_reward_failures, workers)
+
+
+def call_reward(guard, name, fn, prompts, completions, columns):
+    """One reward function's values on a batch, guarded: the batch split among the guard's workers (in the trainer
+    where it has none), each part a call that must end within --reward-timeout. A part that times out, raises, or
+    returns anything but one finite number or None per completion gets None ("does not apply"), counted in
+    rewards/<name>_timeouts or _errors, its function's first failure said once; the run goes on. A function that fails
+    on every completion of --max-reward-failures calls in a row stops the run with one line, before it saves."""
+    n, parts = len(completions), max(1, min(len(guard.workers), len(completions)))
+    bounds = [(n * i // parts, n * (i + 1) // parts) for i in range(parts)]
+    jobs = [{"prompts": prompts[a:b], "completions": completions[a:b], **{c: v[a:b] for c, v in columns.items()}}
+            for a, b in bounds]
+    if guard.workers:
+        deadline = time.monotonic() + guard.timeout
+        for worker, job in zip(guard.workers, jobs):
+            worker.send(name, job)
+        outcomes = [worker.result(deadline) for worker, _ in zip(guard.workers, jobs)]
+    else:
+        outcomes = [call_in_process(fn, jobs[0], guard.timeout)]
+    values, failures = [], 0
+    for (a, b), outcome in zip(bounds, outcomes):
+        status, result = reward_outcome(*outcome, b - a)
+        if status == "ok":
+            values += result
+            continue
+        values, failures = values + [None] * (b - a), failures + b - a
+        (guard.timeouts if status == "timeout" else guard.errors)[name] += b - a
+        what = f"timed out after --reward-timeout {guard.timeout:g} s" if status == "timeout" else result
+        if name not in guard.first:
+            guard.first[name] = what
+            print(f"note: reward function {name!r} {what} on {b - a} completion(s): None (not scored), counted in "
+                  f"rewards/{name}_{'timeouts' if status == 'timeout' else 'errors'}; the run goes on (said once)")
+    guard.in_a_row[name] = guard.in_a_row[name] + 1 if n and failures == n else 0
+    if guard.in_a_row[name] >= guard.max_failures:
+        sys.exit(f"error: reward function {name!r} failed on every completion of {guard.in_a_row[name]} calls in a row "
+                 f"(--max-reward-failures {guard.max_failures}; its first failure: {guard.first[name]}); stopped, "
+                 "nothing saved")
+    return values
+
+
+def reward_outcome(status, result, n):
+    """(status, the values or the failure's text) of one call's outcome on n completions: what it raised as one line,
+    and an error where it returned anything but n values, each a finite number or None."""
+    if status == "raised":
+        return "error", f"raised {result[0]}: {(result[1].splitlines() or [result[0]])[0]}"
+    if status != "ok":
+        return status, result
+    values = (result.tolist() if hasattr(result, "tolist") else list(result)  # a numpy array, a generator
+              if hasattr(result, "__iter__") and not isinstance(result, (str, bytes, dict)) else result)
+    if not isinstance(values, list):
+        return "error", f"returned {values!r}, not a list of one value per completion"
+    if len(values) != n:
+        return "error", f"returned {len(values)} values for {n} completions"
+    bad = [v for v in values if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v))]
+    return ("error", f"returned {bad[0]!r} (a finite number or None is needed)") if bad else ("ok", values)
+
+
+def call_in_process(fn, job, timeout):
+    """("ok", fn(**job)), or ("timeout", None) after `timeout` seconds (SIGALRM, in the main thread: it stops Python
+    code and sleeps, not a C call that never returns; --reward-num-workers does), or ("raised", (its type, message))."""
+    def expire(signum, frame):
+        raise RewardTimeout
+
+    alarm = threading.current_thread() is threading.main_thread()
+    if alarm:
+        previous = signal.signal(signal.SIGALRM, expire)
+        signal.setitimer(signal.ITIMER_REAL, timeout)
     try:
-        fn(prompts=prompts[i : i + 1], completions=completions[i : i + 1],
-           **{c: v[i : i + 1] for c, v in columns.items()})
-    except Exception:  # noqa: BLE001
-        return True
-    return False
+        return "ok", fn(**job)
+    except RewardTimeout:
+        return "timeout", None
+    except Exception as e:  # noqa: BLE001  the user's code: whatever it raises is counted, and the run goes on
+        return "raised", (type(e).__name__, str(e))
+    finally:
+        if alarm:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
 
 
-def reward_sample(prompts, completions, i):
-    """Sample i of a batch, in a few words for an error line."""
-    return f"sample {i}: prompt {str(prompts[i])[:80]!r}, completion {str(completions[i])[:80]!r}"
+class Worker:
+    """A worker process forked from the trainer, so that it holds the trainer's functions (`table`, name: fn) as they
+    were loaded, in a process group of its own and killed with the trainer. It runs one call at a time: send(name,
+    kwargs), then result(deadline): ("ok", the value), ("raised", (the exception's type, message)), ("error", what
+    else went wrong) or ("timeout", None). At the deadline, or
+    where it died, the worker is killed with its group (whatever the call started) and replaced by a fresh fork.
+    `memory`: bytes of address space a call may add to what the worker forked with (RLIMIT_AS), None: no bound."""
+
+    def __init__(self, table, memory=None):
+        self.table, self.memory = table, memory
+        self.start()
+
+    def start(self):
+        context = multiprocessing.get_context("fork")  # the functions are inherited, not pickled (as DataLoader's)
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=worker_loop, args=(child, self.table, self.memory), daemon=True)
+        self.process.start()
+        child.close()
+
+    def send(self, name, kwargs):
+        self.conn.send((name, kwargs))
+
+    def result(self, deadline):
+        if not self.conn.poll(max(0.0, deadline - time.monotonic())):
+            self.restart()
+            return "timeout", None
+        try:
+            return self.conn.recv()
+        except (EOFError, OSError):
+            self.process.join(1)
+            code = self.process.exitcode
+            self.restart()
+            return "error", f"killed its worker process (exit code {code})"
+
+    def restart(self):
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.process.join()
+        self.conn.close()
+        self.start()
+
+
+def worker_loop(conn, table, memory):
+    """A Worker's process: in a session of its own (killed whole), SIGKILLed if the trainer dies (PR_SET_PDEATHSIG),
+    with `memory` more bytes of address space than it forked with, it runs each call it is sent and sends back the
+    outcome: ("raised", (type, message)) for whatever the call raises, ("error", ...) for a value that cannot be sent."""
+    os.setsid()
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if memory is not None:
+        with open("/proc/self/statm") as f:
+            size = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        resource.setrlimit(resource.RLIMIT_AS, (size + memory, size + memory))
+    while True:
+        try:
+            name, kwargs = conn.recv()
+        except (EOFError, OSError):
+            os._exit(0)
+        try:
+            outcome = "ok", table[name](**kwargs)
+        except BaseException as e:  # noqa: BLE001  the user's code: whatever it raises is the caller's to read
+            outcome = "raised", (type(e).__name__, str(e))
+        try:
+            conn.send(outcome)
+        except Exception as e:  # noqa: BLE001  a value pickle cannot send
+            conn.send(("error", f"returned a value that cannot be sent back ({type(e).__name__}: {first_line(e)})"))
+
+
+# ---- the sandbox of code_execution ---------------------------------------------------------
+SANDBOX_LIMITS = {"RLIMIT_CPU": 5, "RLIMIT_AS": 1 << 30, "RLIMIT_FSIZE": 16 << 20, "RLIMIT_NPROC": 16,
+                  "RLIMIT_NOFILE": 64, "RLIMIT_CORE": 0}  # CPU s, address space, file size, processes, files, core
+SANDBOX_WALL_SECONDS = 10  # the whole program and its asserts; past it the sandbox is killed
+NOBODY = 65534  # the unprivileged user the model's code runs as where the trainer is root
+
+
+@functools.cache
+def sandbox_python():
+    """The interpreter code_execution's sandbox runs: the trainer's, or where the trainer is root and its Python is
+    one nobody cannot read (a Python under /root), the system's python3. Tried once on a program that imports the
+    standard library; the sandbox's isolation is said in one line, and no Python that runs is one line."""
+    candidates = [sys.executable] + (["/usr/bin/python3", "/usr/local/bin/python3"] if os.getuid() == 0 else [])
+    for python in dict.fromkeys(candidates):
+        setup = []
+        if os.path.exists(python) and run_sandboxed(python, "import collections, math, re", ["pass"], setup) == 1:
+            uid, isolated = setup[0]
+            print(f"code_execution: the model's code runs in {python} as uid {uid}, "
+                  + ("in network and PID namespaces of its own" if isolated == "True" else
+                     "WITH the network (no namespace could be made: unshare needs root or user namespaces)")
+                  + f", limits {SANDBOX_LIMITS} and {SANDBOX_WALL_SECONDS} s (docs/grpo.md)")
+            return python
+    sys.exit(f"error: --reward-fn code_execution: no Python among {candidates} runs in the sandbox (as uid {NOBODY} "
+             "where the trainer is root, who cannot read a Python under /root)")
+
+
+def run_sandboxed(python, program, asserts, setup=None):
+    """How many of `asserts` pass after `program`, run in a sandbox: a fresh `python -I -S` (no site-packages, no
+    PYTHON* variables) in its own session and an empty temporary directory, with no environment variables, its
+    output discarded, and sandbox_main's isolation: SANDBOX_LIMITS (CPU time, address space, file size, processes,
+    open files), uid nobody where the trainer is root, network and PID namespaces where the OS allows (no network;
+    every process it starts dies with it); killed with its session after SANDBOX_WALL_SECONDS. The count comes back
+    on a pipe of its own, each line tagged with a secret, so text the program prints is not read. It does NOT stop:
+    reading what every user may read (world-readable files), writing files of up to 16 MiB where every user may
+    (/tmp, /dev/shm; its own directory is removed), or a program written against this harness forging its count
+    (it runs in the process that counts). `setup`, a list: gets (uid, isolated) of the run."""
+    nonce, (read, write) = secrets.token_hex(16), os.pipe()
+    job = json.dumps({"nonce": nonce, "program": program, "asserts": asserts, "limits": SANDBOX_LIMITS,
+                      "nobody": NOBODY}).encode()
+    with tempfile.TemporaryDirectory(prefix="sandbox-", ignore_cleanup_errors=True) as directory:
+        if os.getuid() == 0:
+            os.chown(directory, NOBODY, NOBODY)
+        try:
+            process = subprocess.Popen(
+                [python, "-I", "-S", "-c", inspect.getsource(sandbox_main) + "\nsandbox_main()\n", str(write)],
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=directory, env={},
+                start_new_session=True, pass_fds=(write,))
+        finally:
+            os.close(write)
+        try:
+            process.stdin.write(job)
+            process.stdin.close()
+            process.wait(SANDBOX_WALL_SECONDS)
+        except (subprocess.TimeoutExpired, BrokenPipeError):
+            pass
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # the session: whatever it started and left behind
+        except (ProcessLookupError, PermissionError):
+            pass
+        process.wait()
+        os.set_blocking(read, False)
+        output = b""
+        try:
+            while chunk := os.read(read, 1 << 16):
+                output += chunk
+        except BlockingIOError:
+            pass
+        os.close(read)
+    lines = [line.split()[1:] for line in output.decode(errors="replace").splitlines() if line.startswith(nonce + " ")]
+    if setup is not None:
+        setup += [words[1:] for words in lines if words[:1] == ["setup"]]
+    return len({words[1] for words in lines if words[:1] == ["pass"] and len(words) == 2})
+
+
+def sandbox_main():
+    """The sandbox itself, run by run_sandboxed as the source of a fresh interpreter (it imports nothing of the
+    trainer): it reads its job, makes network and PID namespaces where it may (unshare), forks the program's process
+    (PID 1 of the new namespace: when it ends, every process it started is killed), which sets the limits, becomes
+    nobody where it is root, dies with its parent, then runs the program and each assert, reporting `setup` and
+    each `pass` on the pipe."""
+    import ctypes
+    import json
+    import os
+    import resource
+    import signal
+    import sys
+
+    job, out = json.loads(sys.stdin.buffer.read()), int(sys.argv[1])
+    libc = ctypes.CDLL(None, use_errno=True)
+    flags = 0x40000000 | 0x20000000  # CLONE_NEWNET | CLONE_NEWPID
+    isolated = libc.unshare(flags) == 0 or os.getuid() != 0 and libc.unshare(flags | 0x10000000) == 0  # | NEWUSER
+    if os.fork():
+        os.wait()
+        os._exit(0)
+    for name, value in job["limits"].items():
+        resource.setrlimit(getattr(resource, name), (value, value))
+    if os.getuid() == 0:
+        os.setgroups([])
+        os.setgid(job["nobody"])
+        os.setuid(job["nobody"])
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: killed with the process that waits for it
+    nonce, asserts, program = job.pop("nonce"), job.pop("asserts"), job.pop("program")
+    os.write(out, f"{nonce} setup {os.getuid()} {isolated}\n".encode())
+    scope = {"__name__": "__main__"}
+    try:
+        exec(compile(program, "<completion>", "exec"), scope)
+    except BaseException:  # noqa: BLE001  it does not run (sys.exit included): no assert is tried
+        os._exit(1)
+    for i, test in enumerate(asserts):
+        try:
+            exec(compile(test, "<test>", "exec"), scope)
+            os.write(out, f"{nonce} pass {i}\n".encode())
+        except BaseException:  # noqa: BLE001, S110  a failed assert, or anything else it raises
+            pass
+    os._exit(0)
 
 
 def samples_markdown(prompts, completions, rewards, table, names, n=8):

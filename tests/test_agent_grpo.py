@@ -18,6 +18,11 @@ import agent_grpo as ag
 SCHEMAS = ag.tool_schemas({"multiply": ag.multiply})
 
 
+def reward_terms_of(functions, weights, names):
+    """The RewardTerms of a test: the reward functions called in this process, as by default."""
+    return ag.RewardTerms(functions, weights, None, names, ag.RewardGuard([n for n, _ in functions], 120.0, 3, []))
+
+
 # ------------------------------------------------------------------------- the math and the tools, by hand
 def test_episode_tokens_by_hand():
     turns = [([5, 6, 7], True, [-0.5, -1.25, -2.0]), ([8, 9], False, None), ([10], True, [-0.75])]
@@ -172,12 +177,12 @@ def episode():
     policy = ScriptedLM(len(tokenizer), script).eval()
     env = ag.Harness(tokenizer, {"multiply": ag.multiply}, SCHEMAS, stop_ids)
     rows = [{"prompt": [{"role": "user", "content": "12*34*5"}], "target": "2040"}] * 2
-    terms = ag.RewardTerms([("exact_match", ag.exact_match)], (1.0,), None, ["exact_match"])
+    terms = reward_terms_of([("exact_match", ag.exact_match)], (1.0,), ["exact_match"])
     args = args_of(max_completion_length=len(script) - len(prompt) + 5, temperature=1.0)
     with torch.no_grad():
         batch = ag.sample_episodes(policy, env, rows, [prompt, prompt], terms, args, greedy=True)
     return SimpleNamespace(batch=batch, policy=policy, script=script, spans=spans, prompt=prompt, args=args,
-                           tokenizer=tokenizer)
+                           tokenizer=tokenizer, terms=terms)
 
 
 def test_an_episode_with_two_calls_is_the_script_token_for_token(episode):
@@ -256,7 +261,7 @@ def test_no_environment_token_reaches_the_loss_the_kl_or_the_statistics(episode)
     writer = SimpleNamespace(add_scalar=lambda tag, value, step: logged.__setitem__(tag, value))
     stats = dict.fromkeys(("policy_loss", "kl_penalty", "clipped_low", "clipped_high", "first_ratio_max_error",
                            "policy_entropy"), 0.0)
-    ag.log_agent_iteration(writer, 1, batch, old, stats, ["exact_match"], 1e-3, time.time() - 1, args)
+    ag.log_agent_iteration(writer, 1, batch, old, stats, episode.terms, 1e-3, time.time() - 1, args)
     on = batch.mask.bool()
     assert logged["objective/completion_length"] == pytest.approx(on.sum().item() / 2)
     assert logged["objective/entropy"] == pytest.approx(entropy[on].sum().item() / 2)
@@ -344,7 +349,7 @@ def test_trls_overflow_rule_a_result_past_the_limit_ends_the_episode_one_that_fi
     token (has_stop true: scored)."""
     tokenizer, stop_ids, prompt, script, spans = scripted_episode()
     env = ag.Harness(tokenizer, {"multiply": ag.multiply}, SCHEMAS, stop_ids)
-    terms = ag.RewardTerms([("exact_match", ag.exact_match)], (1.0,), None, ["exact_match"])
+    terms = reward_terms_of([("exact_match", ag.exact_match)], (1.0,), ["exact_match"])
     filled = spans[1][0] - len(prompt)  # the first turn and its result, exactly
     for limit, kept in ((filled, True), (filled - 1, False)):
         args = args_of(max_completion_length=limit, missing_eos_penalty=-3.0)
@@ -378,7 +383,7 @@ def test_the_reward_is_of_the_whole_conversation_and_its_final_answer(episode):
         return [10.0 * sum(m["role"] == "tool" for m in c) + float(target[i] in c[-1]["content"])
                 for i, c in enumerate(completions)]
 
-    terms = ag.RewardTerms([("whole", whole)], (1.0,), None, ["whole"])
+    terms = reward_terms_of([("whole", whole)], (1.0,), ["whole"])
     with torch.no_grad():
         batch = ag.sample_episodes(episode.policy, env, [ROW] * 2, [prompt] * 2, terms, episode.args, greedy=True)
     assert [m["role"] for m in seen[0]] == ["assistant", "tool", "assistant", "tool", "assistant"]
@@ -391,7 +396,7 @@ def test_truncation_is_judged_on_the_last_turn(episode):
     false, the penalty), though every earlier turn stopped; with room for the answer's stop token it is scored."""
     tokenizer, stop_ids, prompt, script, spans = scripted_episode()
     env = ag.Harness(tokenizer, {"multiply": ag.multiply}, SCHEMAS, stop_ids)
-    terms = ag.RewardTerms([("exact_match", ag.exact_match)], (1.0,), None, ["exact_match"])
+    terms = reward_terms_of([("exact_match", ag.exact_match)], (1.0,), ["exact_match"])
     for cut, stopped in ((1, False), (0, True)):
         args = args_of(max_completion_length=len(script) - len(prompt) - cut, missing_eos_penalty=-2.5)
         with torch.no_grad():
@@ -432,7 +437,7 @@ def test_the_g_episodes_of_a_prompt_are_its_group_whatever_order_they_finish_in(
     def calls(prompts, completions, k, **columns):
         return [10.0 * sum(m["role"] == "tool" for m in c) + k_ for c, k_ in zip(completions, k)]
 
-    terms = ag.RewardTerms([("calls", calls)], (1.0,), None, ["calls"])
+    terms = reward_terms_of([("calls", calls)], (1.0,), ["calls"])
     batch = ag.sample_episodes(episode.policy, env, rows, prompt_ids, terms, args_of(num_generations=2, batch_size=4))
     assert batch.counts[:, 2].tolist() == [2, 1, 3, 2]  # turns: the episodes end in rounds 2, 1, 3, 2
     assert batch.rewards.tolist() == [11.0, 1.0, 22.0, 12.0]
@@ -595,7 +600,7 @@ def test_each_episode_has_its_own_instance_reset_with_its_row_and_get_reward_sco
     assert ag.tool_schemas(ag.environment_tools(environment[1])) == SCHEMAS  # its public method, as a tool
     tokenizer, stop_ids, prompt, _, _ = scripted_episode()
     harness = ag.Harness(tokenizer, tools, SCHEMAS, stop_ids, None, environment[0], [environment[1]])
-    terms, args = ag.RewardTerms(functions, weights, None, ["Counter"]), args_of(**{**vars(episode.args),
+    terms, args = reward_terms_of(functions, weights, ["Counter"]), args_of(**{**vars(episode.args),
                                                                                    "max_prompt_length": 512})
     for resets in (1, 2):
         with torch.no_grad():

@@ -231,7 +231,7 @@ def rewards_section(text):
 def test_the_reward_functions_are_one_text_in_grpo_rlhf_ppo_and_agent_grpo():
     first, *others = (rewards_section(read(script)) for script in ("grpo", "rlhf_ppo", "agent_grpo", "scale/grpo",
                                                                    "scale/rlhf_ppo"))
-    assert all(other == first for other in others) and "BUILTIN_REWARDS = {" in first and first.count("\ndef ") == 6
+    assert all(other == first for other in others) and "BUILTIN_REWARDS = {" in first and first.count("\ndef ") == 8
 
 
 def test_no_script_imports_another():

@@ -117,7 +117,8 @@ def test_a_user_function_by_path_and_by_module_name(tmp_path, monkeypatch):
     assert [name for name, _ in by_path] == ["correct_length", "numeric_match"]
     assert by_module[0][0] == "correct_length"
     columns = {"target": ["12", "3", "7"], "skip": [False, False, True]}
-    table = grpo.reward_terms(by_path, ["p"] * 3, ["12", "#### 3", "7"], columns)
+    guard = grpo.RewardGuard(["correct_length", "numeric_match"], 120.0, 3, [])
+    table = grpo.reward_terms(by_path, ["p"] * 3, ["12", "#### 3", "7"], columns, guard)
     assert torch.equal(table.isnan(), torch.tensor([[False, False], [False, False], [True, False]]))
     assert table.nan_to_num(-9).tolist() == [[1.0, 1.0], [0.0, 1.0], [-9.0, 1.0]]
     assert grpo.reward_columns([{"prompt": "p", "target": "1", "skip": 0}]) == {"target": ["1"], "skip": [0]}
@@ -155,28 +156,29 @@ def test_bad_reward_functions_are_one_line(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("body,words", [
-    ("return [1 / len(c) for c in completions]", ["'f' raised ZeroDivisionError", "sample 1", "completion ''"]),
-    ("return [float('nan') if c == '' else 1.0 for c in completions]", ["'f' returned nan", "sample 1"]),
-    ("return ['1' for c in completions]", ["'f' returned '1'", "sample 0"]),
-    ("return [1.0]", ["'f' returned 1 values for 3 completions"]),
+    ("return [1 / len(c) for c in completions]", ["raised ZeroDivisionError: division by zero"]),
+    ("return [float('nan') if c == '' else 1.0 for c in completions]", ["returned nan"]),
+    ("return ['1' for c in completions]", ["returned '1'"]),
+    ("return [1.0]", ["returned 1 values for 3 completions"]),
 ])
-def test_a_reward_that_raises_or_is_nan_names_the_function_and_the_sample(body, words):
-    """One line naming the function and what it did: grpo.py's reward_terms; scale/'s reward_terms (which also
-    names the sample, found by calling the function on each alone) says the same first."""
+def test_a_reward_that_fails_as_often_as_max_reward_failures_stops_the_run_naming_it(body, words):
+    """With --max-reward-failures 1, one call that fails on every completion stops the run in one line that names
+    the function and its failure: grpo.py's reward_terms, and scale/'s, which tells every rank."""
     from scale import grpo as scale_grpo
 
     def f(prompts, completions, **columns):
         return eval(body.removeprefix("return "))
 
-    assert words[0] in one_line(grpo.reward_terms, [("f", f)], ["a", "b", "c"], ["x", "", "z"], {})
-    message = one_line(scale_grpo.reward_terms, [("f", f)], ["a", "b", "c"], ["x", "", "z"], {})
-    for word in words:
-        assert word in message, message
+    for module in (grpo, scale_grpo):
+        message = one_line(module.reward_terms, [("f", f)], ["a", "b", "c"], ["x", "", "z"], {},
+                           module.RewardGuard(["f"], 120.0, 1, []))
+        for word in ["reward function 'f' failed on every completion of 1 calls in a row", *words, "nothing saved"]:
+            assert word in message, message
 
 
 def test_the_reward_functions_section_runs_the_same_in_rlhf_ppo():
     """The text is checked in test_copies; here the objects: rlhf_ppo's built-ins are its own functions."""
-    assert set(rlhf_ppo.BUILTIN_REWARDS) == {"gold", "exact_match", "numeric_match", "format"}
+    assert set(rlhf_ppo.BUILTIN_REWARDS) == {"gold", "exact_match", "numeric_match", "format", "code_execution"}
     assert rlhf_ppo.numeric_match(None, ["#### 1,000"], ["1000.0"]) == [1.0]
 
 
