@@ -302,12 +302,12 @@ def test_a_hanging_and_a_raising_reward_function_do_not_stop_the_run(tiny_checkp
 
 @pytest.mark.slow
 def test_grpo_runs_on_the_code_task_with_code_execution_in_two_workers(tmp_path):
-    """benchmarks/make_code_task.py's 48 prompts (TRL's prompt and tests columns, and a solution for sft.py), a tiny
+    """benchmarks/code_rewards.py's 48 prompts (TRL's prompt and tests columns, and a solution for sft.py), a tiny
     model of sft.py's (a few steps: no learning is claimed), then two iterations of grpo.py with --reward-fn
     code_execution --reward-num-workers 2: the sandbox said, the reward, its timeouts and errors logged."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    subprocess.run([sys.executable, os.path.join(root, "benchmarks", "make_code_task.py"), "code.jsonl"], cwd=tmp_path,
-                   check=True)
+    subprocess.run([sys.executable, os.path.join(root, "benchmarks", "code_rewards.py"), "--write", "code.jsonl"],
+                   cwd=tmp_path, check=True)
     run_script("sft.py", "--dataset-name", "code.jsonl", *TINY_LM, "--max-steps", "4", "--eval-every", "4",
                "--eval-size", "8", "--batch-size", "8", "--warmup-steps", "0", "--output-dir", "models/sft",
                cwd=tmp_path)

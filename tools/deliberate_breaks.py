@@ -37,6 +37,9 @@ SCALE_DPO_NEXT_BATCH = NEXT_BATCH.replace("batch = [train[i] for i in order[posi
 LOAD_ROWS = "load_rows(args.dataset_name, args.dataset_config, args.dataset_split)"
 TASK_ROWS = 'task_rows(args.seed, "train", num_train, task_row), task_rows(args.seed, "eval", args.eval_size, task_row)'
 
+# the line of code_execution's sandbox that sets its limits (each sandbox_no_*_limit break drops one)
+LIMITS_LINE = '    for name, value in job["limits"].items():'
+
 # name: (script, the text replaced, what replaces it, the test file that must fail)
 BREAKS = {
     "grpo_keeps_equal_groups": ("grpo.py", "groups = torch.argsort((~informative).int(), stable=True)[: B // G]",
@@ -1245,6 +1248,29 @@ BREAKS = {
                               "tests/test_first_hour.py"),
     "run_name_ignores_the_output": ("sft.py", 'if args.output_dir != Args.output_dir else ""', 'if False else ""',
                                     "tests/test_first_hour.py"),
+    # issue 99: the reward calls' guard, the tools' worker, and each limit of code_execution's sandbox
+    "reward_timeout_not_armed": ("grpo.py", "        signal.setitimer(signal.ITIMER_REAL, timeout)\n", "        pass\n",
+                                 "tests/test_reward_guard.py"),
+    "reward_workers_not_split": ("grpo.py", "n, parts = len(completions), max(1, min(len(guard.workers), len(completions)))",
+                                 "n, parts = len(completions), 1", "tests/test_reward_guard.py"),
+    "reward_failures_never_reset": ("grpo.py", "+ 1 if n and failures == n else 0", "+ 1 if n and failures == n else "
+                                    "guard.in_a_row[name]", "tests/test_reward_guard.py"),
+    "reward_failures_not_logged": ("grpo.py", "    logs.update(terms.guard.counts())", "    pass", "tests/test_reward_guard.py"),
+    "tool_memory_unbounded": ("agent_grpo.py", "        resource.setrlimit(resource.RLIMIT_AS, (size + memory, size + memory))",
+                              "        pass", "tests/test_reward_guard.py"),
+    "sandbox_no_cpu_limit": ("grpo.py", LIMITS_LINE, '    for name, value in [kv for kv in job["limits"].items() if kv[0] != "RLIMIT_CPU"]:', "tests/test_reward_guard.py"),
+    "sandbox_no_process_limit": ("grpo.py", LIMITS_LINE, '    for name, value in [kv for kv in job["limits"].items() if kv[0] != "RLIMIT_NPROC"]:', "tests/test_reward_guard.py"),
+    "sandbox_no_memory_limit": ("grpo.py", LIMITS_LINE, '    for name, value in [kv for kv in job["limits"].items() if kv[0] != "RLIMIT_AS"]:', "tests/test_reward_guard.py"),
+    "sandbox_no_file_size_limit": ("grpo.py", LIMITS_LINE, '    for name, value in [kv for kv in job["limits"].items() if kv[0] != "RLIMIT_FSIZE"]:', "tests/test_reward_guard.py"),
+    "sandbox_no_wall_time_kill": ("grpo.py", "process.wait(SANDBOX_WALL_SECONDS)", "process.wait()", "tests/test_reward_guard.py"),
+    "sandbox_stays_root": ("grpo.py", '        os.setuid(job["nobody"])', "        pass", "tests/test_reward_guard.py"),
+    "sandbox_inherits_the_environment": ("grpo.py", "cwd=directory, env={},", "cwd=directory, env=None,", "tests/test_reward_guard.py"),
+    "sandbox_keeps_the_network": ("grpo.py", "    flags = 0x40000000 | 0x20000000", "    flags = 0x20000000", "tests/test_reward_guard.py"),
+    "sandbox_no_pid_namespace": ("grpo.py", "    flags = 0x40000000 | 0x20000000", "    flags = 0x40000000", "tests/test_reward_guard.py"),
+    "sandbox_asserts_after_an_exit": ("grpo.py", "no assert is tried\n        os._exit(1)", "no assert is tried\n        pass",
+                                      "tests/test_reward_guard.py"),
+    "sandbox_reads_unsigned_lines": ("grpo.py", 'if line.startswith(nonce + " ")]', "if True]", "tests/test_reward_guard.py"),
+    "sandbox_output_on_a_pipe": ("grpo.py", "stdout=subprocess.DEVNULL, stderr", "stdout=subprocess.PIPE, stderr", "tests/test_reward_guard.py"),
 
 }
 
