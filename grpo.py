@@ -1439,7 +1439,7 @@ def call_reward(guard, name, fn, prompts, completions, columns):
         outcomes = [worker.result(deadline) for worker, _ in zip(guard.workers, jobs)]
     else:
         outcomes = [call_in_process(fn, jobs[0], guard.timeout)]
-    values, failures = [], 0
+    values, failures, first = [], 0, None
     for (a, b), outcome in zip(bounds, outcomes):
         status, result = reward_outcome(*outcome, b - a)
         if status == "ok":
@@ -1447,11 +1447,12 @@ def call_reward(guard, name, fn, prompts, completions, columns):
             continue
         values, failures = values + [None] * (b - a), failures + b - a
         (guard.timeouts if status == "timeout" else guard.errors)[name] += b - a
-        what = f"timed out after --reward-timeout {guard.timeout:g} s" if status == "timeout" else result
-        if name not in guard.first:
-            guard.first[name] = what
-            print(f"note: reward function {name!r} {what} on {b - a} completion(s): None (not scored), counted in "
-                  f"rewards/{name}_{'timeouts' if status == 'timeout' else 'errors'}; the run goes on (said once)")
+        first = first or (f"timed out after --reward-timeout {guard.timeout:g} s" if status == "timeout" else result,
+                          "timeouts" if status == "timeout" else "errors")
+    if first and name not in guard.first:
+        guard.first[name] = first[0]
+        print(f"note: reward function {name!r} {first[0]} on {failures} of {n} completion(s): None (not scored), "
+              f"counted in rewards/{name}_{first[1]}; the run goes on (said once)")
     guard.in_a_row[name] = guard.in_a_row[name] + 1 if n and failures == n else 0
     if guard.in_a_row[name] >= guard.max_failures:
         sys.exit(f"error: reward function {name!r} failed on every completion of {guard.in_a_row[name]} calls in a row "

@@ -44,8 +44,8 @@ def test_a_call_that_raises_or_times_out_gives_none_and_is_counted(capsys):
     assert guard.counts() == {"rewards/flaky_timeouts": 2.0, "rewards/flaky_errors": 3.0}
     assert guard.counts() == {"rewards/flaky_timeouts": 0.0, "rewards/flaky_errors": 0.0}
     said = capsys.readouterr().out.splitlines()
-    assert said == ["note: reward function 'flaky' raised ValueError: a bad completion on 3 completion(s): None (not "
-                    "scored), counted in rewards/flaky_errors; the run goes on (said once)"]
+    assert said == ["note: reward function 'flaky' raised ValueError: a bad completion on 3 of 3 completion(s): None "
+                    "(not scored), counted in rewards/flaky_errors; the run goes on (said once)"]
 
 
 def test_max_reward_failures_in_a_row_stops_the_run_and_a_success_resets_the_count():
@@ -180,7 +180,9 @@ def hostile(tmp_path):
         ("40 processes", "import os, time\npids = []\nfor _ in range(40):\n    pid = os.fork()\n    if pid == 0:\n"
          "        time.sleep(3)\n        os._exit(0)\n    pids.append(pid)\n", ["assert len(pids) == 40"], 0,
          "RLIMIT_NPROC"),
-        ("a 2 GiB allocation", "x = bytearray(2 << 30)\n", ["assert len(x) == 2 << 30"], 0, "RLIMIT_AS"),
+        # an anonymous mapping is not touched, so only the address space stops it (bytearray's zeroing: the CPU time)
+        ("a 2 GiB allocation", "import mmap\nx = mmap.mmap(-1, 2 << 30)\n", ["assert len(x) == 2 << 30"], 0,
+         "RLIMIT_AS"),
         ("a 64 MiB file", "with open('big', 'wb') as f:\n    f.write(b'0' * (64 << 20))\n",
          ["import os\nassert os.path.getsize('big') == 64 << 20"], 0, "RLIMIT_FSIZE"),
         ("the trainer's environment variables", "import os\nvalue = os.environ.get('TRAINER_SECRET')\n",
