@@ -1312,8 +1312,8 @@ class Worker:
     """A worker process forked from the trainer, so that it holds the trainer's functions (`table`, name: fn) as they
     were loaded, in a process group of its own and killed with the trainer. It runs one call at a time: send(name,
     kwargs), then result(deadline): ("ok", the value), ("raised", (the exception's type, message)), ("error", what
-    else went wrong) or ("timeout", None). At the deadline, or
-    where it died, the worker is killed with its group (whatever the call started) and replaced by a fresh fork.
+    else went wrong) or ("timeout", None). At the deadline, or where it died, the worker is killed with its group
+    (whatever the call started) and replaced by a fresh fork.
     `memory`: bytes of address space a call may add to what the worker forked with (RLIMIT_AS), None: no bound."""
 
     def __init__(self, table, memory=None):
@@ -1357,7 +1357,7 @@ def worker_loop(conn, table, memory):
     with `memory` more bytes of address space than it forked with, it runs each call it is sent and sends back the
     outcome: ("raised", (type, message)) for whatever the call raises, ("error", ...) for a value that cannot be sent."""
     os.setsid()
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux, as resource limits and /proc here)
     if memory is not None:
         with open("/proc/self/statm") as f:
             size = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
@@ -1432,23 +1432,30 @@ def run_sandboxed(python, program, asserts, setup=None):
             process.wait(SANDBOX_WALL_SECONDS)
         except (subprocess.TimeoutExpired, BrokenPipeError):
             pass
-        try:
-            os.killpg(process.pid, signal.SIGKILL)  # the session: whatever it started and left behind
-        except (ProcessLookupError, PermissionError):
-            pass
-        process.wait()
-        os.set_blocking(read, False)
-        output = b""
-        try:
-            while chunk := os.read(read, 1 << 16):
-                output += chunk
-        except BlockingIOError:
-            pass
-        os.close(read)
+        finally:  # --reward-timeout's interrupt too: nothing is left running
+            try:
+                os.killpg(process.pid, signal.SIGKILL)  # the session: whatever it started and left behind
+            except (ProcessLookupError, PermissionError):
+                pass
+            process.wait()
+            output = read_all(read)
     lines = [line.split()[1:] for line in output.decode(errors="replace").splitlines() if line.startswith(nonce + " ")]
     if setup is not None:
         setup += [words[1:] for words in lines if words[:1] == ["setup"]]
     return len({words[1] for words in lines if words[:1] == ["pass"] and len(words) == 2})
+
+
+def read_all(fd):
+    """What a pipe holds now, without waiting for more, and the pipe closed."""
+    os.set_blocking(fd, False)
+    output = b""
+    try:
+        while chunk := os.read(fd, 1 << 16):
+            output += chunk
+    except BlockingIOError:
+        pass
+    os.close(fd)
+    return output
 
 
 def sandbox_main():
@@ -1464,8 +1471,9 @@ def sandbox_main():
     import signal
     import sys
 
-    job, out = json.loads(sys.stdin.buffer.read()), int(sys.argv[1])
     libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: killed with the process that started it (a killed worker)
+    job, out = json.loads(sys.stdin.buffer.read()), int(sys.argv[1])
     flags = 0x40000000 | 0x20000000  # CLONE_NEWNET | CLONE_NEWPID
     isolated = libc.unshare(flags) == 0 or os.getuid() != 0 and libc.unshare(flags | 0x10000000) == 0  # | NEWUSER
     if os.fork():

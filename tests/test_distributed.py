@@ -134,18 +134,19 @@ def test_grpo_under_torchrun(tiny_checkpoints, tmp_path):
 
 
 def test_a_reward_that_raises_on_one_rank_stops_every_rank(tiny_checkpoints, tmp_path):
-    """A reward function that fails on rank 1 only: rank 0, which never saw it fail, stops too (no hang in the next
-    collective), and says which function failed; nothing is written to models/."""
+    """A reward function that fails on rank 1 only, --max-reward-failures 1: rank 0, which never saw it fail, stops
+    too (no hang in the next collective), and says which function failed; nothing is written to models/."""
     (tmp_path / "flaky.py").write_text("import os\n\ndef flaky(prompts, completions, **columns):\n"
                                        "    if os.environ['RANK'] == '1':\n        raise RuntimeError('rank 1 only')\n"
                                        "    return [1.0] * len(completions)\n")
     models = tiny_checkpoints["cwd"] / "models"
     proc = torchrun("scale/grpo.py", "--model-name-or-path", str(models / "sft"), "--reward-fn", "flaky.py:flaky",
-                    "--num-iterations", "1", "--batch-size", "8", "--num-generations", "4", "--mini-batch-size", "8",
+                    "--max-reward-failures", "1", "--num-iterations", "1", "--batch-size", "8", "--num-generations", "4", "--mini-batch-size", "8",
                     "--eval-size", "4", cwd=tmp_path, check=False)
     assert proc.returncode != 0
     errors = rank_output(tmp_path, 0, "stderr").strip().splitlines()
-    assert errors[-1].startswith("error: reward function 'flaky' raised RuntimeError: rank 1 only"), errors
+    assert errors[-1].startswith("error: reward function 'flaky' failed on every completion of 1 calls in a row "
+                                 "(--max-reward-failures 1; its first failure: raised RuntimeError: rank 1 only)"), errors
     assert "Traceback" not in rank_output(tmp_path, 0, "stderr") and not (tmp_path / "models").exists()
 
 

@@ -4,11 +4,13 @@ split among worker processes with --reward-num-workers), their failures counted 
 and the sandbox of --reward-fn code_execution against hostile completions, each stopped by the limit it names
 (docs/grpo.md has the table). The helpers are one text in grpo.py, rlhf_ppo.py and agent_grpo.py (and scale/'s
 in its two files: tests/test_copies.py), so grpo's are called here."""
+import functools
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -258,6 +260,36 @@ def test_a_process_that_leaves_the_session_dies_with_the_sandbox(sandbox):
     passed, _ = sandbox(program, ["assert True"])
     time.sleep(2.5)
     assert passed == 1 and not os.path.exists(marker)
+
+
+def processes_in(directory):
+    """The pids of the processes whose working directory lies under `directory`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.readlink(f"/proc/{pid}/cwd").startswith(str(directory)):
+                found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_reward_timeout_leaves_no_sandbox_running(sandbox, workers, monkeypatch):
+    """code_execution on a program that sleeps, stopped by --reward-timeout (0.5 s) before the sandbox's own wall-time
+    kill: in the trainer (SIGALRM interrupts the wait, and the sandbox is killed on the way out) and in a worker
+    (killed with its group: the sandbox, in a session of its own, dies with it), no process of the sandbox is left."""
+    root = f"/tmp/sandbox-test-{os.getpid()}-{workers}"
+    os.makedirs(root, mode=0o755, exist_ok=True)
+    monkeypatch.setattr(tempfile, "tempdir", root)
+    python = grpo.sandbox_python()
+    code = functools.partial(grpo.code_execution, python=python)
+    guard = grpo.RewardGuard(["code"], 0.5, 3, [grpo.Worker({"code": code}) for _ in range(workers)])
+    sleeper = "```python\nimport time\ntime.sleep(30)\n```"
+    assert grpo.call_reward(guard, "code", code, ["p"], [sleeper], {"tests": [["assert True"]]}) == [None]
+    time.sleep(0.5)
+    assert processes_in(root) == []
+    os.rmdir(root) if not os.listdir(root) else None
 
 
 # ---- end to end ---------------------------------------------------------------------------------------

@@ -1270,6 +1270,10 @@ BREAKS = {
     "sandbox_asserts_after_an_exit": ("grpo.py", "no assert is tried\n        os._exit(1)", "no assert is tried\n        pass",
                                       "tests/test_reward_guard.py"),
     "sandbox_reads_unsigned_lines": ("grpo.py", 'if line.startswith(nonce + " ")]', "if True]", "tests/test_reward_guard.py"),
+    "sandbox_left_running_after_an_interrupt": ("grpo.py", "        finally:  # --reward-timeout's interrupt too",
+                                                "        else:  # --reward-timeout's interrupt too", "tests/test_reward_guard.py"),
+    "sandbox_outlives_its_worker": ("grpo.py", "    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: killed with the process that started it",
+                                    "    pass  #", "tests/test_reward_guard.py"),
     "sandbox_output_on_a_pipe": ("grpo.py", "stdout=subprocess.DEVNULL, stderr", "stdout=subprocess.PIPE, stderr", "tests/test_reward_guard.py"),
 
 }
