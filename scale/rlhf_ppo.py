@@ -1811,6 +1811,8 @@ def worker_loop(conn, table, memory):
     outcome: ("raised", (type, message)) for whatever the call raises, ("error", ...) for a value that cannot be sent."""
     os.setsid()
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux, as resource limits and /proc here)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM):  # not the trainer's handlers (scale/'s SIGTERM)
+        signal.signal(signum, signal.SIG_DFL)
     if memory is not None:
         with open("/proc/self/statm") as f:
             size = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")

@@ -271,8 +271,8 @@ def test_no_environment_token_reaches_the_loss_the_kl_or_the_statistics(episode)
 
 def test_main_gives_the_loss_and_the_kl_the_sampled_tokens_only(tmp_path, monkeypatch):
     """One iteration of main with the scripted models (a margin that makes sampling follow the script, so every
-    episode makes its two calls): every mask and normalizer the loop gives the policy loss and the KL penalty counts
-    the policy's tokens of the batch sampled, never the environment's."""
+    episode makes its two calls, each in the tool worker): every mask and normalizer the loop gives the policy loss
+    and the KL penalty counts the policy's tokens of the batch sampled, never the environment's."""
     tokenizer, stop_ids, prompt, script, spans = scripted_episode()
     policy, ref = (ScriptedLM(len(tokenizer), script, seed=seed, margin=30.0) for seed in (0, 1))
     row = {"prompt": [{"role": "user", "content": "12*34*5"}], "target": "2040"}
@@ -281,8 +281,10 @@ def test_main_gives_the_loss_and_the_kl_the_sampled_tokens_only(tmp_path, monkey
     monkeypatch.setattr(ag, "load_data", lambda *a: ([dict(row) for _ in range(8)], [dict(row) for _ in range(2)]))
     monkeypatch.setattr(ag, "save_dtype_of", lambda *a: torch.float32)
     monkeypatch.setattr(ag, "save_model", lambda *a: None)
-    batches, losses, kl_masks = [], [], []
-    sample, aggregate, kl = ag.sample_episodes, ag.aggregate_loss, ag.kl_to_reference
+    batches, losses, kl_masks, workers = [], [], [], []
+    sample, aggregate, kl, call_tool = ag.sample_episodes, ag.aggregate_loss, ag.kl_to_reference, ag.call_tool
+    monkeypatch.setattr(ag, "call_tool", lambda tools, call, timeout, worker=None: workers.append(worker)
+                        or call_tool(tools, call, timeout, worker))
     monkeypatch.setattr(ag, "sample_episodes", lambda *a, **k: batches.append(sample(*a, **k)) or batches[-1])
     monkeypatch.setattr(ag, "aggregate_loss", lambda losses_, mask, kind, n_seq, n_tok, length:
                         losses.append((mask, n_tok)) or aggregate(losses_, mask, kind, n_seq, n_tok, length))
@@ -294,6 +296,7 @@ def test_main_gives_the_loss_and_the_kl_the_sampled_tokens_only(tmp_path, monkey
     ag.main(args)
     train = next(b for b in batches if len(b.conversations) == 4)
     assert (train.counts[:, 0] == 2).all()  # each episode made its two calls
+    assert workers and all(isinstance(w, ag.Worker) for w in workers)  # --tools' calls ran in the worker process
     env_tokens = (train.attention_mask[:, train.context_length :] == 1) & (train.mask == 0)
     assert env_tokens.sum(1).min() > 0 and train.loss_mask.equal(train.mask)
     assert len(kl_masks) == 2 and all(mask.equal(train.mask) for mask in kl_masks)

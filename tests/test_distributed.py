@@ -141,8 +141,8 @@ def test_a_reward_that_raises_on_one_rank_stops_every_rank(tiny_checkpoints, tmp
                                        "    return [1.0] * len(completions)\n")
     models = tiny_checkpoints["cwd"] / "models"
     proc = torchrun("scale/grpo.py", "--model-name-or-path", str(models / "sft"), "--reward-fn", "flaky.py:flaky",
-                    "--max-reward-failures", "1", "--num-iterations", "1", "--batch-size", "8", "--num-generations", "4", "--mini-batch-size", "8",
-                    "--eval-size", "4", cwd=tmp_path, check=False)
+                    "--max-reward-failures", "1", "--num-iterations", "1", "--batch-size", "8", "--num-generations", "4",
+                    "--mini-batch-size", "8", "--eval-size", "4", cwd=tmp_path, check=False)
     assert proc.returncode != 0
     errors = rank_output(tmp_path, 0, "stderr").strip().splitlines()
     assert errors[-1].startswith("error: reward function 'flaky' failed on every completion of 1 calls in a row "

@@ -316,19 +316,23 @@ def flaky(prompts, completions, **columns):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workers", ["0", "2"])
-def test_a_hanging_and_a_raising_reward_function_do_not_stop_the_run(tiny_checkpoints, tmp_path, workers):
-    """grpo.py with a reward function that hangs on every other call and one that raises on every other call, in
-    the trainer and in 2 workers: the run finishes and saves, each failure counted in its tag."""
+@pytest.mark.parametrize("script,workers", [("grpo.py", "0"), ("grpo.py", "2"), ("rlhf_ppo.py", "2"),
+                                            ("scale/grpo.py", "2"), ("scale/rlhf_ppo.py", "0")])
+def test_a_hanging_and_a_raising_reward_function_do_not_stop_the_run(tiny_checkpoints, tmp_path, script, workers):
+    """A reward function that hangs on every other call and one that raises on every other call, in the trainer and
+    in 2 workers, in each script that takes --reward-fn (both tiers): the run finishes and saves, each failure said
+    once and counted in its tag."""
     (tmp_path / "rewards.py").write_text(HANGING_AND_RAISING)
-    proc = run_script("grpo.py", "--model-name-or-path", str(tiny_checkpoints["sft"]), "--reward-fn", "rewards.py:hang",
+    rlhf = "rlhf_ppo" in script
+    proc = run_script(script, "--model-name-or-path", str(tiny_checkpoints["sft"]), "--reward-fn", "rewards.py:hang",
                       "--reward-fn", "rewards.py:flaky", "--reward-timeout", "1", "--reward-num-workers", workers,
-                      "--num-iterations", "3", "--batch-size", "8", "--num-generations", "4", "--mini-batch-size", "8",
-                      "--eval-every", "1", "--eval-size", "4", "--no-progress", cwd=tmp_path)
+                      "--num-iterations", "3", "--batch-size", "8", "--mini-batch-size", "8", "--eval-every", "1",
+                      "--eval-size", "4", "--no-progress", "--output-dir", "models/out",
+                      *(["--reward-model-path", "None"] if rlhf else ["--num-generations", "4"]), cwd=tmp_path)
     out = proc.stdout
     assert "note: reward function 'flaky' raised KeyError: 'an odd row' on" in out
     assert "note: reward function 'hang' timed out after --reward-timeout 1 s on" in out
-    assert "saved to models/grpo" in out and (tmp_path / "models" / "grpo" / "config.json").exists()
+    assert (tmp_path / "models" / "out" / "config.json").exists()
     scalars = read_scalars(str(next((tmp_path / "runs").iterdir())))
     timeouts, errors = ([v for _, v in scalars[f"rewards/{n}"]] for n in ("hang_timeouts", "flaky_errors"))
     assert sum(timeouts) > 0 and sum(errors) > 0 and len(timeouts) == 3, (timeouts, errors)

@@ -1258,6 +1258,8 @@ BREAKS = {
     "reward_failures_not_logged": ("grpo.py", "    logs.update(terms.guard.counts())", "    pass", "tests/test_reward_guard.py"),
     "tool_memory_unbounded": ("agent_grpo.py", "        resource.setrlimit(resource.RLIMIT_AS, (size + memory, size + memory))",
                               "        pass", "tests/test_reward_guard.py"),
+    "tools_in_the_trainer": ("agent_grpo.py", "call_tool(tools[b], call, args.tool_timeout, harness.worker)",
+                             "call_tool(tools[b], call, args.tool_timeout)", "tests/test_agent_grpo.py"),
     "sandbox_no_cpu_limit": ("grpo.py", LIMITS_LINE, '    for name, value in [kv for kv in job["limits"].items() if kv[0] != "RLIMIT_CPU"]:', "tests/test_reward_guard.py"),
     "sandbox_no_process_limit": ("grpo.py", LIMITS_LINE, '    for name, value in [kv for kv in job["limits"].items() if kv[0] != "RLIMIT_NPROC"]:', "tests/test_reward_guard.py"),
     "sandbox_no_memory_limit": ("grpo.py", LIMITS_LINE, '    for name, value in [kv for kv in job["limits"].items() if kv[0] != "RLIMIT_AS"]:', "tests/test_reward_guard.py"),
