@@ -440,7 +440,7 @@ def main(args: Args):
     note_overwrite(args.output_dir)
     torch.set_num_threads(cpu_threads(args.threads))
     tools, environment, functions, weights, task_row = load_episode_setup(args)  # the flags of the episodes
-    guard, tool_worker = reward_guard(functions, args), Worker(tools, TOOL_MEMORY)  # forked before any model loads
+    guard, tool_worker = reward_guard(functions, args), Worker(tools, TOOL_MEMORY) if tools else None  # forked now
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     G, B = args.num_generations, args.batch_size
     epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
@@ -612,9 +612,10 @@ def call_tool(tools, call, timeout, worker=None):
         status, value = worker.result(time.monotonic() + timeout)
         if status == "ok":
             outcome["result"] = value
-        else:  # TRL's message where it raised: the exception's text
-            outcome["error"] = (value[1] or value[0]) if status == "raised" else f"timed out after {timeout:g} s" if value is None \
-                else value
+        elif status == "raised":  # TRL's message: the exception's text
+            outcome["error"] = value[1] or value[0]
+        else:
+            outcome["error"] = f"timed out after {timeout:g} s" if status == "timeout" else value
     else:
         def run():
             try:
@@ -959,7 +960,7 @@ class Harness:
     environment: type | None = None
     pool: list = field(default_factory=list)  # the environment's instances, one per episode of a batch
     said: set = field(default_factory=set)  # the notes printed (note_once)
-    worker: "Worker | None" = None  # the process the --tools functions run in (call_tool); None: in the trainer
+    worker: object = None  # the Worker, the process the --tools functions run in (call_tool); None: in the trainer
 
 
 @dataclass
@@ -1222,7 +1223,7 @@ class RewardTerms:
     weights: tuple
     reward: torch.nn.Module | None
     names: list
-    guard: "RewardGuard"  # how the reward functions are called, and their failures
+    guard: object  # the RewardGuard: how the reward functions are called, and their failures
 
 
 @dataclass

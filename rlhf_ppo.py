@@ -536,7 +536,7 @@ class RewardTerms:
     weights: tuple
     reward: torch.nn.Module | None
     names: list
-    guard: "RewardGuard"  # how the reward functions are called, and their failures
+    guard: object  # the RewardGuard: how the reward functions are called, and their failures
 
 
 def completion_rewards(rows, sequences, attention_mask, context_length, response_mask, terms, tokenizer, stop_ids,

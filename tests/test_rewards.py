@@ -405,5 +405,6 @@ def test_a_nan_reward_stops_the_run_and_saves_nothing(arithmetic_sft, tmp_path, 
     args = tyro.cli(grpo.Args, args=[*RL, "--reward-fn", "nan.py:nan_reward", "--num-iterations", "1", "--batch-size",
                                      "8", "--num-generations", "4", "--mini-batch-size", "8"])
     message = one_line(grpo.main, args)
-    assert "'nan_reward' returned nan" in message and "nothing saved" in message
+    assert "reward function 'nan_reward' failed on every completion of 3 calls in a row" in message  # eval, 1, eval
+    assert "returned nan" in message and "nothing saved" in message
     assert not (tmp_path / "models" / "grpo").exists()
