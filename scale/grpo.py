@@ -2067,7 +2067,7 @@ def check_reward_signatures(functions, columns):
                       and p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
             if getattr(fn, "func", fn) is BUILTIN_REWARDS.get(name) and needed:  # a built-in: the data lacks a column
                 sys.exit(f"error: the built-in reward {name!r} compares each completion with the dataset's "
-                         f"{', '.join(f'`{c}`' for c in needed)} column (the answer), which it lacks (its columns: "
+                         f"{', '.join(f'`{c}`' for c in needed)} column (what it checks against), which it lacks (its columns: "
                          f"{sorted(columns)}); add it, or pass a reward function of yours (--reward-fn FILE.py:NAME)")
             sys.exit(f"error: reward function {name!r} cannot be called as {name}({', '.join(keywords)}): {e}; write "
                      f"it as def {name}(prompts, completions, **columns) (the dataset's columns: {sorted(columns)})")
