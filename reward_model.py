@@ -553,15 +553,17 @@ def read_json_rows(path):
 def row_problem(row, columns):
     """What is wrong with a row's `columns`, in words, or None: a field missing or null, empty, or neither text
     nor a conversation (a list of {"role", "content"} messages with a known role), or text in one field and a
-    conversation in another. `text` must be text and `messages` a conversation."""
+    conversation in another. `text` must be text, `messages` a conversation and `label` true or false (KTO's)."""
     kinds, roles = {}, ("system", "developer", "user", "assistant", "tool")
     for column in columns:
         value = row.get(column)
         if value is None:
             return f"no `{column}` (missing or null)"
-        if isinstance(value, str) and column != "messages":
+        if column == "label" and isinstance(value, bool):  # KTO's unpaired format: a thumbs up or down
+            continue
+        if isinstance(value, str) and column not in ("messages", "label"):
             kinds[column] = "text"
-        elif isinstance(value, list) and column != "text":
+        elif isinstance(value, list) and column not in ("text", "label"):
             for j, message in enumerate(value, 1):
                 if not isinstance(message, dict):
                     return f"`{column}`, message {j} is a {type(message).__name__}, not a {{role, content}} object"
@@ -571,7 +573,8 @@ def row_problem(row, columns):
                     return f"`{column}`, message {j}: its `content` is not text"
             kinds[column] = "a conversation"
         else:
-            kind = {"text": "text", "messages": "a list of messages"}.get(column, "text or a list of messages")
+            kind = {"text": "text", "messages": "a list of messages", "label": "true or false"}.get(
+                column, "text or a list of messages")
             name = {"int": "a number", "float": "a number", "dict": "an object", "str": "text"}.get(type(value).__name__)
             return f"`{column}` is {name or 'a ' + type(value).__name__}" + f" ({value})" * (name == "a number") + \
                 f", not {kind}"

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from step_clock import StepClock  # noqa: E402
 
 script, sys.argv = sys.argv[1], sys.argv[1:]
-supervised = os.path.basename(script) in ("sft.py", "reward_model.py", "dpo.py") and "--batch-size" in sys.argv
+supervised = os.path.basename(script) in ("sft.py", "reward_model.py", "dpo.py", "kto.py") and "--batch-size" in sys.argv
 warmup, profile_steps = int(os.environ.get("WARMUP_STEPS", "10")), int(os.environ.get("PROFILE_STEPS", "0"))
 clock = StepClock(warmup, profile_steps) if supervised else None
 start = time.time()

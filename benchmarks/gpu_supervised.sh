@@ -8,7 +8,7 @@
 # reports samples per second of its training loop, loading and evaluation excluded (the scripts'
 # charts/samples_per_second, read by benchmarks/gpu_step.py, which adds the peak CUDA memory).
 #   TRL_PYTHON=python3 bash benchmarks/gpu_supervised.sh [PAIRS]   # TRL 1.16 importable by TRL_PYTHON
-# SCRIPTS="sft dpo" runs some of the three; OURS_FLAGS adds flags to our side (--compile); SCALE=DIR takes DIR/sft.py
+# SCRIPTS="sft dpo" runs some of the three (SCRIPTS=kto: kto.py against KTOTrainer, docs/kto.md's CPU figure); OURS_FLAGS adds flags to our side (--compile); SCALE=DIR takes DIR/sft.py
 # and the others instead of scale/'s (an earlier commit's, for PROFILE_STEPS before and after); DATA=DIR takes
 # DIR/base, DIR/sft.jsonl and DIR/pref.jsonl instead of making them (`python benchmarks/random_qwen.py DIR --tiny`:
 # a tiny model, to try the commands on the CPU).
@@ -32,14 +32,16 @@ for name in ${SCRIPTS:-sft reward_model dpo}; do
   data=pref.jsonl; extra=""
   [ "$name" = sft ] && data=sft.jsonl
   [ "$name" = dpo ] && extra="--reward-model-path None --beta 0.5"
-  ours="$PY $ROOT/benchmarks/gpu_step.py ${SCALE:-$ROOT/scale}/$name.py --model-name-or-path $work/base
+  script=${SCALE:-$ROOT/scale}/$name.py
+  [ "$name" = kto ] && extra="--reward-model-path None --beta 0.5" && script=$ROOT/kto.py  # top-level only
+  ours="$PY $ROOT/benchmarks/gpu_step.py $script --model-name-or-path $work/base
       --dataset-name $work/$data
       --max-length 1024 --batch-size $B --max-steps $S --lr 1e-5 --warmup-steps 1 --eval-every 100000 --eval-size 16
       $ours_precision --output-dir $out/$name $extra ${OURS_FLAGS:-}"
   trl="$TRL_PYTHON $ROOT/benchmarks/trl_supervised.py $name --model $work/base --dataset $work/$data --max-length 1024
       --batch-size $B --max-steps $S --lr 1e-5 --warmup-steps 1 $trl_precision"
-  echo "## scale/$name.py against TRL $($TRL_PYTHON -c 'import trl; print(trl.__version__)') on $device, batch $B, $S steps"
-  set -- "TRL=$(echo $trl)" "scale/$name.py=$(echo $ours)"
+  echo "## ${script#$ROOT/} against TRL $($TRL_PYTHON -c 'import trl; print(trl.__version__)') on $device, batch $B, $S steps"
+  set -- "TRL=$(echo $trl)" "${script#$ROOT/}=$(echo $ours)"
   if [ -n "${PROFILE_STEPS:-}" ]; then
     for side in "$@"; do
       echo "### ${side%%=*}"

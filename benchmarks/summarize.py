@@ -7,6 +7,7 @@ per page's figure; each reads the runs its script wrote and prints the table as 
     python benchmarks/summarize.py variants benchmarks/variants/arithmetic [runs.csv] [figure.svg]  # grpo_variants.sh
     python benchmarks/summarize.py off_policy benchmarks/off_policy/grpo [docs/curves/grpo_off_policy.svg]  # off_policy.sh
     python benchmarks/summarize.py distill benchmarks/distill [docs/curves/distill.svg]  # distill.sh
+    python benchmarks/summarize.py kto benchmarks/kto [docs/curves/kto.svg]        # rlhf_pipeline.sh kto
 
 ppo: docs/ppo_clip.md's, ppo_kl.md's and ppo_continuous.md's tables: mean ± std over seeds of the mean return of the
 last 100 training episodes. With --beta-figure it also draws the adaptive β of the ppo_kl.py runs (log scale) and
@@ -42,6 +43,10 @@ distill: docs/distill.md's table and figure: for each row the gold accuracy of i
 eval prompts, sampled at temperature 1 and greedy (distill.py's `generate`, torch seeded with the seed), the mean, a
 95% t-interval and each seed, and the run's wall time; with a figure path, the sampled accuracy each run logged
 against the completions it had sampled.
+
+kto: docs/kto.md's table and figure: for each row (kto.py, dpo.py, kto.py at 1:4), the final evaluation's gold
+accuracy over the seeds (mean, 95% t-interval, each seed), the implied reward's accuracy on the held-out pairs, the
+KL to the SFT model and the wall time; with a figure path, the gold accuracy against the optimizer step.
 """
 import collections
 import glob
@@ -599,8 +604,50 @@ def plot_distill(out_dir, seeds, figure):
     print(f"\nwrote {figure}")
 
 
+# ------------------------------------------------------------------------- kto (rlhf_pipeline.sh kto)
+KTO_ROWS = [("kto", "kto.py, every half of the pairs (defaults)"), ("dpo", "dpo.py, the pairs (defaults)"),
+            ("kto_1to4", "kto.py, 1:4 (`--undesirable-fraction 0.2 --undesirable-weight 3`)"),
+            ("kto_1to4_w1", "kto.py, 1:4, λ_U = 1 (`--undesirable-fraction 0.2`)"),
+            ("kto_beta0.1", "kto.py, TRL's β (`--beta 0.1`)")]
+
+
+def kto_table(out_dir, figure=None):
+    times = {tuple(line.split()[:2]): float(line.split()[2]) for line in open(os.path.join(out_dir, "times.txt"))}
+    print("| row | gold accuracy (95% interval) | per seed | pair accuracy | KL to SFT | wall time, s |")
+    print("|-|-|-|-|-|-|")
+    curves = {}
+    for name, label in KTO_ROWS:
+        runs = sorted(glob.glob(os.path.join(out_dir, f"{name}__{name}_s*")))
+        if not runs:
+            continue
+        logs = [scalars(run) for run in runs]
+        curves[label] = [log["eval/gold_accuracy"] for log in logs]
+        gold, pairs, kl = ([log[tag][-1][1] for log in logs] for tag in ("eval/gold_accuracy", "eval/accuracy", "eval/kl"))
+        walls = [t for (n, _), t in times.items() if n == name]
+        print(f"| {label} | {100 * mean(gold):.1f}% ± {100 * half_width(gold):.1f} | "
+              f"{', '.join(f'{100 * v:.1f}' for v in gold)} | {100 * mean(pairs):.1f}% | {mean(kl):.2f} | "
+              f"{mean(walls):.0f} |")
+    print(f"SFT model (step 0): {100 * mean([c[0][1] for c in curves[KTO_ROWS[0][1]]]):.1f}%")
+    if figure:
+        plt = pyplot()
+        fig, ax = plt.subplots(figsize=(6.4, 3.6))
+        for label, runs in curves.items():
+            x = [step for step, _ in runs[0]]
+            values = [[100 * v for _, v in run] for run in runs]
+            line, = ax.plot(x, [mean(c) for c in zip(*values)], label=label.split(" (")[0], marker=".")
+            ax.fill_between(x, [min(c) for c in zip(*values)], [max(c) for c in zip(*values)], color=line.get_color(),
+                            alpha=0.15)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("gold accuracy (sampled), %")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+        fig.tight_layout()
+        fig.savefig(figure)
+        print(f"\nwrote {figure}")
+
+
 TABLES = {"ppo": ppo, "trust_region": trust_region, "rlhf": rlhf, "variants": variants, "off_policy": off_policy,
-          "distill": distill_table}
+          "distill": distill_table, "kto": kto_table}
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in TABLES:

@@ -28,7 +28,7 @@ import time
 import datasets
 import torch
 import transformers
-from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
+from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from step_clock import StepClock  # noqa: E402
@@ -36,7 +36,7 @@ from step_clock import StepClock  # noqa: E402
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("script", choices=["sft", "reward_model", "dpo"])
+    parser.add_argument("script", choices=["sft", "reward_model", "dpo", "kto"])
     parser.add_argument("--model", required=True, help="a checkpoint directory (benchmarks/random_qwen.py's base)")
     parser.add_argument("--dataset", required=True, help="a .jsonl in TRL's format for the script")
     parser.add_argument("--batch-size", type=int, default=8, help="samples (pairs) per optimizer step")
@@ -67,6 +67,10 @@ def main():
                               center_rewards_coefficient=None)
         trainer = RewardTrainer(model=args.model, args=config, train_dataset=datasets.Dataset.from_list(rows),
                                 processing_class=tokenizer)
+    elif args.script == "kto":  # the pairs unpaired, as kto.py does; batch-size completions
+        config = KTOConfig(**common, lr_scheduler_type="linear", weight_decay=0.0, disable_dropout=True, beta=0.5)
+        trainer = KTOTrainer(model=args.model, args=config, train_dataset=datasets.Dataset.from_list(rows),
+                             processing_class=tokenizer)
     else:
         config = DPOConfig(**common, lr_scheduler_type="linear", weight_decay=0.0, disable_dropout=True, beta=0.5,
                            loss_type=["sigmoid"], precompute_ref_log_probs=False)

@@ -178,7 +178,7 @@ def same_seed_scalars(script, flags, tmp_path):
     for name in ("a", "b"):
         cwd = tmp_path / name
         os.makedirs(cwd)
-        if os.path.basename(script) in ("sft.py", "reward_model.py", "dpo.py", "rlhf_ppo.py", "grpo.py", "distill.py"):
+        if os.path.basename(script) in ("sft.py", "reward_model.py", "dpo.py", "rlhf_ppo.py", "grpo.py", "distill.py", "kto.py"):
             run_in_process(script, *flags, cwd=cwd)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
         else:

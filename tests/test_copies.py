@@ -18,7 +18,7 @@ import sft
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RL_SCRIPTS = ["ppo_clip", "ppo_kl", "ppo_continuous"]
 LM_SCRIPTS = ["sft", "reward_model", "dpo", "rlhf_ppo", "grpo"]
-DISTILL = ["distill", "agent_grpo"]  # top-level only: no scale/ sibling
+DISTILL = ["distill", "agent_grpo", "kto"]  # top-level only: no scale/ sibling
 SCALE_SCRIPTS = [f"scale/{script}" for script in LM_SCRIPTS]  # the full programs the top-level LM files are the reference of
 OWN = {"Args", "Agent", "act", "evaluate", "main", "check_args", "load_models"}  # each script's own
 DISPATCH = {"compute_advantages", "token_losses", "clipped_tokens", "aggregate_loss"}  # each file's rows: tested below

@@ -227,7 +227,8 @@ SCRIPT_FORMATS = [(f"{tier}{script}.py", formats) for tier in ("", "scale/") for
     ("reward_model", ["explicit", "implicit", "conversational_explicit", "conversational_implicit"]),
     ("dpo", ["explicit", "implicit", "conversational_explicit", "conversational_implicit"]),
     ("rlhf_ppo", ["text_prompts", "conversational_prompts"]),
-    ("grpo", ["text_prompts", "conversational_prompts"])]] + [("distill.py", ["text_prompts", "conversational_prompts"])]
+    ("grpo", ["text_prompts", "conversational_prompts"])]] + [("distill.py", ["text_prompts", "conversational_prompts"]),
+    ("kto.py", ["explicit", "implicit", "conversational_explicit", "conversational_implicit"])]
 
 
 @pytest.mark.parametrize("script, formats", SCRIPT_FORMATS, ids=[s for s, _ in SCRIPT_FORMATS])

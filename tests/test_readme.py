@@ -7,7 +7,7 @@ import re
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = ["ppo_clip", "ppo_kl", "ppo_continuous", "sft", "reward_model", "dpo", "rlhf_ppo", "grpo", "distill", "agent_grpo"]
+SCRIPTS = ["ppo_clip", "ppo_kl", "ppo_continuous", "sft", "reward_model", "dpo", "rlhf_ppo", "grpo", "distill", "agent_grpo", "kto"]
 
 
 def readme():

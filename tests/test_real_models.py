@@ -573,6 +573,7 @@ def model_flags(script, tiny_checkpoints):
     own tiny model."""
     return {"sft": [], "reward_model": ["--model-name-or-path", str(tiny_checkpoints["sft"])],
             "dpo": ["--model-name-or-path", str(tiny_checkpoints["sft"])],
+            "kto": ["--model-name-or-path", str(tiny_checkpoints["sft"])],
             "rlhf_ppo": ["--model-name-or-path", str(tiny_checkpoints["sft"]), "--reward-model-path",
                          str(tiny_checkpoints["reward_model"])],
             "grpo": ["--model-name-or-path", str(tiny_checkpoints["sft"])]}[os.path.basename(script).removesuffix(".py")]
