@@ -1,5 +1,5 @@
 """Kahneman-Tversky Optimization (Ethayarajh et al. 2024): preference learning from unpaired feedback, each
-completion labelled desirable or undesirable (a thumbs up or down), with no pairs, no reward model and no sampling.
+completion labelled desirable or undesirable (a thumbs up or down): no pairs, no reward model, no sampling in training.
 
 A completion's implied reward is r = β log π_θ(y|x)/π_ref(y|x), as in DPO, and KTO's value of it is judged
 against a reference point z₀ = β KL(π_θ ‖ π_ref), estimated on mismatched prompt/completion pairs of the batch
